@@ -1,0 +1,66 @@
+# mmcast build, test and run targets. Every target installs what it needs.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+PYTEST_TIMEOUT ?= 300
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+PROTOS := $(wildcard proto/mmcast/v1/*.proto)
+
+.PHONY: install proto proto-check lint test test-fast demo bench bench-quick soak fuzz tools clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: the CPU build of 2.13.0 comes from local disk; anything else pulls CUDA builds.
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[serve,dev]"
+	rm -f $(VENV)/.installed-* && touch $@
+
+# Generated code lives in mmcast/v1 (committed). One target produces it from proto/.
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	touch mmcast/__init__.py mmcast/v1/__init__.py
+
+proto-check: install
+	@tmp=$$(mktemp -d) && \
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=$$tmp --pyi_out=$$tmp --grpc_python_out=$$tmp $(PROTOS) && \
+	for f in $$tmp/mmcast/v1/*; do \
+	  cmp -s $$f mmcast/v1/$$(basename $$f) || { echo "stale generated code: mmcast/v1/$$(basename $$f) (run make proto)"; rm -rf $$tmp; exit 1; }; \
+	done; \
+	for f in mmcast/v1/*_pb2*.py*; do test -e $$tmp/$$f || { echo "generated file without a proto: $$f"; rm -rf $$tmp; exit 1; }; done; \
+	rm -rf $$tmp; echo "generated code is current"
+
+lint: install
+	$(BIN)/ruff check .
+
+# Tools the deployment and observability checks use (helm, promtool, prometheus, grpcurl, kubernetes-validate).
+tools: install
+	bash scripts/install-tools.sh
+
+test: install tools proto-check lint
+	$(BIN)/python -m pytest -q --timeout=$(PYTEST_TIMEOUT) tests
+
+test-fast: install
+	$(BIN)/python -m pytest -q --timeout=$(PYTEST_TIMEOUT) -m "not slow" tests
+
+demo: install
+	$(BIN)/mmcast demo
+
+bench: install
+	$(BIN)/python -m benchmarks.run --full
+
+bench-quick: install
+	$(BIN)/python -m benchmarks.run --quick
+
+soak: install
+	$(BIN)/python -m pytest -q --timeout=3600 -m soak tests --run-soak
+
+fuzz: install
+	$(BIN)/python -m pytest -q --timeout=3600 -m fuzz tests --run-fuzz
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

