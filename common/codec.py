@@ -13,7 +13,7 @@ copies each chunk once into one preallocated buffer and builds the tensor over t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -194,31 +194,64 @@ def _key(field_number: int, wire_type: int) -> bytes:
     return _varint(field_number << 3 | wire_type)
 
 
-def payload_frames(
+def iter_payload_frames(
     item_identifier: str,
     field_name: str,
     tensor: torch.Tensor,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> list[bytes]:
-    """Serialized ``SchedulerFrame`` messages carrying one field of one item: header in the first frame, then
-    one chunk per frame. The same bytes can be written to any number of rank streams."""
+) -> Iterator[bytes]:
+    """Serialized ``SchedulerFrame`` messages carrying one field of one item: the header in the first frame,
+    then one chunk per frame. Built one at a time, so a sender holds a single chunk-sized frame at once; the
+    same bytes can be written to any number of rank streams."""
     from mmcast.v1 import worker_pb2  # local import: the codec itself does not depend on the step protocol
 
     header, chunks = encode_tensor(tensor, chunk_size=chunk_size)
-    frames = []
     views: list[memoryview | None] = list(chunks) if chunks else [None]
     for index, view in enumerate(views):
         head = worker_pb2.PayloadFrame(item_identifier=item_identifier, field_name=field_name)
         if index == 0:
             head.header.CopyFrom(header)
         prefix = head.SerializeToString()
-        if view is not None:
-            chunk_head = tensor_pb2.TensorChunk(index=index).SerializeToString()
-            chunk_len = len(chunk_head) + 1 + len(_varint(len(view))) + len(view)
-            prefix += _key(4, _LEN) + _varint(chunk_len) + chunk_head + _key(2, _LEN) + _varint(len(view))
-            body_len = len(prefix) + len(view)
-            frames.append(b"".join((_key(2, _LEN), _varint(body_len), prefix, view)))
-        else:
-            frames.append(_key(2, _LEN) + _varint(len(prefix)) + prefix)
-    return frames
+        if view is None:
+            yield _key(2, _LEN) + _varint(len(prefix)) + prefix
+            continue
+        chunk_head = tensor_pb2.TensorChunk(index=index).SerializeToString()
+        chunk_len = len(chunk_head) + 1 + len(_varint(len(view))) + len(view)
+        prefix += _key(4, _LEN) + _varint(chunk_len) + chunk_head + _key(2, _LEN) + _varint(len(view))
+        yield b"".join((_key(2, _LEN), _varint(len(prefix) + len(view)), prefix, view))
+
+
+def payload_frames(
+    item_identifier: str, field_name: str, tensor: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> list[bytes]:
+    """All frames of ``iter_payload_frames`` at once."""
+    return list(iter_payload_frames(item_identifier, field_name, tensor, chunk_size=chunk_size))
+
+
+def payload_frames_size(item_identifier: str, field_name: str, tensor: torch.Tensor, *, chunk_size: int) -> int:
+    """Bytes ``iter_payload_frames`` would produce, computed without touching the tensor's data."""
+    from mmcast.v1 import worker_pb2
+
+    byte_size = tensor.numel() * tensor.element_size()
+    header = tensor_pb2.TensorHeader(dtype=dtype_to_proto(tensor.dtype), shape=list(tensor.shape), byte_size=byte_size)
+    if byte_size == 0:
+        head = worker_pb2.PayloadFrame(item_identifier=item_identifier, field_name=field_name, header=header)
+        return worker_pb2.SchedulerFrame(payload=head).ByteSize()
+    header.chunk_size = chunk_size
+    header.num_chunks = math.ceil(byte_size / chunk_size)
+    total = 0
+    for index in range(header.num_chunks):
+        size = min(chunk_size, byte_size - index * chunk_size)
+        head = worker_pb2.PayloadFrame(item_identifier=item_identifier, field_name=field_name)
+        if index == 0:
+            head.header.CopyFrom(header)
+        chunk = tensor_pb2.TensorChunk(index=index)
+        body = head.ByteSize() + _field_size(chunk.ByteSize() + _field_size(size))
+        total += _field_size(body)
+    return total
+
+
+def _field_size(payload_len: int) -> int:
+    """Bytes of a length-delimited field (one-byte key) holding ``payload_len`` bytes."""
+    return 1 + len(_varint(payload_len)) + payload_len
