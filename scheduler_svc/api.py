@@ -1,0 +1,155 @@
+"""Translation of client-API messages into domain objects, with every limit checked.
+
+Pure functions: no gRPC here. Errors are ``common.errors`` exceptions whose message names the field, the value,
+the limit and the flag that moves it; the servicer maps them to status codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from common.errors import InvalidArgument
+from mmcast.v1 import generation_pb2
+
+ROLES = {
+    generation_pb2.ROLE_SYSTEM: "system",
+    generation_pb2.ROLE_USER: "user",
+    generation_pb2.ROLE_ASSISTANT: "assistant",
+}
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]+$")
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSpec:
+    """Validated sampling parameters of one request."""
+
+    max_tokens: int  # >= 1
+    temperature: float  # [0, 2]; 0 = greedy
+    top_p: float  # (0, 1]
+    seed: int | None  # None: the server picks one
+    stop: tuple[str, ...]  # stop strings, matched on the server
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    logprobs: int  # top alternatives per token
+    return_logprobs: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TextContent:
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageContent:
+    data: bytes | None  # encoded image bytes
+    uploaded_sha256: str | None  # reference to an upload
+    field: str  # where it came from, for error messages: "messages[1].content[0].image"
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    role: str
+    parts: tuple[TextContent | ImageContent, ...]
+
+
+def parse_sampling(
+    p: generation_pb2.SamplingParams, *, max_tokens_limit: int, max_logprobs: int, vocab_size: int
+) -> SamplingSpec:
+    if p.max_tokens < 1:
+        raise InvalidArgument("sampling.max_tokens must be >= 1 (got 0 or unset)")
+    if p.max_tokens > max_tokens_limit:
+        raise InvalidArgument(f"sampling.max_tokens={p.max_tokens} exceeds the limit {max_tokens_limit} (--max-tokens-limit)")
+    if not math.isfinite(p.temperature) or not 0.0 <= p.temperature <= 2.0:
+        raise InvalidArgument(f"sampling.temperature={p.temperature} must be in [0, 2]")
+    top_p = p.top_p if p.HasField("top_p") else 1.0
+    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+        raise InvalidArgument(f"sampling.top_p={top_p} must be in (0, 1]")
+    if p.logprobs > max_logprobs:
+        raise InvalidArgument(f"sampling.logprobs={p.logprobs} exceeds the limit {max_logprobs} (--max-logprobs)")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"sampling.stop has {len(p.stop)} strings; the limit is {MAX_STOP_STRINGS}")
+    for i, s in enumerate(p.stop):
+        if not s:
+            raise InvalidArgument(f"sampling.stop[{i}] is empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidArgument(f"sampling.stop[{i}] has {len(s)} characters; the limit is {MAX_STOP_STRING_CHARS}")
+    for i, t in enumerate(p.stop_token_ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(f"sampling.stop_token_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})")
+    return SamplingSpec(
+        max_tokens=p.max_tokens,
+        temperature=float(p.temperature),
+        top_p=float(top_p),
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        return_logprobs=p.return_logprobs or p.logprobs > 0,
+    )
+
+
+def parse_messages(messages, *, max_images: int) -> list[Turn]:
+    if not messages:
+        raise InvalidArgument("messages is empty: at least one message with content is required")
+    turns: list[Turn] = []
+    images = 0
+    has_content = False
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise InvalidArgument(
+                f"messages[{i}].role={m.role} is not a known role (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT)"
+            )
+        parts: list[TextContent | ImageContent] = []
+        for j, part in enumerate(m.content):
+            kind = part.WhichOneof("part")
+            where = f"messages[{i}].content[{j}]"
+            if kind == "text":
+                parts.append(TextContent(part.text))
+                has_content = has_content or bool(part.text.strip())
+            elif kind == "image":
+                source = part.image.WhichOneof("source")
+                if source == "data":
+                    if not part.image.data:
+                        raise InvalidArgument(f"{where}.image.data is empty")
+                    parts.append(ImageContent(part.image.data, None, f"{where}.image"))
+                elif source == "uploaded_sha256":
+                    digest = part.image.uploaded_sha256
+                    if not _SHA256_HEX.match(digest):
+                        raise InvalidArgument(
+                            f"{where}.image.uploaded_sha256={digest[:80]!r} is not 64 lowercase hex characters"
+                        )
+                    parts.append(ImageContent(None, digest, f"{where}.image"))
+                else:
+                    raise InvalidArgument(f"{where}.image has neither data nor uploaded_sha256")
+                images += 1
+                has_content = True
+                if images > max_images:
+                    raise InvalidArgument(
+                        f"{where}: more than {max_images} images in one request (--max-images-per-request)"
+                    )
+            else:
+                raise InvalidArgument(f"{where} has no text or image (unknown or empty content part)")
+        turns.append(Turn(ROLES[m.role], tuple(parts)))
+    if not has_content:
+        raise InvalidArgument("messages contain no text and no image: the prompt is empty")
+    return turns
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id has {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
+    if request_id and not _REQUEST_ID.match(request_id):
+        raise InvalidArgument("request_id may contain only letters, digits and ._:@/+=-")
+
+
+def check_cache_salt(salt: str) -> None:
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt has {len(salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}")

@@ -1,0 +1,72 @@
+"""Scheduler metrics (DESIGN.md §2.7). Counters count the underlying unit; PromQL makes the ratios."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 20.0)
+
+
+class SchedulerMetrics:
+    """One registry per scheduler, so several can live in one test process."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.broadcast_bytes = Counter(
+            "mmcast_broadcast_bytes_total",
+            "Bytes written to the worker rank streams, summed over ranks.",
+            ["kind"],
+            registry=r,
+        )
+        self.payload_bytes_saved = Counter(
+            "mmcast_broadcast_payload_bytes_saved_total",
+            "Payload bytes the full transfer mode would have written for items that were not sent, summed over ranks.",
+            ["reason"],
+            registry=r,
+        )
+        self.mm_items = Counter(
+            "mmcast_mm_items_total",
+            "Multimodal item deliveries per rank by disposition (a deferred item counts when sent or dropped).",
+            ["disposition"],
+            registry=r,
+        )
+        self.prefix_query_tokens = Counter(
+            "mmcast_prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_hit_tokens = Counter(
+            "mmcast_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache.", registry=r
+        )
+        self.ttft = Histogram(
+            "mmcast_time_to_first_token_seconds",
+            "Request received to first token sent, on the server.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "mmcast_step_seconds", "Wall time of one step: schedule, broadcast, all ranks' answers.", buckets=_STEP_BUCKETS, registry=r
+        )
+        self.schedule_seconds = Histogram(
+            "mmcast_schedule_seconds", "Time the scheduler core spends building one step.", buckets=_STEP_BUCKETS, registry=r
+        )
+        self.requests_running = Gauge("mmcast_requests_running", "Requests holding KV blocks.", registry=r)
+        self.requests_waiting = Gauge("mmcast_requests_waiting", "Requests queued for admission.", registry=r)
+        self.kv_blocks_used = Gauge("mmcast_kv_blocks_used", "KV blocks referenced by running requests.", registry=r)
+        self.kv_blocks_total = Gauge("mmcast_kv_blocks_total", "KV blocks in the group's pool.", registry=r)
+        self.preemptions = Counter("mmcast_preemptions_total", "Requests preempted for lack of KV blocks.", registry=r)
+        self.group_up = Gauge("mmcast_worker_group_up", "1 when every rank has completed its handshake.", registry=r)
+        self.group_recoveries = Counter(
+            "mmcast_worker_group_recoveries_total", "Times the worker group was lost and its requests requeued.", registry=r
+        )
+        self.requests_finished = Counter(
+            "mmcast_requests_finished_total", "Finished requests by finish reason.", ["reason"], registry=r
+        )
+        self.prompt_tokens = Counter("mmcast_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("mmcast_generation_tokens_total", "Tokens generated.", registry=r)
+        for kind in ("payload", "metadata", "control"):
+            self.broadcast_bytes.labels(kind)
+        for reason in ("prefix_covered", "rank_cached"):
+            self.payload_bytes_saved.labels(reason)
+        for disposition in ("sent", "stripped", "rank_cached"):
+            self.mm_items.labels(disposition)

@@ -1,0 +1,118 @@
+"""An in-process fake worker rank on port 0 that records every frame it receives, byte for byte.
+
+It answers handshakes and steps like a real rank (rank 0 samples a fixed token per request that completes
+its known tokens) and can be told to fail: drop its stream after N steps, refuse the handshake, or answer a
+step with a protocol error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+
+from common import wire
+from mmcast.v1 import worker_pb2
+
+
+@dataclasses.dataclass
+class FakeRankConfig:
+    rank: int
+    world_size: int
+    fingerprint: str
+    kv_blocks: int = 256
+    payload_cache_bytes: int = 1 << 30
+    encoder_cache_tokens: int = 1 << 16
+    max_model_len: int = 32768
+    drop_after_steps: int | None = None  # end the stream with UNAVAILABLE when this many steps were answered
+    refuse_handshake: str | None = None  # abort the handshake with FAILED_PRECONDITION and this message
+    token_for: int = 7  # token id rank 0 "samples"
+
+
+class FakeRank:
+    def __init__(self, cfg: FakeRankConfig) -> None:
+        self.cfg = cfg
+        self.frames: list[bytes] = []  # every raw SchedulerFrame received, in order, across streams
+        self.bytes_by_kind = {"payload": 0, "metadata": 0, "control": 0}
+        self.steps_answered = 0
+        self.handshakes: list[worker_pb2.Handshake] = []
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self.known_tokens: dict[str, int] = {}
+
+    async def start(self) -> str:
+        handler = grpc.stream_stream_rpc_method_handler(self._step, request_deserializer=None, response_serializer=None)
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
+        self.server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler("mmcast.v1.WorkerService", {"Step": handler})]
+        )
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.address = f"127.0.0.1:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=None)
+
+    def _count(self, raw: bytes, frame: worker_pb2.SchedulerFrame) -> None:
+        kind = frame.WhichOneof("frame")
+        if kind == "payload":
+            self.bytes_by_kind["payload"] += len(raw)
+        elif kind == "control":
+            metadata, rest = wire.control_byte_breakdown(frame.control, len(raw))
+            self.bytes_by_kind["metadata"] += metadata
+            self.bytes_by_kind["control"] += rest
+        else:
+            self.bytes_by_kind["control"] += len(raw)
+
+    async def _step(self, request_iterator, context):
+        cfg = self.cfg
+        async for raw in request_iterator:
+            self.frames.append(raw)
+            frame = worker_pb2.SchedulerFrame.FromString(raw)
+            self._count(raw, frame)
+            kind = frame.WhichOneof("frame")
+            if kind == "handshake":
+                self.handshakes.append(frame.handshake)
+                if cfg.refuse_handshake:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, cfg.refuse_handshake)
+                ack = worker_pb2.HandshakeAck(
+                    protocol_version=wire.PROTOCOL_VERSION,
+                    model_fingerprint=cfg.fingerprint,
+                    rank=cfg.rank,
+                    world_size=cfg.world_size,
+                    kv_blocks=cfg.kv_blocks,
+                    payload_cache_bytes=cfg.payload_cache_bytes,
+                    encoder_cache_tokens=cfg.encoder_cache_tokens,
+                    max_tensor_bytes=1 << 30,
+                    max_model_len=cfg.max_model_len,
+                    device="cpu",
+                )
+                yield worker_pb2.WorkerFrame(handshake_ack=ack).SerializeToString()
+            elif kind == "keepalive":
+                yield worker_pb2.WorkerFrame(keepalive=frame.keepalive).SerializeToString()
+            elif kind == "control":
+                if cfg.drop_after_steps is not None and self.steps_answered >= cfg.drop_after_steps:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake rank dropped its stream")
+                result = worker_pb2.StepResult(step_id=frame.control.step_id, rank=cfg.rank)
+                if cfg.rank == 0:
+                    result.sampled.extend(self._sample(frame.control))
+                self.steps_answered += 1
+                await asyncio.sleep(0)
+                yield worker_pb2.WorkerFrame(step_result=result).SerializeToString()
+
+    def _sample(self, control: worker_pb2.StepControl) -> list[worker_pb2.SampledToken]:
+        out = []
+        for rid in control.finished_request_ids:
+            self.known_tokens.pop(rid, None)
+        for req in control.new_requests:
+            self.known_tokens[req.request_id] = len(req.prompt_token_ids)
+            if req.num_computed_tokens + req.num_scheduled_tokens == len(req.prompt_token_ids):
+                out.append(worker_pb2.SampledToken(request_id=req.request_id, token_id=self.cfg.token_for, logprob=-0.5))
+        for req in control.running:
+            self.known_tokens[req.request_id] = self.known_tokens.get(req.request_id, 0) + len(req.new_token_ids)
+            if req.num_computed_tokens + req.num_scheduled_tokens == self.known_tokens[req.request_id]:
+                out.append(worker_pb2.SampledToken(request_id=req.request_id, token_id=self.cfg.token_for, logprob=-0.5))
+        return out
