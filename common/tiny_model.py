@@ -1,0 +1,396 @@
+"""The embedded default model of mmcast: a tiny, randomly initialised Qwen2-VL (or Qwen2.5-VL).
+
+`build_tiny_model` writes a complete Hugging Face model folder — `config.json`, `model.safetensors` (float32),
+`generation_config.json`, a byte-level BPE tokenizer trained here on `common/data/tiny_corpus.txt`, the Qwen2-VL
+chat template and the Qwen2-VL image processor with the real Qwen2-VL-2B-Instruct preprocessing settings. The
+architecture is the real one, only narrow (hidden 128, 2 decoder layers, 8 query / 4 KV heads of width 16, a 2-block
+vision tower, a 1024-token vocabulary with the Qwen2-VL special tokens at its top), so the folder is ~2.5 MB and
+runs on a CPU in milliseconds. Nothing is downloaded.
+
+Everything downstream loads it as it would load a local Qwen2-VL-2B-Instruct checkpoint, with no
+`trust_remote_code`: `AutoModelForImageTextToText.from_pretrained(path)` for the model and `load_processor(path)` for
+the processor — that is `AutoProcessor.from_pretrained(path)` where torchvision is installed, and the same processor
+without video support where it is not (transformers 5.24's `AutoProcessor` insists on a torchvision video processor
+for every Qwen2-VL checkpoint). A real checkpoint folder replaces this one without code changes. Head counts, KV
+head counts and widths divide by 4, so tensor parallel sizes 1, 2 and 4 all shard it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+
+VARIANTS = ("qwen2_vl", "qwen2_5_vl")
+
+# Written last by a build; its presence means the folder is complete. It records what was built.
+MARKER_FILE = "mmcast_tiny_model.json"
+
+VOCAB_SIZE = 1024
+# Qwen2-VL's added tokens, in the order (and so with the relative ids) of the real tokenizer; they take the top
+# of the vocabulary, the trained BPE tokens the ids below.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+_FIRST_SPECIAL_ID = VOCAB_SIZE - len(SPECIAL_TOKENS)
+SPECIAL_TOKEN_IDS = {token: _FIRST_SPECIAL_ID + i for i, token in enumerate(SPECIAL_TOKENS)}
+
+# Qwen2's pre-tokenizer split (the regex of transformers' Qwen2Tokenizer); with the same normaliser, byte-level
+# step and decoder, the saved tokenizer.json and the class that reloads it agree.
+_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+# The Qwen2-VL chat format: `<|im_start|>{role}\n{content}<|im_end|>\n` per turn, a default system turn when the
+# conversation has none, each image as `<|vision_start|><|image_pad|><|vision_end|>` (the processor expands the pad
+# into one token per merged patch), each video likewise with `<|video_pad|>`.
+CHAT_TEMPLATE = (
+    # No whitespace control: transformers renders with trim_blocks, so no newline may directly follow a `%}`.
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}"
+    "{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}"
+    "{{ part['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen2-VL-2B-Instruct's preprocessor_config.json.
+IMAGE_PROCESSOR_SETTINGS = {
+    "min_pixels": 56 * 56,
+    "max_pixels": 28 * 28 * 16384,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+# Shared by both variants. Widths: head_dim = 128 / 8 = 16; mrope_section sums to head_dim / 2 (temporal, height,
+# width rotary pairs). max_position_embeddings covers the ~32k-token benchmark prompts with room to spare.
+_TEXT_CONFIG = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "hidden_act": "silu",
+    "max_position_embeddings": 65536,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+    "use_sliding_window": False,
+    "max_window_layers": 2,
+    # 5x transformers' default: logits spread enough that greedy tokens vary and swapping one image moves the
+    # last token's log-probabilities by ~1 (at 0.02: ~0.1, and greedy decoding repeats one token).
+    "initializer_range": 0.1,
+    "bos_token_id": SPECIAL_TOKEN_IDS["<|endoftext|>"],
+    "eos_token_id": SPECIAL_TOKEN_IDS["<|im_end|>"],
+    "pad_token_id": SPECIAL_TOKEN_IDS["<|endoftext|>"],
+}
+
+_VISION_CONFIGS = {
+    # Output width (`hidden_size` here) is the text model's hidden size.
+    "qwen2_vl": {
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": 128,
+        "mlp_ratio": 2,
+        "num_heads": 4,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "initializer_range": 0.02,
+    },
+    # Here `hidden_size` is the tower's own width and `out_hidden_size` the text model's. A 56-pixel window is
+    # 2x2 merged patches, so even the small test images span several windows; block 0 attends within windows,
+    # block 1 over the whole image (fullatt_block_indexes).
+    "qwen2_5_vl": {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 128,
+        "num_heads": 4,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+        "tokens_per_second": 2,
+        "initializer_range": 0.02,
+    },
+}
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} is not a tiny model variant; choose one of {VARIANTS}")
+
+
+def corpus_path() -> pathlib.Path:
+    """The shipped English text the tokenizer is trained on."""
+    return pathlib.Path(__file__).with_name("data") / "tiny_corpus.txt"
+
+
+def build_tokenizer():
+    """Trains the byte-level BPE on the shipped corpus and wraps it as the tokenizer class Qwen2-VL uses."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    bpe = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_FIRST_SPECIAL_ID,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train([str(corpus_path())], trainer)
+    if bpe.get_vocab_size() != _FIRST_SPECIAL_ID:
+        # A shorter corpus would shift every special id; the config below hard-codes them.
+        raise RuntimeError(
+            f"{corpus_path()} trains only {bpe.get_vocab_size()} BPE tokens, {_FIRST_SPECIAL_ID} are needed; "
+            "add text to the corpus"
+        )
+    bpe.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = Qwen2Tokenizer(
+        tokenizer_object=bpe,
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=None,
+        model_max_length=_TEXT_CONFIG["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    got = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    if got != SPECIAL_TOKEN_IDS or len(tokenizer) != VOCAB_SIZE:
+        raise RuntimeError(f"special token ids {got} (vocab {len(tokenizer)}) differ from {SPECIAL_TOKEN_IDS}")
+    return tokenizer
+
+
+def build_config(variant: str = "qwen2_vl"):
+    """The model config of `variant`, with the special token ids of `build_tokenizer`."""
+    _check_variant(variant)
+    token_ids = {
+        "image_token_id": SPECIAL_TOKEN_IDS["<|image_pad|>"],
+        "video_token_id": SPECIAL_TOKEN_IDS["<|video_pad|>"],
+        "vision_start_token_id": SPECIAL_TOKEN_IDS["<|vision_start|>"],
+        "vision_end_token_id": SPECIAL_TOKEN_IDS["<|vision_end|>"],
+    }
+    if variant == "qwen2_vl":
+        from transformers import Qwen2VLConfig as config_class
+    else:
+        from transformers import Qwen2_5_VLConfig as config_class
+    return config_class(
+        text_config=dict(_TEXT_CONFIG),
+        vision_config=dict(_VISION_CONFIGS[variant]),
+        tie_word_embeddings=False,
+        dtype="float32",
+        **token_ids,
+    )
+
+
+def _processor_class(variant: str):
+    if variant == "qwen2_vl":
+        from transformers import Qwen2VLProcessor
+
+        return Qwen2VLProcessor
+    from transformers import Qwen2_5_VLProcessor
+
+    return Qwen2_5_VLProcessor
+
+
+def _image_only(processor_class):
+    """`processor_class` without a video processor, which transformers cannot build without torchvision.
+
+    Same name as the parent, so anything it saves still names the real class.
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        # ProcessorMixin takes its sub-processor list from this signature, so `video_processor` is not required.
+        processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(processor_class.__name__, (processor_class,), {"__init__": __init__, "video_processor": None})
+
+
+def build_processor(variant: str = "qwen2_vl", tokenizer=None):
+    """The processor of `variant` (image-only): PIL image processor, tokenizer, chat template."""
+    _check_variant(variant)
+    from transformers import Qwen2VLImageProcessorPil
+
+    tokenizer = build_tokenizer() if tokenizer is None else tokenizer
+    image_processor = Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR_SETTINGS)
+    return _image_only(_processor_class(variant))(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
+    )
+
+
+def load_processor(model_dir: str | os.PathLike):
+    """`AutoProcessor.from_pretrained(model_dir)`, or without torchvision the same processor minus video support.
+
+    transformers 5.24 builds every Qwen2-VL-family processor with a video processor, and those need torchvision
+    (huggingface/transformers#48558), so plain `AutoProcessor` fails here even for a real checkpoint. The fallback
+    loads the same files through `AutoImageProcessor` (the PIL image processor) and `AutoTokenizer`.
+    """
+    from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return AutoProcessor.from_pretrained(model_dir)
+    processor_class = PROCESSOR_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return _image_only(processor_class)(
+        image_processor=AutoImageProcessor.from_pretrained(model_dir),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
+
+
+def build_model(variant: str = "qwen2_vl", *, seed: int = 0):
+    """The randomly initialised model of `variant`, in memory; the same seed gives bit-identical weights.
+
+    The caller's torch RNG state is left as it was.
+    """
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    config = build_config(variant)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    ids = SPECIAL_TOKEN_IDS
+    # Qwen2-VL-*-Instruct stops at either end token.
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    )
+    return model.eval()
+
+
+def recipe_id() -> str:
+    """Names what a build depends on besides variant and seed: this file, the corpus and the library versions."""
+    import tokenizers
+    import torch
+    import transformers
+
+    digest = hashlib.sha256(pathlib.Path(__file__).read_bytes())
+    digest.update(corpus_path().read_bytes())
+    digest.update(f"{torch.__version__} {transformers.__version__} {tokenizers.__version__}".encode())
+    return digest.hexdigest()[:16]
+
+
+def build_tiny_model(out_dir: str | os.PathLike, *, variant: str = "qwen2_vl", seed: int = 0) -> pathlib.Path:
+    """Builds the tiny model of `variant` into `out_dir` (created if missing) and returns its path.
+
+    The same seed gives bit-identical weights and identical tokenizer files. The marker file is written last.
+    """
+    _check_variant(variant)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER_FILE).unlink(missing_ok=True)
+    processor = build_processor(variant)
+    build_model(variant, seed=seed).save_pretrained(out)
+    # The file layout of a Hub Qwen2-VL checkpoint: preprocessor_config.json naming the processor class, next to
+    # the tokenizer files and chat_template.jinja (not 5.x's processor_config.json).
+    processor.tokenizer.save_pretrained(out)
+    processor.image_processor.save_pretrained(out)
+    _add_json_fields(out / "preprocessor_config.json", processor_class=_processor_class(variant).__name__)
+    (out / MARKER_FILE).write_text(json.dumps(_marker(variant, seed), sort_keys=True) + "\n")
+    return out
+
+
+def _marker(variant: str, seed: int) -> dict:
+    return {"variant": variant, "seed": seed, "recipe": recipe_id()}
+
+
+def _add_json_fields(path: pathlib.Path, **fields) -> None:
+    data = json.loads(path.read_text())
+    data.update(fields)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _complete(path: pathlib.Path, variant: str, seed: int) -> bool:
+    """Whether `path` holds the finished build of (variant, seed); raises if it holds another one."""
+    try:
+        built = json.loads((path / MARKER_FILE).read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    wanted = _marker(variant, seed)
+    if built != wanted:
+        raise ValueError(f"{path} holds the tiny model {built}, not {wanted}; delete it or pass another folder")
+    return True
+
+
+def ensure_tiny_model(out_dir: str | os.PathLike, *, variant: str = "qwen2_vl", seed: int = 0) -> pathlib.Path:
+    """Returns `out_dir` once it holds the complete tiny model, building it only if it does not yet.
+
+    The build goes to a temporary sibling folder that is renamed into place, so concurrent callers (test workers,
+    the ranks of one group) never see a half-written folder; the loser of a race discards its copy.
+    """
+    _check_variant(variant)
+    out = pathlib.Path(out_dir)
+    if _complete(out, variant, seed):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    try:
+        build_tiny_model(tmp, variant=variant, seed=seed)
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        try:
+            # rename(2) replaces a missing or empty directory atomically and fails on a non-empty one.
+            os.rename(tmp, out)
+        except OSError:
+            if not _complete(out, variant, seed):  # another caller's build won the race, or a foreign folder
+                raise FileExistsError(
+                    f"{out} is not empty but holds no complete tiny model; delete it or pass another folder"
+                ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
