@@ -68,11 +68,7 @@ def default_channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
+    ]  # no HTTP/2 keepalive pings: servers refuse frequent ones; Keepalive frames detect half-open streams
 
 
 class _RankStream:
@@ -91,6 +87,7 @@ class _RankStream:
         self.failed = asyncio.Event()
         self.on_bytes = on_bytes
         self.last_keepalive_rtt: float | None = None
+        self.last_heard = time.monotonic()  # when the rank last sent anything
         self._reader: asyncio.Task | None = None
 
     async def write(self, raw: bytes, kind: str = "control") -> None:
@@ -125,6 +122,7 @@ class _RankStream:
                     self._fail(f"stream ended: {code.name}: {await self.call.details()}")
                     return
                 frame = worker_pb2.WorkerFrame.FromString(raw)
+                self.last_heard = time.monotonic()
                 kind = frame.WhichOneof("frame")
                 if kind == "step_result":
                     self.results.put_nowait(frame.step_result)
@@ -317,10 +315,17 @@ class WorkerGroup:
             results.append(result)
         return results
 
-    async def keepalive(self) -> None:
-        """Send a keepalive to every rank (idle streams); a failed write marks the group down."""
+    async def keepalive(self, stale_after: float) -> None:
+        """Send a keepalive to every rank of an idle group. A rank silent for ``stale_after`` seconds (it did
+        not echo earlier keepalives: a stalled process or a half-open connection) or a failed write raises
+        GroupDown."""
         if self.budget is None:
             return
+        self._check_up()
+        now = time.monotonic()
+        for s in self._streams:
+            if now - s.last_heard > stale_after:
+                raise GroupDown(f"rank {s.rank} ({s.address}): silent for {now - s.last_heard:.1f}s (keepalives unanswered)")
         raw = worker_pb2.SchedulerFrame(keepalive=worker_pb2.Keepalive(sent_unix_nanos=time.time_ns())).SerializeToString()
         await self._write(self._streams, raw, "control")
 

@@ -124,3 +124,23 @@ def test_stalled_rank_hits_the_step_deadline():
         await group.close()
 
     run(body())
+
+
+def test_keepalives_are_echoed_and_a_silent_rank_is_detected():
+    async def body():
+        ranks = await start_ranks(1)
+        group = WorkerGroup([ranks[0].address], model_fingerprint=FP, block_size=16)
+        await group.connect()
+        await group.keepalive(stale_after=5)
+        for _ in range(100):
+            if group._streams[0].last_keepalive_rtt is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert group._streams[0].last_keepalive_rtt is not None
+        group._streams[0].last_heard -= 10  # as if the rank had not answered for 10 s
+        with pytest.raises(GroupDown, match="silent for"):
+            await group.keepalive(stale_after=5)
+        await group.close()
+        await ranks[0].stop()
+
+    run(body())
