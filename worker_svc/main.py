@@ -1,0 +1,131 @@
+"""``mmcast-worker``: one rank of the worker group as a process.
+
+Start-up order: allocator environment (re-exec), JSON logs, ``/metrics``, the gRPC server with liveness SERVING
+at once (service ""), then the process group and the model on the compute thread; the readiness of
+``mmcast.v1.WorkerService`` turns SERVING only after both. A failure there ends the process non-zero with one
+JSON line saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.grpc_metrics import AioServerMetricsInterceptor
+from common.process import ensure_allocator_env, setup_logging
+from mmcast.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.config import WorkerConfig, load_config
+from worker_svc.metrics import WorkerMetrics
+
+log = logging.getLogger("mmcast.worker")
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+EXIT_START_FAILURE = 2
+_MAX_MESSAGE_BYTES = 256 << 20  # a payload frame carries one chunk (~1 MiB); a control frame stays far below this
+
+
+@dataclasses.dataclass
+class RunningWorker:
+    """A started rank: its gRPC server (already answering liveness) and the worker behind it."""
+
+    server: grpc.aio.Server
+    worker: object  # worker_svc.worker.Worker
+    health: health.aio.HealthServicer
+    metrics: WorkerMetrics
+    port: int
+
+
+async def start(config: WorkerConfig) -> RunningWorker:
+    """Starts /metrics and the gRPC server; liveness SERVING, readiness NOT_SERVING until ``load``."""
+    from prometheus_client import start_http_server
+
+    from worker_svc.servicer import WorkerServicer
+    from worker_svc.worker import Worker
+
+    metrics = WorkerMetrics()
+    if config.metrics_port:
+        start_http_server(config.metrics_port, registry=metrics.registry)
+    worker = Worker(config, metrics)
+    server = grpc.aio.server(
+        interceptors=[AioServerMetricsInterceptor(metrics.registry)],
+        options=[
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ],
+    )
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(worker, metrics), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(config.listen)
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info(
+        "listening",
+        extra={"port": port, "rank": config.rank, "world_size": config.world_size, "metrics_port": config.metrics_port},
+    )
+    return RunningWorker(server, worker, health_servicer, metrics, port)
+
+
+async def load(running: RunningWorker) -> None:
+    """Forms the group and loads the model on the compute thread, then reports readiness. Raises on failure."""
+    worker = running.worker
+    await asyncio.get_running_loop().run_in_executor(worker.executor, worker.load)
+    await running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    log.info("ready", extra={"rank": worker.config.rank, "device": str(worker.runner.device)})
+
+
+async def serve(config: WorkerConfig) -> int:
+    try:
+        running = await start(config)
+    except Exception as exc:  # e.g. the port is taken
+        log.critical("cannot start the server", extra={"listen": config.listen, "error": repr(exc)})
+        return EXIT_START_FAILURE
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await load(running)
+    except Exception as exc:
+        log.critical(
+            "start-up failed: could not form the group or load the model",
+            extra={"error": repr(exc), "model": config.model, "dist_init": config.dist_init},
+        )
+        await running.server.stop(0)
+        return EXIT_START_FAILURE
+    await stop.wait()
+    log.info("shutting down", extra={"rank": config.rank})
+    await running.health.enter_graceful_shutdown()
+    await running.server.stop(grace=5)
+    running.worker.executor.shutdown(wait=False, cancel_futures=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ensure_allocator_env()
+    try:
+        config = load_config(argv)
+    except ValueError as exc:
+        setup_logging("worker")
+        log.critical("bad configuration", extra={"error": str(exc)})
+        return EXIT_START_FAILURE
+    setup_logging("worker", config.log_level)
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Prometheus metrics of a worker rank. Counters count the underlying unit (bytes, items, errors); PromQL makes
+the ratios. Every metric of one rank lives in one registry, so in-process tests can hold several ranks."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.received_bytes = Counter(
+            "mmcast_worker_received_bytes",
+            "Serialized step-stream bytes received, by kind (payload frames, item metadata, other control)",
+            ["kind"],
+            registry=r,
+        )
+        self.encoder_seconds = Histogram(
+            "mmcast_encoder_seconds",
+            "Vision-encoder time per step with encoder work",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "mmcast_worker_step_seconds",
+            "Time from a step control received to its result sent",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.payload_cache_bytes = Gauge(
+            "mmcast_worker_payload_cache_bytes", "Bytes held in the payload cache", registry=r
+        )
+        self.payload_cache_items = Gauge(
+            "mmcast_worker_payload_cache_items", "Items held in the payload cache", registry=r
+        )
+        self.encoder_cache_tokens = Gauge(
+            "mmcast_worker_encoder_cache_tokens",
+            "Encoder-output rows (LLM tokens) held in the encoder cache",
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            "mmcast_worker_cache_hits",
+            "Uses of an entry held before the step: payload = encoder work on a payload received in an earlier step, "
+            "encoder = a forward using an encoder output computed in an earlier step",
+            ["cache"],
+            registry=r,
+        )
+        self.protocol_errors = Counter(
+            "mmcast_worker_protocol_errors", "Protocol errors reported to the scheduler, by code", ["code"], registry=r
+        )
+        for kind in ("payload", "metadata", "control"):
+            self.received_bytes.labels(kind=kind)
+        for cache in ("payload", "encoder"):
+            self.cache_hits.labels(cache=cache)
+
+    def set_cache_sizes(self, payload_bytes: int, payload_items: int, encoder_tokens: int) -> None:
+        self.payload_cache_bytes.set(payload_bytes)
+        self.payload_cache_items.set(payload_items)
+        self.encoder_cache_tokens.set(encoder_tokens)

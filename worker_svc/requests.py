@@ -1,0 +1,179 @@
+"""Per-request state a rank keeps across steps, and its admission from a ``NewRequest``.
+
+The scheduler sends deltas (``RunningRequest``); everything else lives here: the token ids so far, the items'
+metadata (grids, placeholder ranges; payloads live in the payload cache), the M-RoPE positions of the whole
+prompt computed once, the block table, and the live KV cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from common import wire
+from common.ids import ItemId, RequestId
+from common.multimodal import MultiModalFeatureSpec
+from mmcast.v1 import multimodal_pb2, worker_pb2
+from worker_svc.mrope import mrope_positions, mrope_positions_for_window
+from worker_svc.sampling import SamplingParams
+from worker_svc.step_errors import StepError, code
+
+
+@dataclasses.dataclass
+class RequestState:
+    request_id: RequestId
+    token_ids: list[int]  # prompt + every output token this rank has been told of
+    num_prompt_tokens: int  # the original prompt; positions past it continue with ``delta``
+    features: list[MultiModalFeatureSpec]  # items sorted by offset (metadata and grids; no payload)
+    item_msgs: list[multimodal_pb2.MultiModalItem]  # the same items as received (payload headers included)
+    positions: torch.Tensor  # (3, num_prompt_tokens) M-RoPE positions, or (1, n) for 1-D RoPE models
+    delta: int  # M-RoPE position minus index after the prompt
+    block_ids: list[int]  # KV pool blocks of the request in order
+    num_computed: int  # tokens whose KV the live cache holds
+    num_output_tokens: int  # output tokens among token_ids: the index of the next draw
+    sampling: SamplingParams
+    blocks_in_pool: int  # leading blocks whose KV is already in the pool
+    cache: object = None  # live DynamicCache; built at the request's first forward
+    embed_positions: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # item index -> positions
+
+    def window_positions(self, start: int, end: int) -> torch.Tensor:
+        """Positions of tokens ``[start, end)``: sliced from the prompt's, continued by ``delta`` past it."""
+        if self.positions.shape[0] == 1:
+            return torch.arange(start, end).reshape(1, -1)
+        return mrope_positions_for_window(self.positions, start, end, self.delta)
+
+    def overlapping(self, start: int, end: int) -> list[int]:
+        """Indices of the items whose placeholder span intersects ``[start, end)`` (features are sorted)."""
+        out = []
+        for index, feature in enumerate(self.features):
+            if feature.mm_position.offset >= end:
+                break
+            if feature.overlaps(start, end) and feature.mm_position.get_num_embeds() > 0:
+                out.append(index)
+        return out
+
+    def item_rows(self, index: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(window-local token indices, encoder-row indices) of item ``index`` inside ``[start, end)``."""
+        pos = self.features[index].mm_position
+        if pos.is_embed is None:
+            lo, hi = max(start, pos.offset), min(end, pos.end)
+            return torch.arange(lo - start, hi - start), torch.arange(lo - pos.offset, hi - pos.offset)
+        embed = self.embed_positions.get(index)
+        if embed is None:
+            embed = pos.offset + torch.as_tensor(list(pos.is_embed), dtype=torch.bool).nonzero().reshape(-1)
+            self.embed_positions[index] = embed
+        inside = (embed >= start) & (embed < end)
+        return embed[inside] - start, inside.nonzero().reshape(-1)
+
+
+def sampling_from_proto(msg: worker_pb2.WorkerSampling, request_id: str) -> SamplingParams:
+    where = f"new_requests[{request_id}].sampling"
+    if not msg.temperature >= 0 or msg.temperature > 1e4:
+        raise StepError(code.OUT_OF_RANGE, f"{where}.temperature={msg.temperature} must be in [0, 1e4]", request_id)
+    top_p = msg.top_p or 1.0  # an unset top_p means no nucleus cut
+    if not 0 < top_p <= 1:
+        raise StepError(code.OUT_OF_RANGE, f"{where}.top_p={msg.top_p} must be in (0, 1]", request_id)
+    if msg.logprobs > 64:
+        raise StepError(code.OUT_OF_RANGE, f"{where}.logprobs={msg.logprobs} exceeds the limit of 64", request_id)
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_p=float(top_p),
+        seed=int(msg.seed),
+        logprobs=int(msg.logprobs),
+        return_logprobs=bool(msg.return_logprobs),
+    )
+
+
+def check_tokens(tokens, vocab_size: int, where: str, request_id: str) -> None:
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
+        bad = next(t for t in tokens if t < 0 or t >= vocab_size)
+        raise StepError(code.OUT_OF_RANGE, f"{where} holds token id {bad}, outside [0, {vocab_size})", request_id)
+
+
+def check_blocks(blocks, num_blocks: int, where: str, request_id: str) -> None:
+    if blocks and max(blocks) >= num_blocks:
+        bad = next(b for b in blocks if b >= num_blocks)
+        raise StepError(
+            code.OUT_OF_RANGE,
+            f"{where} holds block id {bad}, outside the pool [0, {num_blocks}) (--kv-blocks)",
+            request_id,
+        )
+
+
+def admit(
+    msg: worker_pb2.NewRequest,
+    *,
+    vocab_size: int,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    rope_kwargs: dict | None,
+) -> RequestState:
+    """Validates a ``NewRequest`` and builds its state (no KV is touched yet). ``rope_kwargs`` None: 1-D RoPE."""
+    rid = msg.request_id
+    where = f"new_requests[{rid}]"
+    if not rid:
+        raise StepError(code.STATE_MISMATCH, "new_requests[].request_id is empty")
+    prompt = list(msg.prompt_token_ids)
+    n = len(prompt)
+    if n == 0:
+        raise StepError(code.STATE_MISMATCH, f"{where}.prompt_token_ids is empty", rid)
+    if max_model_len and n > max_model_len:
+        raise StepError(code.OUT_OF_RANGE, f"{where}: {n} prompt tokens exceed max_model_len {max_model_len}", rid)
+    check_tokens(prompt, vocab_size, f"{where}.prompt_token_ids", rid)
+    check_blocks(msg.block_ids, num_blocks, f"{where}.block_ids", rid)
+    computed = msg.num_computed_tokens
+    if computed % block_size or computed >= n:
+        raise StepError(
+            code.STATE_MISMATCH,
+            f"{where}.num_computed_tokens={computed} must be a multiple of block_size {block_size} and below the "
+            f"prompt length {n}",
+            rid,
+        )
+    if msg.num_output_tokens >= n:
+        raise StepError(
+            code.STATE_MISMATCH, f"{where}.num_output_tokens={msg.num_output_tokens} >= prompt length {n}", rid
+        )
+    features, msgs = [], []
+    for item in sorted(msg.mm_items, key=lambda m: m.position.offset):
+        try:
+            features.append(wire.feature_from_proto(item, max_prompt_len=n))
+        except (wire.WireError, ValueError) as exc:
+            raise StepError(code.BAD_TENSOR, f"{where}: {exc}", rid, item.identifier) from None
+        msgs.append(item)
+    num_prompt = n - msg.num_output_tokens
+    for f in features:
+        if f.mm_position.end > num_prompt:
+            raise StepError(
+                code.STATE_MISMATCH,
+                f"{where}: item at [{f.mm_position.offset}, {f.mm_position.end}) runs into the {msg.num_output_tokens} "
+                f"output tokens (prompt part is {num_prompt})",
+                rid,
+                f.identifier,
+            )
+    if rope_kwargs is None:
+        positions, delta = torch.arange(num_prompt).reshape(1, -1), 0
+    else:
+        try:
+            positions, delta = mrope_positions(prompt[:num_prompt], features, **rope_kwargs)
+        except ValueError as exc:
+            raise StepError(code.STATE_MISMATCH, f"{where}: M-RoPE positions: {exc}", rid) from None
+    return RequestState(
+        request_id=RequestId(rid),
+        token_ids=prompt,
+        num_prompt_tokens=num_prompt,
+        features=features,
+        item_msgs=msgs,
+        positions=positions,
+        delta=delta,
+        block_ids=list(msg.block_ids),
+        num_computed=computed,
+        num_output_tokens=msg.num_output_tokens,
+        sampling=sampling_from_proto(msg.sampling, rid),
+        blocks_in_pool=computed // block_size,
+    )
+
+
+def item_ids(state: RequestState) -> list[ItemId]:
+    return [f.identifier for f in state.features]

@@ -1,0 +1,209 @@
+"""The model side of a rank: loads the checkpoint, runs the vision encoder and the language model from live caches
+built over the KV block pool, and writes completed blocks back.
+
+Loading is the plain transformers path (``AutoModelForImageTextToText.from_pretrained``), so a real Qwen2-VL
+checkpoint loads exactly like the tiny one; with ``world_size > 1`` the decoder is sharded by transformers' tensor
+parallel plan (``DistributedConfig(tp_size=N)``) after the process group exists, and the vision tower stays
+replicated.
+
+The language model runs on ``inputs_embeds`` built here: the token embeddings of the step's tokens with the image
+rows of this window scattered at their placeholder positions. This is what the model's own merge does
+(``masked_scatter`` at the image-token positions) but by position rather than by token id, so it also holds for
+``is_embed`` ranges, for a window that cuts an image, and for a batch whose rows cover different items.
+Positions are always given explicitly (sliced from the whole prompt's M-RoPE positions), the attention mask is
+``None`` for one request or a full-length 2-D padding mask for a batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+
+import torch
+
+from common.multimodal import Modality, MultiModalFeatureSpec
+from worker_svc import kv_pool
+from worker_svc.config import WorkerConfig
+from worker_svc.mrope import rope_index_kwargs, uses_mrope
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Payload field names the processor produces per modality: (pixels, grid).
+ENCODER_FIELDS = {
+    Modality.IMAGE: ("pixel_values", "image_grid_thw"),
+    Modality.VIDEO: ("pixel_values_videos", "video_grid_thw"),
+}
+
+
+def resolve_device(name: str, rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        name = f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclasses.dataclass
+class ForwardInput:
+    """One request's share of a forward: the tokens ``[start, start + len(token_ids))`` of its sequence."""
+
+    cache: object  # the request's live DynamicCache (batch 1), holding exactly ``start`` rows; appended to
+    token_ids: list[int]  # the window's token ids
+    positions: torch.Tensor  # (3, len(token_ids)) int64 M-RoPE positions (or (1, len) for 1-D RoPE)
+    mm_rows: list[tuple[torch.Tensor, torch.Tensor]]  # (window-local indices, encoder rows) per overlapping item
+    want_logits: bool  # True when the window ends at the request's last known token
+
+
+class ModelRunner:
+    """Owns the model and the KV pool of this rank. Not thread-safe: one compute thread calls it."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        from transformers import AutoModelForImageTextToText
+
+        self.device = resolve_device(config.device, config.rank)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.world_size = config.world_size
+        kwargs: dict = {"dtype": self.dtype}
+        if config.world_size > 1:
+            from transformers.distributed import DistributedConfig
+
+            if self.device.type == "cuda":
+                os.environ.setdefault("LOCAL_RANK", str(self.device.index or 0))  # transformers binds this device
+            kwargs["distributed_config"] = DistributedConfig(tp_size=config.world_size)
+        model = AutoModelForImageTextToText.from_pretrained(config.model, **kwargs)
+        if config.world_size == 1:
+            model = model.to(self.device)
+        self.model = model.eval()
+        self.config = model.config
+        text = model.config.get_text_config(decoder=True)
+        self.text_config = text
+        self.vocab_size = int(text.vocab_size)
+        self.max_model_len = int(getattr(text, "max_position_embeddings", 0) or 0)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        if kv_heads % config.world_size:
+            raise ValueError(
+                f"world_size={config.world_size}: the model has {kv_heads} KV heads, which do not divide evenly"
+            )
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        self.block_size = config.block_size
+        self.pool = kv_pool.KVPool(
+            num_layers=int(text.num_hidden_layers),
+            kv_heads=kv_heads // config.world_size,
+            head_dim=head_dim,
+            num_blocks=config.kv_blocks,
+            block_size=config.block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.uses_mrope = uses_mrope(model.config)
+        self.rope_kwargs = rope_index_kwargs(model.config) if self.uses_mrope else {}
+        self.embed = model.get_input_embeddings()
+        log.info(
+            "model loaded",
+            extra={
+                "model_type": model.config.model_type,
+                "device": str(self.device),
+                "dtype": str(self.dtype),
+                "kv_pool_bytes": self.pool.nbytes,
+                "kv_heads_local": kv_heads // config.world_size,
+            },
+        )
+
+    # --- encoder ---------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode(self, feature: MultiModalFeatureSpec) -> torch.Tensor:
+        """The encoder output rows of a whole item (``[num_embeds, hidden]``), on this rank's device."""
+        pixels_name, grid_name = ENCODER_FIELDS[feature.modality]
+        pixels = feature.data[pixels_name].data.to(self.device, non_blocking=True)
+        grid = feature.data[grid_name].data.reshape(-1, 3).to(self.device)
+        inner = self.model.model
+        if feature.modality is Modality.IMAGE:
+            out = inner.get_image_features(pixels, grid, return_dict=True)
+        else:
+            out = inner.get_video_features(pixels, grid, return_dict=True)
+        rows = out.pooler_output
+        return torch.cat(list(rows), dim=0) if isinstance(rows, tuple | list) else rows
+
+    # --- KV --------------------------------------------------------------------------------------------------
+
+    def new_cache(self, block_ids: Sequence[int], num_tokens: int):
+        """A live cache holding the first ``num_tokens`` tokens (block aligned) from the pool."""
+        full = num_tokens // self.block_size
+        return kv_pool.cache_from_prefix(self.pool.gather(block_ids[:full], num_tokens), self.config)
+
+    def write_blocks(self, cache, block_ids: Sequence[int], first: int, last: int) -> None:
+        """Stores blocks ``first .. last - 1`` of a request (complete in its live cache) at ``block_ids``."""
+        if last <= first:
+            return
+        rows = kv_pool.cache_rows(cache, first * self.block_size, last * self.block_size)
+        self.pool.write(block_ids[first:last], rows)
+
+    # --- language model --------------------------------------------------------------------------------------
+
+    def _embeds(self, item: ForwardInput) -> torch.Tensor:
+        ids = torch.tensor(item.token_ids, dtype=torch.long, device=self.device)
+        embeds = self.embed(ids)
+        if item.mm_rows:
+            embeds = embeds.clone()
+            for local, rows in item.mm_rows:
+                embeds[local.to(self.device)] = rows.to(self.device, embeds.dtype)
+        return embeds
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[ForwardInput], *, batch_decode: bool = True) -> list[torch.Tensor | None]:
+        """Runs every item's window and returns its last-token logits (float32 ``[vocab]``) where wanted.
+
+        Single-token windows of two or more requests run as one padded batch when ``batch_decode``; the rest
+        run one request at a time. Every call appends the window's KV to each item's live cache.
+        """
+        out: list[torch.Tensor | None] = [None] * len(items)
+        single = [i for i, it in enumerate(items) if len(it.token_ids) == 1] if batch_decode else []
+        if len(single) < 2:
+            single = []
+        for i, item in enumerate(items):
+            if i not in single:
+                out[i] = self._forward_one(item)
+        if single:
+            for i, logits in zip(single, self._forward_batch([items[i] for i in single]), strict=True):
+                out[i] = logits
+        return out
+
+    def _forward_one(self, item: ForwardInput) -> torch.Tensor | None:
+        embeds = self._embeds(item)[None]
+        positions = item.positions.to(self.device)[:, None, :]
+        result = self.model(
+            inputs_embeds=embeds,
+            position_ids=positions if self.uses_mrope else positions[0],
+            cache=item.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return result.logits[0, -1].float() if item.want_logits else None
+
+    def _forward_batch(self, items: Sequence[ForwardInput]) -> list[torch.Tensor | None]:
+        caches = [it.cache for it in items]
+        batch, mask = kv_pool.padded_batch_cache(caches, self.config)
+        mask = torch.cat([mask, mask.new_ones((len(items), 1))], dim=1).to(self.device)
+        embeds = torch.stack([self._embeds(it) for it in items])
+        positions = torch.stack([it.positions for it in items], dim=1).to(self.device)  # (3, batch, 1)
+        result = self.model(
+            inputs_embeds=embeds,
+            position_ids=positions if self.uses_mrope else positions[0],
+            attention_mask=mask,
+            cache=batch,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv_pool.append_batch_rows(caches, batch, 1)
+        logits = result.logits[:, -1].float()
+        return [logits[row] if it.want_logits else None for row, it in enumerate(items)]

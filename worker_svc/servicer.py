@@ -1,0 +1,164 @@
+"""``mmcast.v1.WorkerService`` over grpc.aio: translates step-stream frames into calls on the ``Worker``.
+
+Frames of one stream are handled in order; a step's compute runs on the worker's compute thread, so the event
+loop keeps answering other streams (a superseding handshake, health checks) meanwhile. Received bytes are
+counted where they arrive, with the same split the scheduler uses for its sent counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from common.wire import control_byte_breakdown
+from mmcast.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.handshake import HandshakeRejected
+from worker_svc.metrics import WorkerMetrics
+from worker_svc.session import StepOutcome
+from worker_svc.step_errors import StepError, code_name
+from worker_svc.worker import StreamHandle, Worker
+
+log = logging.getLogger(__name__)
+
+
+def step_result(step_id: int, rank: int, outcome: StepOutcome, handle: StreamHandle, payload_bytes: int, t0: float):
+    session = handle.session
+    result = worker_pb2.StepResult(step_id=step_id, rank=rank)
+    for request_id, s in outcome.sampled:
+        token = result.sampled.add(request_id=request_id, token_id=s.token_id)
+        if s.logprob is not None:
+            token.logprob = s.logprob
+            for token_id, logprob in s.top:
+                token.top_logprobs.add(token_id=token_id, logprob=logprob)
+    stats = result.stats
+    stats.encoder_seconds = outcome.encoder_seconds
+    stats.encoder_items = outcome.encoder_items
+    stats.payload_cache_bytes = session.payloads.nbytes
+    stats.payload_cache_items = len(session.payloads)
+    stats.encoder_cache_tokens = session.encoded.tokens
+    stats.received_payload_bytes = payload_bytes
+    stats.step_seconds = time.perf_counter() - t0
+    return result
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, worker: Worker, metrics: WorkerMetrics) -> None:
+        self.worker = worker
+        self.metrics = metrics
+        self._received = {k: metrics.received_bytes.labels(kind=k) for k in ("payload", "metadata", "control")}
+
+    def _count(self, frame: worker_pb2.SchedulerFrame) -> int:
+        """Counts the frame's bytes by kind; returns its payload bytes."""
+        size = frame.ByteSize()
+        kind = frame.WhichOneof("frame")
+        if kind == "payload":
+            self._received["payload"].inc(size)
+            return size
+        if kind == "control":
+            metadata, control = control_byte_breakdown(frame.control, size)
+            self._received["metadata"].inc(metadata)
+            self._received["control"].inc(control)
+        else:
+            self._received["control"].inc(size)
+        return 0
+
+    async def Step(self, request_iterator, context: grpc.aio.ServicerContext):
+        frame = await context.read()
+        if frame is grpc.aio.EOF:
+            return
+        self._count(frame)
+        kind = frame.WhichOneof("frame")
+        if kind != "handshake":
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"the first frame of a Step stream must be a handshake, got {kind}"
+            )
+        if not self.worker.ready:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"rank {self.worker.config.rank} is still loading the model or forming its group; retry",
+            )
+        try:
+            handle = self.worker.open_stream(frame.handshake)
+        except HandshakeRejected as exc:
+            log.warning("handshake refused", extra={"reason": str(exc)})
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        try:
+            await context.write(worker_pb2.WorkerFrame(handshake_ack=self.worker.ack()))
+            await self._serve(handle, context)
+        finally:
+            self.worker.close_stream(handle)
+
+    async def _next(self, handle: StreamHandle, context, superseded: asyncio.Future):
+        """The next frame, or None when the stream was superseded."""
+        read = asyncio.ensure_future(context.read())
+        await asyncio.wait({read, superseded}, return_when=asyncio.FIRST_COMPLETED)
+        if not read.done():
+            read.cancel()
+            return None
+        return read.result()
+
+    async def _serve(self, handle: StreamHandle, context) -> None:
+        loop = asyncio.get_running_loop()
+        rank = self.worker.config.rank
+        superseded = asyncio.ensure_future(handle.superseded.wait())
+        step_payload_bytes = 0
+        try:
+            while True:
+                frame = await self._next(handle, context, superseded)
+                if frame is None or handle.superseded.is_set():
+                    await context.abort(
+                        grpc.StatusCode.ABORTED,
+                        f"stream of epoch {handle.epoch} superseded by a stream of epoch {handle.superseded_by}",
+                    )
+                if frame is grpc.aio.EOF:
+                    return
+                step_payload_bytes += self._count(frame)
+                kind = frame.WhichOneof("frame")
+                if kind == "payload":
+                    if handle.pending_error is None:
+                        try:
+                            handle.session.receive_payload(frame.payload)
+                        except StepError as exc:
+                            handle.pending_error = exc  # reported with the step, after the peers agree
+                elif kind == "keepalive":
+                    await context.write(worker_pb2.WorkerFrame(keepalive=frame.keepalive))
+                elif kind == "control":
+                    t0 = time.perf_counter()
+                    control = frame.control
+                    try:
+                        outcome = await loop.run_in_executor(
+                            self.worker.executor, self.worker.apply_step, handle, control
+                        )
+                    except StepError as exc:
+                        await self._refuse(handle, context, exc, control.step_id, rank)
+                        return
+                    if handle.superseded.is_set():
+                        continue  # the next read reports it
+                    result = step_result(control.step_id, rank, outcome, handle, step_payload_bytes, t0)
+                    step_payload_bytes = 0
+                    await context.write(worker_pb2.WorkerFrame(step_result=result))
+                    self.metrics.step_seconds.observe(time.perf_counter() - t0)
+                else:
+                    await context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"unexpected {kind} frame on an open stream (epoch {handle.epoch})",
+                    )
+        finally:
+            superseded.cancel()
+
+    async def _refuse(self, handle: StreamHandle, context, exc: StepError, step_id: int, rank: int) -> None:
+        """Reports a refused step and ends the stream; its state is dropped."""
+        self.metrics.protocol_errors.labels(code=code_name(exc.code)).inc()
+        log.warning(
+            "step refused",
+            extra={
+                "step_id": step_id,
+                "code": code_name(exc.code),
+                "reason": exc.message,
+                "request_id": exc.request_id,
+            },
+        )
+        await context.write(worker_pb2.WorkerFrame(error=exc.to_proto(step_id, rank)))

@@ -1,0 +1,181 @@
+"""A rank as a plain object: it loads the model, admits scheduler streams and applies their steps on one compute
+thread. The gRPC servicer only translates frames to calls on this object.
+
+Failure policy:
+- A step the rank cannot apply is a ``StepError``: reported to the scheduler, the stream's state dropped, the
+  rank keeps serving.
+- With ``world_size > 1``, anything else failing during a step (a collective that timed out or lost its peer, a
+  crash inside the sharded forward) leaves the group in an unknown state: the rank logs one clear line and exits
+  non-zero, so the supervisor restarts the whole group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import sys
+
+import torch
+
+from common.hashing import model_fingerprint
+from common.wire import PROTOCOL_VERSION
+from mmcast.v1 import worker_pb2
+from worker_svc.config import WorkerConfig
+from worker_svc.group import Group
+from worker_svc.handshake import EpochGate, RankIdentity, check_handshake
+from worker_svc.metrics import WorkerMetrics
+from worker_svc.session import Session, StepOutcome
+from worker_svc.step_errors import StepError, code, code_name
+
+log = logging.getLogger(__name__)
+
+EXIT_GROUP_FAILURE = 3  # exit status of a rank whose group failed during a step
+
+
+def _exit_process(message: str, **extra: object) -> None:
+    log.critical(message, extra=extra)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_GROUP_FAILURE)
+
+
+@dataclasses.dataclass
+class StreamHandle:
+    """One admitted scheduler stream."""
+
+    epoch: int
+    session: Session
+    superseded: asyncio.Event  # set (on the event loop) when a newer epoch takes over
+    superseded_by: int = 0
+    pending_error: StepError | None = None  # a payload frame failed; reported with the next control
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, metrics: WorkerMetrics, *, fatal=_exit_process) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.fatal = fatal
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.gate = EpochGate()
+        self.runner = None
+        self.group: Group | None = None
+        self.identity: RankIdentity | None = None
+        self.active: StreamHandle | None = None
+        self.ready = False
+
+    # --- start-up (compute thread) ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Forms the group and loads the model; blocking. Raises on failure."""
+        from worker_svc.runner import ModelRunner, resolve_device
+
+        torch.set_num_threads(self.config.threads)
+        self.identity = RankIdentity(
+            model_fingerprint=model_fingerprint(self.config.model),
+            rank=self.config.rank,
+            world_size=self.config.world_size,
+            block_size=self.config.block_size,
+            scheduler_id=self.config.scheduler_id,
+        )
+        self.group = Group(self.config, resolve_device(self.config.device, self.config.rank))
+        self.runner = ModelRunner(self.config)
+        self.ready = True
+
+    def ack(self) -> worker_pb2.HandshakeAck:
+        c, r = self.config, self.runner
+        return worker_pb2.HandshakeAck(
+            protocol_version=PROTOCOL_VERSION,
+            model_fingerprint=self.identity.model_fingerprint,
+            rank=c.rank,
+            world_size=c.world_size,
+            kv_blocks=c.kv_blocks,
+            payload_cache_bytes=c.payload_cache_bytes,
+            encoder_cache_tokens=c.encoder_cache_tokens,
+            max_tensor_bytes=c.max_tensor_bytes,
+            max_model_len=r.max_model_len,
+            device=str(r.device),
+        )
+
+    # --- streams (event loop) --------------------------------------------------------------------------------
+
+    def open_stream(self, hs: worker_pb2.Handshake) -> StreamHandle:
+        """Admits a handshake (raises ``HandshakeRejected``); a newer epoch supersedes the active stream."""
+        check_handshake(hs, self.identity)
+        superseding = self.gate.admit(hs.scheduler_epoch)
+        old = self.active
+        if superseding and old is not None:
+            old.superseded_by = hs.scheduler_epoch
+            old.superseded.set()
+            self.executor.submit(old.session.clear)  # after any step of the old stream still computing
+            log.warning("stream superseded", extra={"old_epoch": old.epoch, "new_epoch": hs.scheduler_epoch})
+        c = self.config
+        session = Session(
+            self.runner,
+            rank=c.rank,
+            payload_cache_bytes=c.payload_cache_bytes,
+            encoder_cache_tokens=c.encoder_cache_tokens,
+            max_tensor_bytes=c.max_tensor_bytes,
+            metrics=self.metrics,
+        )
+        self.active = StreamHandle(hs.scheduler_epoch, session, asyncio.Event())
+        log.info("stream admitted", extra={"epoch": hs.scheduler_epoch, "scheduler_id": hs.scheduler_id})
+        return self.active
+
+    def close_stream(self, handle: StreamHandle) -> None:
+        if self.active is handle:
+            self.active = None
+            self.gate.release(handle.epoch)
+        self.executor.submit(handle.session.clear)
+
+    # --- steps (compute thread) ------------------------------------------------------------------------------
+
+    def apply_step(self, handle: StreamHandle, control: worker_pb2.StepControl) -> StepOutcome:
+        """Plan, agree with the peers, then commit and execute. Raises ``StepError`` for a refused step."""
+        error, plan = handle.pending_error, None
+        if error is None:
+            try:
+                plan = handle.session.plan(control)
+            except StepError as exc:
+                error = exc
+            except Exception as exc:  # a bug in planning: refuse the step rather than run it
+                log.exception("step planning failed", extra={"step_id": control.step_id})
+                error = StepError(code.INTERNAL, f"step {control.step_id}: planning failed: {exc!r}")
+        try:
+            agreed = self.group.agree(error.code if error else 0)
+        except Exception as exc:
+            self.fatal(
+                "tensor-parallel group failed while agreeing on a step; exiting so the group restarts",
+                step_id=control.step_id,
+                error=repr(exc),
+            )
+            raise
+        if error is not None:
+            raise error
+        if agreed:
+            raise StepError(
+                agreed,
+                f"step {control.step_id}: another rank of the group refused this step with {code_name(agreed)}; "
+                "this rank drops the stream's state too",
+            )
+        try:
+            handle.session.commit(plan)
+            return handle.session.execute(plan)
+        except StepError:
+            raise
+        except Exception as exc:
+            if self.config.world_size > 1:
+                self.fatal(
+                    "step failed inside the tensor-parallel group (collective timeout or lost peer); exiting so "
+                    "the group restarts",
+                    step_id=control.step_id,
+                    error=repr(exc),
+                    group_timeout_seconds=self.config.group_timeout_seconds,
+                )
+            log.exception("step failed", extra={"step_id": control.step_id})
+            raise StepError(
+                code.INTERNAL, f"step {control.step_id} failed on rank {self.config.rank}: {exc!r}"
+            ) from exc
