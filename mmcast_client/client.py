@@ -1,0 +1,278 @@
+"""The synchronous client of an mmcast scheduler.
+
+    with Client("127.0.0.1:50051") as client:
+        result = client.generate("Describe the picture.", images=["cat.jpg"], max_tokens=64)
+        print(result.text, result.usage.cached_tokens)
+        stream = client.generate(messages, max_tokens=64, stream=True)
+        for delta in stream:
+            print(delta.text, end="")
+        print(stream.result.finish_reason)
+
+A Client is thread-safe; share one per process so its record of uploaded images is shared too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from mmcast.v1 import generation_pb2 as pb
+from mmcast.v1 import generation_pb2_grpc as pb_grpc
+from mmcast_client import _core
+from mmcast_client.errors import NotFound, from_rpc_error
+from mmcast_client.images import SHA_PREFIX, ImageStore
+from mmcast_client.messages import Prepared, normalize, prepare
+from mmcast_client.types import Backoff, Delta, Result
+
+
+class Client:
+    """A connection to one scheduler: `generate`, `upload_image`, `get_server_info`; `close()` or `with`."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        max_message_bytes: int = _core.DEFAULT_MAX_MESSAGE_BYTES,
+        retries: int = 3,
+        backoff: Backoff | float = Backoff(),
+        upload_images: bool = True,
+        tls: bool | None = None,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        token: str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        self.settings = _core.channel_settings(
+            target,
+            timeout=timeout,
+            max_message_bytes=max_message_bytes,
+            retries=retries,
+            backoff=backoff,
+            upload_images=upload_images,
+            tls=tls,
+            root_certificates=root_certificates,
+            private_key=private_key,
+            certificate_chain=certificate_chain,
+            token=token,
+            metadata=metadata,
+        )
+        s = self.settings
+        if s.credentials is None:
+            self._channel = grpc.insecure_channel(s.target, options=s.options)
+        else:
+            self._channel = grpc.secure_channel(s.target, s.credentials, options=s.options)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self.images = ImageStore()
+        self.closed = False
+
+    @property
+    def target(self) -> str:
+        return self.settings.target
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- calls -----------------------------------------------------------------------------------------------------
+    def get_server_info(self, *, timeout: float | None = None) -> _core.ServerInfo:
+        deadline = _core.Deadline(self._timeout(timeout))
+        reply = self._unary(
+            lambda t: self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=t, metadata=self.settings.metadata),
+            deadline,
+        )
+        return _core.ServerInfo.from_proto(reply)
+
+    def upload_image(self, image: Any, *, force: bool = False, timeout: float | None = None) -> str:
+        """Uploads one image (path, bytes, PIL image, ...) unless the server holds it per this client's record;
+        returns its reference `"sha256:<hex>"` for use in messages."""
+        deadline = _core.Deadline(self._timeout(timeout))
+        ref = self.images.resolve(image, "image")
+        if force or not self.images.is_held(ref.sha256):
+            data = self.images.load(ref)
+            if data is None:
+                raise NotFound(message=f"sha256:{ref.sha256}: this client has no bytes for it to upload")
+            self._upload(ref.sha256, data, deadline)
+        return SHA_PREFIX + ref.sha256
+
+    def generate(
+        self,
+        messages: str | Sequence[dict],
+        *,
+        max_tokens: int,
+        images: Sequence[Any] | None = None,
+        temperature: float = 0.0,
+        top_p: float | None = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: int = 0,
+        return_logprobs: bool = False,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        continue_final_message: bool = False,
+        stream: bool = False,
+        timeout: float | None = None,
+    ) -> Result | GenerationStream:
+        """Generates one chat completion. `messages`: chat dicts, or a prompt string (with `images=` shown first).
+
+        stream=False returns the Result; stream=True a GenerationStream yielding Deltas whose `.result` is set once
+        the stream is exhausted. Failures raise `MmcastError` subclasses.
+        """
+        started = time.monotonic()
+        deadline = _core.Deadline(self._timeout(timeout))
+        prepared = prepare(normalize(messages, images), self.images)
+        request = pb.GenerateRequest(
+            request_id=request_id or _core.new_request_id(),
+            sampling=_core.sampling_params(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                stop=stop,
+                stop_token_ids=stop_token_ids,
+                ignore_eos=ignore_eos,
+                logprobs=logprobs,
+                return_logprobs=return_logprobs,
+            ),
+            cache_salt=cache_salt or "",
+            continue_final_message=continue_final_message,
+        )
+        s = GenerationStream(self, prepared, request, deadline, started)
+        if stream:
+            return s
+        with s:
+            for _ in s:
+                pass
+        if s.result is None:
+            raise _core.no_final_error(s.request_id)
+        return s.result
+
+    # -- internals -------------------------------------------------------------------------------------------------
+    def _timeout(self, timeout: float | None) -> float | None:
+        return timeout if timeout is not None else self.settings.timeout
+
+    def _unary(self, call, deadline: _core.Deadline):
+        """A unary call retried on UNAVAILABLE with backoff (these calls are idempotent)."""
+        retry = _core.RetryState(self.settings, deadline)
+        while True:
+            try:
+                return call(deadline.remaining())
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                action = retry.on_error(error, tokens_seen=False, resendable=lambda: False)
+                if action == "raise":
+                    raise error from None
+                time.sleep(action)
+
+    def _upload(self, sha: str, data: bytes, deadline: _core.Deadline) -> None:
+        reply = self._unary(
+            lambda t: self._stub.UploadImage(
+                _core.upload_chunks(sha, data), timeout=t, metadata=self.settings.metadata
+            ),
+            deadline,
+        )
+        _core.check_upload(sha, reply)
+        self.images.mark_held(sha)
+
+    def _upload_missing(self, prepared: Prepared, deadline: _core.Deadline) -> None:
+        for sha, data in _core.upload_plan(prepared, self.images):
+            self._upload(sha, data, deadline)
+
+
+class GenerationStream:
+    """An in-flight generation: iterate for Deltas; `.result` after the last one; `cancel()` to stop it early.
+
+    Use it as a context manager (or exhaust it) so an abandoned stream is cancelled on the server.
+    """
+
+    def __init__(
+        self, client: Client, prepared: Prepared, request: pb.GenerateRequest, deadline: _core.Deadline, started: float
+    ) -> None:
+        self.request_id = request.request_id
+        self.result: Result | None = None
+        self.cancelled = False
+        self._client = client
+        self._prepared = prepared
+        self._request = request
+        self._deadline = deadline
+        self._acc = _core.Accumulator(request.request_id, started)
+        self._call: grpc.Call | None = None
+        self._lock = threading.Lock()
+        self._iter = self._run()
+
+    def __iter__(self) -> Iterator[Delta]:
+        return self
+
+    def __next__(self) -> Delta:
+        return next(self._iter)
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.result is None:
+            self.cancel()
+        self._iter.close()
+
+    def cancel(self) -> None:
+        """Cancels the RPC (the server frees the request); iteration then ends without a result."""
+        with self._lock:
+            self.cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _run(self) -> Iterator[Delta]:
+        client, settings = self._client, self._client.settings
+        retry = _core.RetryState(settings, self._deadline)
+        while True:
+            if settings.upload_images:
+                client._upload_missing(self._prepared, self._deadline)
+            self._request.ClearField("messages")
+            self._request.messages.extend(_core.request_messages(self._prepared, client.images, settings.upload_images))
+            with self._lock:
+                if self.cancelled:
+                    return
+                call = client._stub.Generate(
+                    self._request, timeout=self._deadline.remaining(), metadata=settings.metadata
+                )
+                self._call = call
+            try:
+                for response in call:
+                    if response.HasField("delta"):
+                        yield self._acc.delta(response.delta)
+                    elif response.HasField("final"):
+                        self.result = self._acc.final(response.final)
+                        return
+                raise _core.no_final_error(self.request_id)
+            except grpc.RpcError as e:
+                if self.cancelled:
+                    return
+                error = from_rpc_error(e)
+                action = retry.on_error(
+                    error, self._acc.tokens_seen, lambda: _core.can_resend(self._prepared, client.images)
+                )
+                if action == "raise":
+                    raise error from None
+                if action == "resend":
+                    client.images.forget(ref.sha256 for ref in self._prepared.images)
+                    continue
+                time.sleep(action)
+            finally:
+                if self.result is None and not call.done():
+                    call.cancel()

@@ -1,0 +1,133 @@
+"""Chat-style messages (the shape Hugging Face chat templates take) -> `mmcast.v1.ChatMessage`s.
+
+    [{"role": "user", "content": [{"type": "image", "image": "cat.jpg"}, {"type": "text", "text": "What is it?"}]},
+     {"role": "assistant", "content": "A cat."}]
+
+Content is a string or a list of parts, kept in order. Text parts: `{"type": "text", "text": ...}` or a bare string.
+Image parts: `{"type": "image", "image": X}` (X as `images.ImageStore.resolve` takes), `{"type": "image", "path":
+...}`, `{"type": "image", "url": ...}` or the OpenAI form `{"type": "image_url", "image_url": {"url": ...}}`.
+Conversion runs in two steps so the client can upload between them: `prepare` resolves every image to its hash,
+`to_proto` emits each image as bytes or as an uploaded reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mmcast.v1 import generation_pb2 as pb
+from mmcast_client.errors import InvalidArgument, NotFound
+from mmcast_client.images import ImageRef, ImageStore
+
+ROLES = {"system": pb.ROLE_SYSTEM, "user": pb.ROLE_USER, "assistant": pb.ROLE_ASSISTANT}
+
+Part = str | ImageRef
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Messages with every image resolved; `images` lists each distinct image once, in first-use order."""
+
+    messages: list[tuple[int, list[Part]]]  # (pb.Role, parts in order)
+    images: list[ImageRef]
+
+
+def normalize(messages: str | Sequence[dict], images: Sequence[Any] | None) -> Sequence[dict]:
+    """The shortcut `generate("prompt", images=[...])` is one user turn: the images first, then the text."""
+    if isinstance(messages, str):
+        content: list[dict] = [{"type": "image", "image": image} for image in images or ()]
+        content.append({"type": "text", "text": messages})
+        return [{"role": "user", "content": content}]
+    if images:
+        raise InvalidArgument(message="images= goes with a prompt string; with messages, put images in the content")
+    if isinstance(messages, dict) or not isinstance(messages, Sequence):
+        raise InvalidArgument(
+            message=f"messages must be a list of dicts or a prompt string, not {type(messages).__name__}"
+        )
+    return messages
+
+
+def prepare(messages: Sequence[dict], store: ImageStore) -> Prepared:
+    if not messages:
+        raise InvalidArgument(message="messages is empty; give at least one message")
+    out: list[tuple[int, list[Part]]] = []
+    seen: dict[str, ImageRef] = {}
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidArgument(message=f"{where} is a {type(message).__name__}, not a dict with role and content")
+        role = ROLES.get(message.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise InvalidArgument(message=f"{where}.role={message.get('role')!r}; use one of {sorted(ROLES)}")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append((role, [content]))
+            continue
+        if not isinstance(content, Sequence):
+            raise InvalidArgument(message=f"{where}.content must be a string or a list of parts")
+        parts: list[Part] = []
+        for j, part in enumerate(content):
+            part_where = f"{where}.content[{j}]"
+            item = _part(part, part_where, store)
+            if isinstance(item, ImageRef):
+                # Keep the first reference that carries bytes or a path, so later duplicates need no lookup.
+                known = seen.get(item.sha256)
+                if known is None or (known.data is None and known.path is None):
+                    seen[item.sha256] = item
+            parts.append(item)
+        out.append((role, parts))
+    return Prepared(out, list(seen.values()))
+
+
+def to_proto(
+    prepared: Prepared, by_hash: Callable[[ImageRef], bool], load: Callable[[ImageRef], bytes | None]
+) -> list[pb.ChatMessage]:
+    """`by_hash(ref)`: reference the upload; otherwise the bytes from `load(ref)` go inline."""
+    inline: dict[str, bytes] = {}
+    result = []
+    for role, parts in prepared.messages:
+        msg = pb.ChatMessage(role=role)
+        for part in parts:
+            if isinstance(part, str):
+                msg.content.add(text=part)
+            elif by_hash(part):
+                msg.content.add(image=pb.ImageInput(uploaded_sha256=part.sha256))
+            else:
+                data = inline.get(part.sha256)
+                if data is None:
+                    data = load(part)
+                    if data is None:
+                        raise NotFound(
+                            message=f"image sha256:{part.sha256} is not known to this client, so it cannot be sent "
+                            "inline; upload it with this client first or pass its bytes or path"
+                        )
+                    inline[part.sha256] = data
+                msg.content.add(image=pb.ImageInput(data=data))
+        result.append(msg)
+    return result
+
+
+def _part(part: Any, where: str, store: ImageStore) -> Part:
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict):
+        raise InvalidArgument(message=f"{where} is a {type(part).__name__}; parts are dicts with a 'type'")
+    kind = part.get("type")
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidArgument(message=f"{where}.text must be a string, got {type(text).__name__}")
+        return text
+    if kind == "image":
+        for key in ("image", "path", "url"):
+            if part.get(key) is not None:
+                return store.resolve(part[key], f"{where}.{key}")
+        raise InvalidArgument(message=f"{where}: an image part needs 'image' (or 'path' or 'url')")
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise InvalidArgument(message=f"{where}.image_url.url must be a string")
+        return store.resolve(url, f"{where}.image_url.url")
+    raise InvalidArgument(message=f"{where}.type={kind!r}; supported part types: 'text', 'image', 'image_url'")

@@ -1,0 +1,205 @@
+"""An in-process fake `Generation` server for testing code that uses the SDK (no model, no workers).
+
+    with FakeGenerationServer() as fake:
+        fake.fail("Generate", grpc.StatusCode.UNAVAILABLE, "restarting")  # the next Generate call fails
+        with Client(fake.target) as client:
+            client.generate("hi", max_tokens=4)
+        fake.requests[-1]  # the GenerateRequest it received
+
+Tokens are a deterministic function of the request (so equal requests get equal answers), one delta per token.
+Uploaded images are kept in memory; an unknown `uploaded_sha256` is answered with NOT_FOUND, as the real server does.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from mmcast.v1 import generation_pb2 as pb
+from mmcast.v1 import generation_pb2_grpc as pb_grpc
+from mmcast.v1 import logprob_pb2
+
+
+@dataclasses.dataclass
+class Fault:
+    code: grpc.StatusCode
+    message: str
+    after_tokens: int = 0  # tokens streamed before the abort (Generate only)
+    final_error: bool = False  # end with a final message of FINISH_REASON_ERROR instead of a status
+
+
+class FakeGenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, token_delay: float = 0.0) -> None:
+        self.lock = threading.Lock()
+        self.token_delay = token_delay  # seconds between streamed tokens
+        self.requests: list[pb.GenerateRequest] = []
+        self.uploads: list[str] = []  # sha256 of every completed upload, in order
+        self.upload_chunks: list[list[tuple[int, str]]] = []  # per upload: (chunk bytes, expected_sha256) per chunk
+        self.stored: dict[str, bytes] = {}
+        self.faults: dict[str, collections.deque[Fault]] = collections.defaultdict(collections.deque)
+        self.cancelled: list[str] = []  # request ids whose client went away mid-stream
+        self.active: set[str] = set()  # request ids being streamed now
+        self.metadata: list[tuple[tuple[str, str], ...]] = []
+
+    def fail(self, method: str, code: grpc.StatusCode, message: str, **kwargs) -> None:
+        """The next call of `method` fails with `code` (queue several for several calls)."""
+        with self.lock:
+            self.faults[method].append(Fault(code, message, **kwargs))
+
+    def _fault(self, method: str) -> Fault | None:
+        with self.lock:
+            queue = self.faults[method]
+            return queue.popleft() if queue else None
+
+    def _record(self, context) -> None:
+        with self.lock:
+            self.metadata.append(tuple((m.key, m.value) for m in context.invocation_metadata()))
+
+    @staticmethod
+    def tokens_for(request: pb.GenerateRequest) -> list[int]:
+        """The fake's answer: a function of the messages and sampling only (not the request id)."""
+        key = hashlib.sha256(b"".join(m.SerializeToString(deterministic=True) for m in request.messages))
+        key.update(str(request.sampling.seed).encode())
+        base = int.from_bytes(key.digest()[:4], "little")
+        return [(base + 7 * i) % 1000 for i in range(request.sampling.max_tokens)]
+
+    def Generate(self, request, context):
+        self._record(context)
+        with self.lock:
+            self.requests.append(request)
+        fault = self._fault("Generate")
+        if fault is not None and fault.after_tokens == 0 and not fault.final_error:
+            context.abort(fault.code, fault.message)
+        images = 0
+        for m, message in enumerate(request.messages):
+            for p, part in enumerate(message.content):
+                if part.WhichOneof("part") != "image":
+                    continue
+                images += 1
+                sha = part.image.uploaded_sha256
+                if part.image.WhichOneof("source") == "uploaded_sha256" and sha not in self.stored:
+                    context.abort(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"messages[{m}].content[{p}].image.uploaded_sha256={sha} is not stored; upload it again",
+                    )
+        request_id = request.request_id or "fake-assigned"
+        tokens = self.tokens_for(request)
+        with self.lock:
+            self.active.add(request_id)
+        try:
+            started = time.monotonic()
+            first = None
+            for i, token in enumerate(tokens):
+                if fault is not None and not fault.final_error and i == fault.after_tokens:
+                    context.abort(fault.code, fault.message)
+                if self.token_delay:
+                    time.sleep(self.token_delay)
+                if not context.is_active():
+                    with self.lock:
+                        self.cancelled.append(request_id)
+                    return
+                delta = pb.TokenDelta(token_ids=[token], text=f"t{token} ")
+                if request.sampling.return_logprobs:
+                    top = [logprob_pb2.TopLogprob(token_id=token, logprob=-0.5)][: request.sampling.logprobs]
+                    delta.logprobs.add(token_id=token, logprob=-0.5 - i / 100, top_logprobs=top)
+                first = first or time.monotonic()
+                yield pb.GenerateResponse(delta=delta)
+            final = pb.GenerateFinal(
+                finish_reason=pb.FINISH_REASON_LENGTH,
+                request_id=request_id,
+                usage=pb.Usage(
+                    prompt_tokens=sum(len(p.text) for m in request.messages for p in m.content) + 100 * images,
+                    completion_tokens=len(tokens),
+                    images=images,
+                    images_sent=images,
+                    payload_bytes_broadcast=1000 * images,
+                ),
+                timings=pb.Timings(
+                    time_to_first_token_seconds=(first or started) - started,
+                    total_seconds=time.monotonic() - started,
+                ),
+            )
+            if fault is not None and fault.final_error:
+                final.finish_reason = pb.FINISH_REASON_ERROR
+                final.error.grpc_code = fault.code.value[0]
+                final.error.message = fault.message
+            yield pb.GenerateResponse(final=final)
+        finally:
+            with self.lock:
+                self.active.discard(request_id)
+
+    def UploadImage(self, request_iterator, context):
+        self._record(context)
+        fault = self._fault("UploadImage")
+        if fault is not None:
+            context.abort(fault.code, fault.message)
+        chunks, expected, shape = [], "", []
+        for i, chunk in enumerate(request_iterator):
+            if i == 0:
+                expected = chunk.expected_sha256
+            chunks.append(chunk.data)
+            shape.append((len(chunk.data), chunk.expected_sha256))
+        data = b"".join(chunks)
+        sha = hashlib.sha256(data).hexdigest()
+        if expected and expected != sha:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected_sha256={expected} but the bytes hash to {sha}")
+        with self.lock:
+            present = sha in self.stored
+            self.stored[sha] = data
+            self.uploads.append(sha)
+            self.upload_chunks.append(shape)
+        return pb.UploadImageResponse(sha256=sha, byte_size=len(data), already_present=present)
+
+    def GetServerInfo(self, request, context):
+        self._record(context)
+        fault = self._fault("GetServerInfo")
+        if fault is not None:
+            context.abort(fault.code, fault.message)
+        return pb.ServerInfo(
+            model="fake",
+            model_fingerprint="0" * 64,
+            max_model_len=4096,
+            max_images_per_request=16,
+            max_image_pixels=1 << 22,
+            max_request_bytes=64 << 20,
+            max_upload_bytes=32 << 20,
+            transfer_mode="lazy",
+            tensor_parallel_size=1,
+            group_ready=True,
+        )
+
+
+class FakeGenerationServer:
+    """The fake servicer on a loopback port chosen by the OS; `with` starts and stops it."""
+
+    def __init__(self, token_delay: float = 0.0, max_workers: int = 16) -> None:
+        self.servicer = FakeGenerationServicer(token_delay)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        )
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.target = f"127.0.0.1:{self.port}"
+
+    def __getattr__(self, name):  # requests, uploads, fail(), ... of the servicer
+        return getattr(self.servicer, name)
+
+    def start(self) -> FakeGenerationServer:
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop(grace=None)
+
+    def __enter__(self) -> FakeGenerationServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,108 @@
+"""What the SDK returns: streamed deltas, the final result and the server's usage counters."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from mmcast.v1 import generation_pb2 as pb
+
+
+@dataclasses.dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float  # natural log
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # natural log of the generated token's probability
+    top_logprobs: tuple[TopLogprob, ...] = ()  # most likely first; as many as `logprobs=` asked for
+
+    @classmethod
+    def from_proto(cls, msg: pb.TokenLogprob) -> TokenLogprob:
+        return cls(msg.token_id, msg.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in msg.top_logprobs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """Tokens produced since the previous delta of a stream."""
+
+    token_ids: tuple[int, ...]
+    text: str  # may lag a token at multi-byte boundaries; the deltas' texts concatenate to Result.text
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when return_logprobs=True
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """The server's per-request counters (mmcast.v1.Usage); item counts are deliveries summed over ranks."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    images: int = 0  # images in the prompt
+    images_sent: int = 0  # deliveries with payload
+    images_stripped: int = 0  # deliveries whose payload the prefix cache made unnecessary
+    images_rank_cached: int = 0  # deliveries the ranks already held
+    payload_bytes_broadcast: int = 0  # payload bytes written to the ranks for this request
+    payload_bytes_saved: int = 0  # bytes the `full` transfer mode would have written in addition
+    preemptions: int = 0
+
+    @property
+    def payload_bytes_full(self) -> int:
+        """What `full` would have broadcast for this request: broadcast + saved."""
+        return self.payload_bytes_broadcast + self.payload_bytes_saved
+
+    @classmethod
+    def from_proto(cls, msg: pb.Usage) -> Usage:
+        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_UNSPECIFIED: "unspecified",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+    pb.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One finished generation."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...]  # empty unless return_logprobs=True
+    finish_reason: str  # "stop" | "length" | "cancelled" (the server aborted it); errors raise instead
+    usage: Usage
+    stop_reason: str = ""  # the stop string or token that ended generation, if any
+    server_ttft_seconds: float = 0.0  # on the server: request received -> first token sent
+    server_total_seconds: float = 0.0
+    queue_seconds: float = 0.0  # on the server: request received -> first scheduled
+    ttft_seconds: float = 0.0  # on the client: generate() called (uploads included) -> first token received
+    total_seconds: float = 0.0  # on the client: generate() called -> final message received
+
+
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with jitter between retries: attempt n (0-based) waits about initial * multiplier**n."""
+
+    initial: float = 0.1  # seconds before the first retry
+    maximum: float = 2.0  # cap on one wait, seconds
+    multiplier: float = 2.0
+    jitter: float = 0.2  # each wait is scaled by a uniform factor in [1 - jitter, 1 + jitter]
+
+    def __post_init__(self) -> None:
+        if self.initial < 0 or self.maximum < 0:
+            raise ValueError(f"backoff initial={self.initial} and maximum={self.maximum} must be >= 0 seconds")
+        if self.multiplier < 1:
+            raise ValueError(f"backoff multiplier={self.multiplier} must be >= 1")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"backoff jitter={self.jitter} must be in [0, 1]")
+
+    def delay(self, attempt: int) -> float:
+        base = min(self.maximum, self.initial * self.multiplier**attempt)
+        return base * random.uniform(1 - self.jitter, 1 + self.jitter)  # noqa: S311 - jitter, not crypto
