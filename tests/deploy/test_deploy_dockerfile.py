@@ -1,0 +1,134 @@
+"""The Dockerfile (no docker engine here): hadolint, a non-root user, real entry points, real COPY sources."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shlex
+import tomllib
+
+from tests.deploy.deploy_tools import ROOT, run, tool
+
+DOCKERFILE = ROOT / "Dockerfile"
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296",
+              "MALLOC_TOP_PAD_": "67108864"}
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out, current = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        stripped = line.strip()
+        if not current and (not stripped or stripped.startswith("#")):
+            continue
+        if current and stripped.startswith("#"):
+            continue
+        current += " " + stripped.removesuffix("\\") if current else stripped.removesuffix("\\")
+        if not stripped.endswith("\\"):
+            word, _, rest = current.partition(" ")
+            out.append((word.upper(), rest.strip()))
+            current = ""
+    return out
+
+
+def _stages() -> list[list[tuple[str, str]]]:
+    stages = []
+    for ins in _instructions():
+        if ins[0] == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append(ins)
+    return stages
+
+
+def _env(args: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in shlex.split(args))
+
+
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_hadolint():
+    run([tool("hadolint"), "--failure-threshold", "warning", str(DOCKERFILE)])
+
+
+def test_multi_stage_builds_the_wheel_and_installs_it():
+    builder, runtime = _stages()
+    assert "AS builder" in builder[0][1]
+    assert any(i == "RUN" and "pip wheel" in a for i, a in builder)
+    assert runtime[0][1].startswith("${BASE_IMAGE}")
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for i, a in _instructions() if i == "ARG" and "=" in a}
+    assert args["BASE_IMAGE"] == "python:3.11-slim"
+    run_lines = " ".join(a for i, a in runtime if i == "RUN")
+    assert "[serve]" in run_lines
+    serve_torch = [d for d in _project()["optional-dependencies"]["serve"] if d.startswith("torch")]
+    assert serve_torch == ["torch==2.13.0"] and '"torch==2.13.0"' in run_lines
+    assert any(i == "COPY" and a.startswith("--from=builder") for i, a in runtime)
+
+
+def test_runs_as_non_root():
+    runtime = _stages()[-1]
+    users = [a for i, a in runtime if i == "USER"]
+    assert users, "the runtime stage must set USER"
+    user = users[-1].split(":")[0]
+    assert user not in {"root", "0"} and user.isdigit() and int(user) >= 1000, \
+        "numeric non-root uid, so Kubernetes' runAsNonRoot can verify it"
+    assert any("useradd" in a and f"--uid {user}" in a for i, a in runtime if i == "RUN")
+
+
+def test_allocator_environment():
+    env = {}
+    for i, a in _stages()[-1]:
+        if i == "ENV":
+            env.update(_env(a))
+    for key, value in MALLOC_ENV.items():
+        assert env.get(key) == value, key
+
+
+def test_entry_points_exist_in_pyproject():
+    scripts = _project()["scripts"]
+    assert {"mmcast", "mmcast-scheduler", "mmcast-worker"} <= scripts.keys()
+    runtime = _stages()[-1]
+    entrypoint = [a for i, a in runtime if i == "ENTRYPOINT"]
+    cmd = [a for i, a in runtime if i == "CMD"]
+    assert entrypoint == ["[]"], "the command names the role; no wrapper"
+    (cmd_args,) = cmd
+    executable = re.findall(r'"([^"]+)"', cmd_args)[0]
+    assert executable in scripts
+
+
+def _dockerignore_excludes(path: str) -> bool:
+    """Docker's rule: the last matching pattern wins; a pattern that matches a parent folder matches the path."""
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.strip().startswith("#")]
+    excluded = False
+    parts = path.split("/")
+    candidates = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pat = pattern.lstrip("!").rstrip("/")
+        if any(fnmatch.fnmatch(c, pat) or (pat.startswith("**/") and fnmatch.fnmatch(c.split("/")[-1], pat[3:]))
+               for c in candidates):
+            excluded = not negate
+    return excluded
+
+
+def test_copy_sources_exist_and_reach_the_build():
+    for instruction, args in _instructions():
+        if instruction not in ("COPY", "ADD") or "--from=" in args:
+            continue
+        *sources, _dest = [a for a in shlex.split(args) if not a.startswith("--")]
+        for source in sources:
+            assert (ROOT / source).exists(), f"COPY source {source} does not exist"
+    # `COPY . .` sends what .dockerignore keeps: it must keep pyproject.toml and every package of the wheel.
+    assert not _dockerignore_excludes("pyproject.toml")
+    includes = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = [p.name for p in ROOT.iterdir() if p.is_dir() and any(fnmatch.fnmatch(p.name, i) for i in includes)
+                and not p.name.endswith(".egg-info")]
+    assert packages
+    for pkg in packages:
+        assert not _dockerignore_excludes(f"{pkg}/__init__.py"), f".dockerignore drops package {pkg}"
+    for heavy in (".venv/bin/python", ".git/HEAD", "tests/deploy/test_deploy_dockerfile.py", ".tools/bin/helm",
+                  "mmcast/__pycache__/x.pyc"):
+        assert _dockerignore_excludes(heavy), f"{heavy} would be sent to the docker build"
