@@ -1,0 +1,406 @@
+"""One scheduler and an N-rank worker group as local processes on loopback, supervised.
+
+    with LocalGroup(model_dir, tp=2, transfer_mode="lazy") as group:   # start() + wait_ready()
+        with Client(group.target) as client:
+            ...
+        group.metrics_urls  # {"scheduler": "http://127.0.0.1:Q/metrics", "rank0": ..., ...}
+
+Supervision: if any rank exits, every rank is stopped and the whole group restarted with a fresh
+torch.distributed port (the ranks keep their gRPC ports, so the scheduler reconnects by itself); if the scheduler
+exits, it alone is restarted. After `max_restarts` restarts within `restart_window_seconds` the group is given up
+(`failure` says why). Every child runs in its own process group with PR_SET_PDEATHSIG, so none outlives the
+supervisor, even one killed with SIGKILL; all spawning happens on one long-lived supervisor thread because the
+kernel ties PDEATHSIG to the thread that forked the child.
+
+Needs the `serve` extra (the services and grpcio-health-checking); the SDK itself does not import this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+from common.process import ALLOCATOR_ENV
+
+log = logging.getLogger("mmcast.local_group")
+
+TRANSFER_MODES = ("full", "strip", "lazy")
+GENERATION_SERVICE = "mmcast.v1.Generation"
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls into it
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports the OS reports free now (all sockets held open until all are chosen)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _command(script: str, module: str) -> list[str]:
+    """$MMCAST_<SCRIPT>_COMMAND (shell words) if set, else the console script installed beside this interpreter,
+    else `python -m module`."""
+    override = os.environ.get("MMCAST_" + script.removeprefix("mmcast-").upper() + "_COMMAND")
+    if override:
+        return shlex.split(override)
+    beside = pathlib.Path(sys.executable).parent / script
+    if beside.exists():
+        return [str(beside)]
+    return [sys.executable, "-m", module]
+
+
+def _child_setup(parent_pid: int) -> None:  # runs in the child between fork and exec
+    os.setpgid(0, 0)
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+@dataclasses.dataclass
+class _Child:
+    name: str  # "scheduler" or "rank<r>"
+    argv: list[str]
+    log_path: pathlib.Path
+    process: subprocess.Popen | None = None
+
+
+class LocalGroup:
+    """A supervised local mmcast deployment; see the module docstring."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        tp: int = 1,
+        transfer_mode: str = "lazy",
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        metrics_port_base: int | None = None,
+        kv_blocks: int | None = None,
+        scheduler_args: Sequence[str] = (),
+        worker_args: Sequence[str] = (),
+        log_dir: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 180.0,
+        grace_seconds: float = 5.0,
+        max_restarts: int = 5,
+        restart_window_seconds: float = 300.0,
+        scheduler_command: Sequence[str] | None = None,
+        worker_command: Sequence[str] | None = None,
+    ) -> None:
+        """`scheduler_command` / `worker_command`: the program to run instead of the installed `mmcast-scheduler`
+        / `mmcast-worker` (e.g. under a profiler, or a stand-in in tests); the flags are appended to it. The
+        environment variables MMCAST_SCHEDULER_COMMAND / MMCAST_WORKER_COMMAND do the same for serve-local."""
+        if tp < 1:
+            raise ValueError(f"tp={tp} must be >= 1")
+        if transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"transfer_mode={transfer_mode!r}; choose one of {TRANSFER_MODES}")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port={port} must be in [0, 65535] (0 picks a free one)")
+        if metrics_port_base is not None and not 1 <= metrics_port_base <= 65535 - tp:
+            raise ValueError(f"metrics_port_base={metrics_port_base} must be in [1, {65535 - tp}]")
+        self.model_dir = str(model_dir)
+        self.tp = tp
+        self.transfer_mode = transfer_mode
+        self.host = host
+        self.kv_blocks = kv_blocks
+        self.scheduler_args = list(scheduler_args)
+        self.worker_args = list(worker_args)
+        self.ready_timeout = ready_timeout
+        self.grace_seconds = grace_seconds
+        self.max_restarts = max_restarts
+        self.restart_window_seconds = restart_window_seconds
+        self.scheduler_command = list(scheduler_command or _command("mmcast-scheduler", "scheduler_svc.main"))
+        self.worker_command = list(worker_command or _command("mmcast-worker", "worker_svc.main"))
+        self._own_log_dir = log_dir is None
+        self.log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="mmcast-local-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+        # Ports: fixed for the life of the group so the scheduler can always reconnect to the same addresses.
+        n_free = (port == 0) + tp + (0 if metrics_port_base else 1 + tp)
+        spare = free_ports(n_free, host)
+        self.port = port or spare.pop()
+        self.worker_ports = [spare.pop() for _ in range(tp)]
+        if metrics_port_base:
+            self.metrics_ports = [metrics_port_base + i for i in range(1 + tp)]  # scheduler, rank0, rank1, ...
+        else:
+            self.metrics_ports = [spare.pop() for _ in range(1 + tp)]
+        self.env = dict(os.environ if env is None else env)
+        self.env.update(ALLOCATOR_ENV)
+        self.env.update({"MMCAST_ALLOCATOR_ENV_SET": "1", "PYTHONUNBUFFERED": "1"})
+
+        self.dist_port: int | None = None  # torch.distributed rendezvous port of the current worker group
+        self.generation = 0  # incremented on every (re)start of the worker group
+        self.restarts = 0  # restarts of the worker group or the scheduler after an exit
+        self.failure: str | None = None  # set when the supervisor gave up
+        self._restart_times: list[float] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.scheduler = _Child("scheduler", self._scheduler_argv(), self.log_dir / "scheduler.log")
+        self.workers = [_Child(f"rank{r}", [], self.log_dir / f"rank{r}.log") for r in range(tp)]
+
+    # -- addresses -------------------------------------------------------------------------------------------------
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def worker_targets(self) -> list[str]:
+        return [f"{self.host}:{p}" for p in self.worker_ports]
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        names = ["scheduler"] + [f"rank{r}" for r in range(self.tp)]
+        return {name: f"http://{self.host}:{p}/metrics" for name, p in zip(names, self.metrics_ports, strict=True)}
+
+    def pids(self) -> dict[str, int | None]:
+        with self._lock:
+            return {c.name: (c.process.pid if c.process else None) for c in [self.scheduler, *self.workers]}
+
+    def describe(self) -> dict:
+        """What serve-local prints on its READY line."""
+        return {
+            "target": self.target,
+            "workers": self.worker_targets,
+            "metrics": self.metrics_urls,
+            "pids": self.pids(),
+            "tp": self.tp,
+            "transfer_mode": self.transfer_mode,
+            "model": self.model_dir,
+            "log_dir": str(self.log_dir),
+        }
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def start(self) -> LocalGroup:
+        if self._thread is not None:
+            raise RuntimeError("LocalGroup.start() was already called")
+        self._thread = threading.Thread(target=self._supervise, name="mmcast-local-group", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self.stop()
+            raise self._start_error
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Blocks until the scheduler's `mmcast.v1.Generation` health is SERVING (every rank handshaken)."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        timeout = self.ready_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if self.failure:
+                    raise RuntimeError(f"the local group failed: {self.failure}\n{self.log_tails()}")
+                if self._stopping.is_set():
+                    raise RuntimeError("the local group was stopped while waiting for readiness")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass  # not listening yet, or the service is not registered yet
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the local group at {self.target} was not ready after {timeout:.0f} s\n{self.log_tails()}"
+                    )
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Stops every process (SIGTERM to each process group, SIGKILL after `grace_seconds`); idempotent."""
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._terminate([self.scheduler, *self.workers])  # no-op when the supervisor already did it
+        if self._own_log_dir and os.environ.get("MMCAST_KEEP_LOGS") != "1":
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalGroup:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> int:
+        """Sends `sig` to rank `rank`; returns the generation it belonged to (see `wait_restarted`)."""
+        with self._lock:
+            process = self.workers[rank].process
+            generation = self.generation
+        if process is None or process.poll() is not None:
+            raise RuntimeError(f"rank {rank} is not running")
+        process.send_signal(sig)
+        return generation
+
+    def wait_restarted(self, after_generation: int, timeout: float | None = None) -> None:
+        """Blocks until the worker group has been restarted after `after_generation`, then until it is ready."""
+        timeout = self.ready_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while self.generation <= after_generation:
+            if self.failure:
+                raise RuntimeError(f"the local group failed: {self.failure}\n{self.log_tails()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the worker group was not restarted within {timeout:.0f} s")
+            time.sleep(0.05)
+        self.wait_ready(max(1.0, deadline - time.monotonic()))
+
+    def log_tails(self, lines: int = 15) -> str:
+        out = []
+        for child in [self.scheduler, *self.workers]:
+            try:
+                text = child.log_path.read_text(errors="replace").splitlines()[-lines:]
+            except FileNotFoundError:
+                continue
+            out.append(f"--- {child.log_path} (last {len(text)} lines)\n" + "\n".join(text))
+        return "\n".join(out)
+
+    # -- supervision (all on the supervisor thread) ----------------------------------------------------------------
+    def _supervise(self) -> None:
+        try:
+            self._start_workers()
+            self._spawn(self.scheduler)
+        except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
+            self._start_error = e
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            while not self._stopping.wait(0.2):
+                dead = [c for c in self.workers if c.process is not None and c.process.poll() is not None]
+                if dead:
+                    codes = ", ".join(f"{c.name} exit {c.process.returncode}" for c in dead)
+                    if not self._may_restart(f"worker group ({codes})"):
+                        break
+                    self._terminate(self.workers, grace=min(self.grace_seconds, 2.0))
+                    self._start_workers()
+                if self.scheduler.process is not None and self.scheduler.process.poll() is not None:
+                    code = self.scheduler.process.returncode
+                    if not self._may_restart(f"scheduler (exit {code})"):
+                        break
+                    self._spawn(self.scheduler)
+        finally:
+            self._terminate([self.scheduler, *self.workers])
+
+    def _may_restart(self, what: str) -> bool:
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < self.restart_window_seconds]
+        if len(self._restart_times) >= self.max_restarts:
+            self.failure = (
+                f"{what} exited; gave up after {self.max_restarts} restarts within {self.restart_window_seconds:.0f} s"
+            )
+            log.error(self.failure)
+            return False
+        self._restart_times.append(now)
+        self.restarts += 1
+        log.warning("restarting the %s", what)
+        return True
+
+    def _start_workers(self) -> None:
+        # A fresh rendezvous port: a rank of the old group still in TIME_WAIT or a late peer must not join it.
+        dist_port = self.dist_port
+        while dist_port == self.dist_port:
+            (dist_port,) = free_ports(1, self.host)
+        self.dist_port = dist_port
+        for r, child in enumerate(self.workers):
+            child.argv = self._worker_argv(r, dist_port)
+            self._spawn(child)
+        with self._lock:
+            self.generation += 1
+
+    def _worker_argv(self, rank: int, dist_port: int) -> list[str]:
+        argv = [
+            *self.worker_command,
+            "--rank", str(rank),
+            "--world-size", str(self.tp),
+            "--listen", f"{self.host}:{self.worker_ports[rank]}",
+            "--dist-init", f"tcp://{self.host}:{dist_port}",
+            "--model", self.model_dir,
+            "--metrics-port", str(self.metrics_ports[1 + rank]),
+        ]  # fmt: skip
+        if self.kv_blocks is not None:
+            argv += ["--kv-blocks", str(self.kv_blocks)]
+        return argv + self.worker_args
+
+    def _scheduler_argv(self) -> list[str]:
+        return [
+            *self.scheduler_command,
+            "--listen", self.target,
+            "--metrics-port", str(self.metrics_ports[0]),
+            "--workers", ",".join(self.worker_targets),
+            "--model", self.model_dir,
+            "--transfer-mode", self.transfer_mode,
+            *self.scheduler_args,
+        ]  # fmt: skip
+
+    def _spawn(self, child: _Child) -> None:
+        with open(child.log_path, "ab") as logf:
+            logf.write(f"=== {time.strftime('%H:%M:%S')} start: {' '.join(child.argv)}\n".encode())
+            logf.flush()
+            process = subprocess.Popen(
+                child.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                preexec_fn=lambda pid=os.getpid(): _child_setup(pid),  # noqa: PLW1509 - see module docstring
+                close_fds=True,
+            )
+        with self._lock:
+            child.process = process
+
+    def _terminate(self, children: Sequence[_Child], grace: float | None = None) -> None:
+        """SIGTERM to each child's process group, then SIGKILL to the groups still alive after `grace`."""
+        grace = self.grace_seconds if grace is None else grace
+        running = [c.process for c in children if c.process is not None]
+        for p in running:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in running:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in running:
+            # The group may outlive its leader (a child of the child): SIGKILL it whether or not the leader exited.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+
+
+def ready_line(group: LocalGroup) -> str:
+    """The machine-readable line serve-local prints once the group is ready."""
+    return "READY " + json.dumps(group.describe(), sort_keys=True)
