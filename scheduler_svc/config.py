@@ -1,0 +1,146 @@
+"""Configuration of the scheduler process: one dataclass, validated on construction.
+
+Every field carries ``metadata={"help": ...}`` (and, where a range applies, ``"min"``/``"max"``), so the command
+line (``--kv-blocks``, ...) and the environment (``MMCAST_KV_BLOCKS``, ...) can be generated from the fields alone.
+A value of 0 for a cache budget means "take it from the ranks' handshake" (the minimum over the group); see
+``SchedulerConfig.effective`` for how configured and handshake values combine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+TRANSFER_MODES = ("full", "strip", "lazy")
+_INT_MAX = 2**63 - 1
+
+
+def _field(default: Any, help: str, *, min: float | None = None, max: float | None = None, choices=None) -> Any:
+    meta: dict[str, Any] = {"help": help}
+    if min is not None:
+        meta["min"] = min
+    if max is not None:
+        meta["max"] = max
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """Settings of the scheduler core (frontend, prefix cache, step builder) and of the service around it."""
+
+    # --- model and limits on requests -------------------------------------------------------------------------
+    model: str = _field("", "model folder (config, weights, tokenizer, processor); the ranks must load the same one")
+    max_model_len: int = _field(
+        0, "context length: prompt + max_tokens must fit (0 = the model config's, capped by the ranks')", min=0
+    )
+    max_tokens_limit: int = _field(0, "largest sampling.max_tokens a request may ask for (0 = up to the context)", min=0)
+    max_logprobs: int = _field(20, "largest sampling.logprobs (top alternatives per token) a request may ask for",
+                               min=0, max=1024)
+    max_images_per_request: int = _field(64, "images one request may contain", min=0, max=100_000)
+    max_image_pixels: int = _field(
+        33_554_432, "width * height of one image, checked on the header before decoding (decompression bombs)",
+        min=1, max=2**40,
+    )
+    max_upload_bytes: int = _field(32 << 20, "bytes of one encoded image (inline or uploaded)", min=1, max=_INT_MAX)
+    max_request_bytes: int = _field(
+        64 << 20, "bytes of one serialized GenerateRequest (also the gRPC receive limit)", min=1024, max=2**31 - 1
+    )
+
+    # --- caches -------------------------------------------------------------------------------------------------
+    processor_cache_bytes: int = _field(
+        1 << 30, "bytes of processed images kept so an image seen before is neither decoded, processed nor hashed",
+        min=0, max=_INT_MAX,
+    )
+    upload_store_bytes: int = _field(256 << 20, "bytes of uploaded encoded images kept for reference by hash",
+                                     min=0, max=_INT_MAX)
+    block_size: int = _field(16, "tokens per KV block (prefix-cache granularity); must equal the ranks'",
+                             min=1, max=1024)
+    kv_blocks: int = _field(0, "KV blocks to use (0 = the ranks' pool size; never more than it)", min=0, max=2**31 - 1)
+    encoder_cache_tokens: int = _field(
+        0, "encoder-output rows the ranks hold and one step may encode (0 = the ranks' budget; never more)",
+        min=0, max=_INT_MAX,
+    )
+    payload_cache_bytes: int = _field(
+        0, "payload bytes each rank holds (0 = the ranks' budget; never more)", min=0, max=_INT_MAX
+    )
+
+    # --- batching ---------------------------------------------------------------------------------------------
+    max_num_batched_tokens: int = _field(8192, "tokens computed in one step over all requests (chunked prefill)",
+                                         min=1, max=2**31 - 1)
+    max_num_seqs: int = _field(64, "requests running at once", min=1, max=65536)
+    max_waiting: int = _field(256, "requests queued before admission; more get RESOURCE_EXHAUSTED", min=0,
+                              max=1_000_000)
+
+    # --- wire ---------------------------------------------------------------------------------------------------
+    transfer_mode: str = _field(
+        "lazy", "which payloads go to the ranks: full (all at admission), strip (uncovered at admission), "
+        "lazy (in the step that encodes them, only to ranks lacking them)", choices=TRANSFER_MODES,
+    )
+    chunk_size_bytes: int = _field(1 << 20, "bytes per payload chunk on the step streams", min=1, max=64 << 20)
+
+    # --- service --------------------------------------------------------------------------------------------------
+    listen: str = _field("[::]:50051", "address the client API listens on (HOST:PORT; port 0 picks one)")
+    metrics_port: int = _field(9400, "port of the Prometheus /metrics endpoint (0 = disabled)", min=0, max=65535)
+    workers: list = _field([], "worker rank addresses HOST:PORT, ordered by rank (comma separated on the CLI)")
+    scheduler_id: str = _field("mmcast-scheduler", "name sent in the handshake; ranks may accept only this name")
+    group_deadline_seconds: float = _field(
+        60.0, "how long requests wait for a lost worker group to return before failing with UNAVAILABLE",
+        min=0.0, max=86400.0,
+    )
+    drain_seconds: float = _field(30.0, "grace period for in-flight requests on shutdown", min=0.0, max=86400.0)
+    keepalive_seconds: float = _field(10.0, "idle time before a keepalive on a rank stream; two missed = lost",
+                                      min=0.1, max=3600.0)
+    reconnect_backoff_initial_seconds: float = _field(0.2, "first delay between reconnect attempts to a rank",
+                                                      min=0.001, max=3600.0)
+    reconnect_backoff_max_seconds: float = _field(5.0, "largest delay between reconnect attempts (doubling)",
+                                                  min=0.001, max=3600.0)
+    log_level: str = _field("INFO", "log level of the JSON logs", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            meta = f.metadata
+            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{f.name}={value!r} must be an integer")
+            if f.type in ("float", float):
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"{f.name}={value!r} must be a number")
+                value = float(value)
+                setattr(self, f.name, value)
+            lo, hi = meta.get("min"), meta.get("max")
+            if (lo is not None and value < lo) or (hi is not None and value > hi):
+                raise ValueError(f"{f.name}={value!r} is out of range; allowed [{lo}, {hi if hi is not None else 'inf'}]")
+            if "choices" in meta and value not in meta["choices"]:
+                raise ValueError(f"{f.name}={value!r} is not allowed; choose one of {', '.join(meta['choices'])}")
+        if isinstance(self.workers, str):
+            self.workers = [w.strip() for w in self.workers.split(",") if w.strip()]
+        for i, address in enumerate(self.workers):
+            if not isinstance(address, str) or ":" not in address or not address.rsplit(":", 1)[1].isdigit():
+                raise ValueError(f"workers[{i}]={address!r} must be HOST:PORT")
+        if self.reconnect_backoff_max_seconds < self.reconnect_backoff_initial_seconds:
+            raise ValueError(
+                f"reconnect_backoff_max_seconds={self.reconnect_backoff_max_seconds} must be >= "
+                f"reconnect_backoff_initial_seconds={self.reconnect_backoff_initial_seconds}"
+            )
+
+    @staticmethod
+    def effective(configured: int, from_ranks: int, name: str) -> int:
+        """The budget to use: the ranks' value when the setting is 0, else the setting, which may not exceed it."""
+        if configured == 0:
+            if from_ranks <= 0:
+                raise ValueError(f"{name}=0 takes the ranks' value, but the ranks reported {from_ranks}")
+            return from_ranks
+        if from_ranks > 0 and configured > from_ranks:
+            raise ValueError(
+                f"{name}={configured} exceeds what the ranks reported ({from_ranks}); lower --{name.replace('_', '-')}"
+            )
+        return configured
+
+    @classmethod
+    def help_texts(cls) -> dict[str, str]:
+        """Field name -> one-line help, for generated command lines."""
+        return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}

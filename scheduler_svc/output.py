@@ -1,0 +1,146 @@
+"""Everything the scheduler core hands to the service: one ``StepPlan`` per step and ``RequestUpdate``s after it.
+
+The plain dataclasses here mirror ``mmcast.v1.worker_pb2.StepControl`` field for field; ``scheduler_svc.wire``
+converts them once per step into the control message, whose bytes are identical for every rank. Payload frames
+are per rank (``StepPlan.rank_payloads``) and must precede the control on that rank's stream.
+
+Caching contract (what the ranks keep between steps, so the plan only carries deltas):
+- a rank holds every running request's tokens, block table and computed-token count; ``RunningRequestData``
+  carries only what changed;
+- a rank holds every payload it received until a control lists its identifier in ``evict_payload_ids``, and every
+  encoder output until ``evict_encoder_ids`` lists it (or ``reset_caches`` is set). The scheduler mirrors both
+  caches and never evicts anything a step still needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from common.ids import ItemId, RequestId
+from common.multimodal import MultiModalFeatureSpec
+from scheduler_svc.request import FinishReason, Request, RequestUsage, SamplingParams
+
+
+def payload_nbytes(feature: MultiModalFeatureSpec) -> int:
+    """Bytes of an item's heavy fields (those ``full`` would send)."""
+    if feature.payload_nbytes:
+        return feature.payload_nbytes
+    return feature.data.payload_nbytes() if feature.data is not None else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PayloadSend:
+    """One item whose payload frames go to a rank before this step's control."""
+
+    identifier: ItemId  # PayloadFrame.item_identifier of every frame of the item
+    feature: MultiModalFeatureSpec  # the scheduler's full feature: its non-keep_on_cpu fields are the payload
+    request_id: RequestId  # the request the payload is sent for (per-request byte accounting)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload tensor bytes (frame overhead excluded)."""
+        return payload_nbytes(self.feature)
+
+
+@dataclasses.dataclass
+class NewRequestData:
+    """A request the ranks do not hold yet: first admission, or resumption after preemption or recovery."""
+
+    request_id: RequestId
+    prompt_token_ids: list[int]  # the whole known sequence: prompt + tokens generated so far
+    mm_items: list[MultiModalFeatureSpec]  # wire copies, ordered by position, payload_state set for the ranks
+    sampling: SamplingParams
+    block_ids: list[int]  # the request's whole block table (prefix hits first)
+    num_computed_tokens: int  # prefix-hit tokens, block aligned; the ranks gather their KV on admission
+    num_scheduled_tokens: int  # tokens to compute this step, from num_computed_tokens on
+    num_output_tokens: int  # of prompt_token_ids, how many were generated (seeds the sampling index)
+
+
+@dataclasses.dataclass
+class RunningRequestData:
+    """Delta of a request the ranks already hold."""
+
+    request_id: RequestId
+    new_token_ids: list[int]  # tokens sampled since the ranks were last told (rank 0 knows them; others not)
+    new_block_ids: list[int]  # blocks appended to the table this step
+    num_computed_tokens: int  # tokens computed before this step; equals the rank's own count
+    num_scheduled_tokens: int  # tokens to compute this step
+
+
+@dataclasses.dataclass
+class ItemAccounting:
+    """Per-request increments of one step; item counts are summed over ranks (one per item per rank)."""
+
+    sent: int = 0  # item deliveries whose payload travels (at admission in full/strip, when encoded in lazy)
+    stripped: int = 0  # item deliveries whose payload was prefix-covered at admission
+    rank_cached: int = 0  # lazy: deliveries the rank already held (payload, or encoder output so no encoding)
+    abandoned: int = 0  # lazy: deferred deliveries never needed (the request left before reaching the item)
+    payload_bytes_sent: int = 0  # payload tensor bytes selected for the ranks (frame overhead excluded)
+    bytes_saved_prefix_covered: int = 0  # payload bytes full would have sent for stripped deliveries
+    bytes_saved_rank_cached: int = 0  # payload bytes full would have sent for rank_cached deliveries
+
+    def add(self, other: ItemAccounting) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def add_to_usage(self, usage: RequestUsage) -> None:
+        usage.items_sent += self.sent
+        usage.items_stripped += self.stripped
+        usage.items_rank_cached += self.rank_cached
+        usage.items_abandoned += self.abandoned
+        usage.payload_bytes_sent += self.payload_bytes_sent
+        usage.payload_bytes_saved_prefix_covered += self.bytes_saved_prefix_covered
+        usage.payload_bytes_saved_rank_cached += self.bytes_saved_rank_cached
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step for the whole group. Send ``rank_payloads[r]`` frames then ``control`` to rank r, for every r;
+    wait for every rank's StepResult; pass rank 0's sampled tokens to ``Scheduler.update_from_output``."""
+
+    step_id: int  # strictly increasing, never reused (also across recoveries)
+    new_requests: list[NewRequestData]  # admitted or resumed this step, in admission order
+    running: list[RunningRequestData]  # deltas of scheduled requests the ranks already hold
+    finished_request_ids: list[RequestId]  # ranks drop their state: finished, cancelled or preempted (requeued)
+    preempted_request_ids: list[RequestId]  # the subset of finished_request_ids preempted by this step
+    encoder_inputs: list[ItemId]  # items every rank encodes this step (each payload held by every rank)
+    evict_payload_ids: list[ItemId]  # every rank drops these payloads (none is used or sent this step)
+    evict_encoder_ids: list[ItemId]  # every rank drops these encoder outputs (none is used this step)
+    reset_caches: bool  # first step after a recovery: ranks drop every payload and encoder output first
+    num_scheduled_tokens: dict[RequestId, int]  # request -> tokens computed this step; sum <= max_num_batched_tokens
+    sampling_request_ids: list[RequestId]  # requests whose scheduled tokens reach their end: rank 0 samples one each
+    rank_payloads: list[list[PayloadSend]]  # per rank: items whose payload frames precede the control (each id once)
+    accounting: dict[RequestId, ItemAccounting]  # per-request item/byte increments decided by this step
+    items_examined: int  # items the step builder looked at: window overlaps + items of admitted requests
+    control: Any = None  # mmcast.v1.worker_pb2.StepControl built from the fields above; identical for every rank
+    scheduled: list[tuple[Request, int]] = dataclasses.field(default_factory=list, repr=False)  # core bookkeeping
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_housekeeping(self) -> bool:
+        """True when the step computes nothing (only finishes, evictions or a cache reset to tell the ranks)."""
+        return not self.num_scheduled_tokens
+
+    def totals(self) -> ItemAccounting:
+        """Accounting summed over requests (what the metrics add)."""
+        out = ItemAccounting()
+        for acc in self.accounting.values():
+            out.add(acc)
+        return out
+
+
+@dataclasses.dataclass
+class RequestUpdate:
+    """What a step (or a service-side stop) changed for one request."""
+
+    request_id: RequestId
+    new_token_ids: list[int]  # tokens generated by this step, in order (at most one per step)
+    logprobs: list[tuple[float, Any]] | None  # per new token (logprob, top_logprobs) when the request asked for them
+    finished: FinishReason | None = None  # set when the request ended; the scheduler holds nothing of it any more
+    stop_token_id: int | None = None  # the EOS/stop token that ended it (it is included in new_token_ids)
+    usage: RequestUsage | None = None  # cumulative accounting; set when finished
+    error: str | None = None  # why it failed (finished == ERROR), naming the limit

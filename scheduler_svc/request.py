@@ -1,0 +1,150 @@
+"""A generation request as the scheduler core holds it: its tokens, its items, its sampling parameters and the
+state the step builder keeps for it (computed tokens, blocks, what the ranks have been told, item cursors).
+
+The scheduler's own request always keeps the full features (with payload); wire copies are made per admission.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Sequence
+
+from common.errors import InvalidArgument
+from common.ids import BlockHash, RequestId
+from common.multimodal import MultiModalFeatureSpec
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended (mirrors ``mmcast.v1.FinishReason``)."""
+
+    STOP = "stop"  # end-of-sequence token, stop token, or (service side) stop string
+    LENGTH = "length"  # max_tokens reached, or the context is full
+    CANCELLED = "cancelled"  # the client or the server aborted it
+    ERROR = "error"  # failed (e.g. the worker group did not return in time)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; the ranks hold nothing of it
+    RUNNING = "running"  # the ranks hold its state (admitted and not finished/preempted)
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """What the scheduler and the ranks need of a request's sampling (stop strings are the service's)."""
+
+    max_tokens: int = 16  # tokens to generate at most, >= 1
+    temperature: float = 0.0  # 0 = greedy; [0, 2]
+    top_p: float = 1.0  # (0, 1]
+    seed: int = 0  # draws for token i come from a generator seeded by (seed, i)
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end generation (besides EOS)
+    ignore_eos: bool = False  # True: only max_tokens / the context end generation
+    logprobs: int = 0  # top alternatives per token, [0, max_logprobs]
+    return_logprobs: bool = False  # return the sampled token's log-probability (and the top alternatives)
+
+
+def validate_sampling(sampling: SamplingParams, num_prompt_tokens: int, max_model_len: int, *,
+                      max_tokens_limit: int = 0, max_logprobs: int = 20) -> None:
+    """Raises ``InvalidArgument`` naming the field, value, limit and flag for any out-of-range parameter."""
+    if sampling.max_tokens < 1:
+        raise InvalidArgument(f"sampling.max_tokens={sampling.max_tokens} must be >= 1")
+    if max_tokens_limit and sampling.max_tokens > max_tokens_limit:
+        raise InvalidArgument(
+            f"sampling.max_tokens={sampling.max_tokens} exceeds the limit {max_tokens_limit} (--max-tokens-limit)"
+        )
+    if num_prompt_tokens + sampling.max_tokens > max_model_len:
+        raise InvalidArgument(
+            f"sampling.max_tokens={sampling.max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds the "
+            f"context of {max_model_len} tokens (--max-model-len); ask for at most "
+            f"{max(max_model_len - num_prompt_tokens, 0)}"
+        )
+    if not 0.0 <= sampling.temperature <= 2.0:
+        raise InvalidArgument(f"sampling.temperature={sampling.temperature} must be in [0, 2]")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise InvalidArgument(f"sampling.top_p={sampling.top_p} must be in (0, 1]")
+    if not 0 <= sampling.logprobs <= max_logprobs:
+        raise InvalidArgument(f"sampling.logprobs={sampling.logprobs} must be in [0, {max_logprobs}] (--max-logprobs)")
+    if sampling.seed < 0 or sampling.seed >= 2**64:
+        raise InvalidArgument(f"sampling.seed={sampling.seed} must be in [0, 2^64)")
+
+
+@dataclasses.dataclass
+class RequestUsage:
+    """Cumulative per-request accounting (the service's ``Usage``); item counts are summed over ranks."""
+
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    items_sent: int = 0  # item deliveries with payload
+    items_stripped: int = 0  # item deliveries whose payload was prefix-covered
+    items_rank_cached: int = 0  # item deliveries the ranks already held (payload or encoder output)
+    items_abandoned: int = 0  # deferred items never needed (the request left before reaching them)
+    payload_bytes_sent: int = 0  # payload tensor bytes selected for the ranks for this request
+    payload_bytes_saved_prefix_covered: int = 0  # bytes `full` would have sent for covered items
+    payload_bytes_saved_rank_cached: int = 0  # bytes `full` would have sent for items the ranks held
+    preemptions: int = 0  # times preempted (or requeued by a recovery) and resumed
+
+
+class Request:
+    """One request inside the scheduler. Fields below the first block are the step builder's bookkeeping."""
+
+    def __init__(
+        self,
+        request_id: RequestId | str,
+        prompt_token_ids: Sequence[int],
+        mm_features: Sequence[MultiModalFeatureSpec] = (),
+        sampling: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = RequestId(request_id)
+        self.prompt_token_ids = list(prompt_token_ids)
+        # Sorted by position; the scheduler's copy keeps every payload in every transfer mode.
+        self.mm_features: list[MultiModalFeatureSpec] = sorted(mm_features, key=lambda f: f.mm_position.offset)
+        self.sampling = sampling or SamplingParams()
+        self.cache_salt = cache_salt or None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+        self.output_token_ids: list[int] = []  # generated so far (confirmed by rank 0)
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)  # prompt + outputs
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.usage = RequestUsage()
+        self.block_hashes: list[BlockHash] = []  # hashes of the full blocks of all_token_ids, extended lazily
+        self.hash_item_cursor = 0  # first item that may overlap the next block to hash
+        self.admitted_once = False  # whether usage.cached_tokens has been recorded
+        self.reset_progress()
+
+    def reset_progress(self) -> None:
+        """State that a preemption or recovery throws away (the request goes back to waiting as new)."""
+        self.num_computed_tokens = 0  # tokens whose KV the ranks hold in this request's blocks
+        self.num_tokens_told = 0  # tokens of all_token_ids the ranks have been told
+        self.num_blocks_told = 0  # blocks of the request's table the ranks have been told
+        self.item_cursor = 0  # first item whose span ends after num_computed_tokens
+        self.pin_end = 0  # items [item_cursor, pin_end) hold encoder (and full/strip payload) pins
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"items={len(self.mm_features)}, {self.status.value})"
+        )

@@ -1,0 +1,421 @@
+"""The scheduler core: continuous batching, chunked prefill, prefix caching, preemption, recovery, and the
+per-step transfer decisions — as plain Python, without any network.
+
+The service drives it (all calls from one thread or event loop)::
+
+    sched = Scheduler(config, GroupBudget(num_ranks, kv_blocks, encoder_cache_tokens, payload_cache_bytes),
+                      uses_mrope=True, eos_token_ids={...}, max_model_len=frontend.max_model_len)
+    sched.add_request(request)        # AlreadyExists | ResourceExhausted | InvalidArgument
+    plan = sched.schedule()           # StepPlan, or None when there is nothing to tell the ranks
+    # ... rank r gets plan.rank_payloads[r] frames, then plan.control; wait for every rank's StepResult ...
+    updates = sched.update_from_output(plan, {request_id: (token_id, logprob, top_logprobs), ...})  # rank 0's
+    sched.finish_request(request_id, FinishReason.CANCELLED)   # service-side stop; the next plan tells the ranks
+    sched.recover(); sched.reset_group(new_budget)             # the group was lost, then came back
+
+Steps are synchronous: ``schedule`` may not be called again before ``update_from_output`` of its plan (or
+``recover``). A request samples in a step iff its scheduled tokens reach the end of its known tokens; a decode
+step schedules the one token rank 0 sampled in the previous step.
+
+Step rules, in order:
+- running requests first, oldest first: as many of their uncomputed tokens as the token budget leaves, cut before
+  an item whose encoder work cannot be scheduled (encoder budget, encoder cache or lazy payload room); out of KV
+  blocks -> preempt the newest running request (recompute: free blocks, requeue at the front as new), repeat;
+- then, only if nothing was preempted, waiting requests in order (FCFS: the first that cannot be admitted stops
+  admission) while ``max_num_seqs`` allows: prefix hit, window, full/strip payload room, blocks;
+- a step that computes nothing is still produced when the ranks must be told something (finishes, evictions, a
+  reset); ``None`` means nothing at all.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, MmcastError, ResourceExhausted
+from common.ids import RequestId
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.kv_cache import KVCacheManager
+from scheduler_svc.output import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
+from scheduler_svc.request import FinishReason, Request, RequestStatus, validate_sampling
+from scheduler_svc.transfer import TransferPlanner
+from scheduler_svc.wire import step_control
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupBudget:
+    """What the worker group offers, the minimum over its ranks' handshakes."""
+
+    num_ranks: int  # tensor-parallel ranks (payload mirrors and per-rank payload lists)
+    kv_blocks: int  # blocks in each rank's KV pool
+    encoder_cache_tokens: int  # encoder-output rows each rank holds; also the per-step encoder budget
+    payload_cache_bytes: int  # payload bytes each rank holds
+    max_model_len: int = 0  # context length the ranks' model allows (0 = not reported)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int  # requests the ranks hold
+    num_waiting: int  # requests queued (new, preempted or requeued by a recovery)
+    kv_blocks_used: int  # blocks held by requests
+    kv_blocks_total: int
+    preemptions: int  # preemptions since start (recoveries not included)
+    prefix_query_tokens: int  # tokens looked up in the prefix cache at admissions
+    prefix_hit_tokens: int  # of which hit
+    encoder_cache_tokens_used: int  # mirror of the ranks' encoder caches
+    payload_cache_bytes_used: int  # mirror of rank 0's payload cache
+    steps: int  # plans produced
+
+
+class StepOutputError(FailedPrecondition):
+    """Rank 0's sampled tokens do not match the plan (missing or unexpected); the group must be recovered."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, group: GroupBudget, uses_mrope: bool, eos_token_ids,
+                 *, max_model_len: int | None = None) -> None:
+        self.config = config
+        self.uses_mrope = uses_mrope
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._model_max_len = max_model_len
+        self._requests: dict[RequestId, Request] = {}
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._pending_finished: list[RequestId] = []
+        self._reset_next = False
+        self._next_step_id = 1
+        self._outstanding: StepPlan | None = None
+        self.num_preemptions = 0
+        self._apply_group(group)
+
+    def _apply_group(self, group: GroupBudget) -> None:
+        cfg = self.config
+        if group.num_ranks < 1:
+            raise ValueError(f"num_ranks={group.num_ranks} must be >= 1")
+        self.group = group
+        self.kv_blocks = cfg.effective(cfg.kv_blocks, group.kv_blocks, "kv_blocks")
+        self.encoder_cache_tokens = cfg.effective(cfg.encoder_cache_tokens, group.encoder_cache_tokens,
+                                                  "encoder_cache_tokens")
+        self.payload_cache_bytes = cfg.effective(cfg.payload_cache_bytes, group.payload_cache_bytes,
+                                                 "payload_cache_bytes")
+        lengths = [v for v in (cfg.max_model_len, self._model_max_len, group.max_model_len) if v]
+        if not lengths:
+            raise ValueError("max_model_len is unknown: set --max-model-len or pass the model config's")
+        self.max_model_len = min(lengths)
+        old = getattr(self, "kv", None)
+        self.kv = KVCacheManager(self.kv_blocks, cfg.block_size)
+        if old is not None:  # the counters are cumulative across reconnects
+            self.kv.query_tokens, self.kv.hit_tokens = old.query_tokens, old.hit_tokens
+        self.planner = TransferPlanner(cfg.transfer_mode, self.uses_mrope, group.num_ranks,
+                                       self.payload_cache_bytes, self.encoder_cache_tokens)
+
+    # --- requests in ------------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queues a request. Raises AlreadyExists, ResourceExhausted or InvalidArgument (nothing is kept then)."""
+        rid = request.request_id
+        if not rid:
+            raise InvalidArgument("request_id is empty")
+        if rid in self._requests:
+            raise AlreadyExists(f"request_id={rid!r} is already in flight; ids must be unique among in-flight requests")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise ResourceExhausted(
+                f"the waiting queue is full ({len(self.waiting)} requests, --max-waiting={self.config.max_waiting}); "
+                "retry later"
+            )
+        if not request.prompt_token_ids:
+            raise InvalidArgument("the prompt is empty: at least one token is needed")
+        if request.num_tokens >= self.max_model_len:
+            raise InvalidArgument(
+                f"the prompt has {request.num_tokens} tokens; the context holds {self.max_model_len} "
+                f"(--max-model-len) including at least one generated token"
+            )
+        validate_sampling(request.sampling, request.num_tokens, self.max_model_len,
+                          max_tokens_limit=self.config.max_tokens_limit, max_logprobs=self.config.max_logprobs)
+        self._check_fits_group(request)
+        self._requests[rid] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def _check_fits_group(self, request: Request) -> None:
+        """Whatever the load, the request must fit the group's pools on its own (else it would wait forever)."""
+        capacity = self.kv_blocks * self.config.block_size
+        need = request.num_prompt_tokens + request.sampling.max_tokens
+        if need > capacity:
+            raise ResourceExhausted(
+                f"prompt ({request.num_prompt_tokens} tokens) + sampling.max_tokens ({request.sampling.max_tokens}) "
+                f"= {need} tokens exceeds the KV pool of {capacity} tokens ({self.kv_blocks} blocks of "
+                f"{self.config.block_size}; --kv-blocks / the workers' pool)"
+            )
+        prev_end = 0
+        unique: dict[str, int] = {}
+        for k, f in enumerate(request.mm_features):
+            pos, where = f.mm_position, f"image {k} (item {f.identifier[:16]})"
+            if pos.length < 1 or pos.offset < prev_end or pos.end > request.num_prompt_tokens:
+                raise InvalidArgument(
+                    f"{where}: placeholder [{pos.offset}, {pos.end}) must be non-empty, after the previous item "
+                    f"(ends at {prev_end}) and inside the prompt ({request.num_prompt_tokens} tokens)"
+                )
+            prev_end = pos.end
+            if f.data is None or not f.data.payload_fields():
+                raise InvalidArgument(f"{where} has no payload; the scheduler's copy must keep every item's data")
+            if pos.get_num_embeds() > self.encoder_cache_tokens:
+                raise ResourceExhausted(
+                    f"{where} needs {pos.get_num_embeds()} encoder rows; the ranks' encoder cache holds "
+                    f"{self.encoder_cache_tokens} (--encoder-cache-tokens / the workers' encoder budget)"
+                )
+            nbytes = payload_nbytes(f)
+            if nbytes > self.payload_cache_bytes:
+                raise ResourceExhausted(
+                    f"{where} has {nbytes} payload bytes; a rank's payload cache holds {self.payload_cache_bytes} "
+                    "(--payload-cache-bytes / the workers' payload budget)"
+                )
+            unique[f.identifier] = nbytes
+        total = sum(unique.values())
+        if self.config.transfer_mode != "lazy" and total > self.payload_cache_bytes:
+            raise ResourceExhausted(
+                f"the request's images hold {total} payload bytes, more than a rank's payload cache "
+                f"({self.payload_cache_bytes}); --transfer-mode={self.config.transfer_mode} sends them all at "
+                "admission: use --transfer-mode lazy or give the workers a larger payload cache"
+            )
+
+    def get_request(self, request_id: RequestId | str) -> Request | None:
+        return self._requests.get(RequestId(request_id))
+
+    def has_requests(self) -> bool:
+        return bool(self._requests)
+
+    # --- one step -----------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        if self._outstanding is not None:
+            raise FailedPrecondition(
+                f"step {self._outstanding.step_id} is still in flight: call update_from_output() or recover() first"
+            )
+        kv, planner, bs = self.kv, self.planner, self.config.block_size
+        planner.begin_step()
+        budget = self.config.max_num_batched_tokens
+        finished_ids, self._pending_finished = self._pending_finished, []
+        preempted: list[RequestId] = []
+        scheduled: list[tuple[Request, int]] = []
+        new_reqs: list[NewRequestData] = []
+        deltas: list[RunningRequestData] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
+            start = r.num_computed_tokens
+            window = planner.plan_window(r, start, start + min(r.num_tokens - start, budget))
+            n = window.end - start
+            if n <= 0:
+                i += 1
+                continue  # its next item's encoder work does not fit this step; it waits, holding its blocks
+            while not kv.can_allocate(r.request_id, start + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is r:
+                    break
+            if r.status is not RequestStatus.RUNNING:
+                break  # it was the newest and preempted itself: nothing older may be taken from
+            appended = kv.allocate(r.request_id, start + n)
+            planner.commit_window(r, window)
+            deltas.append(RunningRequestData(r.request_id, r.all_token_ids[r.num_tokens_told :], appended, start, n))
+            r.num_tokens_told = r.num_tokens
+            scheduled.append((r, n))
+            budget -= n
+            i += 1
+        finished_ids += preempted
+
+        while not preempted and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            r = self.waiting[0]
+            if r.request_id in finished_ids:
+                break  # the ranks drop the finished request of the same id with this step; admit it next step
+            prefix = kv.find_prefix(r)
+            computed = len(prefix) * bs
+            planner.place_cursor(r, computed)
+            window = planner.plan_window(r, computed, computed + min(r.num_tokens - computed, budget))
+            n = window.end - computed
+            if n <= 0 or not planner.admission_fits(r):
+                break  # FCFS: wait for room rather than let later requests overtake
+            appended = kv.allocate(r.request_id, computed + n, prefix)
+            if appended is None:
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            r.status = RequestStatus.RUNNING
+            r.num_computed_tokens = computed
+            kv.record_lookup(r.num_tokens, computed)
+            if not r.admitted_once:
+                r.admitted_once = True
+                r.usage.cached_tokens = computed
+            wire_items = planner.commit_admission(r, computed)
+            planner.commit_window(r, window)
+            new_reqs.append(NewRequestData(r.request_id, list(r.all_token_ids), wire_items, r.sampling, appended,
+                                           computed, n, r.num_output_tokens))
+            r.num_tokens_told = r.num_tokens
+            scheduled.append((r, n))
+            budget -= n
+
+        planner.finish_step()
+        if not (scheduled or finished_ids or planner.evict_payload_ids or self._reset_next):
+            if self._requests:
+                raise MmcastError(f"internal: {len(self._requests)} requests but nothing schedulable")
+            return None
+        for rid, acc in planner.accounting.items():
+            acc.add_to_usage(self._requests[rid].usage)
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            new_requests=new_reqs,
+            running=deltas,
+            finished_request_ids=finished_ids,
+            preempted_request_ids=preempted,
+            encoder_inputs=planner.encoder_inputs,
+            evict_payload_ids=list(planner.evict_payload_ids),
+            evict_encoder_ids=planner.evict_encoder_ids,
+            reset_caches=self._reset_next,
+            num_scheduled_tokens={r.request_id: n for r, n in scheduled},
+            sampling_request_ids=[r.request_id for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens],
+            rank_payloads=planner.rank_payloads,
+            accounting=planner.accounting,
+            items_examined=planner.items_examined,
+            scheduled=scheduled,
+        )
+        plan.control = step_control(plan)
+        self._next_step_id += 1
+        self._reset_next = False
+        self._outstanding = plan
+        return plan
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free everything, requeue at the front; it is resumed as a new request."""
+        self.planner.account(request).abandoned += self.planner.release(request)
+        self.kv.free(request.request_id)
+        request.reset_progress()
+        request.status = RequestStatus.WAITING
+        request.usage.preemptions += 1
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    # --- results in ---------------------------------------------------------------------------------------------
+    def update_from_output(self, plan: StepPlan, sampled: Mapping[str, Any]) -> list[RequestUpdate]:
+        """Applies a finished step: computed tokens, new cached blocks, rank 0's sampled tokens, stop checks.
+
+        ``sampled`` maps request id -> ``(token_id, logprob, top_logprobs)`` (a bare token id is accepted too).
+        Raises StepOutputError (changing nothing) when it does not match the plan.
+        """
+        if plan is not self._outstanding:
+            raise FailedPrecondition(f"step {plan.step_id} is not the step in flight (stale after a recovery?)")
+        live = [(r, n) for r, n in plan.scheduled if self._requests.get(r.request_id) is r and not r.is_finished]
+        expected = {r.request_id for r, n in live if r.num_computed_tokens + n == r.num_tokens}
+        planned = {r.request_id for r, _ in plan.scheduled}
+        missing = expected - set(sampled)
+        unexpected = {rid for rid in sampled if rid not in expected and (rid not in planned or rid in self._requests)}
+        if missing or unexpected:
+            raise StepOutputError(
+                f"step {plan.step_id}: rank 0 returned no token for {sorted(missing)} and unexpected tokens for "
+                f"{sorted(unexpected)}"
+            )
+        self._outstanding = None
+        self.planner.end_step()
+        updates = []
+        for r, n in live:
+            r.num_computed_tokens += n
+            self.kv.cache_full_blocks(r)
+            self.planner.advance(r)
+            if r.request_id not in expected:
+                continue  # a prefill chunk: nothing sampled
+            token, logprob, top = _unpack_sample(sampled[r.request_id])
+            r.append_output(token)
+            update = RequestUpdate(r.request_id, [token], [(logprob, top)] if r.sampling.return_logprobs else None)
+            reason = self._stop_reason(r, token)
+            if reason is not None:
+                if reason is FinishReason.STOP:
+                    update.stop_token_id = token
+                self._finish(r, reason)
+                update.finished, update.usage = reason, r.usage
+            updates.append(update)
+        return updates
+
+    def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
+        if token in r.sampling.stop_token_ids or (not r.sampling.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if r.num_output_tokens >= r.sampling.max_tokens or r.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, r: Request, reason: FinishReason) -> None:
+        r.usage.items_abandoned += self.planner.release(r)
+        self.kv.free(r.request_id)
+        self.running.remove(r)
+        self._pending_finished.append(r.request_id)
+        r.status, r.finish_reason = RequestStatus.FINISHED, reason
+        del self._requests[r.request_id]
+
+    def finish_request(self, request_id: RequestId | str, reason: FinishReason = FinishReason.CANCELLED,
+                       error: str | None = None) -> RequestUpdate | None:
+        """Service-side end (stop string, cancellation, deadline): frees everything; the next plan tells the
+        ranks. Returns the final update, or None when the id is not in flight."""
+        r = self._requests.get(RequestId(request_id))
+        if r is None:
+            return None
+        if r.status is RequestStatus.RUNNING:
+            self._finish(r, reason)
+        else:
+            self.waiting.remove(r)
+            r.status, r.finish_reason = RequestStatus.FINISHED, reason
+            del self._requests[r.request_id]
+        return RequestUpdate(r.request_id, [], None, finished=reason, usage=r.usage, error=error)
+
+    # --- group loss -------------------------------------------------------------------------------------------
+    def recover(self) -> None:
+        """The group was lost: every cache is gone. Running requests go back to the front of the queue, in order,
+        as new requests whose prompt includes the tokens generated so far; the step in flight is void."""
+        self._outstanding = None
+        for r in self.running:
+            self.kv.free(r.request_id)
+            r.reset_progress()
+            r.status = RequestStatus.WAITING
+        self.waiting.extendleft(reversed(self.running))
+        self.running = []
+        self.kv.reset_prefix_cache()
+        self.planner.reset()
+        self._pending_finished = []  # fresh ranks hold no request
+        self._reset_next = True
+
+    def reset_group(self, group: GroupBudget) -> list[RequestUpdate]:
+        """New budgets after a reconnect (call ``recover`` first). Waiting requests that no longer fit fail with
+        ERROR; their final updates are returned."""
+        if self.running or self._outstanding is not None:
+            raise FailedPrecondition("reset_group() needs no running request and no step in flight; recover() first")
+        self._apply_group(group)
+        self._reset_next = True
+        failed = []
+        for r in list(self.waiting):
+            try:
+                self._check_fits_group(r)
+            except MmcastError as exc:
+                update = self.finish_request(r.request_id, FinishReason.ERROR, error=exc.message)
+                failed.append(update)
+        return failed
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_used=self.kv.num_used_blocks,
+            kv_blocks_total=self.kv.num_blocks,
+            preemptions=self.num_preemptions,
+            prefix_query_tokens=self.kv.query_tokens,
+            prefix_hit_tokens=self.kv.hit_tokens,
+            encoder_cache_tokens_used=self.planner.encoder.used,
+            payload_cache_bytes_used=self.planner.payloads[0].used,
+            steps=self._next_step_id - 1,
+        )
+
+
+def _unpack_sample(sample: Any) -> tuple[int, float | None, Any]:
+    if isinstance(sample, int):
+        return sample, None, None
+    token, *rest = sample
+    return int(token), (rest[0] if rest else None), (rest[1] if len(rest) > 1 else None)

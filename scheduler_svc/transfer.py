@@ -1,0 +1,384 @@
+"""Transfer decisions: which item payloads go to which rank in which step, and the mirrors of the ranks' caches.
+
+Modes (``--transfer-mode``, DESIGN §2.4):
+- ``full``: at admission every item is PRESENT and its payload goes to every rank (the baseline).
+- ``strip``: at admission items with ``end <= num_computed_tokens`` are STRIPPED (``strip_covered_mm_data``,
+  keep_on_cpu fields kept for M-RoPE models); the others are PRESENT and go to every rank.
+- ``lazy``: at admission covered items are STRIPPED and the others DEFERRED (metadata only); a payload travels in
+  the step that schedules the item's encoder work, and only to ranks whose mirror lacks it.
+
+Mirrors. One ``BudgetedLRU`` per rank mirrors its payload cache (bytes), one mirrors the group's encoder cache
+(rows; every rank gets the same encoder inputs). Entries are pinned while something still needs them and only
+unpinned entries are evicted (least recently used first), always by an explicit id in a step's control:
+- encoder output: pinned by every request item from the step that encodes or reuses it until the request has
+  computed past the item's end (a partially computed item keeps its output);
+- payload, full/strip: pinned by every uncovered item from admission until computed past it; unpinned payloads
+  are evicted at the next step (nothing would ever reuse them: these modes resend at every admission);
+- payload, lazy: pinned only during the step that encodes it, then kept (LRU) for reuse.
+Everything sent in a step is pinned for that step, so a step never evicts what it sends or uses.
+
+Per-request cursors keep the work bounded: items ``[item_cursor, pin_end)`` are the request's pinned (started,
+unfinished) items; a window only looks at items from ``item_cursor`` while they start before the window's end.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+from collections.abc import Iterable
+
+from common.errors import MmcastError
+from common.ids import ItemId, RequestId
+from common.multimodal import MultiModalFeatureSpec, PayloadState, strip_covered_mm_data
+from scheduler_svc.output import ItemAccounting, PayloadSend, payload_nbytes
+from scheduler_svc.request import Request
+
+TRANSFER_MODES = ("full", "strip", "lazy")
+
+
+class BudgetedLRU:
+    """Sizes of the entries a cache holds under a budget, with pin counts and LRU order among unpinned ones."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._size: dict[ItemId, int] = {}
+        self._pins: collections.Counter[ItemId] = collections.Counter()
+        self._unpinned: collections.OrderedDict[ItemId, None] = collections.OrderedDict()  # LRU first
+        self.used = 0
+        self.evictable = 0  # sum of unpinned sizes
+
+    def __contains__(self, key: ItemId) -> bool:
+        return key in self._size
+
+    def __len__(self) -> int:
+        return len(self._size)
+
+    def keys(self) -> list[ItemId]:
+        return list(self._size)
+
+    def can_fit(self, extra: int, keep: Iterable[ItemId] = ()) -> bool:
+        """Whether ``extra`` more fits after evicting unpinned entries other than ``keep``."""
+        kept = sum(self._size[k] for k in set(keep) if k in self._unpinned)
+        return extra <= self.budget - self.used + self.evictable - kept
+
+    def add(self, key: ItemId, size: int) -> list[ItemId]:
+        """Inserts ``key`` pinned once, evicting LRU unpinned entries as needed; returns the evicted keys."""
+        evicted = []
+        while self.used + size > self.budget and self._unpinned:
+            victim, _ = self._unpinned.popitem(last=False)
+            self._drop(victim)
+            evicted.append(victim)
+        if self.used + size > self.budget:
+            raise MmcastError(f"internal: cache mirror cannot fit {key[:16]} ({size} > free {self.budget - self.used})")
+        self._size[key] = size
+        self.used += size
+        self._pins[key] = 1
+        return evicted
+
+    def _drop(self, key: ItemId) -> None:
+        size = self._size.pop(key)
+        self.used -= size
+        self.evictable -= size
+        del self._pins[key]
+
+    def pin(self, key: ItemId) -> None:
+        if self._pins[key] == 0:
+            self._unpinned.pop(key)
+            self.evictable -= self._size[key]
+        self._pins[key] += 1
+
+    def unpin(self, key: ItemId) -> None:
+        self._pins[key] -= 1
+        if self._pins[key] == 0:
+            self._unpinned[key] = None  # most recently used
+            self.evictable += self._size[key]
+
+    def evict_unpinned(self) -> list[ItemId]:
+        """Drops every unpinned entry (oldest first)."""
+        out = list(self._unpinned)
+        self._unpinned.clear()
+        for key in out:
+            self._drop(key)
+        return out
+
+    def pinned(self, key: ItemId) -> int:
+        return self._pins.get(key, 0)
+
+
+@dataclasses.dataclass
+class Window:
+    """A tentative step window of one request, cut where an item's encoder work cannot be scheduled."""
+
+    start: int  # first token of the window (the request's computed tokens)
+    end: int  # one past the last token to compute
+    encode: list[int]  # item indices whose encoder work is scheduled this step (first occurrence of an id)
+    reuse: list[int]  # item indices newly reached whose encoder output is (or will this step be) held
+
+
+class TransferPlanner:
+    """Mirrors plus the per-step decisions; the scheduler calls it in a fixed order per step (see scheduler.py)."""
+
+    def __init__(self, mode: str, uses_mrope: bool, num_ranks: int, payload_cache_bytes: int,
+                 encoder_cache_tokens: int) -> None:
+        if mode not in TRANSFER_MODES:
+            raise ValueError(f"transfer_mode={mode!r}; choose one of {TRANSFER_MODES}")
+        self.mode = mode
+        self.uses_mrope = uses_mrope
+        self.num_ranks = num_ranks
+        self.encoder_cache_tokens = encoder_cache_tokens
+        self.payloads = [BudgetedLRU(payload_cache_bytes) for _ in range(num_ranks)]
+        self.encoder = BudgetedLRU(encoder_cache_tokens)
+        self.begin_step()
+
+    # --- step lifecycle ----------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.rank_payloads: list[list[PayloadSend]] = [[] for _ in range(self.num_ranks)]
+        self._sent: list[set[ItemId]] = [set() for _ in range(self.num_ranks)]
+        self._step_pins: list[tuple[int, ItemId]] = []  # (rank, id) payload pins held for this step only
+        self._evicted: list[set[ItemId]] = [set() for _ in range(self.num_ranks)]  # payloads evicted this step
+        self._evicted_encoder: set[ItemId] = set()
+        self.encoder_inputs: list[ItemId] = []
+        self.encoder_tokens = 0  # encoder rows scheduled this step
+        self.evict_payload_ids: dict[ItemId, None] = {}
+        self.evict_encoder_ids: list[ItemId] = []
+        self.accounting: dict[RequestId, ItemAccounting] = {}
+        self.items_examined = 0
+
+    def finish_step(self) -> None:
+        """full/strip: evicts every payload nothing needs any more (these modes never reuse one); what this step
+        sends or uses is pinned, so it stays."""
+        if self.mode != "lazy":
+            for rank, mirror in enumerate(self.payloads):
+                for key in mirror.evict_unpinned():
+                    self._note_payload_eviction(rank, key)
+
+    def end_step(self) -> None:
+        """Releases this step's payload pins (the step ran; its payloads were consumed)."""
+        for rank, key in self._step_pins:
+            self.payloads[rank].unpin(key)
+        self._step_pins = []
+
+    def _note_payload_eviction(self, rank: int, key: ItemId) -> None:
+        self.evict_payload_ids[key] = None
+        self._evicted[rank].add(key)
+
+    def _usable(self, key: ItemId) -> bool:
+        """An id evicted earlier in this step may not be sent or used again in it: the control would carry the id
+        both ways, and the ranks apply evictions after receiving the step's payloads."""
+        return key not in self._evicted_encoder and not any(key in ev for ev in self._evicted)
+
+    def account(self, request: Request) -> ItemAccounting:
+        acc = self.accounting.get(request.request_id)
+        if acc is None:
+            acc = self.accounting[request.request_id] = ItemAccounting()
+        return acc
+
+    # --- admission ---------------------------------------------------------------------------------------------
+    def place_cursor(self, request: Request, num_computed: int) -> None:
+        """Points the request's cursors at its first item not covered by ``num_computed`` tokens."""
+        ends = [f.mm_position.end for f in request.mm_features]
+        request.item_cursor = request.pin_end = bisect.bisect_right(ends, num_computed)
+
+    def _admission_sends(self, request: Request) -> list[MultiModalFeatureSpec]:
+        """Items whose payload goes out at admission (full: all; strip: uncovered; lazy: none)."""
+        if self.mode == "full":
+            return request.mm_features
+        if self.mode == "strip":
+            return request.mm_features[request.item_cursor :]
+        return []
+
+    def admission_fits(self, request: Request) -> bool:
+        """full/strip: whether every rank can take the payloads this admission sends."""
+        sends = self._admission_sends(request)
+        if not sends:
+            return True
+        if not all(self._usable(f.identifier) for f in sends):
+            return False
+        for mirror in self.payloads:
+            new = {f.identifier: payload_nbytes(f) for f in sends if f.identifier not in mirror}
+            held = [f.identifier for f in sends if f.identifier in mirror]
+            if not mirror.can_fit(sum(new.values()), held):
+                return False
+        return True
+
+    def commit_admission(self, request: Request, num_computed: int) -> list[MultiModalFeatureSpec]:
+        """Decides each item's wire state, queues full/strip payloads, pins them; returns the wire items."""
+        features = request.mm_features
+        self.items_examined += len(features)
+        acc = self.account(request)
+        ranks = self.num_ranks
+        if self.mode == "full":
+            wire = list(features)
+        else:
+            wire = list(strip_covered_mm_data(features, num_computed, uses_mrope=self.uses_mrope) or [])
+            for f in wire[: request.item_cursor]:
+                acc.stripped += ranks
+                acc.bytes_saved_prefix_covered += ranks * payload_nbytes(f)
+        if self.mode == "lazy":
+            for i in range(request.item_cursor, len(wire)):
+                wire[i] = dataclasses.replace(wire[i], payload_state=PayloadState.DEFERRED)
+            return wire
+        sends = self._admission_sends(request)
+        first = len(features) - len(sends)  # full sends from item 0, strip from the first uncovered item
+        for rank in range(ranks):
+            # Held ones first: pinning them before anything is added keeps them from being evicted.
+            order = sorted(range(len(sends)), key=lambda k: sends[k].identifier not in self.payloads[rank])
+            for k in order:
+                self._send(rank, sends[k], request, acc)
+                if first + k >= request.item_cursor:
+                    self.payloads[rank].pin(sends[k].identifier)  # held until the request computes past it
+        return wire
+
+    def _send(self, rank: int, feature: MultiModalFeatureSpec, request: Request, acc: ItemAccounting) -> None:
+        """Queues the payload for a rank (once per step), pins it for the step and counts the delivery."""
+        key = feature.identifier
+        mirror = self.payloads[rank]
+        if key in mirror:
+            mirror.pin(key)  # full/strip resend what the rank holds; or a second item with this id this step
+        else:
+            for victim in mirror.add(key, payload_nbytes(feature)):
+                self._note_payload_eviction(rank, victim)
+        if key not in self._sent[rank]:
+            self._sent[rank].add(key)
+            self.rank_payloads[rank].append(PayloadSend(key, feature, request.request_id))
+        self._step_pins.append((rank, key))
+        acc.sent += 1
+        acc.payload_bytes_sent += payload_nbytes(feature)
+
+    # --- windows -----------------------------------------------------------------------------------------------
+    def plan_window(self, request: Request, start: int, end: int) -> Window:
+        """Cuts ``[start, end)`` before the first item whose encoder work cannot be scheduled; changes nothing."""
+        features = request.mm_features
+        encode: list[int] = []
+        reuse: list[int] = []
+        enc_ids: set[ItemId] = set()
+        keep_enc: list[ItemId] = []
+        enc_tokens = 0
+        pay_bytes = [0] * self.num_ranks
+        keep_pay: list[list[ItemId]] = [[] for _ in range(self.num_ranks)]
+        budget_left = self.encoder_cache_tokens - self.encoder_tokens
+        i = request.item_cursor
+        while i < len(features) and features[i].mm_position.offset < end:
+            self.items_examined += 1
+            if i < request.pin_end:
+                i += 1
+                continue  # started in an earlier step: its encoder output is pinned
+            f = features[i]
+            key = f.identifier
+            # Every check is cumulative over the window: what it encodes must fit beside everything it keeps,
+            # including what it keeps after an earlier item was judged to fit.
+            if key in enc_ids or (key in self.encoder and self.encoder.can_fit(enc_tokens, [*keep_enc, key])):
+                reuse.append(i)
+                keep_enc.append(key)
+                i += 1
+                continue
+            tokens = f.mm_position.get_num_embeds()
+            fits = (
+                key not in self.encoder  # held but its neighbours' room depends on evicting it: wait
+                and self._usable(key)
+                and enc_tokens + tokens <= budget_left
+                and self.encoder.can_fit(enc_tokens + tokens, keep_enc)
+            )
+            if fits and self.mode == "lazy":
+                nbytes = payload_nbytes(f)
+                for rank, mirror in enumerate(self.payloads):
+                    if key in mirror:
+                        fits = mirror.can_fit(pay_bytes[rank], [*keep_pay[rank], key])
+                    else:
+                        fits = mirror.can_fit(pay_bytes[rank] + nbytes, keep_pay[rank])
+                    if not fits:
+                        break
+                if fits:
+                    for rank, mirror in enumerate(self.payloads):
+                        if key in mirror:
+                            keep_pay[rank].append(key)
+                        else:
+                            pay_bytes[rank] += nbytes
+            if not fits:
+                end = max(f.mm_position.offset, start)  # compute up to the item; it waits for room
+                break
+            encode.append(i)
+            enc_ids.add(key)
+            enc_tokens += tokens
+            i += 1
+        return Window(start, end, encode, reuse)
+
+    def commit_window(self, request: Request, window: Window) -> None:
+        """Pins encoder outputs, schedules encoder inputs and (lazy) payload sends; counts lazy deliveries.
+        Everything already held is pinned before anything is added, so additions never evict it."""
+        features = request.mm_features
+        acc = self.account(request)
+        lazy = self.mode == "lazy"
+        held = [i for i in window.reuse if features[i].identifier in self.encoder]
+        later = [i for i in window.reuse if features[i].identifier not in self.encoder]  # encoded by this window
+        for i in held:
+            self.encoder.pin(features[i].identifier)
+        for i in window.encode:
+            key = features[i].identifier
+            for rank, mirror in enumerate(self.payloads):
+                if not lazy:
+                    if mirror.pinned(key) == 0:
+                        raise MmcastError(f"internal: rank {rank} does not hold the payload of item {key[:16]} "
+                                          f"({self.mode} mode sends it at admission)")
+                elif key in mirror:  # held since an earlier step (this step's sends come with encoding = reuse)
+                    mirror.pin(key)
+                    self._step_pins.append((rank, key))
+                    acc.rank_cached += 1
+                    acc.bytes_saved_rank_cached += payload_nbytes(features[i])
+        for i in window.encode:
+            f = features[i]
+            key = f.identifier
+            tokens = f.mm_position.get_num_embeds()
+            for victim in self.encoder.add(key, tokens):
+                self.evict_encoder_ids.append(victim)
+                self._evicted_encoder.add(victim)
+            self.encoder_inputs.append(key)
+            self.encoder_tokens += tokens
+            if lazy:
+                for rank, mirror in enumerate(self.payloads):
+                    if key not in self._sent[rank] and key not in mirror:
+                        self._send(rank, f, request, acc)
+        for i in later:
+            self.encoder.pin(features[i].identifier)
+        if lazy:
+            for i in window.reuse:  # the ranks hold (or get this step) its encoder output: no payload needed
+                acc.rank_cached += self.num_ranks
+                acc.bytes_saved_rank_cached += self.num_ranks * payload_nbytes(features[i])
+        reached = window.encode + window.reuse
+        if reached:
+            request.pin_end = max(request.pin_end, max(reached) + 1)
+
+    # --- progress and release ----------------------------------------------------------------------------------
+    def advance(self, request: Request) -> None:
+        """Unpins the items the request has now computed past (after a step)."""
+        features = request.mm_features
+        while request.item_cursor < len(features) and features[request.item_cursor].mm_position.end <= request.num_computed_tokens:
+            self._unpin_item(request, request.item_cursor)
+            request.item_cursor += 1
+
+    def _unpin_item(self, request: Request, i: int) -> None:
+        key = request.mm_features[i].identifier
+        if i < request.pin_end:
+            self.encoder.unpin(key)
+        if self.mode != "lazy":
+            for mirror in self.payloads:
+                mirror.unpin(key)
+
+    def release(self, request: Request) -> int:
+        """Drops every pin the request holds (finished, cancelled or preempted). Returns the lazy deliveries
+        abandoned: deferred items (times ranks) the request never reached, so never sent nor counted."""
+        n = len(request.mm_features)
+        # Encoder pins cover [item_cursor, pin_end); full/strip payload pins cover [item_cursor, n).
+        last = request.pin_end if self.mode == "lazy" else n
+        for i in range(request.item_cursor, last):
+            self._unpin_item(request, i)
+        abandoned = (n - request.pin_end) * self.num_ranks if self.mode == "lazy" else 0
+        request.item_cursor = request.pin_end = n
+        return abandoned
+
+    def reset(self) -> None:
+        """The ranks lost every cache (recovery): empty mirrors, no step in flight."""
+        self.payloads = [BudgetedLRU(m.budget) for m in self.payloads]
+        self.encoder = BudgetedLRU(self.encoder_cache_tokens)
+        self.begin_step()

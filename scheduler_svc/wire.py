@@ -1,0 +1,80 @@
+"""Step plan -> protobuf: the one ``StepControl`` every rank receives, and the payload frames of an item.
+
+The control is built once per step; the service serializes it once and writes the same bytes to each rank.
+Payload frames of an item are built once per step (``item_payload_frames``) and written to every rank whose
+``StepPlan.rank_payloads`` lists the item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from common import codec
+from common.multimodal import MultiModalFeatureSpec
+from common.wire import feature_to_proto
+from mmcast.v1 import worker_pb2
+from scheduler_svc.output import NewRequestData, RunningRequestData
+from scheduler_svc.request import SamplingParams
+
+
+def sampling_to_proto(sampling: SamplingParams) -> worker_pb2.WorkerSampling:
+    return worker_pb2.WorkerSampling(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        logprobs=sampling.logprobs,
+        return_logprobs=sampling.return_logprobs,
+    )
+
+
+def new_request_to_proto(data: NewRequestData) -> worker_pb2.NewRequest:
+    return worker_pb2.NewRequest(
+        request_id=data.request_id,
+        prompt_token_ids=data.prompt_token_ids,
+        mm_items=[feature_to_proto(f) for f in data.mm_items],
+        sampling=sampling_to_proto(data.sampling),
+        block_ids=data.block_ids,
+        num_computed_tokens=data.num_computed_tokens,
+        num_scheduled_tokens=data.num_scheduled_tokens,
+        num_output_tokens=data.num_output_tokens,
+    )
+
+
+def running_request_to_proto(data: RunningRequestData) -> worker_pb2.RunningRequest:
+    return worker_pb2.RunningRequest(
+        request_id=data.request_id,
+        new_token_ids=data.new_token_ids,
+        new_block_ids=data.new_block_ids,
+        num_computed_tokens=data.num_computed_tokens,
+        num_scheduled_tokens=data.num_scheduled_tokens,
+    )
+
+
+def step_control(plan) -> worker_pb2.StepControl:
+    """The control message of a ``StepPlan`` (identical for every rank)."""
+    return worker_pb2.StepControl(
+        step_id=plan.step_id,
+        new_requests=[new_request_to_proto(n) for n in plan.new_requests],
+        running=[running_request_to_proto(r) for r in plan.running],
+        finished_request_ids=plan.finished_request_ids,
+        encoder_inputs=[worker_pb2.EncoderInput(item_identifier=i) for i in plan.encoder_inputs],
+        evict_payload_ids=plan.evict_payload_ids,
+        evict_encoder_ids=plan.evict_encoder_ids,
+        reset_caches=plan.reset_caches,
+    )
+
+
+def iter_item_payload_frames(
+    feature: MultiModalFeatureSpec, chunk_size: int = codec.DEFAULT_CHUNK_SIZE
+) -> Iterator[bytes]:
+    """Serialized ``SchedulerFrame``s carrying every payload (non keep_on_cpu) field of an item, in field order,
+    one chunk-sized frame at a time. Write each frame to every rank whose ``rank_payloads`` lists the item."""
+    if feature.data is None:
+        raise ValueError(f"item {feature.identifier[:16]} has no data; the scheduler's copy must keep its payload")
+    for name, elem in feature.data.payload_fields().items():
+        yield from codec.iter_payload_frames(feature.identifier, name, elem.data, chunk_size=chunk_size)
+
+
+def item_payload_frames(feature: MultiModalFeatureSpec, chunk_size: int = codec.DEFAULT_CHUNK_SIZE) -> list[bytes]:
+    """All frames of ``iter_item_payload_frames`` at once."""
+    return list(iter_item_payload_frames(feature, chunk_size))
