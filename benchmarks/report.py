@@ -1,0 +1,331 @@
+"""From request records to figures: per-configuration tables, slopes, the issue-7 targets, Markdown and plots.
+
+``analyze`` is pure (records in, dict out) so it can be tested on synthetic records; ``write_markdown`` and
+``write_plots`` render its result. Plots need matplotlib; without it they are skipped and the Markdown says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Iterable, Sequence
+
+from benchmarks import stats
+
+ANCHOR = {"before_ms_per_image": 21.0, "after_ms_per_image": 2.9}  # vLLM #52040 / PR #52041, TP=4 GPUs, 31B
+MODES = ("full", "strip", "lazy")
+_TIMED = ("image", "control")
+
+
+def _group(records: Iterable[dict], *keys: str) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for r in records:
+        out[tuple(r[k] for k in keys)].append(r)
+    return dict(out)
+
+
+def _ms_slope(rows: Sequence[dict]) -> stats.Slope | None:
+    if len({r["n"] for r in rows}) < 2 or len(rows) < 3:
+        return None
+    return stats.fit_slope([r["n"] for r in rows], [r["ttft_ms"] for r in rows])
+
+
+def mode_equality(records: Sequence[dict]) -> dict:
+    """Every (tp, scenario, kind, client, n, index) must have produced the same tokens in every mode."""
+    checked, mismatches = 0, []
+    for key, rows in _group(records, "tp", "scenario", "kind", "client", "n", "index").items():
+        if key[1] == "calibration":
+            continue
+        by_mode = {r["mode"]: tuple(r["token_ids"]) for r in rows}
+        if len(by_mode) < 2:
+            continue
+        checked += 1
+        if len(set(by_mode.values())) > 1:
+            mismatches.append({"key": dict(zip(("tp", "scenario", "kind", "client", "n", "index"), key, strict=True)),
+                               "tokens": {m: list(t) for m, t in by_mode.items()}})  # fmt: skip
+    return {"checked": checked, "mismatches": mismatches, "ok": checked > 0 and not mismatches}
+
+
+def byte_crosscheck(records: Sequence[dict]) -> dict:
+    """Scheduler-side bytes written (summed over ranks) against the workers' received bytes, per kind."""
+    bad = []
+    for r in records:
+        m = r["metrics"]
+        for kind in ("payload", "metadata"):
+            if m[f"{kind}_bytes"] != m[f"worker_{kind}_bytes"]:
+                bad.append({"scenario": r["scenario"], "tp": r["tp"], "mode": r["mode"], "n": r["n"],
+                            "index": r["index"], "kind": kind, "scheduler": m[f"{kind}_bytes"],
+                            "workers": m[f"worker_{kind}_bytes"]})  # fmt: skip
+    return {"requests": len(records), "mismatches": bad, "ok": not bad}
+
+
+def cached_floor_tables(records: Sequence[dict]) -> list[dict]:
+    """One row per (scenario, tp, mode, client, n): TTFT p50/p90, the control's, bytes per request."""
+    rows = []
+    timed = [r for r in records if r["scenario"] in ("cached_floor", "duplicate") and r["kind"] in _TIMED]
+    controls = _group([r for r in timed if r["kind"] == "control"], "scenario", "tp", "mode", "n")
+    for (scenario, tp, mode, client, n), rs in sorted(_group([r for r in timed if r["kind"] == "image"], "scenario",
+                                                            "tp", "mode", "client", "n").items()):  # fmt: skip
+        t = stats.summary([r["ttft_ms"] for r in rs])
+        ctrl = controls.get((scenario, tp, mode, n), [])
+        c = stats.summary([r["ttft_ms"] for r in ctrl]) if ctrl else None
+
+        def med(key: str, rs: list[dict] = rs) -> float:
+            return stats.median([r["metrics"][key] for r in rs])
+
+        rows.append({
+            "scenario": scenario, "tp": tp, "mode": mode, "client": client, "n": n, "repeats": len(rs),
+            "ttft_p50_ms": t["p50"], "ttft_p90_ms": t["p90"],
+            "control_p50_ms": c["p50"] if c else None, "control_p90_ms": c["p90"] if c else None,
+            "payload_bytes": med("payload_bytes"), "metadata_bytes": med("metadata_bytes"),
+            "control_bytes": med("control_bytes"), "saved_bytes": med("saved_prefix_bytes") + med("saved_rank_bytes"),
+            "metadata_per_image_rank": med("metadata_bytes") / (n * tp) if n else 0.0,
+            "step_ms_mean": sum(r["metrics"]["step_seconds_sum"] for r in rs) * 1e3
+            / max(1, sum(r["metrics"]["steps"] for r in rs)),
+            "prompt_tokens": rs[0]["usage"]["prompt_tokens"],
+            "control_prompt_tokens": ctrl[0]["usage"]["prompt_tokens"] if ctrl else None,
+        })  # fmt: skip
+    return rows
+
+
+def slopes(records: Sequence[dict]) -> list[dict]:
+    """TTFT-vs-N slopes per (scenario, tp, mode, client): images, the text control, and their difference."""
+    out = []
+    timed = [r for r in records if r["scenario"] in ("cached_floor", "duplicate") and r["kind"] in _TIMED]
+    controls = _group([r for r in timed if r["kind"] == "control"], "scenario", "tp", "mode")
+    for (scenario, tp, mode, client), rs in sorted(_group([r for r in timed if r["kind"] == "image"], "scenario",
+                                                          "tp", "mode", "client").items()):  # fmt: skip
+        img = _ms_slope(rs)
+        ctrl = _ms_slope(controls.get((scenario, tp, mode), []))
+        if img is None:
+            continue
+        diff = stats.slope_difference(img, ctrl) if ctrl else None
+        out.append({"scenario": scenario, "tp": tp, "mode": mode, "client": client, "images": img.as_dict(),
+                    "control": ctrl.as_dict() if ctrl else None, "image_specific": diff.as_dict() if diff else None})
+    return out
+
+
+def turn_tables(records: Sequence[dict]) -> list[dict]:
+    """Conversation and sliding window: per (scenario, tp, mode, client) the per-turn TTFT and bytes, totals, and
+    how many payload deliveries each distinct image got per rank."""
+    out = []
+    turns = [r for r in records if r["scenario"] in ("conversation", "sliding_window")]
+    for (scenario, tp, mode, client), rs in sorted(_group(turns, "scenario", "tp", "mode", "client").items()):
+        rs = sorted(rs, key=lambda r: r["index"])
+        distinct = len(rs)  # one new image per turn
+        sent = sum(r["usage"]["images_sent"] for r in rs)
+        out.append({
+            "scenario": scenario, "tp": tp, "mode": mode, "client": client, "turns": len(rs),
+            "ttft_ms": [r["ttft_ms"] for r in rs], "payload_bytes": [r["metrics"]["payload_bytes"] for r in rs],
+            "images_sent": [r["usage"]["images_sent"] for r in rs],
+            "total_payload_bytes": sum(r["metrics"]["payload_bytes"] for r in rs),
+            "ttft_p50_ms": stats.median([r["ttft_ms"] for r in rs]),
+            "deliveries_per_image_rank": sent / (distinct * tp),
+        })  # fmt: skip
+    return out
+
+
+def _floor(floors: Sequence[dict], transport: str, size: str, ranks: int) -> float | None:
+    hit = [f for f in floors if (f["transport"], f["size"], f["ranks"]) == (transport, size, ranks)]
+    return hit[0]["p50_ms"] if hit else None
+
+
+def broadcast_cost(slope_rows: Sequence[dict], floors: Sequence[dict], size: str) -> list[dict]:
+    """full's per-image broadcast = full's TTFT slope minus strip's (same tp, SDK client): they differ only in the
+    payloads of the cached images. Compared with the gRPC-stream and shared-memory floors for as many ranks."""
+    by = {(s["scenario"], s["tp"], s["mode"], s["client"]): s for s in slope_rows}
+    out = []
+    for (scenario, tp, mode, client), s in by.items():
+        if (scenario, mode, client) != ("cached_floor", "full", "sdk") or (scenario, tp, "strip", client) not in by:
+            continue
+        strip = by[(scenario, tp, "strip", client)]
+        per_image = s["images"]["slope"] - strip["images"]["slope"]
+        grpc, shm = _floor(floors, "grpc", size, tp), _floor(floors, "shm", size, tp)
+        out.append({"tp": tp, "per_image_ms": per_image, "grpc_floor_ms": grpc, "shm_floor_ms": shm,
+                    "ratio_to_grpc": per_image / grpc if grpc else None,
+                    "ratio_to_shm": per_image / shm if shm else None})  # fmt: skip
+    return out
+
+
+def _target(name: str, target: str, measured: str, ok: bool | None) -> dict:
+    return {"name": name, "target": target, "measured": measured, "status": {True: "met", False: "MISSED",
+                                                                            None: "not measured"}[ok]}
+
+
+def targets(analysis: dict) -> list[dict]:
+    """Every issue-7 target next to its measured value."""
+    rows, tables, sl = [], analysis["cached_floor"], analysis["slopes"]
+    cached = [r for r in tables if r["scenario"] == "cached_floor" and r["mode"] in ("strip", "lazy")]
+    if cached:
+        worst = max(r["payload_bytes"] for r in cached)
+        rows.append(_target("strip/lazy: payload bytes of fully cached images", "0 B",
+                            f"max {worst:.0f} B per request over {len(cached)} configurations", worst == 0))
+        meta = max(r["metadata_per_image_rank"] for r in cached)
+        rows.append(_target("strip/lazy: metadata per cached image per rank", "≤ 256 B", f"max {meta:.0f} B",
+                            meta <= 256))
+    else:
+        rows.append(_target("strip/lazy: payload bytes of fully cached images", "0 B", "–", None))
+    lazy_turns = [t for t in analysis["turns"] if t["mode"] == "lazy" and t["scenario"] == "sliding_window"]
+    dup = [r for r in analysis["duplicate_warm"] if r["mode"] == "lazy"]
+    if lazy_turns or dup:
+        worst_sw = max((t["deliveries_per_image_rank"] for t in lazy_turns), default=0.0)
+        worst_dup = max((r["deliveries_per_image_rank"] for r in dup), default=0.0)
+        rows.append(_target("lazy: payload deliveries per distinct image per rank (sliding window, duplicate)",
+                            "≤ 1", f"sliding window {worst_sw:.2f}, duplicate {worst_dup:.2f}" +
+                            ("" if dup else " (duplicate not run)"), max(worst_sw, worst_dup) <= 1.0))  # fmt: skip
+    for client, limit in (("sdk", 0.1), ("resend", 0.5)):
+        hits = [s for s in sl if (s["scenario"], s["mode"], s["client"]) == ("cached_floor", "lazy", client)
+                and s["image_specific"]]
+        if not hits:
+            rows.append(_target(f"lazy image-specific TTFT slope, {client} client", f"≤ {limit} ms/image", "–", None))
+            continue
+        text = "; ".join(f"TP{s['tp']}: {s['image_specific']['slope']:+.3f} ms "
+                         f"[{s['image_specific']['ci_low']:+.3f}, {s['image_specific']['ci_high']:+.3f}]" for s in hits)
+        ok = all(s["image_specific"]["slope"] <= limit for s in hits)
+        rows.append(_target(f"lazy image-specific TTFT slope (images − text control), {client} client",
+                            f"≤ {limit} ms/image (point estimate; 95 % CI shown)", text, ok))
+    for mode in MODES:
+        hits = [s for s in sl if (s["scenario"], s["mode"], s["client"]) == ("cached_floor", mode, "sdk")]
+        if hits:
+            text = "; ".join(f"TP{s['tp']}: {s['images']['slope']:.3f} ms [{s['images']['ci_low']:.3f}, "
+                             f"{s['images']['ci_high']:.3f}]" for s in hits)
+            ok = all(s["images"]["ci_low"] > 0 for s in hits) if mode == "full" else None
+            rows.append(_target(f"total TTFT slope, {mode} (anchor: {ANCHOR['before_ms_per_image']} before, "
+                                f"{ANCHOR['after_ms_per_image']} after)", "full grows linearly (CI above 0)"
+                                if mode == "full" else "reported", text, ok))  # fmt: skip
+    for b in analysis["broadcast"]:
+        ok = b["ratio_to_grpc"] is not None and b["ratio_to_grpc"] <= 1.5
+        rows.append(_target(f"full per-image broadcast, TP{b['tp']} (full − strip slope)", "≤ 1.5× gRPC floor",
+                            f"{b['per_image_ms']:.2f} ms = {_x(b['ratio_to_grpc'])} gRPC floor "
+                            f"({_f(b['grpc_floor_ms'])} ms), {_x(b['ratio_to_shm'])} shm floor "
+                            f"({_f(b['shm_floor_ms'])} ms)", ok))  # fmt: skip
+    steps = analysis.get("scheduler_steps")
+    if steps:
+        for mode, v in steps["modes"].items():
+            rows.append(_target(f"scheduler decode-step time flat, {mode}, {steps['counts'][0]}→{steps['counts'][-1]} "
+                                "items", "±20 %, items examined bounded",
+                                f"max deviation {v['flatness'] * 100:.1f} % (p50 {v['rows'][0]['decode_p50_us']:.1f} → "
+                                f"{v['rows'][-1]['decode_p50_us']:.1f} µs), items examined ≤ {v['items_examined_max']}",
+                                v["flatness"] <= 0.2 and v["items_examined_max"] <= 16))  # fmt: skip
+    eq = analysis["equality"]
+    rows.append(_target("all modes return the same tokens", "no mismatch",
+                        f"{eq['checked']} comparisons, {len(eq['mismatches'])} mismatches", eq["ok"]))
+    xc = analysis["crosscheck"]
+    rows.append(_target("scheduler byte counters = workers' received bytes", "equal",
+                        f"{xc['requests']} requests, {len(xc['mismatches'])} mismatches", xc["ok"]))
+    return rows
+
+
+def _x(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}×"
+
+
+def _f(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
+def duplicate_warm(records: Sequence[dict]) -> list[dict]:
+    """Duplicate control: payload deliveries of its single image per rank, over every request of the scenario."""
+    out = []
+    for (tp, mode), rs in sorted(_group([r for r in records if r["scenario"] == "duplicate"], "tp", "mode").items()):
+        sent = sum(r["usage"]["images_sent"] for r in rs)
+        out.append({"tp": tp, "mode": mode, "images_sent": sent, "deliveries_per_image_rank": sent / tp})
+    return out
+
+
+def analyze(records: Sequence[dict], floors: Sequence[dict], scheduler_steps: dict | None, size: str) -> dict:
+    timed = [r for r in records if r["scenario"] not in ("warmup", "calibration", "tp4_correctness")]
+    analysis = {
+        "cached_floor": cached_floor_tables(timed),
+        "slopes": slopes(timed),
+        "turns": turn_tables(timed),
+        "duplicate_warm": duplicate_warm(timed),
+        "equality": mode_equality(records),
+        "crosscheck": byte_crosscheck(records),
+        "scheduler_steps": scheduler_steps,
+    }
+    analysis["broadcast"] = broadcast_cost(analysis["slopes"], floors, size)
+    analysis["targets"] = targets(analysis)
+    return analysis
+
+
+# --- Markdown -------------------------------------------------------------------------------------------------
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n:.0f} B"
+
+
+def quick_table(analysis: dict) -> str:
+    """The headline table: cached-floor TTFT and payload per request at each N, per TP and mode (SDK client)."""
+    rows = [r for r in analysis["cached_floor"] if r["scenario"] == "cached_floor"]
+    ns = sorted({r["n"] for r in rows})
+    lines = ["| TP | mode | client | " + " | ".join(f"TTFT p50 N={n}" for n in ns)
+             + " | slope ms/img [95 % CI] | image-specific | payload/req at N=" + str(ns[-1] if ns else "") + " |",
+             "|" + "---|" * (5 + len(ns))]  # fmt: skip
+    sl = {(s["tp"], s["mode"], s["client"]): s for s in analysis["slopes"] if s["scenario"] == "cached_floor"}
+    for (tp, mode, client), rs in sorted(_group(rows, "tp", "mode", "client").items()):
+        by_n = {r["n"]: r for r in rs}
+        cells = [f"{by_n[n]['ttft_p50_ms']:.1f}" if n in by_n else "–" for n in ns]
+        s = sl.get((tp, mode, client))
+        slope = f"{s['images']['slope']:.2f} [{s['images']['ci_low']:.2f}, {s['images']['ci_high']:.2f}]" if s else "–"
+        spec = f"{s['image_specific']['slope']:+.2f}" if s and s["image_specific"] else "–"
+        last = _mb(by_n[ns[-1]]["payload_bytes"]) if ns[-1] in by_n else "–"
+        lines.append(f"| {tp} | {mode} | {client} | " + " | ".join(cells) + f" | {slope} | {spec} | {last} |")
+    ctrl = _group([r for r in rows if r["client"] == "sdk"], "tp", "mode")
+    for (tp, mode), rs in sorted(ctrl.items()):
+        by_n = {r["n"]: r for r in rs}
+        cells = [f"{by_n[n]['control_p50_ms']:.1f}" if n in by_n and by_n[n]["control_p50_ms"] else "–" for n in ns]
+        s = sl.get((tp, mode, "sdk"))
+        c = s["control"] if s and s["control"] else None
+        lines.append(f"| {tp} | {mode} | text control | " + " | ".join(cells)
+                     + (f" | {c['slope']:.2f} [{c['ci_low']:.2f}, {c['ci_high']:.2f}] | | |" if c else " | – | | |"))
+    return "\n".join(lines)
+
+
+def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots: Sequence[str]) -> None:
+    from benchmarks.floors import floors_table  # noqa: F401 - the caller renders floors with it
+
+    out = [f"# mmcast benchmark — {meta['plan']} ({meta['timestamp']})", "",
+           f"Machine: {meta['machine']['cpu']} ({meta['machine']['cores']} cores, {meta['machine']['memory_gib']:.0f} "
+           f"GiB), load average before/after {meta['machine']['loadavg_before']} / {meta['machine'].get('loadavg_after')}. "
+           f"Commit {meta['git']['commit'][:12]}{' (dirty)' if meta['git']['dirty'] else ''}; torch "
+           f"{meta['versions']['torch']}, transformers {meta['versions']['transformers']}, grpcio "
+           f"{meta['versions']['grpcio']}. Model: the embedded tiny Qwen2-VL; images {meta['image_size']} synthetic "
+           f"JPEGs; wall time {meta.get('wall_seconds', 0):.0f} s.", "",
+           "## Targets (issue 7)", "", "| target | goal | measured | status |", "|---|---|---|---|"]  # fmt: skip
+    out += [f"| {t['name']} | {t['target']} | {t['measured']} | {t['status']} |" for t in analysis["targets"]]
+    out += ["", "## Cached floor: TTFT (client side, ms) against N cached images", "", quick_table(analysis), ""]
+    out += ["## Bytes per timed request (cached floor, median)", "",
+            "| scenario | TP | mode | client | N | payload | metadata | metadata/image/rank | saved | step mean ms |",
+            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in analysis["cached_floor"]:
+        out.append(f"| {r['scenario']} | {r['tp']} | {r['mode']} | {r['client']} | {r['n']} | {_mb(r['payload_bytes'])} "
+                   f"| {_mb(r['metadata_bytes'])} | {r['metadata_per_image_rank']:.0f} B | {_mb(r['saved_bytes'])} | "
+                   f"{r['step_ms_mean']:.1f} |")  # fmt: skip
+    if analysis["turns"]:
+        out += ["", "## Conversation and sliding window", "",
+                "| scenario | TP | mode | client | turns | TTFT p50 ms | TTFT last turn | payload total | deliveries/image/rank |",
+                "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for t in analysis["turns"]:
+            out.append(f"| {t['scenario']} | {t['tp']} | {t['mode']} | {t['client']} | {t['turns']} | "
+                       f"{t['ttft_p50_ms']:.1f} | {t['ttft_ms'][-1]:.1f} | {_mb(t['total_payload_bytes'])} | "
+                       f"{t['deliveries_per_image_rank']:.2f} |")  # fmt: skip
+    if analysis["broadcast"]:
+        out += ["", "## Uncached path: full's per-image broadcast against the floors", "",
+                "| TP | full − strip slope ms/image | gRPC floor ms | ratio | shm floor ms | ratio |", "|---|---|---|---|---|---|"]
+        for b in analysis["broadcast"]:
+            out.append(f"| {b['tp']} | {b['per_image_ms']:.2f} | {_f(b['grpc_floor_ms'])} | {_x(b['ratio_to_grpc'])} | "
+                       f"{_f(b['shm_floor_ms'])} | {_x(b['ratio_to_shm'])} |")  # fmt: skip
+    out += ["", "## Transport floors (one payload to N receiver processes, ms per image)", "", floors_md, ""]
+    steps = analysis.get("scheduler_steps")
+    if steps:
+        out += ["## Scheduler decode-step time against items held in one session (µs)", "",
+                "| mode | " + " | ".join(f"{c} items p50 / p90" for c in steps["counts"]) + " | items examined max |",
+                "|" + "---|" * (2 + len(steps["counts"]))]  # fmt: skip
+        for mode, v in steps["modes"].items():
+            out.append(f"| {mode} | " + " | ".join(f"{r['decode_p50_us']:.1f} / {r['decode_p90_us']:.1f}"
+                                                   for r in v["rows"]) + f" | {v['items_examined_max']} |")
+        out.append("")
+    out += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots] or ["(plots skipped: matplotlib is "
+                                                                                   "not installed)"]
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
