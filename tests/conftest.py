@@ -28,3 +28,60 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def tiny_model_25_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """Folder of the embedded tiny Qwen2.5-VL (seed 0), built once per session."""
     return _tiny_model(tmp_path_factory, "qwen2_5_vl")
+
+
+# --- worker fixtures: one loaded model and one in-process rank per tiny variant, shared by the worker tests ---
+
+_WORKER_ENVS: dict = {}
+
+
+class WorkerEnv:
+    """A tiny model folder with its processor, its plain-transformers model (the oracle) and an in-process rank."""
+
+    def __init__(self, model_dir: pathlib.Path) -> None:
+        from transformers import AutoModelForImageTextToText
+
+        from common.tiny_model import load_processor
+        from tests.worker_driver import InProcessWorker
+        from worker_svc.config import WorkerConfig
+
+        self.model_dir = model_dir
+        self.processor = load_processor(model_dir)
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+        self.image_token_id = self.model.config.image_token_id
+        self.config = WorkerConfig(
+            model=str(model_dir), listen="127.0.0.1:0", kv_blocks=256, max_tensor_bytes=64 << 20, scheduler_id="test"
+        )
+        self.rank = InProcessWorker(self.config)
+
+    def prompt(self, segments):
+        from tests.worker_driver import process_prompt
+
+        return process_prompt(self.processor, segments, self.image_token_id)
+
+
+def _worker_env(request: pytest.FixtureRequest, variant: str) -> WorkerEnv:
+    env = _WORKER_ENVS.get(variant)
+    if env is None:
+        fixture = "tiny_model_dir" if variant == "qwen2_vl" else "tiny_model_25_dir"
+        env = _WORKER_ENVS[variant] = WorkerEnv(request.getfixturevalue(fixture))
+        request.session.config.add_cleanup(env.rank.stop)
+    return env
+
+
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl"])
+def worker_env(request: pytest.FixtureRequest) -> WorkerEnv:
+    """An in-process rank (world size 1) of each tiny variant, with its oracle model."""
+    return _worker_env(request, request.param)
+
+
+@pytest.fixture(scope="session")
+def worker_env_q2(request: pytest.FixtureRequest) -> WorkerEnv:
+    """The Qwen2-VL in-process rank alone (protocol tests need one model, not both)."""
+    return _worker_env(request, "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def worker_env_for(request: pytest.FixtureRequest):
+    """``worker_env_for("qwen2_vl" | "qwen2_5_vl")``: the shared env of a variant, for tests parametrized by name."""
+    return lambda variant: _worker_env(request, variant)

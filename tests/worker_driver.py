@@ -97,13 +97,14 @@ def with_pixels_replaced(prompt: Prompt, index: int, seed: int) -> Prompt:
 
 def oracle(model, prompt: Prompt, max_new_tokens: int = 8) -> tuple[list[int], list[float]]:
     """Greedy tokens and their log-probabilities from plain ``generate`` (no stop token: fixed length)."""
-    from transformers import GenerationConfig
+    import copy
 
-    gen = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, bos_token_id=None
-    )
+    gen = copy.deepcopy(model.generation_config)
+    gen.max_new_tokens, gen.do_sample = max_new_tokens, False
+    gen.eos_token_id = []  # ignore_eos: no stop token, and no suppression of the ones the model picks
+    gen.output_logits, gen.return_dict_in_generate = True, True
     with torch.inference_mode():
-        out = model.generate(**prompt.inputs, generation_config=gen, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(**prompt.inputs, generation_config=gen)
     tokens = out.sequences[0, len(prompt.token_ids) :].tolist()
     logprobs = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens, strict=True)]
     return tokens, logprobs
@@ -215,10 +216,23 @@ class MiniScheduler:
         self.held: set[str] = set()  # the ranks' payload-cache mirror
         self.sent_payload_ids: list[str] = []  # identifiers whose payload was written, in order
         self.stripped_ids: list[str] = []  # identifiers sent as STRIPPED metadata
-        self.sent = {"payload": 0, "metadata": 0, "control": 0}  # bytes written, summed over streams
-        for s in streams:
-            self.sent["control"] += len(s.handshake_bytes)
+        # bytes written to each stream, by kind
+        self.sent_by_rank = [{"payload": 0, "metadata": 0, "control": len(s.handshake_bytes)} for s in streams]
         self.results: list[list[worker_pb2.WorkerFrame]] = []
+        self._evict_payload: list[str] = []  # evictions the next control carries
+        self._evict_encoder: list[str] = []
+
+    def evict_everything(self) -> None:
+        """The next step tells the ranks to drop every payload and encoder output (their caches become empty)."""
+        self._evict_payload += sorted(self.held)
+        self._evict_encoder += sorted(self.encoded)
+        self.held.clear()
+        self.encoded.clear()
+
+    @property
+    def sent(self) -> dict[str, int]:
+        """Bytes written, summed over streams."""
+        return {k: sum(d[k] for d in self.sent_by_rank) for k in ("payload", "metadata", "control")}
 
     def alloc(self, n: int) -> list[int]:
         ids = list(range(self.next_block, self.next_block + n))
@@ -258,7 +272,13 @@ class MiniScheduler:
     def build_step(self, reqs: list[Req], finished: list[str] = ()) -> tuple[list[bytes], worker_pb2.StepControl, list]:
         """Frames for one step of ``reqs`` (each gets its next window); returns (payload frames, control, plan)."""
         self.step_id += 1
-        control = worker_pb2.StepControl(step_id=self.step_id, finished_request_ids=list(finished))
+        control = worker_pb2.StepControl(
+            step_id=self.step_id,
+            finished_request_ids=list(finished),
+            evict_payload_ids=self._evict_payload,
+            evict_encoder_ids=self._evict_encoder,
+        )
+        self._evict_payload, self._evict_encoder = [], []
         payloads: list[bytes] = []
         plan = []
         for req in reqs:
@@ -320,12 +340,13 @@ class MiniScheduler:
         for index, stream in enumerate(self.streams):
             if ranks is not None and index not in ranks:
                 continue
+            sent = self.sent_by_rank[index]
             for frame in payloads:
                 stream.send(frame)
-                self.sent["payload"] += len(frame)
+                sent["payload"] += len(frame)
             stream.send(control_bytes)
-            self.sent["metadata"] += metadata
-            self.sent["control"] += rest
+            sent["metadata"] += metadata
+            sent["control"] += rest
 
     def step(self, reqs: list[Req], finished: list[str] = ()) -> list[worker_pb2.WorkerFrame]:
         payloads, control, plan = self.build_step(reqs, finished)

@@ -1,0 +1,193 @@
+"""Real ``mmcast-worker`` processes: a TP=2 group reproduces plain transformers (and so TP=1) for both tiny
+variants, its /metrics byte counters equal what the test client wrote, and a lost peer ends the surviving rank
+within the group timeout with one clear log line and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.worker_driver import MiniScheduler, StreamClient, handshake, noise_image, oracle
+
+pytestmark = pytest.mark.slow
+
+WORKER_BIN = os.path.join(os.path.dirname(sys.executable), "mmcast-worker")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Group:
+    """N rank processes started from the CLI; rank 1 takes its settings from MMCAST_* variables."""
+
+    def __init__(self, model_dir, log_dir, world_size=2, timeout_s=5.0) -> None:
+        self.model_dir = model_dir
+        self.ports = [free_port() for _ in range(world_size)]
+        self.metrics_ports = [free_port() for _ in range(world_size)]
+        dist = f"tcp://127.0.0.1:{free_port()}"
+        self.logs = [log_dir / f"rank{r}.log" for r in range(world_size)]
+        self.procs = []
+        for rank in range(world_size):
+            settings = {
+                "rank": rank,
+                "world-size": world_size,
+                "listen": f"127.0.0.1:{self.ports[rank]}",
+                "dist-init": dist,
+                "model": model_dir,
+                "kv-blocks": 128,
+                "metrics-port": self.metrics_ports[rank],
+                "group-timeout-seconds": timeout_s,
+                "scheduler-id": "test",
+            }
+            env = dict(os.environ)
+            if rank == 1:  # the Kubernetes way: environment variables only
+                env.update({"MMCAST_" + k.upper().replace("-", "_"): str(v) for k, v in settings.items()})
+                args = [WORKER_BIN]
+            else:
+                args = [WORKER_BIN] + [x for k, v in settings.items() for x in (f"--{k}", str(v))]
+            self.procs.append(
+                subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=self.logs[rank].open("w"))
+            )
+        deadline = time.monotonic() + 60
+        for rank, port in enumerate(self.ports):
+            self._wait_ready(rank, port, deadline)
+
+    def _wait_ready(self, rank, port, deadline) -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.procs[rank].poll() is not None:
+                    raise RuntimeError(f"rank {rank} exited: {self.logs[rank].read_text()[-2000:]}")
+                try:
+                    request = health_pb2.HealthCheckRequest(service="mmcast.v1.WorkerService")
+                    if stub.Check(request, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(f"rank {rank} not ready: {self.logs[rank].read_text()[-2000:]}")
+
+    def streams(self, epoch=None):
+        return [
+            StreamClient(
+                f"127.0.0.1:{port}", handshake(self.model_dir, rank=r, world_size=len(self.ports), epoch=epoch)
+            )
+            for r, port in enumerate(self.ports)
+        ]
+
+    def received(self, rank) -> dict:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[rank]}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("mmcast_worker_received_bytes_total{"):
+                kind = line.split('kind="')[1].split('"')[0]
+                out[kind] = int(float(line.rsplit(" ", 1)[1]))
+        return out
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+# One group per variant for the whole module; the failure tests run last on each and end it.
+_TIMEOUTS = {"qwen2_vl": 3.0, "qwen2_5_vl": 2.0}
+
+
+@pytest.fixture(scope="module")
+def groups(worker_env_for, tmp_path_factory):
+    started: dict[str, Group] = {}
+
+    def get(variant: str) -> Group:
+        if variant not in started:
+            env = worker_env_for(variant)
+            started[variant] = Group(str(env.model_dir), tmp_path_factory.mktemp(variant), timeout_s=_TIMEOUTS[variant])
+        return started[variant]
+
+    yield get
+    for group in started.values():
+        for proc in group.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+        group.stop()
+
+
+@pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl"])
+def test_tp2_group_reproduces_transformers(variant, worker_env_for, groups):
+    env, group = worker_env_for(variant), groups(variant)
+    streams = group.streams()
+    sched = MiniScheduler(streams)
+    prompt = env.prompt([noise_image(61, 112, 84), "What is in this picture and", noise_image(62, 56, 56), "that?"])
+    cold = sched.add(prompt, "cold", chunk=20)
+    sched.run([cold])
+    sched.evict_everything()
+    hit = sched.add(prompt, "hit", hit_from=cold, hit_blocks=2)  # image 1 straddles the hit boundary
+    sched.run([hit])
+    tokens, logprobs = oracle(env.model, prompt)
+    for req in (cold, hit):
+        assert req.outputs == tokens
+        assert max(abs(a - b) for a, b in zip(req.logprobs, logprobs, strict=True)) <= 1e-3
+    for frames in sched.results:  # every rank answered every step; only rank 0 samples
+        assert [f.step_result.rank for f in frames] == [0, 1]
+        assert not frames[1].step_result.sampled
+    for s in streams:
+        s.close()
+    assert [group.received(r) for r in (0, 1)] == sched.sent_by_rank
+
+
+def _wait_exit(proc, limit):
+    t0 = time.monotonic()
+    try:
+        proc.wait(limit)
+    except subprocess.TimeoutExpired:
+        return None, time.monotonic() - t0
+    return proc.returncode, time.monotonic() - t0
+
+
+def _critical_lines(group, rank):
+    lines = [json.loads(x) for x in group.logs[rank].read_text().splitlines() if x.startswith("{")]
+    return [x for x in lines if x["level"] == "critical"]
+
+
+def test_killed_peer_ends_the_surviving_rank_within_the_group_timeout(worker_env_for, groups):
+    env, group = worker_env_for("qwen2_vl"), groups("qwen2_vl")
+    timeout_s = _TIMEOUTS["qwen2_vl"]
+    sched = MiniScheduler(group.streams())
+    prompt = env.prompt([noise_image(71, 112, 84), "Describe it."])
+    payloads, control, _ = sched.build_step([sched.add(prompt, "doomed")])
+    sched.send(payloads, control, ranks=[0])  # rank 0 enters the step's collectives; rank 1 never does
+    time.sleep(0.3)
+    group.procs[1].send_signal(signal.SIGKILL)
+    code, waited = _wait_exit(group.procs[0], timeout_s + 5)
+    assert code is not None and code != 0, f"rank 0 still running after {waited:.1f} s"
+    assert waited <= timeout_s + 1
+    fatal = _critical_lines(group, 0)
+    assert fatal and "tensor-parallel group" in fatal[-1]["msg"] and fatal[-1]["step_id"] == control.step_id
+
+
+def test_silent_peer_ends_the_surviving_rank_after_the_group_timeout(worker_env_for, groups):
+    env, group = worker_env_for("qwen2_5_vl"), groups("qwen2_5_vl")
+    timeout_s = _TIMEOUTS["qwen2_5_vl"]
+    sched = MiniScheduler(group.streams())
+    group.procs[1].send_signal(signal.SIGSTOP)  # alive, connected, but never joins the collective
+    prompt = env.prompt([noise_image(81, 56, 56), "Hello."])
+    payloads, control, _ = sched.build_step([sched.add(prompt, "stuck")])
+    sched.send(payloads, control)
+    code, waited = _wait_exit(group.procs[0], timeout_s + 10)
+    assert code is not None and code != 0
+    assert timeout_s - 0.5 <= waited <= timeout_s + 3
+    assert "tensor-parallel group" in _critical_lines(group, 0)[-1]["msg"]
