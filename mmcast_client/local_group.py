@@ -322,10 +322,12 @@ class LocalGroup:
             )
             log.error(self.failure)
             return False
+        # A crash loop should not spin: the first restart is immediate, then 0.5 s, 1 s, 2 s, ... apart.
+        delay = 0.0 if not self._restart_times else min(8.0, 0.5 * 2 ** (len(self._restart_times) - 1))
         self._restart_times.append(now)
         self.restarts += 1
-        log.warning("restarting the %s", what)
-        return True
+        log.warning("restarting the %s in %.1f s", what, delay)
+        return not self._stopping.wait(delay)
 
     def _start_workers(self) -> None:
         # A fresh rendezvous port: a rank of the old group still in TIME_WAIT or a late peer must not join it.
