@@ -37,7 +37,8 @@ class SchedulerConfig:
     max_model_len: int = _field(
         0, "context length: prompt + max_tokens must fit (0 = the model config's, capped by the ranks')", min=0
     )
-    max_tokens_limit: int = _field(0, "largest sampling.max_tokens a request may ask for (0 = up to the context)", min=0)
+    max_tokens_limit: int = _field(4096, "largest sampling.max_tokens a request may ask for (the context still caps it)",
+                                   min=1, max=2**31 - 1)
     max_logprobs: int = _field(20, "largest sampling.logprobs (top alternatives per token) a request may ask for",
                                min=0, max=1024)
     max_images_per_request: int = _field(64, "images one request may contain", min=0, max=100_000)
@@ -91,6 +92,8 @@ class SchedulerConfig:
         60.0, "how long requests wait for a lost worker group to return before failing with UNAVAILABLE",
         min=0.0, max=86400.0,
     )
+    step_timeout_seconds: float = _field(120.0, "how long a step may take on the ranks before the group counts as lost",
+                                         min=0.1, max=86400.0)
     drain_seconds: float = _field(30.0, "grace period for in-flight requests on shutdown", min=0.0, max=86400.0)
     keepalive_seconds: float = _field(10.0, "idle time before a keepalive on a rank stream; two missed = lost",
                                       min=0.1, max=3600.0)

@@ -1,0 +1,109 @@
+"""Byte-bounded LRU stores of the frontend: uploaded encoded images (by sha256) and processed images.
+
+Both are thread-safe (the service may run the frontend in a thread pool while the event loop stores uploads).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+from collections.abc import Hashable
+from typing import Any
+
+from common.errors import NotFound, ResourceExhausted
+
+
+class ByteLRU:
+    """A mapping bounded by the summed sizes of its values; the least recently used entries go first."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self._entries: collections.OrderedDict[Hashable, tuple[Any, int]] = collections.OrderedDict()
+        self.used = 0
+        self.hits = 0
+        self.misses = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Any | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry[0]
+
+    def put(self, key: Hashable, value: Any, size: int) -> bool:
+        """Stores ``value``; returns False (storing nothing) when it alone exceeds the budget."""
+        with self._lock:
+            if size > self.budget:
+                return False
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.used -= old[1]
+            while self.used + size > self.budget:
+                _, (_, evicted_size) = self._entries.popitem(last=False)
+                self.used -= evicted_size
+            self._entries[key] = (value, size)
+            self.used += size
+            return True
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class UploadStore:
+    """Content-addressed store of uploaded encoded images: sha256 hex -> bytes, LRU within a byte budget."""
+
+    def __init__(self, budget_bytes: int, max_upload_bytes: int | None = None) -> None:
+        self.max_upload_bytes = max_upload_bytes if max_upload_bytes is not None else budget_bytes
+        self._lru = ByteLRU(budget_bytes)
+
+    @property
+    def budget(self) -> int:
+        return self._lru.budget
+
+    @property
+    def used(self) -> int:
+        return self._lru.used
+
+    def put(self, data: bytes, sha256_hex: str | None = None) -> tuple[str, bool]:
+        """Stores ``data`` and returns ``(sha256 hex, already_present)``.
+
+        ``sha256_hex``: the digest when the caller computed it while receiving (it must be sha256 of ``data``),
+        so the bytes are not hashed twice.
+        """
+        if len(data) > self.max_upload_bytes:
+            raise ResourceExhausted(
+                f"upload has {len(data)} bytes; the limit is {self.max_upload_bytes} (--max-upload-bytes)"
+            )
+        if len(data) > self._lru.budget:
+            raise ResourceExhausted(
+                f"upload has {len(data)} bytes; the upload store holds {self._lru.budget} (--upload-store-bytes)"
+            )
+        sha = sha256_hex or hashlib.sha256(data).hexdigest()
+        already = sha in self._lru
+        if already:
+            self._lru.get(sha)  # refresh its place in the LRU order
+        else:
+            self._lru.put(sha, bytes(data), len(data))
+        return sha, already
+
+    def get(self, sha256_hex: str, field: str = "uploaded_sha256") -> bytes:
+        """The stored bytes; ``NotFound`` naming the hash when never uploaded or evicted since."""
+        data = self._lru.get(sha256_hex)
+        if data is None:
+            raise NotFound(
+                f"{field}={sha256_hex} is not in the upload store (never uploaded, or evicted: the store keeps the "
+                f"most recent {self._lru.budget} bytes, --upload-store-bytes); upload the image again"
+            )
+        return data
+
+    def __contains__(self, sha256_hex: str) -> bool:
+        return sha256_hex in self._lru
