@@ -94,6 +94,20 @@ def test_padded_batch_cache_left_pads_and_masks():
     assert torch.equal(short.layers[0].keys[0, :, -1], torch.ones(2, 4))
 
 
+def test_decode_batches_group_similar_cache_lengths_only():
+    from worker_svc.runner import ForwardInput, decode_batches
+
+    config = _text_config()
+
+    def item(length, tokens=1):
+        cache = kv_pool.cache_from_prefix(torch.zeros(2, 2, 2, length, 4), config)
+        return ForwardInput(cache, [1] * tokens, torch.zeros(3, tokens, dtype=torch.long), [], True)
+
+    items = [item(100), item(5, tokens=7), item(90), item(1000), item(95), item(10)]
+    assert decode_batches(items) == [[2, 4, 0]]  # the prefill window, the lone long and the short stay single
+    assert decode_batches([item(3), item(4)]) == [[0, 1]] and decode_batches([item(3)]) == []
+
+
 # --- sampling --------------------------------------------------------------------------------------------------
 
 
