@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from mmcast.v1 import worker_pb2
 from tests.worker_driver import MiniScheduler, noise_image, oracle, with_pixels_replaced
 
 TOL = 1e-3
@@ -103,3 +104,35 @@ def test_negative_control_changed_pixels_change_logprobs(worker_env, sched):
     sched.run([req])
     _, logprobs = oracle(worker_env.model, prompt)
     assert max(abs(a - b) for a, b in zip(req.logprobs, logprobs, strict=True)) > TOL
+
+
+def test_resumed_request_continues_identically(worker_env, sched):
+    """Preempted after 16 tokens, resumed as a new request (outputs appended to its prompt, a prefix hit that
+    reaches into them): greedy tokens still equal the oracle, and seeded sampling repeats its draws."""
+    prompt = two_image_prompt(worker_env, seed=60)
+    reference = oracle(worker_env.model, prompt, max_new_tokens=20)
+    for sampling in (None, worker_pb2.WorkerSampling(temperature=1.0, top_p=0.95, seed=11, return_logprobs=True)):
+        whole = sched.add(prompt, f"whole-{bool(sampling)}", max_new_tokens=20, sampling=sampling)
+        sched.run([whole])
+        first = sched.add(prompt, f"first-{bool(sampling)}", max_new_tokens=16, sampling=sampling)
+        sched.run([first])  # then preempted: the ranks drop it
+        sched.evict_everything()
+        hit = (len(prompt.token_ids) + 15) // 16  # full blocks of the 66 + 15 computed tokens: into the outputs
+        assert hit * 16 > len(prompt.token_ids)
+        resumed = sched.add(
+            prompt,
+            f"resumed-{bool(sampling)}",
+            max_new_tokens=20,
+            sampling=sampling,
+            outputs=first.outputs,
+            hit_from=first,
+            hit_blocks=hit,
+        )
+        sched.run([resumed])
+        assert resumed.outputs == whole.outputs
+        assert first.outputs == whole.outputs[:16]
+        if sampling is None:
+            assert_matches(whole, reference)
+            assert resumed.outputs == reference[0]
+            diffs = [abs(a - b) for a, b in zip(resumed.logprobs, reference[1][16:], strict=True)]
+            assert max(diffs) <= TOL

@@ -249,7 +249,9 @@ class MiniScheduler:
         hit_from: Req | None = None,
         hit_blocks: int = 0,
         sampling: worker_pb2.WorkerSampling | None = None,
+        outputs: list[int] = (),
     ) -> Req:
+        """A request to admit; ``outputs``: tokens it generated before a preemption (resumed as a new request)."""
         blocks = list(hit_from.block_ids[:hit_blocks]) if hit_from else []
         return Req(
             rid=rid,
@@ -259,6 +261,7 @@ class MiniScheduler:
             computed=len(blocks) * self.block_size,
             block_ids=blocks,
             sampling=sampling or worker_pb2.WorkerSampling(temperature=0.0, top_p=1.0, return_logprobs=True),
+            outputs=list(outputs),
         )
 
     def _payload_frames(self, feature: MultiModalFeatureSpec) -> list[bytes]:
@@ -284,7 +287,7 @@ class MiniScheduler:
         for req in reqs:
             known = req.prompt.token_ids + req.outputs
             start = req.computed
-            count = min(req.chunk, len(req.prompt.token_ids) - start) if start < len(req.prompt.token_ids) else 1
+            count = min(req.chunk, len(known) - start)  # a decode step: computed == len(known) - 1, one token
             end = start + count
             assert end <= len(known), (req.rid, start, count, len(known))
             need = -(-end // self.block_size)
