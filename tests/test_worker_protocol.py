@@ -241,6 +241,10 @@ def test_ack_keepalive_and_health(env):
                 stub.Check(health_pb2.HealthCheckRequest(service=service)).status
                 == health_pb2.HealthCheckResponse.SERVING
             )
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reply = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"mmcast.v1.WorkerService", "grpc.health.v1.Health"} <= names
 
 
 def test_received_bytes_equal_sent_bytes_and_gauges_follow(env, prompt):
