@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,7 @@ class Frontend:
         self.eos_token_ids = self._eos_token_ids()
         self.uploads = upload_store or UploadStore(config.upload_store_bytes, config.max_upload_bytes)
         self.cache = ByteLRU(config.processor_cache_bytes)
+        self._text_lock = threading.Lock()
 
     def _eos_token_ids(self) -> set[int]:
         from transformers import GenerationConfig
@@ -238,8 +240,10 @@ class Frontend:
             )
         stats = {"hits": 0}
         resolved = [self._image(part, field, stats) for field, part in images]
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        template_ids = self.tokenizer(text)["input_ids"]
+        with self._text_lock:  # a fast tokenizer refuses concurrent use ("Already borrowed")
+            text = self.processor.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+            template_ids = self.tokenizer(text)["input_ids"]
         token_ids, features = self._expand(template_ids, [p for _, p in resolved])
         if self.max_model_len and len(token_ids) >= self.max_model_len:
             raise InvalidArgument(

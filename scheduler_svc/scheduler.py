@@ -307,9 +307,9 @@ class Scheduler:
             raise FailedPrecondition(f"step {plan.step_id} is not the step in flight (stale after a recovery?)")
         live = [(r, n) for r, n in plan.scheduled if self._requests.get(r.request_id) is r and not r.is_finished]
         expected = {r.request_id for r, n in live if r.num_computed_tokens + n == r.num_tokens}
-        planned = {r.request_id for r, _ in plan.scheduled}
+        dropped = {r.request_id for r, _ in plan.scheduled} - {r.request_id for r, _ in live}  # finished meanwhile
         missing = expected - set(sampled)
-        unexpected = {rid for rid in sampled if rid not in expected and (rid not in planned or rid in self._requests)}
+        unexpected = set(sampled) - expected - dropped
         if missing or unexpected:
             raise StepOutputError(
                 f"step {plan.step_id}: rank 0 returned no token for {sorted(missing)} and unexpected tokens for "
@@ -355,6 +355,7 @@ class Scheduler:
                        error: str | None = None) -> RequestUpdate | None:
         """Service-side end (stop string, cancellation, deadline): frees everything; the next plan tells the
         ranks. Returns the final update, or None when the id is not in flight."""
+        reason = FinishReason(reason)  # also accepts its value: "stop", "length", "cancelled", "error"
         r = self._requests.get(RequestId(request_id))
         if r is None:
             return None
