@@ -83,7 +83,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._pending_finished: list[RequestId] = []
-        self._reset_next = False
+        self._reset_next = True  # the first plan of a scheduler (epoch) starts the ranks from empty caches
         self._next_step_id = 1
         self._outstanding: StepPlan | None = None
         self.num_preemptions = 0

@@ -244,3 +244,35 @@ def test_duck_typed_parts_and_their_field_names(tiny_model_dir):
     prompt = fe.process(user(TextPart("look"), Part(IMG_A, None, "x")), add_generation_prompt=False)
     assert prompt.num_images == 1
     assert fe.uses_mrope and fe.eos_token_ids and fe.max_model_len > 0
+
+
+@pytest.mark.parametrize("mode", ("full", "strip", "lazy"))
+def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_dir, mode):
+    from common import codec
+    from common.wire import feature_from_proto
+    from mmcast.v1 import worker_pb2
+    from scheduler_svc.request import Request, SamplingParams
+    from scheduler_svc.scheduler import GroupBudget, Scheduler
+    from scheduler_svc.wire import item_payload_frames
+
+    fe = make_frontend(tiny_model_dir)
+    prompt = fe.process(conversation())
+    config = SchedulerConfig(transfer_mode=mode, max_model_len=fe.max_model_len)
+    sched = Scheduler(config, GroupBudget(2, 64, 4096, 64 << 20), fe.uses_mrope, fe.eos_token_ids)
+    sched.add_request(Request("r", prompt.token_ids, prompt.mm_features, SamplingParams(max_tokens=2)))
+    plan = sched.schedule()
+    control = worker_pb2.StepControl.FromString(plan.control.SerializeToString())
+    (new,) = control.new_requests
+    assert list(new.prompt_token_ids) == prompt.token_ids
+    assert [e.item_identifier for e in control.encoder_inputs] == [f.identifier for f in prompt.mm_features[:2]]
+    assert [s.identifier for s in plan.rank_payloads[1]] == [f.identifier for f in prompt.mm_features[:2]]
+    for send in plan.rank_payloads[0]:
+        frames = [worker_pb2.SchedulerFrame.FromString(b).payload for b in item_payload_frames(send.feature, 4096)]
+        assembler = codec.TensorAssembler(frames[0].header, max_bytes=1 << 30, name="pixel_values")
+        for frame in frames:
+            assembler.add_chunk(frame.chunk.index, frame.chunk.data)
+        item = next(m for m in new.mm_items if m.identifier == send.identifier)
+        rebuilt = feature_from_proto(item, {"pixel_values": assembler.tensor()})
+        assert torch.equal(rebuilt.data["pixel_values"].data, send.feature.data["pixel_values"].data)
+        assert torch.equal(rebuilt.data["image_grid_thw"].data, send.feature.data["image_grid_thw"].data)
+        assert rebuilt.mm_position == send.feature.mm_position
