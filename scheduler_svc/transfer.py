@@ -221,13 +221,16 @@ class TransferPlanner:
             return wire
         sends = self._admission_sends(request)
         first = len(features) - len(sends)  # full sends from item 0, strip from the first uncovered item
-        for rank in range(ranks):
-            # Held ones first: pinning them before anything is added keeps them from being evicted.
-            order = sorted(range(len(sends)), key=lambda k: sends[k].identifier not in self.payloads[rank])
-            for k in order:
-                self._send(rank, sends[k], request, acc)
-                if first + k >= request.item_cursor:
-                    self.payloads[rank].pin(sends[k].identifier)  # held until the request computes past it
+        for rank, mirror in enumerate(self.payloads):
+            held = [f.identifier for f in sends if f.identifier in mirror]
+            for key in held:
+                mirror.pin(key)  # so that adding the others cannot evict them
+            for k, f in enumerate(sends, start=first):
+                self._send(rank, f, request, acc)
+                if k >= request.item_cursor:
+                    mirror.pin(f.identifier)  # held until the request computes past the item
+            for key in held:
+                mirror.unpin(key)
         return wire
 
     def _send(self, rank: int, feature: MultiModalFeatureSpec, request: Request, acc: ItemAccounting) -> None:
@@ -352,8 +355,8 @@ class TransferPlanner:
     # --- progress and release ----------------------------------------------------------------------------------
     def advance(self, request: Request) -> None:
         """Unpins the items the request has now computed past (after a step)."""
-        features = request.mm_features
-        while request.item_cursor < len(features) and features[request.item_cursor].mm_position.end <= request.num_computed_tokens:
+        features, computed = request.mm_features, request.num_computed_tokens
+        while request.item_cursor < len(features) and features[request.item_cursor].mm_position.end <= computed:
             self._unpin_item(request, request.item_cursor)
             request.item_cursor += 1
 

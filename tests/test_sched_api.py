@@ -215,3 +215,22 @@ def test_plan_accounting_and_stats_for_the_metrics():
     stats = h.sched.stats
     assert stats.prefix_query_tokens == 132 and stats.prefix_hit_tokens == 64
     assert stats.num_running == 1 and stats.kv_blocks_used == 5
+
+
+@pytest.mark.parametrize("uses_mrope", (True, False))
+def test_stripped_items_keep_exactly_the_keep_on_cpu_fields_for_mrope_models(uses_mrope):
+    from mmcast.v1 import multimodal_pb2
+
+    config = SchedulerConfig(transfer_mode="strip", max_model_len=512)
+    s = Scheduler(config, GROUP, uses_mrope=uses_mrope, eos_token_ids={EOS})
+    segs = [text("s", 20), ("a", 16), text("t", 30)]
+    for rid in ("r1", "r2"):
+        s.add_request(request(rid, segs, max_tokens=1))
+        plan = s.schedule()
+        s.update_from_output(plan, {rid: 3})
+        s.update_from_output(s.schedule(), {})  # tells the ranks r1 finished
+    item = plan.control.new_requests[0].mm_items[0]
+    assert item.payload_state == multimodal_pb2.PAYLOAD_STATE_STRIPPED
+    assert [f.name for f in item.fields] == (["image_grid_thw"] if uses_mrope else [])
+    assert s.get_request("r2") is None  # finished; the scheduler's own copy was never stripped:
+    assert plan.scheduled[0][0].mm_features[0].data["pixel_values"].data.shape == (16, 4)
