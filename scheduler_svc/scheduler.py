@@ -9,8 +9,12 @@ The service drives it (all calls from one thread or event loop)::
     plan = sched.schedule()           # StepPlan, or None when there is nothing to tell the ranks
     # ... rank r gets plan.rank_payloads[r] frames, then plan.control; wait for every rank's StepResult ...
     updates = sched.update_from_output(plan, {request_id: (token_id, logprob, top_logprobs), ...})  # rank 0's
-    sched.finish_request(request_id, FinishReason.CANCELLED)   # service-side stop; the next plan tells the ranks
-    sched.recover(); sched.reset_group(new_budget)             # the group was lost, then came back
+    #   -> [RequestUpdate]; raises StepOutputError (a FailedPrecondition: recover the group) on a mismatch
+    sched.finish_request(request_id, FinishReason.CANCELLED)   # -> final RequestUpdate | None; next plan tells ranks
+    sched.recover()                                             # group lost: caches gone, running -> waiting as new
+    failed = sched.reset_group(new_budget)                      # after reconnect; -> [RequestUpdate] (ERROR) that
+                                                                #    no longer fit the new budgets
+    sched.stats                                                 # SchedulerStats for the gauges
 
 Steps are synchronous: ``schedule`` may not be called again before ``update_from_output`` of its plan (or
 ``recover``). A request samples in a step iff its scheduled tokens reach the end of its known tokens; a decode
