@@ -56,6 +56,7 @@ class GroupBudget:
     encoder_cache_tokens: int  # encoder-output rows each rank holds; also the per-step encoder budget
     payload_cache_bytes: int  # payload bytes each rank holds
     max_model_len: int = 0  # context length the ranks' model allows (0 = not reported)
+    max_tensor_bytes: int = 0  # largest single tensor every rank accepts (0 = not reported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +169,12 @@ class Scheduler:
                     f"{where} needs {pos.get_num_embeds()} encoder rows; the ranks' encoder cache holds "
                     f"{self.encoder_cache_tokens} (--encoder-cache-tokens / the workers' encoder budget)"
                 )
+            max_tensor = getattr(self.group, "max_tensor_bytes", 0)
+            for name, elem in f.data.payload_fields().items():
+                size = elem.data.numel() * elem.data.element_size()
+                if max_tensor and size > max_tensor:
+                    raise ResourceExhausted(f"{where}: {name} has {size} bytes; the ranks accept tensors up to "
+                                            f"{max_tensor} bytes (the workers' max tensor size)")
             nbytes = payload_nbytes(f)
             if nbytes > self.payload_cache_bytes:
                 raise ResourceExhausted(

@@ -82,6 +82,8 @@ def _with_feature_payload(nbytes_rows: int):
         ({}, _with_feature_payload(80), ResourceExhausted, ["80 encoder rows", "holds 64", "--encoder-cache-tokens"]),
         ({"payload_cache_bytes": 512}, _with_feature_payload(40), ResourceExhausted,
          ["640 payload bytes", "512", "--payload-cache-bytes"]),
+        ({"group": dataclasses.replace(GROUP, max_tensor_bytes=100)}, _with_feature_payload(8), ResourceExhausted,
+         ["pixel_values has 128 bytes", "up to 100 bytes"]),
     ],
 )
 def test_add_request_limits(make_kwargs, req, error, needles):
