@@ -76,7 +76,7 @@ def run_session(mode: str, seed: int) -> Harness:
 @pytest.mark.parametrize("mode", ("full", "strip", "lazy"))
 def test_random_sessions_keep_every_invariant(mode):
     preemptions = recoveries = 0
-    for seed in range(40):
+    for seed in range(120):
         h = run_session(mode, seed)
         preemptions += h.sched.stats.preemptions
         recoveries += h.recoveries
