@@ -1,0 +1,312 @@
+"""The scheduler's step loop: schedule → broadcast to the group → apply rank 0's tokens → deliver to clients.
+
+Runs on the server's asyncio loop. The scheduler core is plain synchronous Python; the group is the network.
+When the group is lost, the core requeues every running request (generated tokens appended, so client
+streams continue without repeats), the loop reconnects with backoff, and requests still waiting when the group
+has been down longer than the deadline fail with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from common.errors import MmcastError, Status, Unavailable
+from common.ids import RequestId
+from scheduler_svc.group import GroupBudget, GroupDown, PayloadSend, WorkerGroup
+from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.request import FinishReason, RequestUsage
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    token_ids: list[int]
+    logprobs: list  # one (logprob, [(token_id, logprob), ...]) per token, or empty
+
+
+@dataclasses.dataclass
+class FinishEvent:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    error: MmcastError | None = None  # set when reason == "error"
+
+
+class RequestHandle:
+    """What a client stream reads: token and finish events for one request."""
+
+    def __init__(self, request_id: RequestId, received_at: float) -> None:
+        self.request_id = request_id
+        self.received_at = received_at
+        self.first_scheduled_at: float | None = None
+        self.first_token_at: float | None = None
+        self.events: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
+        self.usage = RequestUsage()  # the core's cumulative accounting, refreshed every step
+        self.finished = False
+
+
+class Engine:
+    def __init__(
+        self,
+        *,
+        group: WorkerGroup,
+        core_factory: Callable[[GroupBudget], object],
+        metrics: SchedulerMetrics,
+        group_deadline_seconds: float,
+        model_max_len: int,
+        keepalive_seconds: float = 5.0,
+        reconnect_backoff: tuple[float, float] = (0.2, 5.0),
+        on_group_state: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.group = group
+        self.core_factory = core_factory
+        self.core = None  # built at the first connect, from the group's budgets
+        self.metrics = metrics
+        self.group_deadline_seconds = group_deadline_seconds
+        self.model_max_len = model_max_len  # the model config's context; the ranks may report less
+        self.keepalive_seconds = keepalive_seconds
+        self.backoff = reconnect_backoff
+        self.on_group_state = on_group_state or (lambda up: None)
+        self.handles: dict[RequestId, RequestHandle] = {}
+        self._wake = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._stopping = False
+        self._down_since: float | None = time.monotonic()
+        self._task: asyncio.Task | None = None
+        self._stats_seen = None  # the core's stats at the previous step (its counters are cumulative)
+        self.last_down_reason = "not connected yet"
+
+    # --- public API (called by the servicer on the same loop) -------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engine")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self.group.close()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def submit(self, request, received_at: float | None = None) -> RequestHandle:
+        """Queue a request (a core ``Request``). Raises MmcastError (ALREADY_EXISTS, RESOURCE_EXHAUSTED, ...)."""
+        if self.core is None or not self._ready.is_set():
+            down_for = time.monotonic() - (self._down_since or time.monotonic())
+            if self.core is None or down_for > self.group_deadline_seconds:
+                raise Unavailable(
+                    f"worker group unavailable for {down_for:.1f}s ({self.last_down_reason}); retry later"
+                )
+        if request.request_id in self.handles:
+            raise MmcastError(f"request_id {request.request_id!r} is already in flight", Status.ALREADY_EXISTS)
+        self.core.add_request(request)
+        handle = RequestHandle(request.request_id, time.monotonic() if received_at is None else received_at)
+        self.handles[request.request_id] = handle
+        self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+        self._update_gauges()
+        self._wake.set()
+        return handle
+
+    def finish(self, request_id: RequestId, reason: str) -> None:
+        """Stop a request from the service side (stop string, client gone, deadline). Frees its blocks."""
+        handle = self.handles.pop(request_id, None)
+        if handle is None:
+            return
+        if self.core is not None:
+            update = self.core.finish_request(request_id, FinishReason(reason))
+            if update is not None and update.usage is not None:
+                handle.usage = update.usage
+        self._finish_handle(handle, FinishEvent(reason))
+        self._update_gauges()
+        self._wake.set()
+
+    def _finish_handle(self, handle: RequestHandle, event: FinishEvent) -> None:
+        if handle.finished:
+            return
+        handle.finished = True
+        handle.events.put_nowait(event)
+        self.metrics.requests_finished.labels(event.reason).inc()
+        self.handles.pop(handle.request_id, None)
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        delay = self.backoff[0]
+        while not self._stopping:
+            if self.core is None or not self.group.up:
+                if await self._connect():
+                    delay = self.backoff[0]
+                else:
+                    self._fail_if_past_deadline()
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.backoff[1])
+                continue
+            t0 = time.perf_counter()
+            plan = self.core.schedule()
+            self.metrics.schedule_seconds.observe(time.perf_counter() - t0)
+            if plan is None:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.keepalive_seconds)
+                except TimeoutError:
+                    try:
+                        await self.group.keepalive(stale_after=2.5 * self.keepalive_seconds)
+                    except GroupDown as exc:
+                        self._group_lost(str(exc))
+                continue
+            try:
+                results = await self.group.run_step(plan.step_id, plan.control, self._payloads(plan))
+            except GroupDown as exc:
+                self._group_lost(str(exc))
+                continue
+            self.metrics.step_seconds.observe(time.perf_counter() - t0)
+            self._apply(plan, results[0])
+            await asyncio.sleep(0)  # let client streams and new requests run between steps
+
+    @property
+    def max_model_len(self) -> int:
+        """Context length requests must fit: the model's, capped by what the ranks reported."""
+        budget = self.group.budget
+        if budget is not None and budget.max_model_len:
+            return min(self.model_max_len, budget.max_model_len)
+        return self.model_max_len
+
+    @staticmethod
+    def _payloads(plan) -> list[list[PayloadSend]]:
+        out = []
+        for sends in plan.rank_payloads:
+            out.append(
+                [
+                    PayloadSend(s.identifier, [(n, e.data) for n, e in s.feature.data.payload_fields().items()])
+                    for s in sends
+                ]
+            )
+        return out
+
+    async def _connect(self) -> bool:
+        try:
+            budget = await self.group.connect()
+        except GroupDown as exc:
+            self.last_down_reason = str(exc)
+            log.warning("worker group not available: %s", exc)
+            return False
+        if self.core is None:
+            self.core = self.core_factory(budget)
+            self._stats_seen = self.core.stats
+        else:
+            for update in self.core.reset_group(budget):  # requests that no longer fit the new budgets
+                self._deliver(update, time.monotonic())
+        self.metrics.kv_blocks_total.set(budget.kv_blocks)
+        self.metrics.group_up.set(1)
+        self._down_since = None
+        self._ready.set()
+        self.on_group_state(True)
+        self._wake.set()
+        return True
+
+    def _group_lost(self, reason: str) -> None:
+        log.error("worker group lost: %s", reason)
+        self.last_down_reason = reason
+        self.metrics.group_up.set(0)
+        self.metrics.group_recoveries.inc()
+        self._ready.clear()
+        self.on_group_state(False)
+        self._down_since = time.monotonic()
+        if self.core is not None:
+            self.core.recover()
+        self._update_gauges()
+
+    def _fail_if_past_deadline(self) -> None:
+        if self._down_since is None or self.core is None:
+            return
+        down_for = time.monotonic() - self._down_since
+        if down_for <= self.group_deadline_seconds or not self.handles:
+            return
+        err = Unavailable(
+            f"worker group down for {down_for:.1f}s, past --group-deadline-seconds={self.group_deadline_seconds:g} "
+            f"({self.last_down_reason})"
+        )
+        for request_id, handle in list(self.handles.items()):
+            self.core.finish_request(request_id, FinishReason.ERROR, error=err.message)
+            self._finish_handle(handle, FinishEvent("error", err))
+        self._update_gauges()
+
+    def _apply(self, plan, rank0) -> None:
+        now = time.monotonic()
+        self._count_plan(plan)
+        sampled = {
+            s.request_id: (s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top_logprobs])
+            for s in rank0.sampled
+        }
+        for request_id in plan.num_scheduled_tokens:
+            handle = self.handles.get(request_id)
+            if handle is not None and handle.first_scheduled_at is None:
+                handle.first_scheduled_at = now
+        for update in self.core.update_from_output(plan, sampled):
+            self._deliver(update, now)
+        for request_id, handle in self.handles.items():
+            if request_id in plan.accounting:
+                request = self.core.get_request(request_id)
+                if request is not None:
+                    handle.usage = request.usage
+        self._update_gauges()
+
+    def _deliver(self, update, now: float) -> None:
+        handle = self.handles.get(update.request_id)
+        if handle is None:
+            return
+        if update.usage is not None:
+            handle.usage = update.usage
+        if update.new_token_ids:
+            if handle.first_token_at is None:
+                handle.first_token_at = now
+                self.metrics.ttft.observe(now - handle.received_at)
+            self.metrics.generation_tokens.inc(len(update.new_token_ids))
+            handle.events.put_nowait(TokenEvent(list(update.new_token_ids), list(update.logprobs or [])))
+        if update.finished is not None:
+            error = Unavailable(update.error) if update.finished is FinishReason.ERROR and update.error else None
+            if update.finished is FinishReason.ERROR and error is None:
+                error = MmcastError(update.error or "request failed", Status.INTERNAL)
+            self._finish_handle(handle, FinishEvent(update.finished.value, error))
+
+    def _count_plan(self, plan) -> None:
+        """Per-step item dispositions and saved bytes, and the core's cumulative counters as deltas."""
+        m = self.metrics
+        totals = plan.totals()
+        m.mm_items.labels("sent").inc(totals.sent)
+        m.mm_items.labels("stripped").inc(totals.stripped)
+        m.mm_items.labels("rank_cached").inc(totals.rank_cached)
+        if totals.abandoned:
+            m.mm_items.labels("abandoned").inc(totals.abandoned)
+        m.payload_bytes_saved.labels("prefix_covered").inc(totals.bytes_saved_prefix_covered)
+        m.payload_bytes_saved.labels("rank_cached").inc(totals.bytes_saved_rank_cached)
+        stats, seen = self.core.stats, self._stats_seen
+        m.prefix_query_tokens.inc(max(0, stats.prefix_query_tokens - seen.prefix_query_tokens))
+        m.prefix_hit_tokens.inc(max(0, stats.prefix_hit_tokens - seen.prefix_hit_tokens))
+        m.preemptions.inc(max(0, stats.preemptions - seen.preemptions))
+        self._stats_seen = stats
+
+    def _update_gauges(self) -> None:
+        if self.core is None:
+            return
+        stats = self.core.stats
+        self.metrics.requests_running.set(stats.num_running)
+        self.metrics.requests_waiting.set(stats.num_waiting)
+        self.metrics.kv_blocks_used.set(stats.kv_blocks_used)

@@ -1,0 +1,184 @@
+"""Assembles the scheduler process: frontend, scheduler core, worker group, engine, gRPC server, /metrics.
+
+Health has two levels: the server ("") is SERVING as soon as it listens (liveness); the service
+``mmcast.v1.Generation`` is SERVING only while every rank of the group has completed its handshake (readiness).
+Shutdown: stop accepting new requests, let in-flight ones finish within ``drain_seconds``, cancel the rest,
+then close the rank streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from common.hashing import model_fingerprint
+from mmcast.v1 import generation_pb2, generation_pb2_grpc
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.group import WorkerGroup
+from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.service import GenerationServicer
+
+log = logging.getLogger("mmcast.scheduler")
+
+SERVICE_NAME = "mmcast.v1.Generation"
+
+
+class SchedulerServer:
+    """Everything one scheduler process runs; usable in-process by tests (``start``/``stop``)."""
+
+    def __init__(self, config: SchedulerConfig, *, metrics: SchedulerMetrics | None = None) -> None:
+        from scheduler_svc.frontend import Frontend
+        from scheduler_svc.request import Request, SamplingParams
+        from scheduler_svc.scheduler import Scheduler
+
+        self.config = config
+        self.metrics = metrics or SchedulerMetrics()
+        model_dir = Path(config.model)
+        self.fingerprint = model_fingerprint(model_dir)
+        self.frontend = Frontend(model_dir, config)
+        self.uploads = self.frontend.uploads
+        self.tokenizer = self.frontend.tokenizer
+        self.uses_mrope = self.frontend.uses_mrope
+        eos = self.frontend.eos_token_ids
+        self._Request, self._SamplingParams = Request, SamplingParams
+
+        def core_factory(budget):
+            return Scheduler(
+                config, budget, uses_mrope=self.uses_mrope, eos_token_ids=eos, max_model_len=self.frontend.max_model_len
+            )
+
+        self.group = WorkerGroup(
+            config.workers,
+            model_fingerprint=self.fingerprint,
+            block_size=config.block_size,
+            scheduler_id=config.scheduler_id,
+            chunk_size=config.chunk_size_bytes,
+            on_bytes=lambda kind, n: self.metrics.broadcast_bytes.labels(kind).inc(n),
+        )
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.engine = Engine(
+            group=self.group,
+            core_factory=core_factory,
+            metrics=self.metrics,
+            group_deadline_seconds=config.group_deadline_seconds,
+            model_max_len=self.frontend.max_model_len,
+            keepalive_seconds=config.keepalive_seconds,
+            reconnect_backoff=(config.reconnect_backoff_initial_seconds, config.reconnect_backoff_max_seconds),
+            on_group_state=self._on_group_state,
+        )
+        self.servicer = GenerationServicer(
+            engine=self.engine,
+            frontend=self.frontend,
+            uploads=self.uploads,
+            config=config,
+            tokenizer=self.tokenizer,
+            make_request=self._make_request,
+            server_info=self._server_info,
+        )
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self._health_state: dict[str, int] = {}
+
+    def _make_request(self, request_id, processed, sampling, cache_salt):
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+        params = self._SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=seed,
+            stop_token_ids=tuple(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+            logprobs=sampling.logprobs,
+            return_logprobs=sampling.return_logprobs,
+        )
+        return self._Request(
+            request_id=request_id,
+            prompt_token_ids=list(processed.token_ids),
+            mm_features=list(processed.mm_features),
+            sampling=params,
+            cache_salt=cache_salt or None,
+            arrival_time=time.monotonic(),
+        )
+
+    def _server_info(self) -> generation_pb2.ServerInfo:
+        c = self.config
+        return generation_pb2.ServerInfo(
+            model=Path(c.model).name,
+            model_fingerprint=self.fingerprint,
+            max_model_len=self.engine.max_model_len,
+            max_images_per_request=c.max_images_per_request,
+            max_image_pixels=c.max_image_pixels,
+            max_request_bytes=c.max_request_bytes,
+            max_upload_bytes=c.max_upload_bytes,
+            transfer_mode=c.transfer_mode,
+            tensor_parallel_size=len(c.workers),
+            group_ready=self.engine.ready,
+        )
+
+    def _on_group_state(self, up: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        asyncio.get_running_loop().create_task(self.health.set(SERVICE_NAME, status))
+
+    async def start(self) -> int:
+        from common.grpc_metrics import AioServerMetricsInterceptor
+
+        c = self.config
+        self.server = grpc.aio.server(
+            interceptors=[AioServerMetricsInterceptor(self.metrics.registry)],
+            options=[
+                ("grpc.max_receive_message_length", c.max_request_bytes),
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (
+            generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(c.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {c.listen} (--listen)")
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        self.engine.start()
+        log.info("scheduler listening", extra={"port": self.port, "workers": ",".join(c.workers), "transfer_mode": c.transfer_mode})
+        return self.port
+
+    async def stop(self, drain_seconds: float | None = None) -> None:
+        """Graceful: refuse new requests, drain in-flight ones, then close the group."""
+        drain = self.config.drain_seconds if drain_seconds is None else drain_seconds
+        self.servicer.draining = True
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + drain
+        while self.engine.handles and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self.engine.handles):
+            self.engine.finish(request_id, "cancelled")
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        await self.engine.stop()
+        log.info("scheduler stopped")
+
+
+async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
+    server = SchedulerServer(config)
+    if config.metrics_port:
+        start_http_server(config.metrics_port, registry=server.metrics.registry)
+    await server.start()
+    await stop.wait()
+    log.info("shutdown requested; draining", extra={"drain_seconds": config.drain_seconds})
+    await server.stop()

@@ -1,0 +1,182 @@
+"""The client-facing ``mmcast.v1.Generation`` servicer. It only translates: proto → domain objects (api.py),
+the frontend and the engine decide, events → proto. Status codes come from ``common.errors`` statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from common.errors import InvalidArgument, MmcastError, ResourceExhausted, Unavailable
+from mmcast.v1 import generation_pb2, generation_pb2_grpc, logprob_pb2
+from scheduler_svc import api
+from scheduler_svc.detok import TextStream
+from scheduler_svc.engine import Engine, FinishEvent, RequestHandle, TokenEvent
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    "stop": generation_pb2.FINISH_REASON_STOP,
+    "length": generation_pb2.FINISH_REASON_LENGTH,
+    "cancelled": generation_pb2.FINISH_REASON_CANCELLED,
+    "error": generation_pb2.FINISH_REASON_ERROR,
+}
+
+
+def grpc_code(err: MmcastError) -> grpc.StatusCode:
+    return grpc.StatusCode[err.status.value]
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, *, engine: Engine, frontend, uploads, config, tokenizer, make_request, server_info) -> None:
+        self.engine = engine
+        self.frontend = frontend
+        self.uploads = uploads
+        self.config = config
+        self.tokenizer = tokenizer
+        self.make_request = make_request  # (request_id, processed prompt, SamplingSpec, cache_salt) -> core Request
+        self.server_info = server_info  # () -> generation_pb2.ServerInfo
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="frontend")
+        self.draining = False
+
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        received = time.monotonic()
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        log_extra = {"request_id": request_id}
+        try:
+            if self.draining:
+                raise Unavailable("the server is draining for shutdown; retry on another replica")
+            api.check_request_id(request.request_id)
+            api.check_cache_salt(request.cache_salt)
+            sampling = api.parse_sampling(
+                request.sampling,
+                max_tokens_limit=self.config.max_tokens_limit,
+                max_logprobs=self.config.max_logprobs,
+                vocab_size=self.frontend.vocab_size,
+            )
+            turns = api.parse_messages(request.messages, max_images=self.config.max_images_per_request)
+            loop = asyncio.get_running_loop()
+            add_gen = not request.continue_final_message
+            processed = await loop.run_in_executor(
+                self.executor, functools.partial(self.frontend.process, turns, add_generation_prompt=add_gen)
+            )
+            limit = self.engine.max_model_len
+            if len(processed.token_ids) + sampling.max_tokens > limit:
+                raise InvalidArgument(
+                    f"prompt has {len(processed.token_ids)} tokens and sampling.max_tokens={sampling.max_tokens}: "
+                    f"together {len(processed.token_ids) + sampling.max_tokens} exceed the model context {limit}"
+                )
+            handle = self.engine.submit(self.make_request(request_id, processed, sampling, request.cache_salt), received)
+        except MmcastError as err:
+            log.info("request rejected: %s", err.message, extra={**log_extra, "code": err.status.value})
+            await context.abort(grpc_code(err), err.message)
+            return
+        log.info("request admitted", extra={**log_extra, "prompt_tokens": len(processed.token_ids)})
+        async for response in self._stream(handle, processed, sampling, received):
+            yield response
+
+    async def _stream(self, handle: RequestHandle, processed, sampling: api.SamplingSpec, received: float):
+        text = TextStream(self.tokenizer, sampling.stop)
+        completion_tokens = 0
+        finish: FinishEvent | None = None
+        ttft = None
+        try:
+            while finish is None:
+                event = await handle.events.get()
+                if isinstance(event, FinishEvent):
+                    finish = event
+                    break
+                assert isinstance(event, TokenEvent)
+                ids = event.token_ids[: sampling.max_tokens - completion_tokens]
+                completion_tokens += len(ids)
+                if ttft is None:
+                    ttft = time.monotonic() - received
+                delta = generation_pb2.TokenDelta(token_ids=ids, text=text.add(ids))
+                if sampling.return_logprobs:
+                    for tok, lp in zip(ids, event.logprobs, strict=False):
+                        logprob, top = lp
+                        delta.logprobs.append(
+                            generation_pb2.TokenLogprob(
+                                token_id=tok,
+                                logprob=logprob,
+                                top_logprobs=[logprob_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top],
+                            )
+                        )
+                if text.stopped_by is not None:
+                    self.engine.finish(handle.request_id, "stop")
+                    finish = FinishEvent("stop")
+                yield generation_pb2.GenerateResponse(delta=delta)
+            tail = text.flush()
+            if tail:
+                yield generation_pb2.GenerateResponse(delta=generation_pb2.TokenDelta(text=tail))
+            yield generation_pb2.GenerateResponse(final=self._final(handle, finish, processed, completion_tokens, ttft, text))
+        finally:
+            if not handle.finished:
+                self.engine.finish(handle.request_id, "cancelled")
+                log.info("request cancelled by the client", extra={"request_id": handle.request_id})
+
+    def _final(self, handle, finish: FinishEvent, processed, completion_tokens, ttft, text) -> generation_pb2.GenerateFinal:
+        u = handle.usage
+        final = generation_pb2.GenerateFinal(
+            finish_reason=_FINISH.get(finish.reason, generation_pb2.FINISH_REASON_ERROR),
+            request_id=handle.request_id,
+            stop_reason=text.stopped_by or "",
+            usage=generation_pb2.Usage(
+                prompt_tokens=len(processed.token_ids),
+                completion_tokens=completion_tokens,
+                cached_tokens=u.cached_tokens,
+                images=len(processed.mm_features),
+                images_sent=u.items_sent,
+                images_stripped=u.items_stripped,
+                images_rank_cached=u.items_rank_cached,
+                payload_bytes_broadcast=u.payload_bytes_sent,
+                payload_bytes_saved=u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached,
+                preemptions=u.preemptions,
+            ),
+            timings=generation_pb2.Timings(
+                time_to_first_token_seconds=ttft or 0.0,
+                total_seconds=time.monotonic() - handle.received_at,
+                queue_seconds=(handle.first_scheduled_at or time.monotonic()) - handle.received_at,
+            ),
+        )
+        if finish.error is not None:
+            final.error.grpc_code = grpc_code(finish.error).value[0]
+            final.error.message = finish.error.message
+        return final
+
+    async def UploadImage(self, request_iterator, context: grpc.aio.ServicerContext):
+        limit = self.config.max_upload_bytes
+        digest = hashlib.sha256()
+        parts: list[bytes] = []
+        size = 0
+        expected = ""
+        try:
+            async for chunk in request_iterator:
+                if chunk.expected_sha256:
+                    expected = chunk.expected_sha256
+                size += len(chunk.data)
+                if size > limit:
+                    raise ResourceExhausted(f"upload exceeds {limit} bytes (--max-upload-bytes)")
+                digest.update(chunk.data)
+                parts.append(chunk.data)
+            if size == 0:
+                raise InvalidArgument("upload is empty: send the encoded image bytes in UploadImageChunk.data")
+            sha = digest.hexdigest()
+            if expected and expected != sha:
+                raise InvalidArgument(f"expected_sha256={expected[:80]} does not match the received bytes' sha256 {sha}")
+            data = b"".join(parts)
+            self.frontend.check_image_header(data, "upload")
+            sha2, already = self.uploads.put(data, sha256_hex=sha)
+        except MmcastError as err:
+            await context.abort(grpc_code(err), err.message)
+            return None
+        return generation_pb2.UploadImageResponse(sha256=sha2, byte_size=size, already_present=already)
+
+    async def GetServerInfo(self, request, context):
+        return self.server_info()
