@@ -78,10 +78,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc_code(err), err.message)
             return
         log.info("request admitted", extra={**log_extra, "prompt_tokens": len(processed.token_ids)})
-        async for response in self._stream(handle, processed, sampling, received):
+        async for response in self._stream(handle, processed, sampling, received, context):
             yield response
 
-    async def _stream(self, handle: RequestHandle, processed, sampling: api.SamplingSpec, received: float):
+    async def _stream(self, handle: RequestHandle, processed, sampling: api.SamplingSpec, received: float, context):
         text = TextStream(self.tokenizer, sampling.stop)
         completion_tokens = 0
         finish: FinishEvent | None = None
@@ -91,6 +91,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 event = await handle.events.get()
                 if isinstance(event, FinishEvent):
                     finish = event
+                    if event.error is not None and completion_tokens == 0:
+                        # nothing streamed yet: a plain status, which clients may retry (UNAVAILABLE)
+                        await context.abort(grpc_code(event.error), event.error.message)
                     break
                 assert isinstance(event, TokenEvent)
                 ids = event.token_ids[: sampling.max_tokens - completion_tokens]

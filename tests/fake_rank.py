@@ -26,8 +26,9 @@ class FakeRankConfig:
     encoder_cache_tokens: int = 1 << 16
     max_model_len: int = 32768
     drop_after_steps: int | None = None  # end the stream with UNAVAILABLE when this many steps were answered
+    drop_once_after_steps: int | None = None  # the same, once (cleared when it fires)
     refuse_handshake: str | None = None  # abort the handshake with FAILED_PRECONDITION and this message
-    token_for: int = 7  # token id rank 0 "samples"
+    step_delay: float = 0.0  # seconds each step takes
 
 
 class FakeRank:
@@ -39,7 +40,7 @@ class FakeRank:
         self.handshakes: list[worker_pb2.Handshake] = []
         self.server: grpc.aio.Server | None = None
         self.address = ""
-        self.known_tokens: dict[str, int] = {}
+        self.sequences: dict[str, list[int]] = {}  # request id -> tokens the rank was told
 
     async def start(self) -> str:
         handler = grpc.stream_stream_rpc_method_handler(self._step, request_deserializer=None, response_serializer=None)
@@ -96,23 +97,44 @@ class FakeRank:
             elif kind == "control":
                 if cfg.drop_after_steps is not None and self.steps_answered >= cfg.drop_after_steps:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "fake rank dropped its stream")
+                if cfg.drop_once_after_steps is not None and self.steps_answered >= cfg.drop_once_after_steps:
+                    cfg.drop_once_after_steps = None
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake rank dropped its stream once")
                 result = worker_pb2.StepResult(step_id=frame.control.step_id, rank=cfg.rank)
+                sampled = self._sample(frame.control)
                 if cfg.rank == 0:
-                    result.sampled.extend(self._sample(frame.control))
+                    result.sampled.extend(sampled)
                 self.steps_answered += 1
-                await asyncio.sleep(0)
+                await asyncio.sleep(cfg.step_delay)
                 yield worker_pb2.WorkerFrame(step_result=result).SerializeToString()
 
     def _sample(self, control: worker_pb2.StepControl) -> list[worker_pb2.SampledToken]:
+        """A deterministic 'model': the next token is a function of the whole sequence so far, so a request
+        recomputed after a recovery continues exactly where it was."""
         out = []
         for rid in control.finished_request_ids:
-            self.known_tokens.pop(rid, None)
+            self.sequences.pop(rid, None)
+        ends = []
         for req in control.new_requests:
-            self.known_tokens[req.request_id] = len(req.prompt_token_ids)
-            if req.num_computed_tokens + req.num_scheduled_tokens == len(req.prompt_token_ids):
-                out.append(worker_pb2.SampledToken(request_id=req.request_id, token_id=self.cfg.token_for, logprob=-0.5))
+            self.sequences[req.request_id] = list(req.prompt_token_ids)
+            ends.append((req.request_id, req.num_computed_tokens + req.num_scheduled_tokens))
         for req in control.running:
-            self.known_tokens[req.request_id] = self.known_tokens.get(req.request_id, 0) + len(req.new_token_ids)
-            if req.num_computed_tokens + req.num_scheduled_tokens == self.known_tokens[req.request_id]:
-                out.append(worker_pb2.SampledToken(request_id=req.request_id, token_id=self.cfg.token_for, logprob=-0.5))
+            self.sequences[req.request_id].extend(req.new_token_ids)
+            ends.append((req.request_id, req.num_computed_tokens + req.num_scheduled_tokens))
+        for rid, end in ends:
+            if end == len(self.sequences[rid]):
+                token = next_token(self.sequences[rid])
+                out.append(worker_pb2.SampledToken(request_id=rid, token_id=token, logprob=-0.5))
         return out
+
+
+def next_token(sequence: list[int]) -> int:
+    """The fake model's greedy choice after ``sequence`` (never a special token of the tiny vocabulary)."""
+    return (sum(sequence[-4:]) * 31 + len(sequence)) % 997
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt) :]
