@@ -45,7 +45,7 @@ def test_control_bytes_identical_across_ranks_and_payloads_only_where_needed():
         ]
         results = await group.run_step(1, control_with_new_request(), sends)
         assert [r.rank for r in results] == [0, 1, 2]
-        assert [s.token_id for s in results[0].sampled] == [7]
+        assert len(results[0].sampled) == 1 and not results[1].sampled
         await group.close()
         for r in ranks:
             await r.stop()
