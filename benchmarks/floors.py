@@ -306,7 +306,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         return _serve_grpc()
     if args.serve:
         return _serve_socket(args.serve, args.shm_path, args.capacity)
-    ensure_allocator_env()
     rows = measure_floors(
         sizes=args.sizes.split(","),
         ranks=[int(n) for n in args.ranks.split(",")],
@@ -320,4 +319,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    if "--serve" not in sys.argv:
+        ensure_allocator_env()  # the sender too; receivers get it from their parent's environment
     main()

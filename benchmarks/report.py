@@ -260,7 +260,7 @@ def quick_table(analysis: dict) -> str:
     ns = sorted({r["n"] for r in rows})
     lines = ["| TP | mode | client | " + " | ".join(f"TTFT p50 N={n}" for n in ns)
              + " | slope ms/img [95 % CI] | image-specific | payload/req at N=" + str(ns[-1] if ns else "") + " |",
-             "|" + "---|" * (5 + len(ns))]  # fmt: skip
+             "|" + "---|" * (6 + len(ns))]  # fmt: skip
     sl = {(s["tp"], s["mode"], s["client"]): s for s in analysis["slopes"] if s["scenario"] == "cached_floor"}
     for (tp, mode, client), rs in sorted(_group(rows, "tp", "mode", "client").items()):
         by_n = {r["n"]: r for r in rs}

@@ -1,0 +1,231 @@
+"""The benchmark driver: ``python -m benchmarks.run --quick | --full | --smoke [--out DIR]``.
+
+In one run: the transport floors, the scheduler's step time against items held, then for every configuration
+(tensor-parallel size × transfer mode) a fresh local group (real processes, the embedded tiny model, loopback)
+that is warmed and driven through the SDK scenarios of ``benchmarks.scenarios``. All modes must return the same
+tokens (greedy, ``ignore_eos``); a mismatch fails the run after the results are written. Output goes to
+``benchmarks/results/<timestamp>-<plan>/``: ``results.json`` (machine, versions, commit, every record and figure),
+``results.md`` (tables; every issue-7 target next to its measured value) and PNG plots (with matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from benchmarks import floors as floors_mod
+from benchmarks import plots, report, sched_steps
+from benchmarks.scenarios import Images, Record, Session, question, user
+from common.process import ensure_allocator_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+SEEDS = {"cached_floor": 1000, "duplicate": 5000, "conversation": 2000, "sliding_window": 3000, "warmup": 9000}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    size: tuple[int, int]  # (width, height) of the synthetic JPEGs
+    tps: tuple[int, ...]  # timed tensor-parallel sizes
+    modes: tuple[str, ...]
+    ns: tuple[int, ...]  # distinct images of the cached floor and duplicate control
+    repeats: int  # timed follow-ups per N
+    scenarios: tuple[str, ...]
+    turns: int  # conversation and sliding window
+    window: int  # images kept by the sliding window
+    resend_modes: tuple[str, ...]  # modes that also run the resend-every-turn client
+    floor_sizes: tuple[str, ...]
+    floor_ranks: tuple[int, ...]
+    floor_repeats: int
+    step_counts: tuple[int, ...]  # items held for the scheduler step-time measurement
+    correctness_tps: tuple[int, ...] = ()  # sizes run for token equality only (oversubscribed: not timed)
+    max_tokens: int = 4
+    kv_blocks: int = 8192
+
+    def clients(self, mode: str) -> list[str]:
+        return ["sdk", "resend"] if mode in self.resend_modes else ["sdk"]
+
+
+PLANS = {
+    # make test: one TP, two modes, the smallest images; only that it runs and that the modes agree is checked.
+    "smoke": Plan("smoke", (448, 448), (1,), ("full", "lazy"), (1, 2), 2, ("cached_floor", "sliding_window"), 3, 2,
+                  ("lazy",), ("448x448",), (1, 2), 10, (10, 100), kv_blocks=1024),
+    # make bench-quick (<= 5 min): 448x448 keeps the 26-image prefill (6.6k tokens) cheap on 2 CPU cores; a
+    # 1280x720 prompt of 26 images is 31k tokens, whose uncached prefill alone takes ~20 s per configuration here.
+    "quick": Plan("quick", (448, 448), (1, 2), ("full", "strip", "lazy"), (2, 13, 26), 8,
+                  ("cached_floor", "sliding_window"), 16, 8, ("lazy",), ("448x448", "1280x720"), (1, 2, 4), 12,
+                  (10, 100, 1000, 10_000)),
+    # make bench: the issue's full matrix at 1280x720 (~30-40 min here), TP=4 for token equality only.
+    "full": Plan("full", (1280, 720), (1, 2), ("full", "strip", "lazy"), (2, 8, 13, 20, 26), 5,
+                 ("cached_floor", "duplicate", "conversation", "sliding_window"), 16, 8, ("full", "strip", "lazy"),
+                 ("1280x720", "448x448"), (1, 2, 4), 15, (10, 100, 1000, 10_000), correctness_tps=(4,),
+                 kv_blocks=16384),
+}  # fmt: skip
+
+
+def planned_requests(plan: Plan, mode: str) -> int:
+    """Requests one configuration makes (for the progress bar); mirrors Session and run_config."""
+    clients = len(plan.clients(mode))
+    total = 2  # warm-up: SDK and resend
+    for scenario in ("cached_floor", "duplicate"):
+        if scenario in plan.scenarios:
+            control = scenario == "cached_floor"
+            total += len(plan.ns) * (1 + control + plan.repeats * (clients + control))
+    total += "cached_floor" in plan.scenarios  # control calibration
+    total += sum(plan.turns * clients for s in ("conversation", "sliding_window") if s in plan.scenarios)
+    return total
+
+
+def run_config(plan: Plan, model_dir: str, tp: int, mode: str, images: Images, on_record: Callable[[Record], None],
+               correctness_only: bool = False) -> dict:
+    """Start a group, warm it, run the plan's scenarios; returns what the group cost to start."""
+    from mmcast_client.local_group import LocalGroup
+
+    t0 = time.monotonic()
+    with LocalGroup(model_dir, tp=tp, transfer_mode=mode, kv_blocks=plan.kv_blocks) as group:
+        started = time.monotonic() - t0
+        session = Session(group, tp, mode, plan.max_tokens, on_record)
+        try:
+            warm = [user([images.path(SEEDS["warmup"])], question(0))]
+            for client in ("sdk", "resend"):
+                session.run(warm, scenario="warmup", kind="warm", n=1, index=0, client=client)
+            if correctness_only:
+                session.cached_floor("tp4_correctness", images, plan.ns[:2], 1, ["sdk"], False, SEEDS["cached_floor"])
+                return {"tp": tp, "mode": mode, "startup_seconds": started, "correctness_only": True}
+            clients = plan.clients(mode)
+            for scenario in ("cached_floor", "duplicate"):
+                if scenario in plan.scenarios:
+                    session.cached_floor(scenario, images, plan.ns, plan.repeats, clients,
+                                         control=scenario == "cached_floor", seed=SEEDS[scenario])
+            if "conversation" in plan.scenarios:
+                session.turns("conversation", images, plan.turns, None, clients, SEEDS["conversation"])
+            if "sliding_window" in plan.scenarios:
+                session.turns("sliding_window", images, plan.turns, plan.window, clients, SEEDS["sliding_window"])
+        finally:
+            session.close()
+    return {"tp": tp, "mode": mode, "startup_seconds": started, "seconds": time.monotonic() - t0}
+
+
+def machine_meta() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())  # fmt: skip
+    mem_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_kb / 2**20, "platform": platform.platform(),
+            "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+            "allocator_env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                                                              "MALLOC_TOP_PAD_")}}  # fmt: skip
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "grpcio", "protobuf", "numpy", "pillow", "prometheus-client", "matplotlib"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def git_meta() -> dict:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(git("status", "--porcelain", "--", "."))}
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with transformers; the bar is a convenience
+        return None
+    return tqdm(total=total, unit="req", dynamic_ncols=True, file=sys.stderr)
+
+
+def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
+    from common.tiny_model import ensure_tiny_model
+
+    os.makedirs(out_dir, exist_ok=True)
+    started = time.monotonic()
+    meta = {"plan": plan.name, "plan_settings": dataclasses.asdict(plan), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "machine": machine_meta(), "versions": versions(), "git": git_meta(),
+            "image_size": f"{plan.size[0]}x{plan.size[1]}"}  # fmt: skip
+    log = lambda msg: print(f"[bench {time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    log(f"plan {plan.name} -> {out_dir}")
+    floor_rows = floors_mod.measure_floors(sizes=plan.floor_sizes, ranks=plan.floor_ranks,
+                                           repeats=plan.floor_repeats)
+    floors_md = floors_mod.floors_table(floor_rows)
+    log("transport floors\n" + floors_md)
+    steps = sched_steps.measure_step_flatness(plan.step_counts, decode_steps=200)
+    log("scheduler step time measured")
+    model_dir = str(ensure_tiny_model(model_dir or os.path.join(RESULTS, ".model", "qwen2_vl")))
+    images = Images(os.path.join(RESULTS, ".images"), plan.size)
+    records: list[dict] = []
+    configs = []
+    total = sum(planned_requests(plan, m) for m in plan.modes) * len(plan.tps)
+    total += sum(2 + 2 * min(2, len(plan.ns)) for _ in plan.correctness_tps for _ in plan.modes)
+    bar = _progress(total)
+
+    def on_record(rec: Record) -> None:
+        records.append(dataclasses.asdict(rec))
+        if bar is not None:
+            bar.set_postfix_str(f"TP{rec.tp} {rec.mode} {rec.scenario} N={rec.n} {rec.ttft_ms:.0f} ms", refresh=False)
+            bar.update(1)
+
+    try:
+        for tp in plan.tps:
+            for mode in plan.modes:
+                configs.append(run_config(plan, model_dir, tp, mode, images, on_record))
+        for tp in plan.correctness_tps:
+            for mode in plan.modes:
+                configs.append(run_config(plan, model_dir, tp, mode, images, on_record, correctness_only=True))
+    finally:
+        if bar is not None:
+            bar.close()
+    meta["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    meta["wall_seconds"] = time.monotonic() - started
+    analysis = report.analyze(records, floor_rows, steps, meta["image_size"])
+    figures = plots.write_plots(out_dir, analysis)
+    report.write_markdown(os.path.join(out_dir, "results.md"), meta, analysis, floors_md, figures)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"meta": meta, "configs": configs, "floors": floor_rows, "analysis": analysis, "records": records},
+                  f, indent=1, default=str)
+    log(f"wrote {out_dir}/results.md, results.json and {len(figures)} plots")
+    return analysis
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    which = parser.add_mutually_exclusive_group()
+    for name in PLANS:
+        which.add_argument(f"--{name}", dest="plan", action="store_const", const=name, help=f"the {name} plan")
+    parser.add_argument("--out", help="output folder (default benchmarks/results/<timestamp>-<plan>)")
+    parser.add_argument("--model-dir", help="tiny model folder (built if missing; default benchmarks/results/.model)")
+    args = parser.parse_args(argv)
+    plan = PLANS[args.plan or "quick"]
+    out = args.out or os.path.join(RESULTS, f"{time.strftime('%Y%m%d-%H%M%S')}-{plan.name}")
+    analysis = run(plan, out, args.model_dir)
+    for t in analysis["targets"]:
+        print(f"{t['status']:>12}  {t['name']}: {t['measured']} (target {t['target']})")
+    if not analysis["equality"]["ok"]:
+        print(f"FAILED: the transfer modes returned different tokens: {analysis['equality']['mismatches'][:3]}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    ensure_allocator_env()  # re-execs this process once with the allocator settings of DESIGN §4
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The benchmark driver on its smallest plan, end to end, so it cannot rot: real groups, floors, scenarios, the
+mode-equality check and every output file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("prometheus_client")
+
+pytestmark = pytest.mark.slow
+
+
+def test_smoke_plan_writes_results_and_checks_mode_equality(tmp_path, tiny_model_dir):
+    from benchmarks import run
+
+    out = tmp_path / "smoke"
+    code = run.main(["--smoke", "--out", str(out), "--model-dir", str(tiny_model_dir)])
+    assert code == 0, (out / "results.md").read_text() if (out / "results.md").exists() else "no results.md"
+
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["plan"] == "smoke"
+    assert data["meta"]["git"]["commit"]
+    assert {"torch", "transformers", "grpcio"} <= set(data["meta"]["versions"])
+    assert {f["transport"] for f in data["floors"]} == {"grpc", "tcp", "shm"}
+    assert all(len(f["samples_ms"]) >= 10 for f in data["floors"])
+
+    analysis = data["analysis"]
+    equality = analysis["equality"]
+    assert equality["ok"] and equality["checked"] > 0 and not equality["mismatches"]
+    assert {r["mode"] for r in data["records"]} == {"full", "lazy"}
+    assert analysis["crosscheck"]["requests"] == len(data["records"])
+    assert any(s["scenario"] == "cached_floor" and s["image_specific"] for s in analysis["slopes"])
+    assert analysis["scheduler_steps"]["counts"] == [10, 100]
+
+    # Cached images cost no payload in lazy; full resends them every request.
+    rows = {(r["mode"], r["n"]): r for r in analysis["cached_floor"] if r["client"] == "sdk"}
+    assert rows[("lazy", 2)]["payload_bytes"] == 0
+    assert rows[("full", 2)]["payload_bytes"] > 0
+
+    md = (out / "results.md").read_text()
+    assert "## Targets (issue 7)" in md and "all modes return the same tokens" in md
+    for name in ("results.json", "results.md"):
+        assert os.path.getsize(out / name) > 0
