@@ -212,6 +212,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
             sys.stdout.write("\n")
+            sys.stdout.flush()
             print(format_usage(stream.result), file=sys.stderr)
     except MmcastError as e:
         print(f"\nerror: {e}", file=sys.stderr)

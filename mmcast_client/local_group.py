@@ -18,7 +18,6 @@ Needs the `serve` extra (the services and grpcio-health-checking); the SDK itsel
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import logging
@@ -41,8 +40,17 @@ log = logging.getLogger("mmcast.local_group")
 
 TRANSFER_MODES = ("full", "strip", "lazy")
 GENERATION_SERVICE = "mmcast.v1.Generation"
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls into it
+WORKER_SERVICE = "mmcast.v1.WorkerService"
+# Runs first in every child, then execs the real command. A preexec_fn would run Python between fork and exec in
+# a process whose gRPC threads (the supervisor's clients and health checks) did not survive the fork; gRPC's fork
+# handlers then abort the child now and then. The launcher costs one interpreter start-up (~30 ms).
+_LAUNCHER = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the supervisor thread
+if os.getppid() != int(sys.argv[1]):  # the supervisor died before prctl took effect
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -69,13 +77,6 @@ def _command(script: str, module: str) -> list[str]:
     if beside.exists():
         return [str(beside)]
     return [sys.executable, "-m", module]
-
-
-def _child_setup(parent_pid: int) -> None:  # runs in the child between fork and exec
-    os.setpgid(0, 0)
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 @dataclasses.dataclass
@@ -208,30 +209,48 @@ class LocalGroup:
         return self
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Blocks until the scheduler's `mmcast.v1.Generation` health is SERVING (every rank handshaken)."""
+        """Blocks until every rank's `mmcast.v1.WorkerService` and the scheduler's `mmcast.v1.Generation` health are
+        SERVING: the ranks have loaded the model and formed their group, and the scheduler has handshaken them."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         timeout = self.ready_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.target) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
+        checks = [(target, WORKER_SERVICE) for target in self.worker_targets] + [(self.target, GENERATION_SERVICE)]
+        channels = [grpc.insecure_channel(target) for target, _ in checks]
+        try:
+            stubs = [health_pb2_grpc.HealthStub(channel) for channel in channels]
+            pending = 0
             while True:
                 if self.failure:
                     raise RuntimeError(f"the local group failed: {self.failure}\n{self.log_tails()}")
                 if self._stopping.is_set():
                     raise RuntimeError("the local group was stopped while waiting for readiness")
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass  # not listening yet, or the service is not registered yet
+                # Checked in order (ranks first, the scheduler last); pending = the first not yet serving.
+                while pending < len(checks) and self._serving(stubs[pending], checks[pending][1], health_pb2):
+                    pending += 1
+                if pending == len(checks):
+                    return
                 if time.monotonic() > deadline:
+                    target, service = checks[pending]
                     raise TimeoutError(
-                        f"the local group at {self.target} was not ready after {timeout:.0f} s\n{self.log_tails()}"
+                        f"the local group was not ready after {timeout:.0f} s: {service} at {target} is not "
+                        f"SERVING\n{self.log_tails()}"
                     )
                 time.sleep(0.1)
+        finally:
+            for channel in channels:
+                channel.close()
+
+    @staticmethod
+    def _serving(stub, service: str, health_pb2) -> bool:
+        import grpc
+
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+        except grpc.RpcError:
+            return False  # not listening yet, or the service is not registered yet
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def stop(self) -> None:
         """Stops every process (SIGTERM to each process group, SIGKILL after `grace_seconds`); idempotent."""
@@ -371,12 +390,12 @@ class LocalGroup:
             logf.write(f"=== {time.strftime('%H:%M:%S')} start: {' '.join(child.argv)}\n".encode())
             logf.flush()
             process = subprocess.Popen(
-                child.argv,
+                [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *child.argv],
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 env=self.env,
-                preexec_fn=lambda pid=os.getpid(): _child_setup(pid),  # noqa: PLW1509 - see module docstring
+                process_group=0,  # its own process group, so stopping it also stops anything it started
                 close_fds=True,
             )
         with self._lock:

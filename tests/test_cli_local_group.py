@@ -49,9 +49,25 @@ FAKE_SCHEDULER = textwrap.dedent(
 )
 FAKE_WORKER = textwrap.dedent(
     """
-    import sys, time
+    import argparse, signal, sys, threading
+    from concurrent import futures
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--listen")
+    args, _ = parser.parse_known_args()
     print("argv", " ".join(sys.argv[1:]), flush=True)
-    time.sleep(3600)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    checker = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    server.add_insecure_port(args.listen)
+    server.start()
+    checker.set("mmcast.v1.WorkerService", health_pb2.HealthCheckResponse.SERVING)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    server.stop(0)
     """
 )
 
@@ -148,6 +164,17 @@ def test_a_dead_scheduler_is_restarted_alone(stand_ins, tmp_path):
         assert wait_until(lambda: g.pids()["scheduler"] != before["scheduler"])
         g.wait_ready(20)
         assert g.pids()["rank0"] == before["rank0"] and g.restarts == 1
+
+
+def test_ready_waits_for_every_rank(stand_ins, tmp_path):
+    scheduler, _ = stand_ins
+    g = group((scheduler, [sys.executable, "-c", "import time; time.sleep(60)"]), tmp_path, tp=1)
+    g.start()
+    try:
+        with pytest.raises(TimeoutError, match="mmcast.v1.WorkerService at 127.0.0.1:"):
+            g.wait_ready(1.5)
+    finally:
+        g.stop()
 
 
 def test_gives_up_after_too_many_restarts(stand_ins, tmp_path):
