@@ -1,0 +1,334 @@
+"""End to end: a real scheduler and real worker ranks started by LocalGroup (the code behind `mmcast serve-local`),
+driven through the SDK, compared with the same checkpoint run whole in plain transformers.
+
+Every served answer forces a fixed number of tokens (ignore_eos) and its log-probabilities must match the oracle's
+within 1e-3; a negative control (one image swapped) shows that the comparison would catch a wrong feature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from mmcast_client import Client, NotFound
+from mmcast_client.local_group import LocalGroup
+from mmcast_client.synthetic import synthetic_jpeg
+
+pytestmark = pytest.mark.slow
+
+N_TOKENS = 8
+LOGPROB_TOLERANCE = 1e-3
+IMAGE_SIZE = (448, 336)  # 16 x 12 merged patches = 192 image tokens: real processing, small enough for CI
+# Long enough that each image ends a few blocks before its turn does, so the next turn's prefix hit covers it.
+QUESTIONS = (
+    "Look carefully at this landscape and describe the sky, the hills, the colours and anything unusual in it.",
+    "Compare this new picture with the previous one: which has more clouds, where is the sun, what changed?",
+    "Now consider all of the pictures so far together and tell me which one feels the warmest and why.",
+)
+
+
+# -- helpers ------------------------------------------------------------------------------------------------------
+def image(seed: int) -> bytes:
+    return synthetic_jpeg(1000 + seed, IMAGE_SIZE)
+
+
+def user_turn(img: bytes | str, question: str) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": question}]}
+
+
+class Oracle:
+    """Greedy tokens and log-probabilities of the checkpoint run whole, without any cache, in plain transformers."""
+
+    def __init__(self, model_dir) -> None:
+        from transformers import AutoModelForImageTextToText
+
+        from common.tiny_model import load_processor
+
+        self.processor = load_processor(model_dir)
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+        self._cache: dict[str, tuple[list[int], list[float]]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, messages: list[dict], n: int = N_TOKENS) -> tuple[list[int], list[float]]:
+        key = hashlib.sha256(repr(_key(messages, n)).encode()).hexdigest()
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = self._run(messages, n)
+            return self._cache[key]
+
+    def _run(self, messages: list[dict], n: int) -> tuple[list[int], list[float]]:
+        import copy
+
+        import torch
+        from PIL import Image
+
+        hf_messages, images = [], []
+        for message in messages:
+            content = message["content"]
+            if isinstance(content, str):
+                content = [{"type": "text", "text": content}]
+            parts = []
+            for part in content:
+                if part["type"] == "image":
+                    images.append(Image.open(io.BytesIO(part["image"])).convert("RGB"))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": part["text"]})
+            hf_messages.append({"role": message["role"], "content": parts})
+        text = self.processor.apply_chat_template(hf_messages, add_generation_prompt=True)
+        inputs = self.processor(text=[text], images=images or None, return_tensors="pt")
+        gen = copy.deepcopy(self.model.generation_config)
+        gen.max_new_tokens, gen.do_sample = n, False
+        gen.eos_token_id = []  # ignore_eos: a fixed length, and no suppression of end tokens the model picks
+        gen.output_logits, gen.return_dict_in_generate = True, True
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, generation_config=gen)
+        tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+        logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens, strict=True)]
+        return tokens, logprobs
+
+
+def _key(messages, n):
+    out = []
+    for m in messages:
+        content = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+        out.append(
+            (
+                m["role"],
+                [hashlib.sha256(p["image"]).hexdigest() if p["type"] == "image" else p["text"] for p in content],
+            )
+        )
+    return out, n
+
+
+def assert_matches(result, expected: tuple[list[int], list[float]], what: str = "") -> None:
+    tokens, logprobs = expected
+    assert list(result.token_ids) == tokens, what
+    served = [lp.logprob for lp in result.logprobs]
+    assert len(served) == len(logprobs), what
+    worst = max(abs(a - b) for a, b in zip(served, logprobs, strict=True))
+    assert worst < LOGPROB_TOLERANCE, f"{what}: log-probabilities differ by up to {worst:.2e}"
+
+
+def scrape(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`, from a Prometheus text endpoint."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, label_text = head.partition("{")
+        if metric != name:
+            continue
+        found = dict(item.split("=", 1) for item in label_text.rstrip("}").split(",") if "=" in item)
+        seen = True
+        if all(found.get(k) == f'"{v}"' for k, v in labels.items()):
+            total += float(value)
+    if not seen:
+        raise KeyError(f"{url} exports no {name}")  # a renamed metric must not read as zero
+    return total
+
+
+def worker_payload_bytes(group: LocalGroup) -> float:
+    return sum(
+        scrape(group.metrics_urls[f"rank{r}"], "mmcast_worker_received_bytes_total", kind="payload")
+        for r in range(group.tp)
+    )
+
+
+def scheduler_payload_bytes(group: LocalGroup) -> float:
+    return scrape(group.metrics_urls["scheduler"], "mmcast_broadcast_bytes_total", kind="payload")
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+GENERATE = dict(max_tokens=N_TOKENS, ignore_eos=True, return_logprobs=True, temperature=0.0)
+
+
+# -- fixtures -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def oracle(tiny_model_dir) -> Oracle:
+    return Oracle(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def group(tiny_model_dir):
+    with LocalGroup(tiny_model_dir, 2, "lazy", ready_timeout=180) as g:
+        yield g
+
+
+# -- the growing conversation -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["full", "strip", "lazy"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_growing_conversation_matches_the_oracle(tiny_model_dir, oracle, tp, mode):
+    images = [image(i) for i in range(3)]
+    with LocalGroup(tiny_model_dir, tp, mode, ready_timeout=180) as g, Client(g.target, timeout=300) as client:
+        history: list[dict] = []
+        results, worker_bytes, scheduler_bytes = [], [], []
+        for turn in range(3):
+            history.append(user_turn(images[turn], QUESTIONS[turn]))
+            before = worker_payload_bytes(g), scheduler_payload_bytes(g)
+            result = client.generate(history, **GENERATE)
+            worker_bytes.append(worker_payload_bytes(g) - before[0])
+            scheduler_bytes.append(scheduler_payload_bytes(g) - before[1])
+            assert_matches(result, oracle(history), f"TP={tp} {mode} turn {turn + 1}")
+            results.append(result)
+            history.append({"role": "assistant", "content": result.text})
+
+        # Negative control: the last turn with the first image swapped gives other log-probabilities.
+        swapped = [dict(m) for m in history[:-1]]
+        swapped[0] = user_turn(image(99), QUESTIONS[0])
+        _, control = oracle(swapped)
+        served = [lp.logprob for lp in results[-1].logprobs]
+        assert max(abs(a - b) for a, b in zip(served, control, strict=True)) > LOGPROB_TOLERANCE
+
+        cached = [r.usage.cached_tokens for r in results]
+        assert cached[0] < cached[1] < cached[2], cached
+        broadcast = [r.usage.payload_bytes_broadcast for r in results]
+        # The workers received exactly the payload frame bytes the scheduler wrote (invariant 5); the usage counts
+        # the tensor bytes inside those frames (frame headers excluded).
+        assert worker_bytes == scheduler_bytes, (worker_bytes, scheduler_bytes)
+        for wire, tensors in zip(worker_bytes, broadcast, strict=True):
+            assert tensors <= wire <= tensors * 1.001 + 4096, (worker_bytes, broadcast)
+        assert broadcast[0] > 0
+        for turn, r in enumerate(results):
+            assert r.usage.images == turn + 1
+            if mode == "full":
+                assert broadcast[turn] == (turn + 1) * broadcast[0]  # every image of the context again
+                assert r.usage.payload_bytes_saved == 0
+            else:
+                # the images of earlier turns are prefix-covered: only the new one travels
+                assert broadcast[turn] == broadcast[0], broadcast
+                assert r.usage.payload_bytes_full == (turn + 1) * broadcast[0]
+                assert r.usage.images_stripped + r.usage.images_rank_cached == turn * tp
+
+
+# -- images ---------------------------------------------------------------------------------------------------------
+def test_same_image_twice_in_one_prompt(group, oracle):
+    img = image(10)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": img},
+                {"type": "text", "text": "and the same picture again:"},
+                {"type": "image", "image": img},
+                {"type": "text", "text": "are they the same?"},
+            ],
+        }
+    ]
+    with Client(group.target, timeout=300) as client:
+        result = client.generate(messages, **GENERATE)
+    assert result.usage.images == 2
+    assert_matches(result, oracle(messages), "same image twice")
+
+
+def test_image_referenced_by_hash_after_upload(group, oracle):
+    img = image(11)
+    with Client(group.target, timeout=300) as client:
+        ref = client.upload_image(img)
+        assert ref == "sha256:" + hashlib.sha256(img).hexdigest()
+        result = client.generate([user_turn(ref, "What is this?")], **GENERATE)
+    assert_matches(result, oracle([user_turn(img, "What is this?")]), "uploaded image by hash")
+
+
+def test_unknown_hash_is_not_found_and_the_sdk_resends_transparently(group, oracle, monkeypatch):
+    with Client(group.target, timeout=300) as client:
+        with pytest.raises(NotFound) as info:
+            client.generate([user_turn("sha256:" + "0" * 64, "What is this?")], **GENERATE)
+        assert "0" * 64 in info.value.message
+        # A stale local record: the client believes the server holds an image it never received.
+        img = image(12)
+        client.images.mark_held(hashlib.sha256(img).hexdigest())
+        uploads = []
+        original = client._upload
+        monkeypatch.setattr(client, "_upload", lambda sha, data, d: (uploads.append(sha), original(sha, data, d)))
+        result = client.generate([user_turn(img, "What is this?")], **GENERATE)
+    assert uploads == [hashlib.sha256(img).hexdigest()]
+    assert_matches(result, oracle([user_turn(img, "What is this?")]), "resent after NOT_FOUND")
+
+
+# -- streaming, cancellation, concurrency -------------------------------------------------------------------------
+def test_streaming_equals_non_streaming(group, oracle):
+    messages = [user_turn(image(13), "Describe it.")]
+    with Client(group.target, timeout=300) as client:
+        whole = client.generate(messages, **GENERATE)
+        stream = client.generate(messages, stream=True, **GENERATE)
+        deltas = list(stream)
+    streamed = stream.result
+    assert [t for d in deltas for t in d.token_ids] == list(whole.token_ids) == list(streamed.token_ids)
+    assert "".join(d.text for d in deltas) == whole.text == streamed.text
+    assert [lp.logprob for lp in streamed.logprobs] == pytest.approx([lp.logprob for lp in whole.logprobs], abs=1e-5)
+    assert streamed.finish_reason == whole.finish_reason == "length"
+    assert_matches(whole, oracle(messages), "non-streaming")
+
+
+def test_cancellation_mid_stream_frees_the_request(group):
+    url = group.metrics_urls["scheduler"]
+    with Client(group.target, timeout=300) as client:
+        stream = client.generate(
+            [user_turn(image(14), "Talk for a long time.")], max_tokens=500, ignore_eos=True, stream=True
+        )
+        next(stream)
+        next(stream)
+        stream.cancel()
+        assert list(stream) == [] and stream.result is None
+
+        def idle() -> bool:
+            return scrape(url, "mmcast_requests_running") == 0 and scrape(url, "mmcast_requests_waiting") == 0
+
+        assert wait_until(idle, 15), "the cancelled request is still running or waiting"
+        # and the service keeps serving
+        assert client.generate("still there?", max_tokens=2).finish_reason in ("length", "stop")
+
+
+def test_concurrent_clients_get_their_oracle_answers(group, oracle):
+    images = [image(20 + i) for i in range(3)]
+
+    def messages_for(k: int) -> list[dict]:
+        a, b = images[k % 3], images[(k + 1) % 3]
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": a},
+                    {"type": "image", "image": b},
+                    {"type": "text", "text": f"Compare the two pictures ({k % 3})."},
+                ],
+            }
+        ]
+
+    expected = {k: oracle(messages_for(k)) for k in range(3)}
+    failures: list[str] = []
+    results: list = []
+
+    def client_thread(t: int) -> None:
+        try:
+            with Client(group.target, timeout=300) as client:
+                for j in range(3):
+                    k = (t + j) % 3
+                    result = client.generate(messages_for(k), **GENERATE)
+                    assert_matches(result, expected[k], f"thread {t} request {j}")
+                    results.append(result)
+        except Exception as e:  # noqa: BLE001 - collected and reported below
+            failures.append(f"thread {t}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=client_thread, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert failures == [] and len(results) == 24
