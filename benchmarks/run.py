@@ -90,6 +90,7 @@ def run_config(plan: Plan, model_dir: str, tp: int, mode: str, images: Images, o
     from mmcast_client.local_group import LocalGroup
 
     t0 = time.monotonic()
+    load = [round(x, 2) for x in os.getloadavg()]
     with LocalGroup(model_dir, tp=tp, transfer_mode=mode, kv_blocks=plan.kv_blocks) as group:
         started = time.monotonic() - t0
         session = Session(group, tp, mode, plan.max_tokens, on_record)
@@ -99,7 +100,7 @@ def run_config(plan: Plan, model_dir: str, tp: int, mode: str, images: Images, o
                 session.run(warm, scenario="warmup", kind="warm", n=1, index=0, client=client)
             if correctness_only:
                 session.cached_floor("tp4_correctness", images, plan.ns[:2], 1, ["sdk"], False, SEEDS["cached_floor"])
-                return {"tp": tp, "mode": mode, "startup_seconds": started, "correctness_only": True}
+                return {"tp": tp, "mode": mode, "startup_seconds": started, "correctness_only": True, "loadavg": load}
             clients = plan.clients(mode)
             for scenario in ("cached_floor", "duplicate"):
                 if scenario in plan.scenarios:
@@ -111,7 +112,7 @@ def run_config(plan: Plan, model_dir: str, tp: int, mode: str, images: Images, o
                 session.turns("sliding_window", images, plan.turns, plan.window, clients, SEEDS["sliding_window"])
         finally:
             session.close()
-    return {"tp": tp, "mode": mode, "startup_seconds": started, "seconds": time.monotonic() - t0}
+    return {"tp": tp, "mode": mode, "startup_seconds": started, "seconds": time.monotonic() - t0, "loadavg": load}
 
 
 def machine_meta() -> dict:
