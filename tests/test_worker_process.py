@@ -167,10 +167,11 @@ def test_killed_peer_ends_the_surviving_rank_within_the_group_timeout(worker_env
     env, group = worker_env_for("qwen2_vl"), groups("qwen2_vl")
     timeout_s = _TIMEOUTS["qwen2_vl"]
     sched = MiniScheduler(group.streams())
-    prompt = env.prompt([noise_image(71, 112, 84), "Describe it."])
+    # a 1280x720 image: ~0.2 s of (replicated) vision encoder, then the sharded forward of 1240 tokens
+    prompt = env.prompt([noise_image(71, 1280, 720), "Describe it."])
     payloads, control, _ = sched.build_step([sched.add(prompt, "doomed")])
-    sched.send(payloads, control, ranks=[0])  # rank 0 enters the step's collectives; rank 1 never does
-    time.sleep(0.3)
+    sched.send(payloads, control)
+    time.sleep(0.15)  # both ranks are inside the step (encoder or forward); it takes far longer than this
     group.procs[1].send_signal(signal.SIGKILL)
     code, waited = _wait_exit(group.procs[0], timeout_s + 5)
     assert code is not None and code != 0, f"rank 0 still running after {waited:.1f} s"
