@@ -75,7 +75,11 @@ def _bytes(directory: str, analysis: dict) -> str | None:
             metadata.append(max(r["metadata_bytes"], 1) / 1e6)
     if labels:
         xs = range(len(labels))
-        axes[0].bar([x - 0.2 for x in xs], payload, 0.4, label="payload")
+        bars = axes[0].bar([x - 0.2 for x in xs], payload, 0.4, label="payload")
+        for bar, value in zip(bars, payload, strict=True):
+            if value <= 1e-6:  # nothing sent: drawn at the axis floor
+                axes[0].annotate("0 B", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
+                                 fontsize=7)
         axes[0].bar([x + 0.2 for x in xs], metadata, 0.4, label="metadata")
         axes[0].set_xticks(list(xs), labels, rotation=30, fontsize=8)
         axes[0].set_yscale("log")
@@ -84,8 +88,8 @@ def _bytes(directory: str, analysis: dict) -> str | None:
         axes[0].legend(fontsize=8)
     for t in turns:
         axes[1].plot(range(1, t["turns"] + 1), [b / 1e6 for b in t["payload_bytes"]],
-                     "-" if t["scenario"] == "conversation" else "--", color=_COLOURS[t["mode"]],
-                     label=f"{t['scenario']} TP{t['tp']} {t['mode']}")
+                     ("-" if t["tp"] == 1 else "--") + ("o" if t["scenario"] == "conversation" else "s"),
+                     markersize=3, color=_COLOURS[t["mode"]], label=f"{t['scenario']} TP{t['tp']} {t['mode']}")
     axes[1].set_xlabel("turn")
     axes[1].set_ylabel("payload MB broadcast")
     axes[1].set_title("payload per request, by turn")
