@@ -308,7 +308,10 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
                 "an idle machine. Byte counts and token equality are unaffected.", ""]
     out += ["## Targets (issue 7)", "", "| target | goal | measured | status |", "|---|---|---|---|"]
     out += [f"| {t['name']} | {t['target']} | {t['measured']} | {t['status']} |" for t in analysis["targets"]]
-    out += ["", "## Cached floor: TTFT (client side, ms) against N cached images", "", quick_table(analysis), ""]
+    out += ["", "## Cached floor: TTFT (client side, ms) against N cached images", "", quick_table(analysis), "",
+            "The text control has the image prompt's token count (± 1) and is as fully cached; it pays the tokenizer on "
+            "its long text every turn, which the image prompt does not, so an image-specific slope (images − control) "
+            "below zero means the cached images cost less than the same number of cached text tokens.", ""]
     out += ["## Bytes per timed request (cached floor, median)", "",
             "| scenario | TP | mode | client | N | payload | metadata | metadata/image/rank | saved | step mean ms |",
             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
