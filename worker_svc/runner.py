@@ -95,10 +95,12 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig) -> None:
         from transformers import AutoModelForImageTextToText
 
+        if not os.path.isfile(os.path.join(config.model, "config.json")):
+            raise ValueError(f"model={config.model!r} (--model): not a model folder (no config.json)")
         self.device = resolve_device(config.device, config.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.world_size = config.world_size
-        kwargs: dict = {"dtype": self.dtype}
+        kwargs: dict = {"dtype": self.dtype, "local_files_only": True}  # a local folder; never the hub
         if config.world_size > 1:
             from transformers.distributed import DistributedConfig
 
