@@ -99,7 +99,7 @@ class SchedulerConfig:
                                       min=0.1, max=3600.0)
     reconnect_backoff_initial_seconds: float = _field(0.2, "first delay between reconnect attempts to a rank",
                                                       min=0.001, max=3600.0)
-    reconnect_backoff_max_seconds: float = _field(5.0, "largest delay between reconnect attempts (doubling)",
+    reconnect_backoff_max_seconds: float = _field(2.0, "largest delay between reconnect attempts (doubling)",
                                                   min=0.001, max=3600.0)
     log_level: str = _field("INFO", "log level of the JSON logs", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 

@@ -148,6 +148,18 @@ class Engine:
     # --- the loop ---------------------------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        while not self._stopping:
+            try:
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug must not silently stop serving: log it, recover, go on
+                log.exception("step loop failed; recovering the group")
+                await self.group.close()
+                self._group_lost(f"step loop failed: {exc!r}")
+                await asyncio.sleep(self.backoff[0])
+
+    async def _loop(self) -> None:
         delay = self.backoff[0]
         while not self._stopping:
             if self.core is None or not self.group.up:
@@ -163,9 +175,12 @@ class Engine:
             self.metrics.schedule_seconds.observe(time.perf_counter() - t0)
             if plan is None:
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), self.keepalive_seconds)
-                except TimeoutError:
+                woke = asyncio.ensure_future(self._wake.wait())
+                failed = asyncio.ensure_future(self.group.any_failed.wait())
+                done, _ = await asyncio.wait({woke, failed}, timeout=self.keepalive_seconds, return_when=asyncio.FIRST_COMPLETED)
+                woke.cancel()
+                failed.cancel()
+                if not done or failed in done:
                     try:
                         await self.group.keepalive(stale_after=2.5 * self.keepalive_seconds)
                     except GroupDown as exc:

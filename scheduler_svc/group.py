@@ -74,7 +74,14 @@ def default_channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 class _RankStream:
     """One rank's stream: writes raw frames, and a reader task that routes the rank's answers."""
 
-    def __init__(self, rank: int, address: str, channel: grpc.aio.Channel, on_bytes: Callable[[str, int], None]):
+    def __init__(
+        self,
+        rank: int,
+        address: str,
+        channel: grpc.aio.Channel,
+        on_bytes: Callable[[str, int], None],
+        on_fail: Callable[[], None] = lambda: None,
+    ):
         self.rank = rank
         self.address = address
         self.channel = channel
@@ -86,6 +93,7 @@ class _RankStream:
         self.failure: str | None = None
         self.failed = asyncio.Event()
         self.on_bytes = on_bytes
+        self.on_fail = on_fail
         self.last_keepalive_rtt: float | None = None
         self.last_heard = time.monotonic()  # when the rank last sent anything
         self._reader: asyncio.Task | None = None
@@ -95,13 +103,15 @@ class _RankStream:
         self.on_bytes(kind, len(raw))
 
     async def handshake(self, hs: worker_pb2.Handshake, timeout: float) -> worker_pb2.HandshakeAck:
-        await self.write(worker_pb2.SchedulerFrame(handshake=hs).SerializeToString())
         try:
+            await asyncio.wait_for(self.write(worker_pb2.SchedulerFrame(handshake=hs).SerializeToString()), timeout)
             raw = await asyncio.wait_for(self.call.read(), timeout)
         except TimeoutError:
             raise GroupDown(f"rank {self.rank} ({self.address}): no handshake answer within {timeout:.1f}s") from None
         except grpc.aio.AioRpcError as exc:
             raise GroupDown(f"rank {self.rank} ({self.address}) refused the handshake: {exc.code().name}: {exc.details()}") from None
+        except _WRITE_ERRORS as exc:
+            raise GroupDown(f"rank {self.rank} ({self.address}): handshake failed: {exc!r}") from None
         if raw is grpc.aio.EOF:
             code = await self.call.code()
             details = await self.call.details()
@@ -146,6 +156,7 @@ class _RankStream:
         if self.failure is None:
             self.failure = f"rank {self.rank} ({self.address}): {reason}"
             self.failed.set()
+            self.on_fail()
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -187,6 +198,7 @@ class WorkerGroup:
         self.epoch = 0
         self._streams: list[_RankStream] = []
         self.budget: GroupBudget | None = None
+        self.any_failed = asyncio.Event()  # set when a connected rank's stream fails (wakes an idle step loop)
 
     @property
     def world_size(self) -> int:
@@ -205,8 +217,9 @@ class WorkerGroup:
         """Open a stream to every rank under a new epoch and check the handshakes. Raises GroupDown."""
         await self.close()
         self.epoch = max(self.epoch + 1, time.time_ns())
+        self.any_failed = asyncio.Event()
         streams = [
-            _RankStream(rank, addr, self._channel_factory(addr, self.channel_options), self._count)
+            _RankStream(rank, addr, self._channel_factory(addr, self.channel_options), self._count, self.any_failed.set)
             for rank, addr in enumerate(self.addresses)
         ]
         self._streams = streams

@@ -249,3 +249,12 @@ def test_grpcurl_lists_services_by_reflection_and_health_is_serving(harness):
     assert "rpc Generate" in described.stdout and "rpc UploadImage" in described.stdout
 
 
+
+
+def test_an_idle_group_notices_a_lost_rank_at_once(harness):
+    h = harness
+    assert h.server.engine.ready
+    h.lt.run(h.ranks[1].stop())
+    # keepalive_seconds is 10: readiness must drop because the stream ended, not because a keepalive was missed
+    assert wait_for(lambda: not h.server.engine.ready, 3.0)
+    assert h.server.metrics.group_up._value.get() == 0
