@@ -85,3 +85,26 @@ def worker_env_q2(request: pytest.FixtureRequest) -> WorkerEnv:
 def worker_env_for(request: pytest.FixtureRequest):
     """``worker_env_for("qwen2_vl" | "qwen2_5_vl")``: the shared env of a variant, for tests parametrized by name."""
     return lambda variant: _worker_env(request, variant)
+
+
+# --- long runs: `fuzz` and `soak` tests run only when asked (make fuzz / make soak) ---------------------------------
+
+_LONG_RUNS = {"fuzz": "--run-fuzz", "soak": "--run-soak"}  # marker -> the option that enables its tests
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    for marker, option in _LONG_RUNS.items():
+        try:
+            parser.addoption(option, action="store_true", default=False, help=f"run the `{marker}`-marked tests")
+        except ValueError:  # declared elsewhere already
+            pass
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for marker, option in _LONG_RUNS.items():
+        if config.getoption(option):
+            continue
+        skip = pytest.mark.skip(reason=f"long run: pass {option} (make {marker})")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
