@@ -8,21 +8,17 @@ within 1e-3; a negative control (one image swapped) shows that the comparison wo
 from __future__ import annotations
 
 import hashlib
-import io
 import threading
-import time
-import urllib.request
 
 import pytest
 
 from mmcast_client import Client, NotFound
 from mmcast_client.local_group import LocalGroup
 from mmcast_client.synthetic import synthetic_jpeg
+from tests.oracle import GENERATE, LOGPROB_TOLERANCE, Oracle, assert_matches, scrape, user_turn, wait_until
 
 pytestmark = pytest.mark.slow
 
-N_TOKENS = 8
-LOGPROB_TOLERANCE = 1e-3
 IMAGE_SIZE = (448, 336)  # 16 x 12 merged patches = 192 image tokens: real processing, small enough for CI
 # Long enough that each image ends a few blocks before its turn does, so the next turn's prefix hit covers it.
 QUESTIONS = (
@@ -37,104 +33,6 @@ def image(seed: int) -> bytes:
     return synthetic_jpeg(1000 + seed, IMAGE_SIZE)
 
 
-def user_turn(img: bytes | str, question: str) -> dict:
-    return {"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": question}]}
-
-
-class Oracle:
-    """Greedy tokens and log-probabilities of the checkpoint run whole, without any cache, in plain transformers."""
-
-    def __init__(self, model_dir) -> None:
-        from transformers import AutoModelForImageTextToText
-
-        from common.tiny_model import load_processor
-
-        self.processor = load_processor(model_dir)
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-        self._cache: dict[str, tuple[list[int], list[float]]] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, messages: list[dict], n: int = N_TOKENS) -> tuple[list[int], list[float]]:
-        key = hashlib.sha256(repr(_key(messages, n)).encode()).hexdigest()
-        with self._lock:
-            if key not in self._cache:
-                self._cache[key] = self._run(messages, n)
-            return self._cache[key]
-
-    def _run(self, messages: list[dict], n: int) -> tuple[list[int], list[float]]:
-        import copy
-
-        import torch
-        from PIL import Image
-
-        hf_messages, images = [], []
-        for message in messages:
-            content = message["content"]
-            if isinstance(content, str):
-                content = [{"type": "text", "text": content}]
-            parts = []
-            for part in content:
-                if part["type"] == "image":
-                    images.append(Image.open(io.BytesIO(part["image"])).convert("RGB"))
-                    parts.append({"type": "image"})
-                else:
-                    parts.append({"type": "text", "text": part["text"]})
-            hf_messages.append({"role": message["role"], "content": parts})
-        text = self.processor.apply_chat_template(hf_messages, add_generation_prompt=True)
-        inputs = self.processor(text=[text], images=images or None, return_tensors="pt")
-        gen = copy.deepcopy(self.model.generation_config)
-        gen.max_new_tokens, gen.do_sample = n, False
-        gen.eos_token_id = []  # ignore_eos: a fixed length, and no suppression of end tokens the model picks
-        gen.output_logits, gen.return_dict_in_generate = True, True
-        with torch.inference_mode():
-            out = self.model.generate(**inputs, generation_config=gen)
-        tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-        logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens, strict=True)]
-        return tokens, logprobs
-
-
-def _key(messages, n):
-    out = []
-    for m in messages:
-        content = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
-        out.append(
-            (
-                m["role"],
-                [hashlib.sha256(p["image"]).hexdigest() if p["type"] == "image" else p["text"] for p in content],
-            )
-        )
-    return out, n
-
-
-def assert_matches(result, expected: tuple[list[int], list[float]], what: str = "") -> None:
-    tokens, logprobs = expected
-    assert list(result.token_ids) == tokens, what
-    served = [lp.logprob for lp in result.logprobs]
-    assert len(served) == len(logprobs), what
-    worst = max(abs(a - b) for a, b in zip(served, logprobs, strict=True))
-    assert worst < LOGPROB_TOLERANCE, f"{what}: log-probabilities differ by up to {worst:.2e}"
-
-
-def scrape(url: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`, from a Prometheus text endpoint."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        metric, _, label_text = head.partition("{")
-        if metric != name:
-            continue
-        found = dict(item.split("=", 1) for item in label_text.rstrip("}").split(",") if "=" in item)
-        seen = True
-        if all(found.get(k) == f'"{v}"' for k, v in labels.items()):
-            total += float(value)
-    if not seen:
-        raise KeyError(f"{url} exports no {name}")  # a renamed metric must not read as zero
-    return total
-
-
 def worker_payload_bytes(group: LocalGroup) -> float:
     return sum(
         scrape(group.metrics_urls[f"rank{r}"], "mmcast_worker_received_bytes_total", kind="payload")
@@ -144,18 +42,6 @@ def worker_payload_bytes(group: LocalGroup) -> float:
 
 def scheduler_payload_bytes(group: LocalGroup) -> float:
     return scrape(group.metrics_urls["scheduler"], "mmcast_broadcast_bytes_total", kind="payload")
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
-
-
-GENERATE = dict(max_tokens=N_TOKENS, ignore_eos=True, return_logprobs=True, temperature=0.0)
 
 
 # -- fixtures -----------------------------------------------------------------------------------------------------
