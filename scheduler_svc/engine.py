@@ -155,8 +155,7 @@ class Engine:
                 raise
             except Exception as exc:  # a bug must not silently stop serving: log it, recover, go on
                 log.exception("step loop failed; recovering the group")
-                await self.group.close()
-                self._group_lost(f"step loop failed: {exc!r}")
+                await self._group_lost(f"step loop failed: {exc!r}")
                 await asyncio.sleep(self.backoff[0])
 
     async def _loop(self) -> None:
@@ -184,12 +183,12 @@ class Engine:
                     try:
                         await self.group.keepalive(stale_after=2.5 * self.keepalive_seconds)
                     except GroupDown as exc:
-                        self._group_lost(str(exc))
+                        await self._group_lost(str(exc))
                 continue
             try:
                 results = await self.group.run_step(plan.step_id, plan.control, self._payloads(plan))
             except GroupDown as exc:
-                self._group_lost(str(exc))
+                await self._group_lost(str(exc))
                 continue
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
             self._apply(plan, results[0])
@@ -236,8 +235,12 @@ class Engine:
         self._wake.set()
         return True
 
-    def _group_lost(self, reason: str) -> None:
+    async def _group_lost(self, reason: str) -> None:
         log.error("worker group lost: %s", reason)
+        # Close every stream, healthy or not: a rank that missed a deadline or a keepalive may still be running
+        # the lost step, and only a reconnect under a newer epoch makes the ranks drop that stream's state. Left
+        # open, the next (recovered) step would go to ranks still holding the old requests.
+        await self.group.close()
         self.last_down_reason = reason
         self.metrics.group_up.set(0)
         self.metrics.group_recoveries.inc()

@@ -62,6 +62,7 @@ class SchedulerServer:
             block_size=config.block_size,
             scheduler_id=config.scheduler_id,
             chunk_size=config.chunk_size_bytes,
+            step_timeout=config.step_timeout_seconds,
             on_bytes=lambda kind, n: self.metrics.broadcast_bytes.labels(kind).inc(n),
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
