@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.worker_driver import MiniScheduler, StreamClient, handshake, noise_image, oracle
+from tests.worker_driver import MiniScheduler, StreamClient, handshake, next_epoch, noise_image, oracle
 
 pytestmark = pytest.mark.slow
 
@@ -81,6 +81,8 @@ class Group:
         raise TimeoutError(f"rank {rank} not ready: {self.logs[rank].read_text()[-2000:]}")
 
     def streams(self, epoch=None):
+        """One stream per rank under one epoch, as the scheduler opens them (the ranks' step vote compares it)."""
+        epoch = next_epoch() if epoch is None else epoch
         return [
             StreamClient(
                 f"127.0.0.1:{port}", handshake(self.model_dir, rank=r, world_size=len(self.ports), epoch=epoch)

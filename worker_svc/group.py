@@ -4,6 +4,12 @@ Every rank applies the same control bytes, but payload frames and caches are per
 that its peers accept (a missing payload in ``lazy`` mode). Before any rank starts the sharded forward, the ranks
 therefore agree on the step with one small all-reduce of their error codes (0 = fine); if any rank refused, every
 rank refuses, so no rank is left waiting in a collective for a peer that will never join.
+
+The vote also carries the step's identity (scheduler epoch, step id). Collectives pair up by order, not by name: a
+rank that received a step its peer never got (the scheduler died or gave up on the step between its writes, then
+a newer stream arrived) would otherwise pair that step's collectives with the peer's next step and compute on
+mixed partial sums. A vote that pairs two different steps raises ``GroupDesync`` on every rank instead, and the
+ranks exit so the supervisor restarts the group.
 """
 
 from __future__ import annotations
@@ -17,6 +23,12 @@ import torch.distributed as dist
 from worker_svc.config import WorkerConfig
 
 log = logging.getLogger(__name__)
+
+_ID_MASK = (1 << 62) - 1  # identities travel as int64 and are negated for the minimum: keep clear of overflow
+
+
+class GroupDesync(RuntimeError):
+    """The ranks voted on different steps: their collectives no longer pair up."""
 
 
 class Group:
@@ -37,13 +49,22 @@ class Group:
         self._vote_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         log.info("process group formed", extra={"backend": backend, "world_size": self.world_size})
 
-    def agree(self, error_code: int) -> int:
-        """The largest error code of any rank for this step (0: every rank accepted it)."""
+    def agree(self, error_code: int, epoch: int = 0, step_id: int = 0) -> int:
+        """The largest error code of any rank for this step (0: every rank accepted it). Raises ``GroupDesync``
+        when the ranks are not voting on the same (epoch, step_id)."""
         if self.world_size == 1:
             return error_code
-        flag = torch.tensor([error_code], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._vote_group)
-        return int(flag.item())
+        epoch, step_id = epoch & _ID_MASK, step_id & _ID_MASK
+        # One MAX all-reduce gives the largest code and both the largest and the (negated) smallest identity.
+        vote = torch.tensor([error_code, epoch, step_id, -epoch, -step_id], dtype=torch.int64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._vote_group)
+        code, max_epoch, max_step, neg_min_epoch, neg_min_step = vote.tolist()
+        if (max_epoch, max_step) != (-neg_min_epoch, -neg_min_step):
+            raise GroupDesync(
+                f"rank {self.rank} voted on epoch {epoch} step {step_id}, but the group's votes span epochs "
+                f"{-neg_min_epoch}..{max_epoch} and steps {-neg_min_step}..{max_step}: a peer is running another step"
+            )
+        return int(code)
 
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():

@@ -145,8 +145,8 @@ class Worker:
                 log.exception("step planning failed", extra={"step_id": control.step_id})
                 error = StepError(code.INTERNAL, f"step {control.step_id}: planning failed: {exc!r}")
         try:
-            agreed = self.group.agree(error.code if error else 0)
-        except Exception as exc:
+            agreed = self.group.agree(error.code if error else 0, handle.epoch, control.step_id)
+        except Exception as exc:  # a lost or silent peer, or one voting on another step (GroupDesync)
             self.fatal(
                 "tensor-parallel group failed while agreeing on a step; exiting so the group restarts",
                 step_id=control.step_id,
