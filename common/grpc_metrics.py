@@ -1,10 +1,11 @@
-"""Standard gRPC server metrics (the names and labels of go-grpc-prometheus) as server interceptors.
+"""Standard gRPC server metrics, exactly as go-grpc-prometheus exports them, as server interceptors.
 
-``grpc_server_started_total``, ``grpc_server_handled_total`` and ``grpc_server_handling_seconds`` with labels
-``grpc_service``, ``grpc_method``, ``grpc_type`` (unary, client_stream, server_stream, bidi_stream) and, on the
-last two, ``grpc_code`` (OK, CANCELLED, ...). ``AioServerMetricsInterceptor`` serves ``grpc.aio`` servers and handles
-handlers that return a value, that are async generators and that use ``context.read()``/``write()``;
-``ServerMetricsInterceptor`` serves the synchronous server.
+``grpc_server_started_total`` and the ``grpc_server_handling_seconds`` histogram carry the labels ``grpc_type``
+(unary, client_stream, server_stream, bidi_stream), ``grpc_service`` and ``grpc_method``;
+``grpc_server_handled_total`` adds ``grpc_code``, spelled as Go's ``codes.Code.String()`` (``OK``, ``Canceled``,
+``InvalidArgument``, ...), so dashboards and alerts written for Go services select our series unchanged.
+``AioServerMetricsInterceptor`` serves ``grpc.aio`` servers and handles handlers that return a value, that are async
+generators and that use ``context.read()``/``write()``; ``ServerMetricsInterceptor`` serves the synchronous server.
 """
 
 from __future__ import annotations
@@ -12,30 +13,83 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+from collections.abc import Iterable
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600)
 _LABELS = ("grpc_service", "grpc_method", "grpc_type")
+# (request streaming, response streaming) -> grpc_type
+_RPC_TYPES = {
+    (False, False): "unary",
+    (True, False): "client_stream",
+    (False, True): "server_stream",
+    (True, True): "bidi_stream",
+}
+_DEADLINE_SLACK_SECONDS = 0.05  # a cancellation this close to the deadline counts as DeadlineExceeded
+
+# grpc_code values: Go's codes.Code.String(). Python's names differ in case and in one spelling (CANCELLED).
+GO_CODE_NAMES: dict[grpc.StatusCode, str] = {
+    grpc.StatusCode.OK: "OK",
+    grpc.StatusCode.CANCELLED: "Canceled",
+    grpc.StatusCode.UNKNOWN: "Unknown",
+    grpc.StatusCode.INVALID_ARGUMENT: "InvalidArgument",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "DeadlineExceeded",
+    grpc.StatusCode.NOT_FOUND: "NotFound",
+    grpc.StatusCode.ALREADY_EXISTS: "AlreadyExists",
+    grpc.StatusCode.PERMISSION_DENIED: "PermissionDenied",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "ResourceExhausted",
+    grpc.StatusCode.FAILED_PRECONDITION: "FailedPrecondition",
+    grpc.StatusCode.ABORTED: "Aborted",
+    grpc.StatusCode.OUT_OF_RANGE: "OutOfRange",
+    grpc.StatusCode.UNIMPLEMENTED: "Unimplemented",
+    grpc.StatusCode.INTERNAL: "Internal",
+    grpc.StatusCode.UNAVAILABLE: "Unavailable",
+    grpc.StatusCode.DATA_LOSS: "DataLoss",
+    grpc.StatusCode.UNAUTHENTICATED: "Unauthenticated",
+}
+_GO_CODE_BY_NUMBER = {status.value[0]: name for status, name in GO_CODE_NAMES.items()}
 
 
 class GrpcServerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.started = Counter("grpc_server_started", "RPCs started on the server", _LABELS, registry=registry)
+    def __init__(self, registry: CollectorRegistry, services: Iterable[ServiceDescriptor] = ()) -> None:
+        self.started = Counter("grpc_server_started", "Total number of RPCs started on the server.", _LABELS,
+                               registry=registry)
         self.handled = Counter(
             "grpc_server_handled",
-            "RPCs completed on the server, regardless of success or failure",
+            "Total number of RPCs completed on the server, regardless of success or failure.",
             (*_LABELS, "grpc_code"),
             registry=registry,
         )
-        self.seconds = Histogram(
+        self.seconds = Histogram(  # no grpc_code, as in go-grpc-prometheus
             "grpc_server_handling_seconds",
-            "Response latency (seconds) of RPCs handled by the server",
-            (*_LABELS, "grpc_code"),
+            "Histogram of response latency (seconds) of gRPC that had been application-level handled by the server.",
+            _LABELS,
             buckets=_BUCKETS,
             registry=registry,
         )
+        self._methods: set[tuple[str, str, str]] = set()
+        self.initialize(*services)
+
+    def initialize(self, *services: ServiceDescriptor) -> None:
+        """Creates the series of every method of these protobuf services before their first call."""
+        for service in services:
+            for m in service.methods:
+                rpc_type = _RPC_TYPES[m.client_streaming, m.server_streaming]
+                self.method_seen((service.full_name, m.name, rpc_type))
+
+    def method_seen(self, labels: tuple[str, str, str]) -> None:
+        """Creates a method's series at 0 with every grpc_code, as go-grpc-prometheus's InitializeMetrics does: the
+        first error of a kind then shows in rate() as a rise from 0, not as a series that appears already at 1."""
+        if labels in self._methods:
+            return
+        self._methods.add(labels)
+        self.started.labels(*labels)
+        self.seconds.labels(*labels)
+        for code in GO_CODE_NAMES.values():
+            self.handled.labels(*labels, code)
 
 
 def _split(method: str) -> tuple[str, str]:
@@ -44,13 +98,7 @@ def _split(method: str) -> tuple[str, str]:
 
 
 def _rpc_type(handler: grpc.RpcMethodHandler) -> str:
-    if handler.request_streaming and handler.response_streaming:
-        return "bidi_stream"
-    if handler.request_streaming:
-        return "client_stream"
-    if handler.response_streaming:
-        return "server_stream"
-    return "unary"
+    return _RPC_TYPES[bool(handler.request_streaming), bool(handler.response_streaming)]
 
 
 def _behavior_and_factory(handler: grpc.RpcMethodHandler):
@@ -63,21 +111,30 @@ def _behavior_and_factory(handler: grpc.RpcMethodHandler):
     return handler.stream_stream, grpc.stream_stream_rpc_method_handler
 
 
+def go_code_name(code: grpc.StatusCode | int) -> str:
+    """Go's spelling of a status code (``Code(42)`` for a number outside the standard ones, as Go prints it)."""
+    if isinstance(code, grpc.StatusCode):
+        return GO_CODE_NAMES[code]
+    return _GO_CODE_BY_NUMBER.get(code, f"Code({code})")
+
+
 def _code_of(context, exc: BaseException | None) -> str:
-    if isinstance(exc, asyncio.CancelledError):
-        return "CANCELLED"
-    code = None
+    # The RPC ended under the handler: the client cancelled or its deadline passed. An async handler is cancelled;
+    # a response generator is closed at its `yield` (GeneratorExit) when the stream is abandoned.
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        try:
+            remaining = context.time_remaining()
+        except Exception:
+            remaining = None
+        # The client's own deadline timer may cancel the stream a moment before the server's fires.
+        return "DeadlineExceeded" if remaining is not None and remaining < _DEADLINE_SLACK_SECONDS else "Canceled"
     try:
         code = context.code()
     except Exception:  # some contexts only know the code once the RPC is over
         code = None
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    if isinstance(code, int):
-        for status in grpc.StatusCode:
-            if status.value[0] == code:
-                return status.name
-    return "UNKNOWN" if exc is not None else "OK"
+    if isinstance(code, (grpc.StatusCode, int)):
+        return go_code_name(code)
+    return "Unknown" if exc is not None else "OK"  # gRPC answers an uncaught exception with UNKNOWN
 
 
 class _Recorder:
@@ -89,12 +146,15 @@ class _Recorder:
     def done(self, context, exc: BaseException | None) -> None:
         code = _code_of(context, exc)
         self.metrics.handled.labels(*self.labels, code).inc()
-        self.metrics.seconds.labels(*self.labels, code).observe(time.perf_counter() - self.t0)
+        self.metrics.seconds.labels(*self.labels).observe(time.perf_counter() - self.t0)
 
 
 class AioServerMetricsInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.metrics = GrpcServerMetrics(registry)
+    """`services`: protobuf service descriptors whose methods get their series before the first call (any other
+    method gets them on its first call)."""
+
+    def __init__(self, registry: CollectorRegistry, services: Iterable[ServiceDescriptor] = ()) -> None:
+        self.metrics = GrpcServerMetrics(registry, services)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -104,6 +164,7 @@ class AioServerMetricsInterceptor(grpc.aio.ServerInterceptor):
         labels = (service, method, _rpc_type(handler))
         behavior, factory = _behavior_and_factory(handler)
         metrics = self.metrics
+        metrics.method_seen(labels)
 
         if inspect.isasyncgenfunction(behavior):
 
@@ -143,8 +204,8 @@ class AioServerMetricsInterceptor(grpc.aio.ServerInterceptor):
 class ServerMetricsInterceptor(grpc.ServerInterceptor):
     """The same metrics for a synchronous ``grpc.server``."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.metrics = GrpcServerMetrics(registry)
+    def __init__(self, registry: CollectorRegistry, services: Iterable[ServiceDescriptor] = ()) -> None:
+        self.metrics = GrpcServerMetrics(registry, services)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -154,6 +215,7 @@ class ServerMetricsInterceptor(grpc.ServerInterceptor):
         labels = (service, method, _rpc_type(handler))
         behavior, factory = _behavior_and_factory(handler)
         metrics = self.metrics
+        metrics.method_seen(labels)
 
         if handler.response_streaming:
 

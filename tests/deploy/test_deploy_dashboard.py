@@ -175,7 +175,7 @@ def _series_like_a_bare_prometheus() -> list[dict]:
         gauge("mmcast_worker_encoder_cache_tokens", rank, 1196)
         for cache in ("payload", "encoder"):
             counter("mmcast_worker_cache_hits_total", f'{rank}, cache="{cache}"', 6)
-        counter("mmcast_worker_protocol_errors_total", f'{rank}, code="size_mismatch"', 0)
+        counter("mmcast_worker_protocol_errors_total", f'{rank}, code="BAD_TENSOR"', 0)
     grpc = [(sched, "mmcast.v1.Generation", "Generate", "server_stream"),
             (sched, "mmcast.v1.Generation", "GetServerInfo", "unary")]
     grpc += [(rank, "mmcast.v1.WorkerService", "Step", "bidi_stream") for rank in ranks]
@@ -183,7 +183,7 @@ def _series_like_a_bare_prometheus() -> list[dict]:
         labels = f'{target}, grpc_service="{service}", grpc_method="{method}", grpc_type="{rpc_type}"'
         counter("grpc_server_started_total", labels, 60)
         counter("grpc_server_handled_total", f'{labels}, grpc_code="OK"', 60)
-        counter("grpc_server_handled_total", f'{labels}, grpc_code="UNAVAILABLE"', 1)
+        counter("grpc_server_handled_total", f'{labels}, grpc_code="Unavailable"', 1)
         histogram("grpc_server_handling_seconds", labels)
     return series
 
