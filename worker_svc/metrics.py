@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from mmcast.v1 import worker_pb2
+from worker_svc.step_errors import code_name
+
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -55,6 +58,10 @@ class WorkerMetrics:
             self.received_bytes.labels(kind=kind)
         for cache in ("payload", "encoder"):
             self.cache_hits.labels(cache=cache)
+        # Every code from the start, so a dashboard shows a 0 rate rather than no data before the first error.
+        for value in worker_pb2.ProtocolErrorCode.values():
+            if value != worker_pb2.PROTOCOL_ERROR_CODE_UNSPECIFIED:
+                self.protocol_errors.labels(code=code_name(value))
 
     def set_cache_sizes(self, payload_bytes: int, payload_items: int, encoder_tokens: int) -> None:
         self.payload_cache_bytes.set(payload_bytes)
