@@ -1,0 +1,238 @@
+"""A real Prometheus scraping a live local group: every dashboard expression and recording rule has real data.
+
+One module-scoped run: a TP=2 lazy group (LocalGroup, the code behind `mmcast serve-local`) with a small KV pool, a
+Prometheus on loopback scraping the scheduler and both ranks every second (and loading the chart's rules), then a
+workload through the SDK chosen so that every panel has something to show:
+- a growing three-turn conversation: prefix hits, stripped items (saved bytes: prefix_covered);
+- four concurrent requests re-using its images behind other text: rank-cached items (saved bytes: rank_cached),
+  encoder-cache hits and, with 56 KV blocks, a waiting queue (three fit at admission, 3 x 17 blocks) and
+  preemptions (the three grow to 3 x 21 blocks);
+- one prompt larger than the KV pool: RESOURCE_EXHAUSTED, a server-side gRPC error for the error-ratio panel;
+- GetServerInfo: a unary RPC for the unary-latency panel.
+With MMCAST_RENDER_DASHBOARD=1 the run also renders docs/img/dashboard.png (tests/deploy/render_dashboard.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mmcast_client import Client, ResourceExhausted
+from mmcast_client.local_group import LocalGroup
+from mmcast_client.synthetic import synthetic_jpeg
+from tests.deploy.dashboard import panels, substitute_variables
+from tests.deploy.deploy_tools import ROOT, RULES_FILE, tool
+from tests.deploy.prometheus_server import PrometheusServer
+
+pytestmark = pytest.mark.slow
+
+TP = 2
+KV_BLOCKS = 56  # the conversation's last turn needs 47 blocks; see the module docstring for the concurrent ones
+IMAGE_SIZE = (448, 336)  # 192 image tokens each
+QUESTIONS = (
+    "Look carefully at this landscape and describe the sky, the hills, the colours and anything unusual in it.",
+    "Compare this new picture with the previous one: which has more clouds, where is the sun, what changed?",
+    "Now consider all of the pictures so far together and tell me which one feels the warmest and why.",
+)
+CONCURRENT_REQUESTS = 4
+CONCURRENT_MAX_TOKENS = 64
+RENDER_ENV = "MMCAST_RENDER_DASHBOARD"
+PICTURE = ROOT / "docs" / "img" / "dashboard.png"
+
+# Expressions whose series legitimately stay at 0 in this run, with the reason. Every other expression must show a
+# value above 0 at some point of the run.
+ZERO_ALLOWED = {
+    ("Worker protocol errors/s by code", "A"): (
+        "a protocol error needs a malformed step frame from the scheduler, which no SDK request can cause, and the "
+        "refusal makes the scheduler recover the whole group; the series are the counter's pre-created codes at 0 "
+        "(tests/test_worker_protocol.py checks the counting)"
+    ),
+}
+# Series the workload is built to move, by panel and refId: each must rise above 0 during the run.
+MUST_RISE = {
+    ("Broadcast bytes/s by kind", "A"): [{"kind": "payload"}, {"kind": "metadata"}, {"kind": "control"}],
+    ("Payload bytes saved/s by reason", "A"): [{"reason": "prefix_covered"}, {"reason": "rank_cached"}],
+    ("Multimodal items/s by disposition", "A"): [{"disposition": d} for d in ("sent", "stripped", "rank_cached")],
+    ("gRPC error ratio by method", "A"): [{"grpc_service": "mmcast.v1.Generation", "grpc_method": "Generate"}],
+    ("Worker cache hits/s", "A"): [{"cache": "encoder"}],
+    ("Requests finished/s by reason", "A"): [{"reason": "length"}],
+    ("gRPC unary latency p99 by method", "A"): [{"grpc_method": "GetServerInfo"}],
+    ("Worker received bytes/s by kind", "A"): [{"kind": "payload"}, {"kind": "metadata"}, {"kind": "control"}],
+}
+# promtool lints that a service still has, each with what removes it; anything else fails the check.
+KNOWN_METRIC_LINTS: dict[str, str] = {
+    'mmcast_kv_blocks_total non-counter metrics should not have "_total" suffix': (
+        "the KV pool size gauge is named like a counter; renaming it (scheduler_svc/metrics.py, the dashboard's "
+        "KV blocks panel) removes this entry"
+    ),
+}
+
+
+def user_turn(image: bytes, text: str) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
+
+
+class LiveRun:
+    """What the workload left behind: the group, the Prometheus and the run's time range."""
+
+    def __init__(self, group: LocalGroup, prom: PrometheusServer) -> None:
+        self.group, self.prom = group, prom
+        self.start = self.end = 0.0  # unix times: every target scraped once / the workload done
+        self.preemptions = 0
+
+    def checkpoint(self) -> None:
+        """Waits for a successful scrape of every target, so that what happened before it and what happens after
+        fall into different samples: rate() sees each phase's increments even if some scrapes time out."""
+        self.prom.wait_scraped_after(time.time(), 1 + TP, timeout=30)
+
+    def workload(self) -> None:
+        images = [synthetic_jpeg(2000 + i, IMAGE_SIZE) for i in range(3)]
+        with Client(self.group.target, timeout=120) as client:
+            # The first call of a method creates its series (every code at 0): scraped before the next calls.
+            assert client.get_server_info().group_ready
+            self.checkpoint()
+            history: list[dict] = []
+            for turn in range(3):
+                history.append(user_turn(images[turn], QUESTIONS[turn]))
+                result = client.generate(history, max_tokens=8, ignore_eos=True)
+                history.append({"role": "assistant", "content": result.text})
+            assert result.usage.cached_tokens > 0 and result.usage.images_stripped > 0, result.usage
+            self.checkpoint()
+
+            usages, errors = [], []
+
+            def other_view(k: int) -> None:
+                try:
+                    text = f"Seen from another place ({k}): " + QUESTIONS[k % 3]
+                    r = client.generate([user_turn(images[k % 3], text)], max_tokens=CONCURRENT_MAX_TOKENS,
+                                        ignore_eos=True)
+                    usages.append(r.usage)
+                except Exception as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=other_view, args=(k,)) for k in range(CONCURRENT_REQUESTS)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors, errors
+            self.preemptions = sum(u.preemptions for u in usages)
+            assert self.preemptions > 0, f"no preemption with --kv-blocks {KV_BLOCKS}: {usages}"
+            assert sum(u.images_rank_cached for u in usages) > 0, usages
+            self.checkpoint()
+
+            with pytest.raises(ResourceExhausted):
+                client.generate("word " * (KV_BLOCKS * 16), max_tokens=8)
+            client.get_server_info()
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir, tmp_path_factory) -> LiveRun:
+    workdir = tmp_path_factory.mktemp("live-prometheus")
+    with contextlib.ExitStack() as stack:
+        group = LocalGroup(tiny_model_dir, tp=TP, transfer_mode="lazy", kv_blocks=KV_BLOCKS, ready_timeout=150,
+                           log_dir=workdir / "logs")
+        urls = group.metrics_urls
+        jobs = {"mmcast-scheduler": [urls["scheduler"]], "mmcast-worker": [urls[f"rank{r}"] for r in range(TP)]}
+        # Prometheus first: it is ready and retrying its targets while the ranks load the model.
+        prom = stack.enter_context(PrometheusServer(jobs, workdir / "prometheus", rule_files=[RULES_FILE]))
+        stack.enter_context(group)
+        run_ = LiveRun(group, prom)
+        prom.wait_targets_up(1 + TP, timeout=30)
+        run_.start = time.time()
+        run_.workload()
+        run_.end = time.time()
+        prom.wait_scraped_after(run_.end, 1 + TP, timeout=30)
+        yield run_
+
+
+def _values(result: list[dict]) -> list[float]:
+    out = []
+    for series in result:
+        if "value" in series:
+            out.append(float(series["value"][1]))
+        else:
+            out.extend(float(v) for _, v in series["values"])
+    return out
+
+
+def test_every_dashboard_expression_returns_real_series(live):
+    problems = []
+    now = time.time()  # after the fixture's last scrape
+    step = 0.5  # below the scrape interval: every sample is the latest one at some point
+    start = now - math.ceil((now - live.start) / step) * step  # so that `now` itself is the range's last point
+    for panel in panels():
+        for target in panel["targets"]:
+            key = (panel["title"], target["refId"])
+            expr = substitute_variables(target["expr"])
+            assert "vector(" not in expr, f"{key}: no padding with constant vectors"
+            instant = live.prom.query(expr, at=now)
+            if not instant or not any(math.isfinite(v) for v in _values(instant)):
+                problems.append(f"{key}: no finite series now: {instant}\n    {expr}")
+                continue
+            if key in ZERO_ALLOWED:
+                continue
+            over_run = live.prom.query_range(expr, start, now, step=step)
+            if not _rises(over_run):
+                problems.append(f"{key}: never above 0 during the run\n    {expr}")
+            for labels in MUST_RISE.get(key, []):
+                matching = [s for s in over_run if labels.items() <= s["metric"].items()]
+                if not _rises(matching):
+                    problems.append(f"{key}: the series {labels} never rose above 0: {matching}\n    {expr}")
+    assert not problems, "\n".join(problems)
+
+
+def _rises(result: list[dict]) -> bool:
+    return any(math.isfinite(v) and v > 0 for v in _values(result))
+
+
+def test_every_recording_rule_has_series_and_every_rule_is_healthy(live):
+    groups = live.prom.api("rules")["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    source = yaml.safe_load(RULES_FILE.read_text())
+    assert len(rules) == sum(len(g["rules"]) for g in source["groups"]), "Prometheus did not load every rule"
+    deadline = time.monotonic() + 10
+    while any(r.get("health") == "unknown" for r in rules) and time.monotonic() < deadline:
+        time.sleep(0.5)  # a rule group evaluates every second; a rule not evaluated yet is "unknown"
+        rules = [r for g in live.prom.api("rules")["groups"] for r in g["rules"]]
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r["health"], r.get("lastError")) for r in rules]
+    for name in sorted({r["name"] for r in rules if r["type"] == "recording"}):
+        values = _values(live.prom.query(name))
+        assert any(math.isfinite(v) for v in values), f"recording rule {name} has no finite series"
+
+
+@pytest.mark.parametrize("page", ["scheduler"] + [f"rank{r}" for r in range(TP)])
+def test_metrics_page_passes_promtool_check_metrics(live, page):
+    with urllib.request.urlopen(live.group.metrics_urls[page], timeout=10) as reply:
+        text = reply.read().decode()
+    assert "mmcast_" in text and "grpc_server_handled_total" in text
+    proc = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
+                          timeout=60)
+    lints = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    unexpected = [line for line in lints if line not in KNOWN_METRIC_LINTS]
+    assert not unexpected, f"promtool check metrics on {page} (exit {proc.returncode}):\n" + "\n".join(lints)
+    if not lints:
+        assert proc.returncode == 0
+
+
+def test_render_dashboard_picture(live):
+    """Opt-in (MMCAST_RENDER_DASHBOARD=1): CI checks the data; the picture in docs/ is refreshed on purpose."""
+    if os.environ.get(RENDER_ENV) != "1":
+        pytest.skip(f"set {RENDER_ENV}=1 to render {PICTURE.relative_to(ROOT)}")
+    from tests.deploy.render_dashboard import render_dashboard
+
+    live.prom.wait_scraped_after(time.time() + 8, 1 + TP, timeout=20)  # let the rates fall back after the run
+    out = Path(os.environ.get("MMCAST_DASHBOARD_PNG", PICTURE))
+    title = (f"mmcast dashboard — live local group (TP={TP}, lazy, {KV_BLOCKS} KV blocks) scraped by Prometheus "
+             "every 1 s; $__rate_interval=5s")
+    render_dashboard(live.prom, live.start - 2, time.time(), out, step=1.0, rate_interval="5s", title=title)
+    assert out.stat().st_size > 10_000
