@@ -249,6 +249,7 @@ class AsyncGenerationStream:
                         yield self._acc.delta(response.delta)
                     elif response.HasField("final"):
                         self.result = self._acc.final(response.final)
+                        await call.code()  # the OK status that follows the final message: the RPC completes normally
                         return
                 if self.cancelled:
                     return

@@ -258,6 +258,8 @@ class GenerationStream:
                         yield self._acc.delta(response.delta)
                     elif response.HasField("final"):
                         self.result = self._acc.final(response.final)
+                        for _ in call:  # the server ends the stream right after the final message: read its
+                            pass  # OK status, so the RPC completes normally instead of being cancelled
                         return
                 raise _core.no_final_error(self.request_id)
             except grpc.RpcError as e:

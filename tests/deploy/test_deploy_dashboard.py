@@ -22,7 +22,7 @@ SCHEDULER_METRICS = {
     "mmcast_broadcast_bytes_total", "mmcast_broadcast_payload_bytes_saved_total", "mmcast_mm_items_total",
     "mmcast_prefix_cache_query_tokens_total", "mmcast_prefix_cache_hit_tokens_total",
     "mmcast_time_to_first_token_seconds", "mmcast_step_seconds", "mmcast_requests_running", "mmcast_requests_waiting",
-    "mmcast_kv_blocks_used", "mmcast_kv_blocks_total", "mmcast_preemptions_total", "mmcast_worker_group_up",
+    "mmcast_kv_blocks_used", "mmcast_kv_blocks_capacity", "mmcast_preemptions_total", "mmcast_worker_group_up",
     "mmcast_prompt_tokens_total", "mmcast_generation_tokens_total", "mmcast_requests_finished_total",
 }
 WORKER_METRICS = {
@@ -159,7 +159,7 @@ def _series_like_a_bare_prometheus() -> list[dict]:
     gauge("mmcast_requests_running", sched, 3)
     gauge("mmcast_requests_waiting", sched, 1)
     gauge("mmcast_kv_blocks_used", sched, 100)
-    gauge("mmcast_kv_blocks_total", sched, 512)
+    gauge("mmcast_kv_blocks_capacity", sched, 512)
     counter("mmcast_preemptions_total", sched, 1)
     gauge("mmcast_worker_group_up", sched, 1)
     counter("mmcast_prompt_tokens_total", sched, 6000)
