@@ -6,6 +6,7 @@ once, well before the group timeout, so the supervisor restarts the group."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
@@ -14,8 +15,9 @@ import pytest
 
 from tests.test_worker_process import Group as RankGroup
 from tests.worker_driver import MiniScheduler, Prompt
-
-pytestmark = pytest.mark.slow
+from worker_svc.config import WorkerConfig
+from worker_svc.metrics import WorkerMetrics
+from worker_svc.worker import StreamHandle, Worker
 
 GROUP_TIMEOUT = 30.0  # long: only the vote may end the ranks quickly
 
@@ -29,6 +31,7 @@ def wait_exit(proc: subprocess.Popen, limit: float) -> float | None:
     return time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_ranks_voting_on_different_steps_exit_instead_of_pairing_collectives(worker_env_q2, tmp_path):
     env = worker_env_q2
     group = RankGroup(str(env.model_dir), tmp_path, timeout_s=GROUP_TIMEOUT)
@@ -62,3 +65,16 @@ def test_ranks_voting_on_different_steps_exit_instead_of_pairing_collectives(wor
             assert "another step" in fatal[-1]["error"], fatal[-1]
     finally:
         group.stop()
+
+
+def test_a_stream_closing_during_shutdown_is_not_an_error(tmp_path):
+    """SIGTERM stops the gRPC server, then the compute executor; a stream handler cancelled after that must not
+    raise from its cleanup (it used to log "Unexpected RuntimeError raised by servicer method Step")."""
+    worker = Worker(WorkerConfig(model=str(tmp_path)), WorkerMetrics())
+    session = type("Session", (), {"clear": lambda self: None})()
+    handle = StreamHandle(epoch=7, session=session, superseded=asyncio.Event())
+    worker.gate.admit(7)
+    worker.active = handle
+    worker.executor.shutdown(wait=True)
+    worker.close_stream(handle)
+    assert worker.active is None and worker.gate.active_epoch is None

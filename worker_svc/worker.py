@@ -129,7 +129,10 @@ class Worker:
         if self.active is handle:
             self.active = None
             self.gate.release(handle.epoch)
-        self.executor.submit(handle.session.clear)
+        try:
+            self.executor.submit(handle.session.clear)
+        except RuntimeError:  # the executor is shut down: the process is exiting, and its caches with it
+            log.debug("stream closed during shutdown", extra={"epoch": handle.epoch})
 
     # --- steps (compute thread) ------------------------------------------------------------------------------
 
