@@ -92,9 +92,16 @@ def hash_request_blocks(
     return hashes
 
 
-def item_identifier(encoded: bytes | memoryview, processor_settings: Mapping[str, Any]) -> ItemId:
-    """Identifier of an item: sha256 of its encoded bytes and of the processor settings that shape its tensors."""
+def item_identifier(encoded: bytes | memoryview, processor_settings: Mapping[str, Any], *, scope: str = "") -> ItemId:
+    """Identifier of an item: sha256 of its encoded bytes and of the processor settings that shape its tensors.
+
+    ``scope`` (the tenant, when authentication is on) makes the same bytes a different item per tenant, so the
+    prefix cache and the ranks' payload/encoder caches, which are keyed by identifier, are never shared across
+    tenants. The empty scope gives the unscoped identifier.
+    """
     h = hashlib.sha256()
+    if scope:
+        h.update(b"scope\x00" + scope.encode() + b"\x00")
     h.update(json.dumps(processor_settings, sort_keys=True, default=str).encode())
     h.update(b"\x00")
     h.update(encoded)

@@ -79,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens regardless of EOS")
     p.add_argument("--no-upload", action="store_true", help="send image bytes inline instead of uploading by hash")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle that signed the server's certificate (TLS)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate, for a server requiring mutual TLS")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    p.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the bearer token (default: $MMCAST_TOKEN when set)",
+    )
     p.set_defaults(handler="cmd_generate")
 
     p = sub.add_parser(
@@ -188,6 +198,30 @@ def format_usage(result) -> str:
     )
 
 
+def _read(path: str | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise SystemExit(f"error: {what} {path}: {e.strerror or e}") from None
+
+
+def connection_options(args: argparse.Namespace) -> dict:
+    """Client keyword arguments from --tls-ca/--tls-cert/--tls-key/--tls/--token-file (or $MMCAST_TOKEN)."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("error: --tls-cert and --tls-key go together")
+    token = os.environ.get("MMCAST_TOKEN") or None
+    if args.token_file:
+        token = (_read(args.token_file, "--token-file") or b"").decode().strip()
+        if not token:
+            raise SystemExit(f"error: --token-file {args.token_file} is empty")
+    roots, key, chain = _read(args.tls_ca, "--tls-ca"), _read(args.tls_key, "--tls-key"), _read(args.tls_cert, "--tls-cert")
+    tls = True if args.tls or roots or chain else None
+    return {"tls": tls, "root_certificates": roots, "private_key": key, "certificate_chain": chain, "token": token}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from mmcast_client import Client, MmcastError
 
@@ -197,7 +231,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     content = [{"type": "image", "image": path} for path in args.image] + [{"type": "text", "text": args.prompt}]
     messages.append({"role": "user", "content": content})
     try:
-        with Client(args.target, upload_images=not args.no_upload, timeout=args.timeout) as client:
+        options = connection_options(args)
+        with Client(args.target, upload_images=not args.no_upload, timeout=args.timeout, **options) as client:
             stream = client.generate(
                 messages,
                 max_tokens=args.max_tokens,

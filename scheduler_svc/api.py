@@ -22,8 +22,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]+$")
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# fullmatch, never match with "$": "$" also matches before a trailing newline.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]+")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,7 @@ def parse_messages(messages, *, max_images: int) -> list[Turn]:
                     parts.append(ImageContent(part.image.data, None, f"{where}.image"))
                 elif source == "uploaded_sha256":
                     digest = part.image.uploaded_sha256
-                    if not _SHA256_HEX.match(digest):
+                    if not _SHA256_HEX.fullmatch(digest):
                         raise InvalidArgument(
                             f"{where}.image.uploaded_sha256={digest[:80]!r} is not 64 lowercase hex characters"
                         )
@@ -146,7 +147,7 @@ def parse_messages(messages, *, max_images: int) -> list[Turn]:
 def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(f"request_id has {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
-    if request_id and not _REQUEST_ID.match(request_id):
+    if request_id and not _REQUEST_ID.fullmatch(request_id):
         raise InvalidArgument("request_id may contain only letters, digits and ._:@/+=-")
 
 

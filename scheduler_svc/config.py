@@ -9,6 +9,7 @@ A value of 0 for a cache budget means "take it from the ranks' handshake" (the m
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 TRANSFER_MODES = ("full", "strip", "lazy")
@@ -103,6 +104,31 @@ class SchedulerConfig:
                                                   min=0.001, max=3600.0)
     log_level: str = _field("INFO", "log level of the JSON logs", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
+    # --- security (docs/SECURITY.md); secrets are file paths, as Kubernetes mounts Secrets --------------------------
+    tls_cert_file: str = _field("", "PEM certificate (chain) of the client port; set with --tls-key-file to serve TLS")
+    tls_key_file: str = _field("", "PEM private key of --tls-cert-file")
+    tls_client_ca_file: str = _field(
+        "", "PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs --tls-cert-file"
+    )
+    auth_tokens_file: str = _field(
+        "", "bearer tokens: lines '<tenant> <token>' or a JSON object {token: tenant}; set = every "
+        "mmcast.v1.Generation call needs 'authorization: Bearer <token>' (health and reflection stay open); "
+        "uploads and caches are scoped per tenant; re-read when the file changes",
+    )
+    health_port: int = _field(
+        0, "also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot speak TLS; 0 = off)",
+        min=0, max=65535,
+    )
+    worker_tls_ca_file: str = _field("", "PEM CA bundle that signed the ranks' certificates; set = TLS to the ranks")
+    worker_tls_cert_file: str = _field(
+        "", "PEM client certificate presented to the ranks (mutual TLS); with --worker-tls-key-file"
+    )
+    worker_tls_key_file: str = _field("", "PEM private key of --worker-tls-cert-file")
+    worker_tls_server_name: str = _field(
+        "", "name to verify in the ranks' certificates instead of the host of each --workers address"
+    )
+    worker_token_file: str = _field("", "file holding the token sent on every Step stream (the ranks' --shared-token-file)")
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -124,11 +150,25 @@ class SchedulerConfig:
         for i, address in enumerate(self.workers):
             if not isinstance(address, str) or ":" not in address or not address.rsplit(":", 1)[1].isdigit():
                 raise ValueError(f"workers[{i}]={address!r} must be HOST:PORT")
+        self._check_secret_files()
         if self.reconnect_backoff_max_seconds < self.reconnect_backoff_initial_seconds:
             raise ValueError(
                 f"reconnect_backoff_max_seconds={self.reconnect_backoff_max_seconds} must be >= "
                 f"reconnect_backoff_initial_seconds={self.reconnect_backoff_initial_seconds}"
             )
+
+    def _check_secret_files(self) -> None:
+        """Pairs come together and named files exist; their contents are checked when the server starts."""
+        pairs = [("tls_cert_file", "tls_key_file"), ("worker_tls_cert_file", "worker_tls_key_file")]
+        for cert, key in pairs:
+            if bool(getattr(self, cert)) != bool(getattr(self, key)):
+                given, missing = (cert, key) if getattr(self, cert) else (key, cert)
+                raise ValueError(f"{given} is set but {missing} is not: a TLS certificate needs its private key")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file: mutual TLS is TLS first")
+        for f in dataclasses.fields(self):
+            if f.name.endswith("_file") and getattr(self, f.name) and not os.path.isfile(getattr(self, f.name)):
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r}: no such file (--{f.name.replace('_', '-')})")
 
     @staticmethod
     def effective(configured: int, from_ranks: int, name: str) -> int:

@@ -7,10 +7,10 @@ torchvision is absent) and works with any Qwen2-VL-family processor (an image to
 
 Per image, in this order, each step only when the previous one missed:
 1. the encoded bytes' sha256 — computed once for inline bytes; an upload is already stored under it (no hashing);
-2. the processor cache, keyed by that sha256: a hit gives the identifier and tensors without decoding,
+2. the processor cache, keyed by the tenant and that sha256: a hit gives the identifier and tensors without decoding,
    preprocessing or hashing anything again;
 3. header check (``max_image_pixels`` from the header, before decoding: decompression bombs), decode, preprocess,
-   ``common.hashing.item_identifier(encoded bytes, processor settings)``.
+   ``common.hashing.item_identifier(encoded bytes, processor settings, scope=tenant)``.
 The chat template is applied with one image token per image, tokenized once, and each image token is expanded to
 the item's placeholder count, exactly as the processor would (tests compare with the processor itself).
 
@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -87,6 +88,12 @@ class _Processed:
     num_tokens: int  # placeholder tokens in the prompt
 
 
+def _reason(exc: BaseException) -> str:
+    """An exception as a client may see it: its type and text, without object reprs (they hold heap addresses)."""
+    text = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the data", str(exc))[:200]
+    return f"{type(exc).__name__}: {text}"
+
+
 class Frontend:
     def __init__(self, model_dir: str | Path, config: SchedulerConfig, *, upload_store: UploadStore | None = None):
         from transformers import AutoConfig
@@ -141,12 +148,13 @@ class Frontend:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below is ours
                 image = Image.open(io.BytesIO(data))
-        except Image.DecompressionBombError as exc:
-            raise InvalidArgument(f"{field}: {exc} The limit is {self.config.max_image_pixels} pixels "
-                                  "(--max-image-pixels)") from None
+        except Image.DecompressionBombError as exc:  # PIL's own, far higher limit: the header claims a bomb
+            pixels = re.search(r"\((\d+) pixels\)", str(exc))
+            claimed = f"{pixels.group(1)} pixels" if pixels else f"over {2 * Image.MAX_IMAGE_PIXELS} pixels"
+            raise InvalidArgument(f"{field}: image header claims {claimed}; the limit is "
+                                  f"{self.config.max_image_pixels} (--max-image-pixels)") from None
         except Exception as exc:  # PIL raises many types for bad input
-            raise InvalidArgument(f"{field}: {len(data)} bytes are not a decodable image ({type(exc).__name__}: "
-                                  f"{str(exc)[:200]})") from None
+            raise InvalidArgument(f"{field}: {len(data)} bytes are not a decodable image ({_reason(exc)})") from None
         width, height = image.size
         if width < 1 or height < 1:
             raise InvalidArgument(f"{field}: image is {width}x{height}; both sides must be >= 1 pixel")
@@ -157,7 +165,7 @@ class Frontend:
             )
         return image
 
-    def _process_image(self, data: bytes, field: str) -> _Processed:
+    def _process_image(self, data: bytes, field: str, tenant: str = "") -> _Processed:
         image = self.check_image_header(data, field)
         try:
             image.load()
@@ -166,13 +174,13 @@ class Frontend:
         except InvalidArgument:
             raise
         except Exception as exc:
-            raise InvalidArgument(f"{field}: the image could not be decoded or preprocessed ({type(exc).__name__}: "
-                                  f"{str(exc)[:200]})") from None
+            raise InvalidArgument(f"{field}: the image could not be decoded or preprocessed ({_reason(exc)})") from None
         pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
         num_tokens = int(grid[0].prod()) // (self.merge_size**2)
-        return _Processed(item_identifier(data, self.processor_settings), pixel_values, grid.reshape(1, 3), num_tokens)
+        identifier = item_identifier(data, self.processor_settings, scope=tenant)
+        return _Processed(identifier, pixel_values, grid.reshape(1, 3), num_tokens)
 
-    def _image(self, part: Any, field: str, stats: dict) -> tuple[str, _Processed]:
+    def _image(self, part: Any, field: str, stats: dict, tenant: str) -> tuple[str, _Processed]:
         data, sha = getattr(part, "data", None), getattr(part, "uploaded_sha256", None)
         if data:
             if len(data) > self.config.max_upload_bytes:
@@ -184,18 +192,22 @@ class Frontend:
         elif not sha:
             raise InvalidArgument(f"{field} has neither data nor uploaded_sha256")
         if data is None:  # a reference: the store holds the bytes under this hash (NOT_FOUND when it does not)
-            data = self.uploads.get(sha, field=f"{field}.uploaded_sha256")
-        processed = self.cache.get(sha)
+            data = self.uploads.get(sha, field=f"{field}.uploaded_sha256", tenant=tenant)
+        key = (tenant, sha)  # per tenant: a hit's timing must not tell one tenant what another sent
+        processed = self.cache.get(key)
         if processed is not None:
             stats["hits"] += 1
             return sha, processed
-        processed = self._process_image(data, field)
-        self.cache.put(sha, processed, processed.pixel_values.nbytes + 64)
+        processed = self._process_image(data, field, tenant)
+        self.cache.put(key, processed, processed.pixel_values.nbytes + 64)
         return sha, processed
 
     # --- prompts ---------------------------------------------------------------------------------------------
-    def process(self, turns, *, add_generation_prompt: bool = True) -> ProcessedPrompt:
-        """Chat turns -> token ids with expanded image placeholders and one item per image."""
+    def process(self, turns, *, add_generation_prompt: bool = True, tenant: str = "") -> ProcessedPrompt:
+        """Chat turns -> token ids with expanded image placeholders and one item per image.
+
+        ``tenant`` scopes uploads, processor-cache entries and item identifiers ("" when authentication is off).
+        """
         cfg = self.config
         if not turns:
             raise InvalidArgument("messages is empty: at least one message is required")
@@ -239,7 +251,7 @@ class Frontend:
                 "(--max-request-bytes); upload large images first and reference them by hash"
             )
         stats = {"hits": 0}
-        resolved = [self._image(part, field, stats) for field, part in images]
+        resolved = [self._image(part, field, stats, tenant) for field, part in images]
         with self._text_lock:  # a fast tokenizer refuses concurrent use ("Already borrowed")
             text = self.processor.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)

@@ -81,12 +81,13 @@ class _RankStream:
         channel: grpc.aio.Channel,
         on_bytes: Callable[[str, int], None],
         on_fail: Callable[[], None] = lambda: None,
+        metadata: Sequence[tuple[str, str]] = (),
     ):
         self.rank = rank
         self.address = address
         self.channel = channel
         self.call = channel.stream_stream(STEP_METHOD, request_serializer=None, response_deserializer=None)(
-            wait_for_ready=False
+            wait_for_ready=False, metadata=tuple(metadata) or None
         )
         self.results: asyncio.Queue[worker_pb2.StepResult] = asyncio.Queue()
         self.ack: worker_pb2.HandshakeAck | None = None
@@ -181,7 +182,10 @@ class WorkerGroup:
         max_message_bytes: int = 64 << 20,
         channel_factory: Callable[[str, list], grpc.aio.Channel] | None = None,
         on_bytes: Callable[[str, int], None] | None = None,
+        call_metadata: Sequence[tuple[str, str]] = (),
     ) -> None:
+        """``channel_factory``: (address, options) -> channel (TLS); ``call_metadata``: sent when opening every
+        Step stream (the ranks' shared token)."""
         if not addresses:
             raise ValueError("workers: at least one rank address is required (--workers host:port,...)")
         self.addresses = list(addresses)
@@ -193,6 +197,7 @@ class WorkerGroup:
         self.step_timeout = step_timeout
         self.channel_options = default_channel_options(max_message_bytes)
         self._channel_factory = channel_factory or (lambda addr, opts: grpc.aio.insecure_channel(addr, options=opts))
+        self.call_metadata = tuple(call_metadata)
         self.bytes = ByteCounters()
         self._on_bytes_hook = on_bytes
         self.epoch = 0
@@ -219,7 +224,14 @@ class WorkerGroup:
         self.epoch = max(self.epoch + 1, time.time_ns())
         self.any_failed = asyncio.Event()
         streams = [
-            _RankStream(rank, addr, self._channel_factory(addr, self.channel_options), self._count, self.any_failed.set)
+            _RankStream(
+                rank,
+                addr,
+                self._channel_factory(addr, self.channel_options),
+                self._count,
+                self.any_failed.set,
+                self.call_metadata,
+            )
             for rank, addr in enumerate(self.addresses)
         ]
         self._streams = streams

@@ -54,6 +54,12 @@ class SchedulerMetrics:
         self.requests_waiting = Gauge("mmcast_requests_waiting", "Requests queued for admission.", registry=r)
         self.kv_blocks_used = Gauge("mmcast_kv_blocks_used", "KV blocks referenced by running requests.", registry=r)
         self.kv_blocks_total = Gauge("mmcast_kv_blocks_total", "KV blocks in the group's pool.", registry=r)
+        self.upload_store_bytes = Gauge(
+            "mmcast_upload_store_bytes", "Encoded image bytes held for reference by hash (all tenants).", registry=r
+        )
+        self.processor_cache_bytes = Gauge(
+            "mmcast_processor_cache_bytes", "Processed image bytes held by the frontend (all tenants).", registry=r
+        )
         self.preemptions = Counter("mmcast_preemptions_total", "Requests preempted for lack of KV blocks.", registry=r)
         self.group_up = Gauge("mmcast_worker_group_up", "1 when every rank has completed its handshake.", registry=r)
         self.group_recoveries = Counter(

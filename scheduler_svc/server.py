@@ -2,6 +2,12 @@
 
 Health has two levels: the server ("") is SERVING as soon as it listens (liveness); the service
 ``mmcast.v1.Generation`` is SERVING only while every rank of the group has completed its handshake (readiness).
+With TLS on the client port, ``--health-port`` serves the same health service in plaintext on its own port (and
+nothing else), for probes that cannot speak TLS (the kubelet's gRPC probes).
+
+Security (docs/SECURITY.md): ``--tls-*`` files put TLS (mutual with a client CA) on the client port;
+``--auth-tokens-file`` requires a bearer token on every ``mmcast.v1.Generation`` call and names the caller's
+tenant; ``--worker-tls-*`` and ``--worker-token-file`` secure the rank streams.
 Shutdown: stop accepting new requests, let in-flight ones finish within ``drain_seconds``, cancel the rest,
 then close the rank streams.
 """
@@ -19,6 +25,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from common import tls
+from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
+from common.decode_guard import DecodeGuardInterceptor
 from common.hashing import model_fingerprint
 from mmcast.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
@@ -30,6 +39,7 @@ from scheduler_svc.service import GenerationServicer
 log = logging.getLogger("mmcast.scheduler")
 
 SERVICE_NAME = "mmcast.v1.Generation"
+GUARDED_METHODS = ("/mmcast.v1.Generation/",)  # what a bearer token is required for; health and reflection stay open
 
 
 class SchedulerServer:
@@ -42,6 +52,18 @@ class SchedulerServer:
 
         self.config = config
         self.metrics = metrics or SchedulerMetrics()
+        # Secrets first: a missing or malformed file stops the start before the model is loaded.
+        self.server_credentials = tls.server_credentials(
+            config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
+        )
+        self.tokens = TokenTable(config.auth_tokens_file) if config.auth_tokens_file else None
+        worker_credentials = tls.channel_credentials(
+            config.worker_tls_ca_file, config.worker_tls_cert_file, config.worker_tls_key_file, prefix="--worker-"
+        )
+        worker_metadata = ()
+        if config.worker_token_file:
+            token = read_token_file(config.worker_token_file, "--worker-token-file")
+            worker_metadata = (("authorization", f"Bearer {token}"),)
         model_dir = Path(config.model)
         self.fingerprint = model_fingerprint(model_dir)
         self.frontend = Frontend(model_dir, config)
@@ -64,7 +86,11 @@ class SchedulerServer:
             chunk_size=config.chunk_size_bytes,
             step_timeout=config.step_timeout_seconds,
             on_bytes=lambda kind, n: self.metrics.broadcast_bytes.labels(kind).inc(n),
+            channel_factory=self._worker_channel_factory(worker_credentials),
+            call_metadata=worker_metadata,
         )
+        self.metrics.upload_store_bytes.set_function(lambda: self.uploads.used)
+        self.metrics.processor_cache_bytes.set_function(lambda: self.frontend.cache.used)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.engine = Engine(
             group=self.group,
@@ -84,10 +110,24 @@ class SchedulerServer:
             tokenizer=self.tokenizer,
             make_request=self._make_request,
             server_info=self._server_info,
+            tokens=self.tokens,
         )
         self.server: grpc.aio.Server | None = None
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port = 0
         self.port = 0
         self._health_state: dict[str, int] = {}
+
+    def _worker_channel_factory(self, credentials):
+        if credentials is None:
+            return None  # the group's default: plaintext
+        override = self.config.worker_tls_server_name
+
+        def factory(address: str, options: list) -> grpc.aio.Channel:
+            opts = list(options) + ([("grpc.ssl_target_name_override", override)] if override else [])
+            return grpc.aio.secure_channel(address, credentials, options=opts)
+
+        return factory
 
     def _make_request(self, request_id, processed, sampling, cache_salt):
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
@@ -133,8 +173,15 @@ class SchedulerServer:
         from common.grpc_metrics import AioServerMetricsInterceptor
 
         c = self.config
+        # Outermost first: metrics see every status, the token check runs before the request is parsed, and the
+        # decode guard turns unparsable bytes into INVALID_ARGUMENT.
+        generation_service = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+        interceptors = [AioServerMetricsInterceptor(self.metrics.registry, services=[generation_service])]
+        if self.tokens is not None:
+            interceptors.append(BearerTokenInterceptor(self.tokens, GUARDED_METHODS))
+        interceptors.append(DecodeGuardInterceptor())
         self.server = grpc.aio.server(
-            interceptors=[AioServerMetricsInterceptor(self.metrics.registry)],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", c.max_request_bytes),
                 ("grpc.max_send_message_length", 64 << 20),
@@ -149,9 +196,20 @@ class SchedulerServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(c.listen)
+        if self.server_credentials is not None:
+            self.port = self.server.add_secure_port(c.listen, self.server_credentials)
+        else:
+            self.port = self.server.add_insecure_port(c.listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {c.listen} (--listen)")
+        if c.health_port:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            host = c.listen.rsplit(":", 1)[0]
+            self.health_port = self.health_server.add_insecure_port(f"{host}:{c.health_port}")
+            if self.health_port == 0:
+                raise OSError(f"cannot listen on {host}:{c.health_port} (--health-port)")
+            await self.health_server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
@@ -171,6 +229,8 @@ class SchedulerServer:
             self.engine.finish(request_id, "cancelled")
         if self.server is not None:
             await self.server.stop(grace=1.0)
+        if self.health_server is not None:
+            await self.health_server.stop(grace=None)
         await self.engine.stop()
         log.info("scheduler stopped")
 

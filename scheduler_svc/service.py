@@ -13,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from common.errors import InvalidArgument, MmcastError, ResourceExhausted, Unavailable
+from common.errors import InvalidArgument, MmcastError, ResourceExhausted, Status, Unavailable
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, logprob_pb2
 from scheduler_svc import api
 from scheduler_svc.detok import TextStream
 from scheduler_svc.engine import Engine, FinishEvent, RequestHandle, TokenEvent
+from scheduler_svc.tenancy import scoped_cache_salt, scoped_request_id
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,9 @@ def grpc_code(err: MmcastError) -> grpc.StatusCode:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, *, engine: Engine, frontend, uploads, config, tokenizer, make_request, server_info) -> None:
+    def __init__(
+        self, *, engine: Engine, frontend, uploads, config, tokenizer, make_request, server_info, tokens=None
+    ) -> None:
         self.engine = engine
         self.frontend = frontend
         self.uploads = uploads
@@ -42,16 +45,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.make_request = make_request  # (request_id, processed prompt, SamplingSpec, cache_salt) -> core Request
         self.server_info = server_info  # () -> generation_pb2.ServerInfo
+        self.tokens = tokens  # common.auth.TokenTable, or None when authentication is off (one tenant, "")
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="frontend")
         self.draining = False
 
+    def _tenant(self, context) -> str:
+        """The caller's tenant ("" when authentication is off). The interceptor has already checked the token;
+        this only fails when the token file changed in between."""
+        if self.tokens is None:
+            return ""
+        tenant, problem = self.tokens.authenticate(context.invocation_metadata())
+        if tenant is None:
+            raise MmcastError(problem, Status.UNAUTHENTICATED)
+        return tenant
+
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         received = time.monotonic()
-        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        client_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        request_id = client_id
         log_extra = {"request_id": request_id}
         try:
             if self.draining:
                 raise Unavailable("the server is draining for shutdown; retry on another replica")
+            tenant = self._tenant(context)
+            request_id = scoped_request_id(tenant, client_id)
+            log_extra = {"request_id": request_id}
             api.check_request_id(request.request_id)
             api.check_cache_salt(request.cache_salt)
             sampling = api.parse_sampling(
@@ -64,7 +82,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             loop = asyncio.get_running_loop()
             add_gen = not request.continue_final_message
             processed = await loop.run_in_executor(
-                self.executor, functools.partial(self.frontend.process, turns, add_generation_prompt=add_gen)
+                self.executor,
+                functools.partial(self.frontend.process, turns, add_generation_prompt=add_gen, tenant=tenant),
             )
             limit = self.engine.max_model_len
             if len(processed.token_ids) + sampling.max_tokens > limit:
@@ -72,16 +91,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     f"prompt has {len(processed.token_ids)} tokens and sampling.max_tokens={sampling.max_tokens}: "
                     f"together {len(processed.token_ids) + sampling.max_tokens} exceed the model context {limit}"
                 )
-            handle = self.engine.submit(self.make_request(request_id, processed, sampling, request.cache_salt), received)
+            salt = scoped_cache_salt(tenant, request.cache_salt)
+            handle = self.engine.submit(self.make_request(request_id, processed, sampling, salt), received)
         except MmcastError as err:
             log.info("request rejected: %s", err.message, extra={**log_extra, "code": err.status.value})
             await context.abort(grpc_code(err), err.message)
             return
         log.info("request admitted", extra={**log_extra, "prompt_tokens": len(processed.token_ids)})
-        async for response in self._stream(handle, processed, sampling, received, context):
+        async for response in self._stream(handle, processed, sampling, received, context, client_id):
             yield response
 
-    async def _stream(self, handle: RequestHandle, processed, sampling: api.SamplingSpec, received: float, context):
+    async def _stream(
+        self, handle: RequestHandle, processed, sampling: api.SamplingSpec, received: float, context, client_id: str
+    ):
         text = TextStream(self.tokenizer, sampling.stop)
         completion_tokens = 0
         finish: FinishEvent | None = None
@@ -118,7 +140,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             tail = text.flush()
             if tail:
                 yield generation_pb2.GenerateResponse(delta=generation_pb2.TokenDelta(text=tail))
-            yield generation_pb2.GenerateResponse(final=self._final(handle, finish, processed, completion_tokens, ttft, text))
+            final = self._final(handle, finish, processed, completion_tokens, ttft, text)
+            final.request_id = client_id
+            yield generation_pb2.GenerateResponse(final=final)
         finally:
             if not handle.finished:
                 self.engine.finish(handle.request_id, "cancelled")
@@ -160,6 +184,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         size = 0
         expected = ""
         try:
+            tenant = self._tenant(context)
             async for chunk in request_iterator:
                 if chunk.expected_sha256:
                     expected = chunk.expected_sha256
@@ -175,7 +200,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise InvalidArgument(f"expected_sha256={expected[:80]} does not match the received bytes' sha256 {sha}")
             data = b"".join(parts)
             self.frontend.check_image_header(data, "upload")
-            sha2, already = self.uploads.put(data, sha256_hex=sha)
+            sha2, already = self.uploads.put(data, sha256_hex=sha, tenant=tenant)
         except MmcastError as err:
             await context.abort(grpc_code(err), err.message)
             return None

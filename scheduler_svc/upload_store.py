@@ -59,7 +59,11 @@ class ByteLRU:
 
 
 class UploadStore:
-    """Content-addressed store of uploaded encoded images: sha256 hex -> bytes, LRU within a byte budget."""
+    """Content-addressed store of uploaded encoded images: (tenant, sha256 hex) -> bytes, LRU within a byte budget.
+
+    Entries are scoped per tenant (``""`` when authentication is off): a tenant can reference only its own
+    uploads, and ``already_present`` says nothing about another tenant's. The byte budget is shared.
+    """
 
     def __init__(self, budget_bytes: int, max_upload_bytes: int | None = None) -> None:
         self.max_upload_bytes = max_upload_bytes if max_upload_bytes is not None else budget_bytes
@@ -73,7 +77,7 @@ class UploadStore:
     def used(self) -> int:
         return self._lru.used
 
-    def put(self, data: bytes, sha256_hex: str | None = None) -> tuple[str, bool]:
+    def put(self, data: bytes, sha256_hex: str | None = None, *, tenant: str = "") -> tuple[str, bool]:
         """Stores ``data`` and returns ``(sha256 hex, already_present)``.
 
         ``sha256_hex``: the digest when the caller computed it while receiving (it must be sha256 of ``data``),
@@ -88,16 +92,19 @@ class UploadStore:
                 f"upload has {len(data)} bytes; the upload store holds {self._lru.budget} (--upload-store-bytes)"
             )
         sha = sha256_hex or hashlib.sha256(data).hexdigest()
-        already = sha in self._lru
+        key = (tenant, sha)
+        already = key in self._lru
         if already:
-            self._lru.get(sha)  # refresh its place in the LRU order
+            self._lru.get(key)  # refresh its place in the LRU order
         else:
-            self._lru.put(sha, bytes(data), len(data))
+            self._lru.put(key, bytes(data), len(data))
         return sha, already
 
-    def get(self, sha256_hex: str, field: str = "uploaded_sha256") -> bytes:
-        """The stored bytes; ``NotFound`` naming the hash when never uploaded or evicted since."""
-        data = self._lru.get(sha256_hex)
+    def get(self, sha256_hex: str, field: str = "uploaded_sha256", *, tenant: str = "") -> bytes:
+        """The stored bytes; ``NotFound`` naming the hash when never uploaded (by this tenant) or evicted since.
+
+        The message is the same whether or not another tenant holds the hash."""
+        data = self._lru.get((tenant, sha256_hex))
         if data is None:
             raise NotFound(
                 f"{field}={sha256_hex} is not in the upload store (never uploaded, or evicted: the store keeps the "
@@ -105,5 +112,8 @@ class UploadStore:
             )
         return data
 
+    def contains(self, sha256_hex: str, *, tenant: str = "") -> bool:
+        return (tenant, sha256_hex) in self._lru
+
     def __contains__(self, sha256_hex: str) -> bool:
-        return sha256_hex in self._lru
+        return self.contains(sha256_hex)

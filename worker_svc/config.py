@@ -39,6 +39,11 @@ class WorkerConfig:
     group_timeout_seconds: float = 60.0  # torch.distributed timeout: a lost peer ends the rank after this long
     threads: int = 1  # torch intra-op threads (CPU)
     log_level: str = "info"
+    tls_cert_file: str = ""  # PEM certificate of the Step port; with tls_key_file the port serves TLS only
+    tls_key_file: str = ""  # PEM private key of tls_cert_file
+    tls_client_ca_file: str = ""  # PEM CA: a scheduler must present a certificate it signed (mutual TLS)
+    shared_token_file: str = ""  # file with the token every Step stream must carry (authorization: Bearer ...)
+    health_port: int = 0  # also serve grpc.health.v1 alone, in plaintext, on this port (0: off)
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, allowed: str) -> ValueError:
@@ -77,6 +82,16 @@ class WorkerConfig:
             raise bad("threads", self.threads, "in [1, 1024]")
         if self.log_level.lower() not in _LOG_LEVELS:
             raise bad("log_level", self.log_level, f"one of {', '.join(_LOG_LEVELS)}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            given = "tls_cert_file" if self.tls_cert_file else "tls_key_file"
+            raise bad(given, getattr(self, given), "set together with the other of --tls-cert-file/--tls-key-file")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise bad("tls_client_ca_file", self.tls_client_ca_file, "used with --tls-cert-file and --tls-key-file")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "shared_token_file"):
+            if getattr(self, name) and not os.path.isfile(getattr(self, name)):
+                raise bad(name, getattr(self, name), "an existing file")
+        if not 0 <= self.health_port <= 65535:
+            raise bad("health_port", self.health_port, "in [0, 65535] (0: off)")
 
 
 _HELP = {
@@ -97,6 +112,11 @@ _HELP = {
     "group_timeout_seconds": "process-group timeout; a lost peer ends the rank after this long",
     "threads": "torch intra-op threads",
     "log_level": "debug | info | warning | error",
+    "tls_cert_file": "PEM certificate of the Step port (with --tls-key-file: TLS only)",
+    "tls_key_file": "PEM private key of --tls-cert-file",
+    "tls_client_ca_file": "PEM CA bundle; the scheduler must present a certificate it signed (mutual TLS)",
+    "shared_token_file": "file holding the token every Step stream must carry; others get UNAUTHENTICATED",
+    "health_port": "also serve grpc.health.v1 alone, in plaintext, on this port (probes; 0: off)",
 }
 
 

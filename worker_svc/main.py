@@ -4,6 +4,11 @@ Start-up order: allocator environment (re-exec), JSON logs, ``/metrics``, the gR
 at once (service ""), then the process group and the model on the compute thread; the readiness of
 ``mmcast.v1.WorkerService`` turns SERVING only after both. A failure there ends the process non-zero with one
 JSON line saying why.
+
+Security (docs/SECURITY.md): with ``--tls-cert-file``/``--tls-key-file`` the port serves TLS only, and with
+``--tls-client-ca-file`` only a scheduler presenting a certificate signed by that CA completes the handshake;
+with ``--shared-token-file`` a Step stream without ``authorization: Bearer <token>`` ends with UNAUTHENTICATED.
+Health and reflection stay open; ``--health-port`` serves health alone in plaintext for TLS-less probes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common import tls
+from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
+from common.decode_guard import DecodeGuardInterceptor
 from common.grpc_metrics import AioServerMetricsInterceptor
 from common.process import ensure_allocator_env, setup_logging
 from mmcast.v1 import worker_pb2, worker_pb2_grpc
@@ -41,6 +49,7 @@ class RunningWorker:
     health: health.aio.HealthServicer
     metrics: WorkerMetrics
     port: int
+    health_server: grpc.aio.Server | None = None  # plaintext health-only server (--health-port)
 
 
 async def start(config: WorkerConfig) -> RunningWorker:
@@ -50,12 +59,19 @@ async def start(config: WorkerConfig) -> RunningWorker:
     from worker_svc.servicer import WorkerServicer
     from worker_svc.worker import Worker
 
+    credentials = tls.server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     metrics = WorkerMetrics()
+    step_service = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
+    interceptors = [AioServerMetricsInterceptor(metrics.registry, services=[step_service])]
+    if config.shared_token_file:
+        token = read_token_file(config.shared_token_file, "--shared-token-file")
+        interceptors.append(BearerTokenInterceptor(TokenTable.single(token, "scheduler"), (f"/{SERVICE_NAME}/",)))
+    interceptors.append(DecodeGuardInterceptor())
     if config.metrics_port:
         start_http_server(config.metrics_port, registry=metrics.registry)
     worker = Worker(config, metrics)
     server = grpc.aio.server(
-        interceptors=[AioServerMetricsInterceptor(metrics.registry)],
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
@@ -69,15 +85,24 @@ async def start(config: WorkerConfig) -> RunningWorker:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(config.listen)
+    if credentials is not None:
+        port = server.add_secure_port(config.listen, credentials)
+    else:
+        port = server.add_insecure_port(config.listen)
     await server.start()
+    health_server = None
+    if config.health_port:
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_server.add_insecure_port(f"{config.listen.rsplit(':', 1)[0]}:{config.health_port}")
+        await health_server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     log.info(
         "listening",
         extra={"port": port, "rank": config.rank, "world_size": config.world_size, "metrics_port": config.metrics_port},
     )
-    return RunningWorker(server, worker, health_servicer, metrics, port)
+    return RunningWorker(server, worker, health_servicer, metrics, port, health_server)
 
 
 async def load(running: RunningWorker) -> None:
@@ -111,6 +136,8 @@ async def serve(config: WorkerConfig) -> int:
     log.info("shutting down", extra={"rank": config.rank})
     await running.health.enter_graceful_shutdown()
     await running.server.stop(grace=5)
+    if running.health_server is not None:
+        await running.health_server.stop(grace=None)
     running.worker.executor.shutdown(wait=False, cancel_futures=True)
     return 0
 

@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from common.decode_guard import Undecodable
 from common.wire import control_byte_breakdown
 from mmcast.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.handshake import HandshakeRejected
@@ -69,6 +70,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         frame = await context.read()
         if frame is grpc.aio.EOF:
             return
+        if isinstance(frame, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, frame.message)
         self._count(frame)
         kind = frame.WhichOneof("frame")
         if kind != "handshake":
@@ -115,6 +118,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     )
                 if frame is grpc.aio.EOF:
                     return
+                if isinstance(frame, Undecodable):  # the stream's state is dropped (close_stream)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, frame.message)
                 step_payload_bytes += self._count(frame)
                 kind = frame.WhichOneof("frame")
                 if kind == "payload":
