@@ -32,8 +32,12 @@ class PayloadAssembler:
     in order. Completed fields wait in ``pending`` until the next control frame takes them.
     """
 
-    def __init__(self, max_tensor_bytes: int) -> None:
+    def __init__(self, max_tensor_bytes: int, max_pending_bytes: int | None = None) -> None:
         self.max_tensor_bytes = max_tensor_bytes
+        # Bytes one step's frames may hold before its control takes them (the payload-cache budget: more could
+        # never be merged). Checked on each header, before its buffer is allocated.
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0
         self.pending: dict[ItemId, dict[str, torch.Tensor]] = {}
         self._current: codec.TensorAssembler | None = None
         self._current_key: tuple[str, str] = ("", "")
@@ -58,7 +62,15 @@ class PayloadAssembler:
                         f"{where}: a new tensor header arrived while {self.in_progress} still misses chunks "
                         f"({self._current.num_chunks} announced)"
                     )
-                self._current = codec.TensorAssembler(frame.header, max_bytes=self.max_tensor_bytes, name=where)
+                assembler = codec.TensorAssembler(frame.header, max_bytes=self.max_tensor_bytes, name=where)
+                limit = self.max_pending_bytes
+                if limit is not None and self.pending_bytes + assembler.byte_size > limit:
+                    raise FrameError(
+                        f"{where}: {assembler.byte_size} more bytes would make this step's payload frames hold "
+                        f"{self.pending_bytes + assembler.byte_size}, over the payload cache budget of {limit} bytes "
+                        "(--payload-cache-bytes)"
+                    )
+                self._current = assembler
                 self._current_key = key
             elif self._current is None or key != self._current_key:
                 raise FrameError(f"{where}: chunk without a preceding header for this item and field")
@@ -66,6 +78,7 @@ class PayloadAssembler:
                 self._current.add_chunk(frame.chunk.index, frame.chunk.data)
             if self._current.complete:
                 self.pending.setdefault(ItemId(frame.item_identifier), {})[frame.field_name] = self._current.tensor()
+                self.pending_bytes += self._current.byte_size
                 self._current = None
         except codec.TensorDecodeError as exc:
             self._current = None
@@ -80,10 +93,12 @@ class PayloadAssembler:
                 "chunks (missing chunks)"
             )
         pending, self.pending = self.pending, {}
+        self.pending_bytes = 0
         return pending
 
     def clear(self) -> None:
         self.pending = {}
+        self.pending_bytes = 0
         self._current = None
 
 

@@ -99,8 +99,9 @@ def mrope_positions(
     """M-RoPE positions of the whole prompt: ``(positions (3, len) int64, delta)``.
 
     ``tokens_per_second``: Qwen2.5-VL's ``vision_config.tokens_per_second``; None for Qwen2-VL (temporal step 1,
-    ``second_per_grid_ts`` ignored). Raises ``ValueError`` when an item lacks its grid, when its placeholder count
-    differs from ``t * (h // merge) * (w // merge)``, or when items overlap or run past the prompt.
+    ``second_per_grid_ts`` ignored). Raises ``ValueError`` when an item lacks its grid, when the grid is not
+    positive or not a multiple of the merge size, when its placeholder count differs from
+    ``t * (h // merge) * (w // merge)``, or when items overlap or run past the prompt.
     """
     n = len(input_ids)
     if spatial_merge_size < 1:
@@ -116,6 +117,11 @@ def mrope_positions(
         if length == 0:
             continue  # no placeholder token takes an embedding: the item holds no position of its own
         t, h, w = _grid(feature)
+        if min(t, h, w) < 1 or h % spatial_merge_size or w % spatial_merge_size:
+            raise ValueError(
+                f"item {feature.identifier!r} at offset {offset}: grid ({t}, {h}, {w}) must be positive with h and w "
+                f"multiples of spatial_merge_size={spatial_merge_size}"
+            )
         lt, lh, lw = t, h // spatial_merge_size, w // spatial_merge_size
         if lt * lh * lw != length:
             raise ValueError(

@@ -134,6 +134,13 @@ class ModelRunner:
         )
         self.uses_mrope = uses_mrope(model.config)
         self.rope_kwargs = rope_index_kwargs(model.config) if self.uses_mrope else {}
+        vision = getattr(model.config, "vision_config", None)
+        channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None)
+        try:  # values per patch row of pixel_values: channels x temporal patch x patch x patch
+            self.patch_dim = int(channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        except (AttributeError, TypeError):
+            self.patch_dim = None  # unknown: not checked
+        self.merge_size = int(getattr(vision, "spatial_merge_size", 1) or 1)
         self.embed = model.get_input_embeddings()
         log.info(
             "model loaded",
@@ -149,6 +156,25 @@ class ModelRunner:
     # --- encoder ---------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def encoder_input_problem(self, feature: MultiModalFeatureSpec) -> str | None:
+        """Why ``encode`` could not run on this item's fields (their shapes disagree), or None.
+
+        Checked while planning, so a malformed item is refused before any rank starts the step."""
+        pixels_name, grid_name = ENCODER_FIELDS[feature.modality]
+        pixels, grid = feature.data[pixels_name].data, feature.data[grid_name].data
+        if grid.numel() != 3 or grid.dtype.is_floating_point:
+            return f"{grid_name} must hold 3 integers (t, h, w); got {grid.dtype}{tuple(grid.shape)}"
+        t, h, w = (int(v) for v in grid.reshape(-1).tolist())
+        if min(t, h, w) < 1 or h % self.merge_size or w % self.merge_size:
+            return f"{grid_name}=({t}, {h}, {w}) must be positive with h, w multiples of {self.merge_size}"
+        if pixels.dim() != 2 or not pixels.dtype.is_floating_point:
+            return f"{pixels_name} must be a 2-D float tensor; got {pixels.dtype}{tuple(pixels.shape)}"
+        if pixels.shape[0] != t * h * w:
+            return f"{pixels_name} has {pixels.shape[0]} patch rows; {grid_name}=({t}, {h}, {w}) needs {t * h * w}"
+        if self.patch_dim is not None and pixels.shape[1] != self.patch_dim:
+            return f"{pixels_name} rows have {pixels.shape[1]} values; the vision tower takes {self.patch_dim}"
+        return None
+
     def encode(self, feature: MultiModalFeatureSpec) -> torch.Tensor:
         """The encoder output rows of a whole item (``[num_embeds, hidden]``), on this rank's device."""
         pixels_name, grid_name = ENCODER_FIELDS[feature.modality]

@@ -69,7 +69,7 @@ class Session:
         self.metrics = metrics
         self.batch_decode = batch_decode
         self.requests: dict[RequestId, RequestState] = {}
-        self.assembler = PayloadAssembler(max_tensor_bytes)
+        self.assembler = PayloadAssembler(max_tensor_bytes, max_pending_bytes=payload_cache_bytes)
         self.payloads = PayloadCache(payload_cache_bytes)
         self.encoded = EncoderCache(encoder_cache_tokens)
         self.items: dict[ItemId, list] = {}  # identifier -> [item message, number of held requests with it]
@@ -240,6 +240,9 @@ class Session:
                     f"(payload cache has {len(self.payloads)} items; none arrived for this item this step)",
                     item_identifier=ident,
                 )
+            problem = r.encoder_input_problem(feature)
+            if problem is not None:
+                raise StepError(code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}]: {problem}", item_identifier=ident)
             encode.append((ident, feature))
             encoded_after.add(ident)
             encoder_tokens += feature.mm_position.get_num_embeds()
