@@ -211,3 +211,113 @@ prometheus.io/port: {{ .port | quote }}
 prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
+
+{{/* Security (docs/SECURITY.md): Secrets mounted read-only under /etc/mmcast, and the flags that point at them. */}}
+{{- define "mmcast.clientTLS" -}}{{ if .Values.security.clientTLS.secretName }}true{{ end }}{{- end }}
+{{- define "mmcast.workerTLS" -}}{{ if .Values.security.workerTLS.secretName }}true{{ end }}{{- end }}
+
+{{/* Port the kubelet's gRPC probes use: the plaintext health port while the gRPC port is TLS. (list root component) */}}
+{{- define "mmcast.probePort" -}}
+{{- $root := index . 0 }}
+{{- if eq (index . 1) "scheduler" }}
+{{- ternary $root.Values.security.clientTLS.healthPort $root.Values.scheduler.grpcPort (eq (include "mmcast.clientTLS" $root) "true") }}
+{{- else }}
+{{- ternary $root.Values.security.workerTLS.healthPort $root.Values.worker.grpcPort (eq (include "mmcast.workerTLS" $root) "true") }}
+{{- end }}
+{{- end }}
+
+{{/* The secret volumes of a component. (list root component) */}}
+{{- define "mmcast.securityVolumes" -}}
+{{- $root := index . 0 }}
+{{- $sec := $root.Values.security }}
+{{- $scheduler := eq (index . 1) "scheduler" }}
+{{- if and $scheduler $sec.clientTLS.secretName }}
+- name: client-tls
+  secret:
+    secretName: {{ $sec.clientTLS.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- if and $scheduler $sec.authTokens.secretName }}
+- name: auth-tokens
+  secret:
+    secretName: {{ $sec.authTokens.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- if $sec.workerTLS.secretName }}
+- name: worker-tls
+  secret:
+    secretName: {{ $sec.workerTLS.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- if $sec.workerToken.secretName }}
+- name: worker-token
+  secret:
+    secretName: {{ $sec.workerToken.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "mmcast.securityMounts" -}}
+{{- $root := index . 0 }}
+{{- $sec := $root.Values.security }}
+{{- $scheduler := eq (index . 1) "scheduler" }}
+{{- if and $scheduler $sec.clientTLS.secretName }}
+- name: client-tls
+  mountPath: /etc/mmcast/client-tls
+  readOnly: true
+{{- end }}
+{{- if and $scheduler $sec.authTokens.secretName }}
+- name: auth-tokens
+  mountPath: /etc/mmcast/auth-tokens
+  readOnly: true
+{{- end }}
+{{- if $sec.workerTLS.secretName }}
+- name: worker-tls
+  mountPath: /etc/mmcast/worker-tls
+  readOnly: true
+{{- end }}
+{{- if $sec.workerToken.secretName }}
+- name: worker-token
+  mountPath: /etc/mmcast/worker-token
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "mmcast.securityArgs" -}}
+{{- $root := index . 0 }}
+{{- $sec := $root.Values.security }}
+{{- if eq (index . 1) "scheduler" }}
+{{- if $sec.clientTLS.secretName }}
+- --tls-cert-file=/etc/mmcast/client-tls/tls.crt
+- --tls-key-file=/etc/mmcast/client-tls/tls.key
+{{- if $sec.clientTLS.requireClientCert }}
+- --tls-client-ca-file=/etc/mmcast/client-tls/ca.crt
+{{- end }}
+- --health-port={{ $sec.clientTLS.healthPort }}
+{{- end }}
+{{- if $sec.authTokens.secretName }}
+- --auth-tokens-file=/etc/mmcast/auth-tokens/{{ $sec.authTokens.key }}
+{{- end }}
+{{- if $sec.workerTLS.secretName }}
+- --worker-tls-ca-file=/etc/mmcast/worker-tls/ca.crt
+- --worker-tls-cert-file=/etc/mmcast/worker-tls/tls.crt
+- --worker-tls-key-file=/etc/mmcast/worker-tls/tls.key
+{{- with $sec.workerTLS.serverName }}
+- --worker-tls-server-name={{ . }}
+{{- end }}
+{{- end }}
+{{- if $sec.workerToken.secretName }}
+- --worker-token-file=/etc/mmcast/worker-token/{{ $sec.workerToken.key }}
+{{- end }}
+{{- else }}
+{{- if $sec.workerTLS.secretName }}
+- --tls-cert-file=/etc/mmcast/worker-tls/tls.crt
+- --tls-key-file=/etc/mmcast/worker-tls/tls.key
+- --tls-client-ca-file=/etc/mmcast/worker-tls/ca.crt
+- --health-port={{ $sec.workerTLS.healthPort }}
+{{- end }}
+{{- if $sec.workerToken.secretName }}
+- --shared-token-file=/etc/mmcast/worker-token/{{ $sec.workerToken.key }}
+{{- end }}
+{{- end }}
+{{- end }}
