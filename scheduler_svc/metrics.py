@@ -53,7 +53,7 @@ class SchedulerMetrics:
         self.requests_running = Gauge("mmcast_requests_running", "Requests holding KV blocks.", registry=r)
         self.requests_waiting = Gauge("mmcast_requests_waiting", "Requests queued for admission.", registry=r)
         self.kv_blocks_used = Gauge("mmcast_kv_blocks_used", "KV blocks referenced by running requests.", registry=r)
-        self.kv_blocks_total = Gauge("mmcast_kv_blocks_total", "KV blocks in the group's pool.", registry=r)
+        self.kv_blocks_total = Gauge("mmcast_kv_blocks_capacity", "KV blocks in the group's pool (the prefix-cache size).", registry=r)
         self.upload_store_bytes = Gauge(
             "mmcast_upload_store_bytes", "Encoded image bytes held for reference by hash (all tenants).", registry=r
         )
