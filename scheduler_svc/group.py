@@ -65,10 +65,16 @@ class PayloadSend:
 
 
 def default_channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    # No HTTP/2 keepalive pings: servers refuse frequent ones; Keepalive frames detect half-open streams.
+    # Each connect() opens fresh channels and the engine paces the attempts (--reconnect-backoff-*). A channel
+    # must therefore try at once: with gRPC's global subchannel pool, every channel to an address shares one
+    # connection whose reconnect backoff grows through an outage (~10 s after half a minute down), so attempts
+    # kept failing with "Connection refused" long after a restarted rank was serving.
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-    ]  # no HTTP/2 keepalive pings: servers refuse frequent ones; Keepalive frames detect half-open streams
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
 
 
 class _RankStream:

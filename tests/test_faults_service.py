@@ -88,3 +88,40 @@ def test_a_step_past_the_deadline_drops_the_stream_and_recovers_on_a_newer_epoch
     for rank in h.ranks:
         assert_recovery_steps_open_fresh_streams(rank)
     assert list(result["r"].token_ids) == expected_tokens(prompt_of(h, "stall-1"), 40)  # no repeats, no gaps
+
+
+def test_a_rank_that_comes_back_is_reached_at_the_next_attempt():
+    """The engine paces reconnects itself (--reconnect-backoff-*). gRPC's own per-address reconnect backoff,
+    shared by every channel to that address, must not add to it: after a long outage it had grown to ~10 s, and
+    the scheduler kept failing with 'Connection refused' long after the restarted ranks were serving."""
+    import asyncio
+
+    import grpc
+
+    from mmcast_client.local_group import free_ports
+    from scheduler_svc.group import GroupDown, WorkerGroup
+    from tests.fake_rank import FakeRank, FakeRankConfig
+
+    fp = "f" * 64
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+
+    async def body():
+        group = WorkerGroup([address], model_fingerprint=fp, block_size=16, handshake_timeout=2.0)
+        for _ in range(3):  # the rank is down: every attempt fails
+            with pytest.raises(GroupDown):
+                await group.connect()
+        rank = FakeRank(FakeRankConfig(rank=0, world_size=1, fingerprint=fp))
+        handler = grpc.stream_stream_rpc_method_handler(rank._step, request_deserializer=None, response_serializer=None)
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("mmcast.v1.WorkerService", {"Step": handler})])
+        assert server.add_insecure_port(address) == port
+        await server.start()
+        try:
+            budget = await group.connect()  # the rank is back: the very next attempt reaches it
+            assert budget.num_ranks == 1
+        finally:
+            await group.close()
+            await server.stop(None)
+
+    asyncio.run(body())

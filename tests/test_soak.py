@@ -181,6 +181,7 @@ class LoadReport:
     rss_peak: dict[str, int] = dataclasses.field(default_factory=dict)
     rss_bound: dict[str, int] = dataclasses.field(default_factory=dict)
     rss_baseline: dict[str, int] = dataclasses.field(default_factory=dict)
+    rss_series: dict[str, list[tuple[float, int]]] = dataclasses.field(default_factory=dict)  # (seconds, bytes)
     kills: int = 0  # worker ranks killed during the run
 
     def summary(self) -> dict:
@@ -209,7 +210,20 @@ class LoadReport:
             "rss_baseline_mib": {k: round(v / MiB, 1) for k, v in sorted(self.rss_baseline.items())},
             "rss_peak_mib": {k: round(v / MiB, 1) for k, v in sorted(self.rss_peak.items())},
             "rss_bound_mib": {k: round(v / MiB, 1) for k, v in sorted(self.rss_bound.items())},
+            "rss_second_half_growth_mib": self.second_half_growth(),
         }
+
+    def second_half_growth(self) -> dict[str, float]:
+        """Per process: its peak RSS over the second half of the run minus its peak over the first half (a leak
+        keeps growing; caches that fill up stop). Negative for a rank restarted in between."""
+        out = {}
+        for name, series in sorted(self.rss_series.items()):
+            half = self.seconds / 2
+            first = [rss for t, rss in series if t < half]
+            second = [rss for t, rss in series if t >= half]
+            if first and second:
+                out[name] = round((max(second) - max(first)) / MiB, 1)
+        return out
 
 
 def run_load(
@@ -288,6 +302,7 @@ def run_load(
             time.sleep(0.2)
         report.seconds = time.monotonic() - t0
     report.rss_peak = dict(sampler.peak)
+    report.rss_series = dict(sampler.series)
     return report
 
 
