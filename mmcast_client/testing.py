@@ -92,18 +92,18 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):
         tokens = self.tokens_for(request)
         with self.lock:
             self.active.add(request_id)
+        completed = False
         try:
             started = time.monotonic()
             first = None
             for i, token in enumerate(tokens):
                 if fault is not None and not fault.final_error and i == fault.after_tokens:
+                    completed = True  # ended by the server, not cancelled by the client
                     context.abort(fault.code, fault.message)
                 if self.token_delay:
                     time.sleep(self.token_delay)
                 if not context.is_active():
-                    with self.lock:
-                        self.cancelled.append(request_id)
-                    return
+                    return  # the client went away; recorded below
                 delta = pb.TokenDelta(token_ids=[token], text=f"t{token} ")
                 if request.sampling.return_logprobs:
                     top = [logprob_pb2.TopLogprob(token_id=token, logprob=-0.5)][: request.sampling.logprobs]
@@ -130,8 +130,13 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):
                 final.error.grpc_code = fault.code.value[0]
                 final.error.message = fault.message
             yield pb.GenerateResponse(final=final)
+            completed = True  # ended normally
         finally:
+            # A cancelled RPC may never resume this generator (gRPC closes it at its pending yield), so the
+            # cancellation is recorded here, together with leaving `active`, under one lock.
             with self.lock:
+                if not completed:
+                    self.cancelled.append(request_id)
                 self.active.discard(request_id)
 
     def UploadImage(self, request_iterator, context):
