@@ -179,6 +179,7 @@ class Engine:
                 done, _ = await asyncio.wait({woke, failed}, timeout=self.keepalive_seconds, return_when=asyncio.FIRST_COMPLETED)
                 woke.cancel()
                 failed.cancel()
+                await asyncio.gather(woke, failed, return_exceptions=True)  # reap them: no pending tasks left
                 if not done or failed in done:
                     try:
                         await self.group.keepalive(stale_after=2.5 * self.keepalive_seconds)

@@ -335,8 +335,10 @@ class WorkerGroup:
             remaining = max(0.0, deadline - time.monotonic())
             done, _ = await asyncio.wait({get, failed}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             failed.cancel()
+            await asyncio.gather(failed, return_exceptions=True)
             if get not in done:
                 get.cancel()
+                await asyncio.gather(get, return_exceptions=True)
                 if s.failed.is_set():
                     raise GroupDown(s.failure or f"rank {s.rank} failed")
                 raise GroupDown(f"rank {s.rank} ({s.address}): no answer to step {step_id} within {self.step_timeout:.1f}s")
