@@ -452,7 +452,7 @@ def test_sigterm_drains_in_flight_requests_within_the_grace_period(env):
     n = min(len(cut.token_ids), N_LONG)
     head = dataclasses.replace(cut, token_ids=cut.token_ids[:n], logprobs=cut.logprobs[:n])
     assert mismatch(head, (expected[0][:n], expected[1][:n])) is None  # what it streamed before the cut is right
-    assert exited <= DRAIN + 3, exited
+    assert exited <= DRAIN + 5, exited  # the drain, the server's 1 s grace, closing the rank streams, exit
     late.join(180)
     assert "result" in refused
     assert_matches(refused["result"], env.oracle(fault_messages(2), 8), "sent during the drain")
