@@ -387,6 +387,7 @@ class Scheduler:
             self.kv.free(r.request_id)
             r.reset_progress()
             r.status = RequestStatus.WAITING
+            r.usage.preemptions += 1  # requeued by the recovery; resumed as new like a preempted request
         self.waiting.extendleft(reversed(self.running))
         self.running = []
         self.kv.reset_prefix_cache()

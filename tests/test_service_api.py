@@ -128,6 +128,7 @@ def test_recovery_after_a_dropped_stream_continues_without_repeats(harness):
     assert tokens == expected_tokens(prompt_of(h, "rec-1"), 12)
     assert final.finish_reason == g.FINISH_REASON_LENGTH and final.usage.completion_tokens == 12
     assert final.usage.images_sent == 4  # the fresh group needed the image again: sent once more to both ranks
+    assert final.usage.preemptions == 1  # requeued once by the recovery
 
 
 def gauges(h):
