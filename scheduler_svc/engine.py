@@ -161,6 +161,10 @@ class Engine:
     async def _loop(self) -> None:
         delay = self.backoff[0]
         while not self._stopping:
+            if self.group.budget is not None and not self.group.up:
+                # a stream failed between steps (noticed here, not inside a step): recover like any loss
+                await self._group_lost(self.group.failure or "a rank stream failed")
+                continue
             if self.core is None or not self.group.up:
                 if await self._connect():
                     delay = self.backoff[0]
@@ -238,16 +242,17 @@ class Engine:
 
     async def _group_lost(self, reason: str) -> None:
         log.error("worker group lost: %s", reason)
-        # Close every stream, healthy or not: a rank that missed a deadline or a keepalive may still be running
-        # the lost step, and only a reconnect under a newer epoch makes the ranks drop that stream's state. Left
-        # open, the next (recovered) step would go to ranks still holding the old requests.
-        await self.group.close()
+        # Not ready from this moment: readiness and the gauges must not wait for the streams to close.
         self.last_down_reason = reason
         self.metrics.group_up.set(0)
         self.metrics.group_recoveries.inc()
         self._ready.clear()
         self.on_group_state(False)
         self._down_since = time.monotonic()
+        # Close every stream, healthy or not: a rank that missed a deadline or a keepalive may still be running
+        # the lost step, and only a reconnect under a newer epoch makes the ranks drop that stream's state. Left
+        # open, the next (recovered) step would go to ranks still holding the old requests.
+        await self.group.close()
         if self.core is not None:
             self.core.recover()
         self._update_gauges()

@@ -216,6 +216,11 @@ class WorkerGroup:
         return len(self.addresses)
 
     @property
+    def failure(self) -> str | None:
+        """Why the first failed rank stream failed, if one has."""
+        return next((s.failure for s in self._streams if s.failed.is_set()), None)
+
+    @property
     def up(self) -> bool:
         return self.budget is not None and all(not s.failed.is_set() for s in self._streams)
 
