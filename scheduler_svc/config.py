@@ -14,6 +14,13 @@ from typing import Any
 
 TRANSFER_MODES = ("full", "strip", "lazy")
 _INT_MAX = 2**63 - 1
+# Pillow format names the frontend opens by default; every other plugin (ICO, TIFF, PSD, ...) never runs.
+DEFAULT_IMAGE_FORMATS = ["JPEG", "PNG", "WEBP", "GIF", "BMP"]
+# The default --max-prompt-bytes is the context times this: the most text bytes one token may stand for in a prompt
+# that still fits. Measured on the shipped byte-level BPE (docs/SECURITY.md section 5): English prose 3.3
+# bytes/token, random CJK, emoji, printable ASCII and random bytes 1.0; subword tokenizers of real checkpoints
+# reach ~4-5 on English and ~4.5 on CJK (1.5 characters of 3 bytes per token). 8 leaves room above all of them.
+PROMPT_BYTES_PER_TOKEN = 8
 
 
 def _field(default: Any, help: str, *, min: float | None = None, max: float | None = None, choices=None) -> Any:
@@ -50,6 +57,29 @@ class SchedulerConfig:
     max_upload_bytes: int = _field(32 << 20, "bytes of one encoded image (inline or uploaded)", min=1, max=_INT_MAX)
     max_request_bytes: int = _field(
         64 << 20, "bytes of one serialized GenerateRequest (also the gRPC receive limit)", min=1024, max=2**31 - 1
+    )
+    max_prompt_bytes: int = _field(
+        0, f"UTF-8 bytes of all text parts of one request, checked before tokenizing (0 = the context length x "
+        f"{PROMPT_BYTES_PER_TOKEN})", min=0, max=2**31 - 1,
+    )
+    image_formats: list = _field(
+        DEFAULT_IMAGE_FORMATS, "image formats the frontend opens (Pillow names, comma separated on the CLI); no other "
+        "decoder ever runs",
+    )
+    max_concurrent_decodes: int = _field(
+        2, "images decoded and preprocessed at once (each may hold ~1.4 GiB at the default limits: docs/SECURITY.md)",
+        min=1, max=1024,
+    )
+    frontend_threads: int = _field(
+        4, "threads that check, decode and tokenize requests off the event loop (each has its own tokenizer)",
+        min=1, max=1024,
+    )
+    max_pending_upload_bytes: int = _field(
+        128 << 20, "bytes held by unfinished uploads, all tenants together; more get RESOURCE_EXHAUSTED",
+        min=1, max=_INT_MAX,
+    )
+    max_pending_upload_bytes_per_tenant: int = _field(
+        64 << 20, "bytes held by one tenant's unfinished uploads; more get RESOURCE_EXHAUSTED", min=1, max=_INT_MAX,
     )
 
     # --- caches -------------------------------------------------------------------------------------------------
@@ -147,6 +177,7 @@ class SchedulerConfig:
                 raise ValueError(f"{f.name}={value!r} is not allowed; choose one of {', '.join(meta['choices'])}")
         if isinstance(self.workers, str):
             self.workers = [w.strip() for w in self.workers.split(",") if w.strip()]
+        self._check_image_formats()
         for i, address in enumerate(self.workers):
             if not isinstance(address, str) or ":" not in address or not address.rsplit(":", 1)[1].isdigit():
                 raise ValueError(f"workers[{i}]={address!r} must be HOST:PORT")
@@ -156,6 +187,20 @@ class SchedulerConfig:
                 f"reconnect_backoff_max_seconds={self.reconnect_backoff_max_seconds} must be >= "
                 f"reconnect_backoff_initial_seconds={self.reconnect_backoff_initial_seconds}"
             )
+
+    def _check_image_formats(self) -> None:
+        """Names Pillow can open (upper case); the list is never empty."""
+        if isinstance(self.image_formats, str):
+            self.image_formats = [f.strip() for f in self.image_formats.split(",") if f.strip()]
+        self.image_formats = [str(f).upper() for f in self.image_formats]
+        if not self.image_formats:
+            raise ValueError("image_formats is empty: allow at least one format (--image-formats JPEG,PNG)")
+        from PIL import Image
+
+        Image.init()
+        unknown = [f for f in self.image_formats if f not in Image.OPEN]
+        if unknown:
+            raise ValueError(f"image_formats={','.join(unknown)} unknown to Pillow; choose from {','.join(sorted(Image.OPEN))}")
 
     def _check_secret_files(self) -> None:
         """Pairs come together and named files exist; their contents are checked when the server starts."""

@@ -5,30 +5,36 @@ It loads the model folder's HF processor (``AutoProcessor.from_pretrained``, thr
 torchvision is absent) and works with any Qwen2-VL-family processor (an image token the processor expands into
 ``grid.prod() / merge_size**2`` placeholders).
 
-Per image, in this order, each step only when the previous one missed:
-1. the encoded bytes' sha256 — computed once for inline bytes; an upload is already stored under it (no hashing);
-2. the processor cache, keyed by the tenant and that sha256: a hit gives the identifier and tensors without decoding,
-   preprocessing or hashing anything again;
-3. header check (``max_image_pixels`` from the header, before decoding: decompression bombs), decode, preprocess,
-   ``common.hashing.item_identifier(encoded bytes, processor settings, scope=tenant)``.
-The chat template is applied with one image token per image, tokenized once, and each image token is expanded to
-the item's placeholder count, exactly as the processor would (tests compare with the processor itself).
+Every check whose input is at hand runs before the work it protects (docs/SECURITY.md section 5):
+1. structure, sizes and the text's UTF-8 bytes (``--max-prompt-bytes``) — before anything is tokenized;
+2. per image: the encoded bytes' sha256 (computed once for inline bytes; an upload is already stored under it),
+   then the processor cache keyed by the tenant and that sha256 (a hit: no decoding, preprocessing or hashing), else
+   the header (``scheduler_svc.image_header``: allowed formats only, pixels, placeholder tokens by the processor's
+   resize rule) — before any pixel is decoded;
+3. the images' tokens plus the tokens to generate against the context — before any image is decoded;
+4. decode + preprocess (at most ``--max-concurrent-decodes`` at once) and
+   ``common.hashing.item_identifier(encoded bytes, processor settings, scope=tenant)``;
+5. the chat template with one image token per image, tokenized once with the calling thread's own tokenizer, each
+   image token expanded to the item's placeholder count exactly as the processor would (tests compare with the
+   processor itself); the whole prompt against the context.
+Newly processed images enter the processor cache only through ``commit``, once the request is admitted.
+All of it runs on the service's thread pool, never on the event loop.
 
 Errors (``common.errors``; messages name the field, the value, the limit and the flag):
-InvalidArgument — unknown role, empty prompt, too many images, undecodable / zero-size / over-``max_image_pixels``
-image, image placeholder text in a message, prompt not shorter than the context; ResourceExhausted — an image
+InvalidArgument — unknown role, empty prompt, too many images, text over ``max_prompt_bytes``, an image of a format
+not in ``image_formats``, undecodable / zero-size / over-``max_image_pixels`` image, images whose tokens exceed the
+context, image placeholder text in a message, prompt not shorter than the context; ResourceExhausted — an image
 over ``max_upload_bytes``, a request over ``max_request_bytes``; NotFound — an uploaded hash not in the store.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import hashlib
-import io
 import json
-import re
 import threading
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +49,9 @@ from common.multimodal import (
     MultiModalKwargsItem,
     PlaceholderRange,
 )
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.config import PROMPT_BYTES_PER_TOKEN, SchedulerConfig
+from scheduler_svc.image_header import ImageHeader, ImageHeaderReader
+from scheduler_svc.image_header import reason as _reason
 from scheduler_svc.upload_store import ByteLRU, UploadStore
 
 __all__ = ["ChatTurn", "Frontend", "ImagePart", "ProcessedPrompt", "TextPart", "UploadStore"]
@@ -76,6 +84,9 @@ class ProcessedPrompt:
     num_images: int
     image_sha256: list[str]  # sha256 of each image's encoded bytes (the processor-cache / upload-store key)
     processor_cache_hits: int  # images served by the processor cache (not decoded, processed nor hashed)
+    # (cache key, processed image) of every image processed for this prompt; Frontend.commit stores them once the
+    # request is admitted (and empties the list), so a refused request leaves nothing in the cache.
+    pending_cache: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +99,22 @@ class _Processed:
     num_tokens: int  # placeholder tokens in the prompt
 
 
-def _reason(exc: BaseException) -> str:
-    """An exception as a client may see it: its type and text, without object reprs (they hold heap addresses)."""
-    text = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the data", str(exc))[:200]
-    return f"{type(exc).__name__}: {text}"
+@dataclasses.dataclass
+class _Pending:
+    """One image of a request between its header check and its decoding."""
+
+    field: str  # where it came from, for errors
+    key: tuple[str, str]  # (tenant, sha256 of the encoded bytes): the processor-cache key
+    data: bytes  # the encoded bytes
+    cached: _Processed | None = None  # a processor-cache hit: nothing to decode
+    image: Any = None  # else: the PIL image opened lazily (header read, pixels not decoded)
+    header: ImageHeader | None = None
+    tokens: int = 0  # placeholder tokens (from the cache or predicted from the header)
 
 
 class Frontend:
-    def __init__(self, model_dir: str | Path, config: SchedulerConfig, *, upload_store: UploadStore | None = None):
+    def __init__(self, model_dir: str | Path, config: SchedulerConfig, *, upload_store: UploadStore | None = None,
+                 metrics=None):
         from transformers import AutoConfig
 
         from common.tiny_model import load_processor
@@ -120,9 +139,19 @@ class Frontend:
         rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
         self.uses_mrope = "mrope_section" in rope or model_config.model_type in ("qwen2_vl", "qwen2_5_vl")
         self.eos_token_ids = self._eos_token_ids()
-        self.uploads = upload_store or UploadStore(config.upload_store_bytes, config.max_upload_bytes)
+        self.max_prompt_bytes = config.max_prompt_bytes or (self.max_model_len * PROMPT_BYTES_PER_TOKEN or 2**31 - 1)
+        self.uploads = upload_store or UploadStore(
+            config.upload_store_bytes, config.max_upload_bytes, pending_total=config.max_pending_upload_bytes,
+            pending_per_tenant=config.max_pending_upload_bytes_per_tenant,
+        )
         self.cache = ByteLRU(config.processor_cache_bytes)
-        self._text_lock = threading.Lock()
+        self.headers = ImageHeaderReader(config.image_formats, config.max_image_pixels, self.image_processor)
+        self._decode_slots = threading.BoundedSemaphore(config.max_concurrent_decodes)
+        self._local = threading.local()  # per thread: its own tokenizer
+        # Work done, for /metrics and tests: images_decoded, decoded_pixels, prompts_tokenized, tokenized_bytes.
+        self.counts: collections.Counter = collections.Counter()
+        self._counts_lock = threading.Lock()
+        self.metrics = metrics  # SchedulerMetrics or None
 
     def _eos_token_ids(self) -> set[int]:
         from transformers import GenerationConfig
@@ -141,46 +170,43 @@ class Frontend:
 
     # --- images ----------------------------------------------------------------------------------------------
     def check_image_header(self, data: bytes, field: str = "image"):
-        """Opens the image lazily and checks its header; returns the (not yet decoded) PIL image."""
-        from PIL import Image
+        """Opens the image lazily (allowed formats only) and checks its header; returns ``(image, ImageHeader)``.
 
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below is ours
-                image = Image.open(io.BytesIO(data))
-        except Image.DecompressionBombError as exc:  # PIL's own, far higher limit: the header claims a bomb
-            pixels = re.search(r"\((\d+) pixels\)", str(exc))
-            claimed = f"{pixels.group(1)} pixels" if pixels else f"over {2 * Image.MAX_IMAGE_PIXELS} pixels"
-            raise InvalidArgument(f"{field}: image header claims {claimed}; the limit is "
-                                  f"{self.config.max_image_pixels} (--max-image-pixels)") from None
-        except Exception as exc:  # PIL raises many types for bad input
-            raise InvalidArgument(f"{field}: {len(data)} bytes are not a decodable image ({_reason(exc)})") from None
-        width, height = image.size
-        if width < 1 or height < 1:
-            raise InvalidArgument(f"{field}: image is {width}x{height}; both sides must be >= 1 pixel")
-        if width * height > self.config.max_image_pixels:
+        Nothing is decoded. A single image over the context is refused here too: no request could use it."""
+        image, header = self.headers.open(data, field)
+        if self.max_model_len and header.tokens >= self.max_model_len:
             raise InvalidArgument(
-                f"{field}: image is {width}x{height} = {width * height} pixels; the limit is "
-                f"{self.config.max_image_pixels} (--max-image-pixels)"
+                f"{field}: the {header.width}x{header.height} image takes {header.tokens} prompt tokens; the context "
+                f"holds {self.max_model_len} (--max-model-len / the model's max_position_embeddings); send a smaller "
+                "image"
             )
-        return image
+        return image, header
 
-    def _process_image(self, data: bytes, field: str, tenant: str = "") -> _Processed:
-        image = self.check_image_header(data, field)
-        try:
-            image.load()
-            image = image.convert("RGB")
-            out = self.image_processor(images=[image], return_tensors="pt")
-        except InvalidArgument:
-            raise
-        except Exception as exc:
-            raise InvalidArgument(f"{field}: the image could not be decoded or preprocessed ({_reason(exc)})") from None
+    def _decode(self, pending: _Pending, tenant: str) -> _Processed:
+        """Decodes and preprocesses one image whose header passed every check; at most ``max_concurrent_decodes``
+        at once, which bounds the frontend's memory (docs/SECURITY.md section 5)."""
+        with self._decode_slots:
+            self._count("images_decoded", 1)
+            self._count("decoded_pixels", pending.header.width * pending.header.height)
+            try:
+                image = pending.image
+                image.load()
+                image = image.convert("RGB")
+                out = self.image_processor(images=[image], return_tensors="pt")
+            except Exception as exc:
+                raise InvalidArgument(
+                    f"{pending.field}: the image could not be decoded or preprocessed ({_reason(exc)})"
+                ) from None
+            finally:
+                pending.image = None  # the decoded pixels go now, not when the request's last reference does
         pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
         num_tokens = int(grid[0].prod()) // (self.merge_size**2)
-        identifier = item_identifier(data, self.processor_settings, scope=tenant)
+        identifier = item_identifier(pending.data, self.processor_settings, scope=tenant)
         return _Processed(identifier, pixel_values, grid.reshape(1, 3), num_tokens)
 
-    def _image(self, part: Any, field: str, stats: dict, tenant: str) -> tuple[str, _Processed]:
+    def _resolve(self, part: Any, field: str, tenant: str, seen: dict) -> _Pending:
+        """The image's bytes and either its cached processing or its checked header (nothing decoded); an image
+        repeated in the request (``seen``: key -> its first _Pending) is that same entry."""
         data, sha = getattr(part, "data", None), getattr(part, "uploaded_sha256", None)
         if data:
             if len(data) > self.config.max_upload_bytes:
@@ -194,25 +220,97 @@ class Frontend:
         if data is None:  # a reference: the store holds the bytes under this hash (NOT_FOUND when it does not)
             data = self.uploads.get(sha, field=f"{field}.uploaded_sha256", tenant=tenant)
         key = (tenant, sha)  # per tenant: a hit's timing must not tell one tenant what another sent
-        processed = self.cache.get(key)
-        if processed is not None:
-            stats["hits"] += 1
-            return sha, processed
-        processed = self._process_image(data, field, tenant)
-        self.cache.put(key, processed, processed.pixel_values.nbytes + 64)
-        return sha, processed
+        if key in seen:
+            return seen[key]
+        cached = self.cache.get(key)
+        if cached is not None:
+            seen[key] = _Pending(field, key, data, cached=cached, tokens=cached.num_tokens)
+        else:
+            image, header = self.headers.open(data, field)
+            seen[key] = _Pending(field, key, data, image=image, header=header, tokens=header.tokens)
+        return seen[key]
+
+    def _check_image_tokens(self, pending: list[_Pending], context: int, reserve: int) -> None:
+        """The prompt holds at least every image's placeholders: refuse before decoding when they alone, with the
+        tokens to generate, exceed the context."""
+        if not context:
+            return
+        total = 0
+        for p in pending:
+            total += p.tokens
+            if total + reserve > context:
+                size = f"the {p.header.width}x{p.header.height} image" if p.header else "the image"
+                raise InvalidArgument(
+                    f"{p.field}: {size} takes {p.tokens} prompt tokens ({total} for the images up to it) and "
+                    f"{reserve} more are to be generated: over the context of {context} tokens (--max-model-len / "
+                    "the model's max_position_embeddings); send a smaller image or fewer images"
+                )
+
+    # --- text ----------------------------------------------------------------------------------------------
+    def _tokenize(self, messages: list, add_generation_prompt: bool) -> list[int]:
+        """Chat template + tokenizer, with this thread's own tokenizer: a fast tokenizer refuses concurrent use
+        ("Already borrowed"), and one shared lock would let one long prompt hold every other request."""
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        self._count("prompts_tokenized", 1)
+        self._count("tokenized_bytes", len(text.encode()))
+        return tokenizer(text)["input_ids"]
+
+    def _count(self, name: str, amount: int) -> None:
+        with self._counts_lock:
+            self.counts[name] += amount
+        if self.metrics is not None:
+            self.metrics.frontend_counter(name).inc(amount)
 
     # --- prompts ---------------------------------------------------------------------------------------------
-    def process(self, turns, *, add_generation_prompt: bool = True, tenant: str = "") -> ProcessedPrompt:
+    def process(self, turns, *, add_generation_prompt: bool = True, tenant: str = "", reserve_tokens: int = 1,
+                context: int | None = None) -> ProcessedPrompt:
         """Chat turns -> token ids with expanded image placeholders and one item per image.
 
         ``tenant`` scopes uploads, processor-cache entries and item identifiers ("" when authentication is off).
+        ``reserve_tokens``: tokens to generate (``sampling.max_tokens``); ``context``: the context length to check
+        against (default ``max_model_len``). Checks run cheapest first and before the work they protect: sizes,
+        text bytes, image headers and the images' tokens against the context, then decoding, then tokenizing.
+        New processed images are returned in ``pending_cache``; ``commit`` stores them once the request is admitted.
         """
+        context = self.max_model_len if context is None else context
+        messages, images = self._collect(turns)
+        seen: dict = {}
+        pending = [self._resolve(part, field, tenant, seen) for field, part in images]
+        self._check_image_tokens(pending, context, max(1, reserve_tokens))
+        decoded: dict = {}  # key -> _Processed of the images decoded for this request (a repeat is decoded once)
+        processed = []
+        for p in pending:
+            if p.cached is None and p.key not in decoded:
+                decoded[p.key] = self._decode(p, tenant)
+            processed.append(p.cached if p.cached is not None else decoded[p.key])
+        hits = len(pending) - len(decoded)  # from the cache, or a repeat of an image earlier in the request
+        template_ids = self._tokenize(messages, add_generation_prompt)
+        token_ids, features = self._expand(template_ids, processed)
+        if self.max_model_len and len(token_ids) >= self.max_model_len:
+            raise InvalidArgument(
+                f"the prompt has {len(token_ids)} tokens; the context holds {self.max_model_len} including at least "
+                "one generated token (--max-model-len / the model's max_position_embeddings)"
+            )
+        return ProcessedPrompt(token_ids, features, len(features), [p.key[1] for p in pending], hits,
+                               list(decoded.items()))
+
+    def commit(self, prompt: ProcessedPrompt) -> None:
+        """Stores the prompt's newly processed images in the processor cache: call once the request is admitted,
+        so a refused request leaves nothing behind."""
+        for key, item in prompt.pending_cache:
+            self.cache.put(key, item, item.pixel_values.nbytes + 64)
+        prompt.pending_cache = []
+
+    def _collect(self, turns) -> tuple[list[dict], list[tuple[str, Any]]]:
+        """Template messages and (field, image part) pairs, with the structural and byte limits checked."""
         cfg = self.config
         if not turns:
             raise InvalidArgument("messages is empty: at least one message is required")
         messages, images = [], []
-        request_bytes = 0
+        request_bytes = text_bytes = 0
         has_content = False
         for i, turn in enumerate(turns):
             if turn.role not in ROLES:
@@ -222,6 +320,14 @@ class Frontend:
                 if hasattr(part, "text"):
                     if not isinstance(part.text, str):
                         raise InvalidArgument(f"messages[{i}].content[{j}].text is not a string")
+                    size = len(part.text.encode())
+                    text_bytes += size
+                    if text_bytes > self.max_prompt_bytes:
+                        raise InvalidArgument(
+                            f"messages[{i}].content[{j}].text: the request's text reaches {text_bytes} bytes; the "
+                            f"limit is {self.max_prompt_bytes} (--max-prompt-bytes; default the context "
+                            f"{self.max_model_len} tokens x {PROMPT_BYTES_PER_TOKEN} bytes)"
+                        )
                     for token in self._placeholder_tokens:
                         if token in part.text:
                             raise InvalidArgument(
@@ -229,7 +335,7 @@ class Frontend:
                                 "send images as image parts"
                             )
                     content.append({"type": "text", "text": part.text})
-                    request_bytes += len(part.text.encode())
+                    request_bytes += size
                     has_content = has_content or bool(part.text.strip())
                     continue
                 field = getattr(part, "field", None) or f"messages[{i}].content[{j}].image"
@@ -250,19 +356,7 @@ class Frontend:
                 f"the request carries {request_bytes} bytes of text and images; the limit is {cfg.max_request_bytes} "
                 "(--max-request-bytes); upload large images first and reference them by hash"
             )
-        stats = {"hits": 0}
-        resolved = [self._image(part, field, stats, tenant) for field, part in images]
-        with self._text_lock:  # a fast tokenizer refuses concurrent use ("Already borrowed")
-            text = self.processor.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-            template_ids = self.tokenizer(text)["input_ids"]
-        token_ids, features = self._expand(template_ids, [p for _, p in resolved])
-        if self.max_model_len and len(token_ids) >= self.max_model_len:
-            raise InvalidArgument(
-                f"the prompt has {len(token_ids)} tokens; the context holds {self.max_model_len} including at least "
-                "one generated token (--max-model-len / the model's max_position_embeddings)"
-            )
-        return ProcessedPrompt(token_ids, features, len(features), [sha for sha, _ in resolved], stats["hits"])
+        return messages, images
 
     def _expand(self, template_ids: list[int], images: list[_Processed]) -> tuple[list[int], list]:
         positions = [k for k, t in enumerate(template_ids) if t == self.image_token_id]

@@ -60,6 +60,20 @@ class SchedulerMetrics:
         self.processor_cache_bytes = Gauge(
             "mmcast_processor_cache_bytes", "Processed image bytes held by the frontend (all tenants).", registry=r
         )
+        self.upload_pending_bytes = Gauge(
+            "mmcast_upload_pending_bytes", "Bytes held by unfinished uploads (all tenants).", registry=r
+        )
+        # The frontend's work, counted where it is done: a refused request must add nothing to these.
+        self.frontend = {
+            "images_decoded": Counter("mmcast_frontend_images_decoded_total",
+                                      "Images decoded and preprocessed (processor-cache misses).", registry=r),
+            "decoded_pixels": Counter("mmcast_frontend_decoded_pixels_total",
+                                      "Pixels (width x height) of the images decoded.", registry=r),
+            "prompts_tokenized": Counter("mmcast_frontend_prompts_tokenized_total", "Prompts tokenized.",
+                                         registry=r),
+            "tokenized_bytes": Counter("mmcast_frontend_tokenized_bytes_total",
+                                       "UTF-8 bytes of the rendered chat templates tokenized.", registry=r),
+        }
         self.preemptions = Counter("mmcast_preemptions_total", "Requests preempted for lack of KV blocks.", registry=r)
         self.group_up = Gauge("mmcast_worker_group_up", "1 when every rank has completed its handshake.", registry=r)
         self.group_recoveries = Counter(
@@ -70,6 +84,12 @@ class SchedulerMetrics:
         )
         self.prompt_tokens = Counter("mmcast_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("mmcast_generation_tokens_total", "Tokens generated.", registry=r)
+        self._init_labels()
+
+    def frontend_counter(self, name: str) -> Counter:
+        return self.frontend[name]
+
+    def _init_labels(self) -> None:
         for kind in ("payload", "metadata", "control"):
             self.broadcast_bytes.labels(kind)
         for reason in ("prefix_covered", "rank_cached"):

@@ -66,7 +66,7 @@ class SchedulerServer:
             worker_metadata = (("authorization", f"Bearer {token}"),)
         model_dir = Path(config.model)
         self.fingerprint = model_fingerprint(model_dir)
-        self.frontend = Frontend(model_dir, config)
+        self.frontend = Frontend(model_dir, config, metrics=self.metrics)
         self.uploads = self.frontend.uploads
         self.tokenizer = self.frontend.tokenizer
         self.uses_mrope = self.frontend.uses_mrope
@@ -91,6 +91,7 @@ class SchedulerServer:
         )
         self.metrics.upload_store_bytes.set_function(lambda: self.uploads.used)
         self.metrics.processor_cache_bytes.set_function(lambda: self.frontend.cache.used)
+        self.metrics.upload_pending_bytes.set_function(lambda: self.uploads.pending.total)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.engine = Engine(
             group=self.group,

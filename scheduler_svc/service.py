@@ -46,7 +46,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.make_request = make_request  # (request_id, processed prompt, SamplingSpec, cache_salt) -> core Request
         self.server_info = server_info  # () -> generation_pb2.ServerInfo
         self.tokens = tokens  # common.auth.TokenTable, or None when authentication is off (one tenant, "")
-        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="frontend")
+        # Every header check, decode and tokenization runs here, never on the event loop; the frontend bounds how
+        # many decodes run at once (--max-concurrent-decodes) and gives each thread its own tokenizer.
+        self.executor = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
         self.draining = False
 
     def _tenant(self, context) -> str:
@@ -83,7 +85,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             add_gen = not request.continue_final_message
             processed = await loop.run_in_executor(
                 self.executor,
-                functools.partial(self.frontend.process, turns, add_generation_prompt=add_gen, tenant=tenant),
+                functools.partial(self.frontend.process, turns, add_generation_prompt=add_gen, tenant=tenant,
+                                  reserve_tokens=sampling.max_tokens, context=self.engine.max_model_len),
             )
             limit = self.engine.max_model_len
             if len(processed.token_ids) + sampling.max_tokens > limit:
@@ -93,6 +96,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 )
             salt = scoped_cache_salt(tenant, request.cache_salt)
             handle = self.engine.submit(self.make_request(request_id, processed, sampling, salt), received)
+            self.frontend.commit(processed)  # admitted: only now may its new images enter the processor cache
         except MmcastError as err:
             log.info("request rejected: %s", err.message, extra={**log_extra, "code": err.status.value})
             await context.abort(grpc_code(err), err.message)
@@ -183,14 +187,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         parts: list[bytes] = []
         size = 0
         expected = ""
+        tenant = None
         try:
             tenant = self._tenant(context)
             async for chunk in request_iterator:
                 if chunk.expected_sha256:
                     expected = chunk.expected_sha256
-                size += len(chunk.data)
-                if size > limit:
+                if size + len(chunk.data) > limit:
                     raise ResourceExhausted(f"upload exceeds {limit} bytes (--max-upload-bytes)")
+                # Counted before it is kept; released below on every exit (done, refused, client gone).
+                self.uploads.pending.reserve(tenant, len(chunk.data))
+                size += len(chunk.data)
                 digest.update(chunk.data)
                 parts.append(chunk.data)
             if size == 0:
@@ -199,11 +206,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if expected and expected != sha:
                 raise InvalidArgument(f"expected_sha256={expected[:80]} does not match the received bytes' sha256 {sha}")
             data = b"".join(parts)
-            self.frontend.check_image_header(data, "upload")
+            parts.clear()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.executor, self.frontend.check_image_header, data, "upload")
             sha2, already = self.uploads.put(data, sha256_hex=sha, tenant=tenant)
         except MmcastError as err:
             await context.abort(grpc_code(err), err.message)
             return None
+        finally:
+            if tenant is not None and size:
+                self.uploads.pending.release(tenant, size)
         return generation_pb2.UploadImageResponse(sha256=sha2, byte_size=size, already_present=already)
 
     async def GetServerInfo(self, request, context):

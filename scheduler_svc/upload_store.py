@@ -1,6 +1,7 @@
-"""Byte-bounded LRU stores of the frontend: uploaded encoded images (by sha256) and processed images.
+"""Byte-bounded LRU stores of the frontend: uploaded encoded images (by sha256) and processed images; and the
+accounting of unfinished uploads (bytes received but not yet stored), bounded per tenant and in total.
 
-Both are thread-safe (the service may run the frontend in a thread pool while the event loop stores uploads).
+All are thread-safe (the service runs the frontend in a thread pool while the event loop stores uploads).
 """
 
 from __future__ import annotations
@@ -58,6 +59,48 @@ class ByteLRU:
         return len(self._entries)
 
 
+class PendingUploads:
+    """Bytes held by unfinished uploads, per tenant and in total; ``reserve`` refuses what would pass a bound."""
+
+    def __init__(self, total: int, per_tenant: int) -> None:
+        self.total_limit = total
+        self.tenant_limit = per_tenant
+        self.total = 0
+        self._by_tenant: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def reserve(self, tenant: str, n: int) -> None:
+        """Counts ``n`` more bytes for ``tenant``; ``ResourceExhausted`` naming the bound (and nothing counted) when
+        it would pass the tenant's or the total bound."""
+        with self._lock:
+            mine = self._by_tenant.get(tenant, 0) + n
+            if mine > self.tenant_limit:
+                raise ResourceExhausted(
+                    f"unfinished uploads of this tenant would hold {mine} bytes; the limit is {self.tenant_limit} "
+                    "(--max-pending-upload-bytes-per-tenant); finish or cancel other uploads first"
+                )
+            if self.total + n > self.total_limit:
+                raise ResourceExhausted(
+                    f"unfinished uploads would hold {self.total + n} bytes; the server-wide limit is "
+                    f"{self.total_limit} (--max-pending-upload-bytes); retry later"
+                )
+            self._by_tenant[tenant] = mine
+            self.total += n
+
+    def release(self, tenant: str, n: int) -> None:
+        with self._lock:
+            left = self._by_tenant.get(tenant, 0) - n
+            if left > 0:
+                self._by_tenant[tenant] = left
+            else:
+                self._by_tenant.pop(tenant, None)
+            self.total -= n
+
+    def held(self, tenant: str) -> int:
+        with self._lock:
+            return self._by_tenant.get(tenant, 0)
+
+
 class UploadStore:
     """Content-addressed store of uploaded encoded images: (tenant, sha256 hex) -> bytes, LRU within a byte budget.
 
@@ -65,9 +108,11 @@ class UploadStore:
     uploads, and ``already_present`` says nothing about another tenant's. The byte budget is shared.
     """
 
-    def __init__(self, budget_bytes: int, max_upload_bytes: int | None = None) -> None:
+    def __init__(self, budget_bytes: int, max_upload_bytes: int | None = None, *, pending_total: int = 128 << 20,
+                 pending_per_tenant: int = 64 << 20) -> None:
         self.max_upload_bytes = max_upload_bytes if max_upload_bytes is not None else budget_bytes
         self._lru = ByteLRU(budget_bytes)
+        self.pending = PendingUploads(pending_total, pending_per_tenant)  # uploads still being received
 
     @property
     def budget(self) -> int:

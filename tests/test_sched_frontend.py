@@ -112,11 +112,12 @@ def test_cold_path_matches_the_hf_processor(tiny_model_dir, processor):
 def test_processor_cache_path_skips_decode_preprocess_and_identifier_hashing(tiny_model_dir, monkeypatch):
     fe = make_frontend(tiny_model_dir)
     cold = fe.process(conversation())
+    fe.commit(cold)
 
     def fail(*args, **kwargs):
         raise AssertionError("a cached image was processed or hashed again")
 
-    monkeypatch.setattr(fe, "_process_image", fail)
+    monkeypatch.setattr(fe, "_decode", fail)
     monkeypatch.setattr(frontend_module, "item_identifier", fail)
     warm = fe.process(conversation())
     assert warm.processor_cache_hits == 3
@@ -139,6 +140,7 @@ def test_upload_by_hash_path_matches_and_hashes_nothing(tiny_model_dir, monkeypa
     ]
     first = fe.process(turns)  # processor cache cold: decoded and processed from the stored bytes
     assert_same(cold, first)
+    fe.commit(first)  # what the service does once the request is admitted
 
     class NoHashing:
         def __getattr__(self, name):
@@ -155,10 +157,16 @@ def test_processor_cache_is_lru_within_its_byte_budget(tiny_model_dir):
     one = make_frontend(tiny_model_dir).process([ChatTurn("user", [ImagePart(IMG_A)])]).mm_features[0]
     budget = one.payload_nbytes + 100  # room for one processed image of this size
     fe = make_frontend(tiny_model_dir, processor_cache_bytes=budget)
-    fe.process([ChatTurn("user", [ImagePart(IMG_A)])])
-    assert fe.process([ChatTurn("user", [ImagePart(IMG_A)])]).processor_cache_hits == 1
-    fe.process([ChatTurn("user", [ImagePart(IMG_C)])])  # evicts A
-    assert fe.process([ChatTurn("user", [ImagePart(IMG_A)])]).processor_cache_hits == 0
+
+    def admitted(image):
+        prompt = fe.process([ChatTurn("user", [ImagePart(image)])])
+        fe.commit(prompt)
+        return prompt
+
+    admitted(IMG_A)
+    assert admitted(IMG_A).processor_cache_hits == 1
+    admitted(IMG_C)  # evicts A
+    assert admitted(IMG_A).processor_cache_hits == 0
     assert fe.cache.used <= budget
 
 

@@ -1,0 +1,109 @@
+"""What an image will cost, read from its header alone: format, size and prompt tokens, before any pixel is decoded.
+
+- **Format whitelist.** ``Image.open(fp, formats=allowed)`` runs only the allowed plugins' header parsers; any other
+  plugin never runs (PIL's ICO plugin, for one, decodes the embedded image inside ``Image.open``). A refused file is
+  named by the first other plugin whose magic-byte check (``accept``) matches its first bytes, without opening it.
+- **Pixels.** ``width * height`` against ``--max-image-pixels`` (decompression bombs).
+- **Tokens.** The placeholder count follows from the header size and the processor's own resize rule
+  (``get_number_of_image_patches``: transformers' ``smart_resize`` with the processor's patch size, merge size and
+  min/max pixels) divided by ``merge_size**2``; ``tests/test_sched_image_header.py`` compares it with the
+  processor's output. The frontend passes the image to the processor as opened (no EXIF transpose), so the header's
+  width and height are the processed ones. A GIF, APNG or animated WebP counts its first frame, the only one decoded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+import warnings
+from collections.abc import Sequence
+
+from common.errors import InvalidArgument
+
+_PREFIX_BYTES = 16  # what Pillow's accept() functions look at
+
+
+def reason(exc: BaseException) -> str:
+    """An exception as a client may see it: its type and text, without object reprs (they hold heap addresses)."""
+    text = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the data", str(exc))[:200]
+    return f"{type(exc).__name__}: {text}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageHeader:
+    format: str  # Pillow's format name (one of the allowed ones)
+    width: int  # pixels, as decoded (first frame of an animation)
+    height: int
+    tokens: int  # placeholder tokens the processor will give this image
+
+
+class ImageHeaderReader:
+    """Opens encoded images lazily with the allowed plugins only and predicts their prompt tokens."""
+
+    def __init__(self, formats: Sequence[str], max_pixels: int, image_processor) -> None:
+        from PIL import Image
+
+        Image.init()
+        self.formats = tuple(formats)
+        self.max_pixels = max_pixels
+        self.image_processor = image_processor
+        self.merge_size = int(image_processor.merge_size)
+        # Other plugins' magic-byte checks, only to name a refused format in the error.
+        self._others = [(name, accept) for name, (_, accept) in Image.OPEN.items()
+                        if name not in self.formats and accept is not None]
+
+    def tokens(self, width: int, height: int) -> int:
+        """Placeholder tokens of a ``width`` x ``height`` image (ValueError where the processor refuses the size)."""
+        patches = self.image_processor.get_number_of_image_patches(height, width)
+        return int(patches) // (self.merge_size**2)
+
+    def detect(self, data: bytes) -> str | None:
+        """The name of a not-allowed format whose signature matches ``data`` (no plugin is opened)."""
+        prefix = data[:_PREFIX_BYTES]
+        for name, accept in self._others:
+            try:
+                if accept(prefix):
+                    return name
+            except Exception:  # noqa: BLE001 - a signature check that fails on short input just does not match
+                continue
+        return None
+
+    def _refuse_format(self, data: bytes, field: str, exc: BaseException):
+        detected = self.detect(data)
+        allowed = ", ".join(self.formats)
+        if detected is not None:
+            raise InvalidArgument(f"{field}: {detected} images are not accepted; allowed formats: {allowed} "
+                                  "(--image-formats)") from None
+        raise InvalidArgument(f"{field}: {len(data)} bytes are not a decodable image of an allowed format ({allowed}, "
+                              f"--image-formats): {reason(exc)}") from None
+
+    def open(self, data: bytes, field: str):
+        """``(image, header)``: the image opened lazily (nothing decoded), its header checked against every limit
+        except the context (which needs the whole request)."""
+        from PIL import Image
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below is ours
+                image = Image.open(io.BytesIO(data), formats=self.formats)
+        except Image.DecompressionBombError as exc:  # PIL's own, far higher limit: the header claims a bomb
+            pixels = re.search(r"\((\d+) pixels\)", str(exc))
+            claimed = f"{pixels.group(1)} pixels" if pixels else f"over {2 * Image.MAX_IMAGE_PIXELS} pixels"
+            raise InvalidArgument(f"{field}: image header claims {claimed}; the limit is "
+                                  f"{self.max_pixels} (--max-image-pixels)") from None
+        except Exception as exc:  # PIL raises many types for bad input
+            self._refuse_format(data, field, exc)
+        width, height = image.size
+        if width < 1 or height < 1:
+            raise InvalidArgument(f"{field}: image is {width}x{height}; both sides must be >= 1 pixel")
+        if width * height > self.max_pixels:
+            raise InvalidArgument(
+                f"{field}: image is {width}x{height} = {width * height} pixels; the limit is "
+                f"{self.max_pixels} (--max-image-pixels)"
+            )
+        try:
+            tokens = self.tokens(width, height)
+        except ValueError as exc:  # e.g. an aspect ratio the resize rule refuses
+            raise InvalidArgument(f"{field}: the {width}x{height} image cannot be preprocessed ({reason(exc)})") from None
+        return image, ImageHeader(image.format or "", width, height, tokens)
