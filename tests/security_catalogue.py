@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks import hostile_inputs as hostile
 from common import codec, wire
 from common.hashing import model_fingerprint
 from mmcast.v1 import generation_pb2 as pb
@@ -41,6 +42,9 @@ SCHEDULER_LIMITS = {
     "--max-tokens-limit": 512,
     "--max-logprobs": 5,
     "--upload-store-bytes": 8 << 20,
+    # default --max-prompt-bytes: 1024 x 8 = 8192
+    "--max-pending-upload-bytes-per-tenant": 393216,
+    "--max-pending-upload-bytes": 524288,
 }
 # The standalone rank's limits.
 WORKER_LIMITS = {"--kv-blocks": 64, "--max-tensor-bytes": 1 << 20, "--payload-cache-bytes": 4 << 20,
@@ -57,14 +61,19 @@ class Case:
     code: str  # expected gRPC status name, or ProtocolError.<CODE>
     mentions: tuple[str, ...]  # words the message must contain (field, limit, flag)
     run: Callable  # (ctx) -> None (raises grpc.RpcError) for client cases; (ctx) -> (code, message) for step cases
+    # Work the case must not cause: scheduler counter -> the most it may grow while the case (and the concurrent
+    # well-formed request, whose image is cached and whose text is ~100 bytes) runs.
+    untouched: tuple[tuple[str, float], ...] = ()
+    # Run twice more and check the scheduler's peak RSS (VmHWM) did not grow past the tolerance of the test.
+    repeat_peak: bool = False
 
 
 CASES: list[Case] = []
 
 
-def case(endpoint: str, area: str, id: str, code: str, *mentions: str, what: str):
+def case(endpoint: str, area: str, id: str, code: str, *mentions: str, what: str, untouched=(), repeat_peak=False):
     def register(fn):
-        CASES.append(Case(id, endpoint, area, what, code, mentions, fn))
+        CASES.append(Case(id, endpoint, area, what, code, mentions, fn, tuple(untouched), repeat_peak))
         return fn
 
     return register
@@ -131,10 +140,13 @@ def good_request(request_id: str = "") -> pb.GenerateRequest:
 class ClientCtx:
     """A plaintext channel to the catalogue scheduler, with the tenant's token."""
 
-    def __init__(self, target: str, token: str, grpcurl: str | None) -> None:
+    def __init__(self, target: str, token: str, grpcurl: str | None, *, other_token: str = "",
+                 metrics_url: str = "") -> None:
         self.target = target
         self.token = token
         self.metadata = (("authorization", f"Bearer {token}"),)
+        self.other_metadata = (("authorization", f"Bearer {other_token}"),)  # a second tenant
+        self.metrics_url = metrics_url  # the scheduler's /metrics
         self.grpcurl = grpcurl
         big = 16 << 20  # the client may send more than the server accepts: the server's limits are under test
         self.channel = grpc.insecure_channel(
@@ -214,6 +226,50 @@ def _(ctx):
     ctx.generate(request(user(image(sha="ABC../etc/passwd"), text("Look."))))
 
 
+# --- client API: image formats and what the header says it will cost (checked before any pixel is decoded) -------
+
+NOT_DECODED = (("mmcast_frontend_images_decoded_total", 0), ("mmcast_frontend_decoded_pixels_total", 0))
+NOT_TOKENIZED = (("mmcast_frontend_tokenized_bytes_total", 4096),)  # the concurrent request's ~100 bytes only
+
+for _id, _data, _name, _what in [
+    ("image-format-ico-bomb", hostile.ico_bomb, "ICO",
+     "a 13000 x 13000 image in a 194 kB .ico (Pillow's ICO plugin decodes inside Image.open)"),
+    ("image-format-ico", lambda: hostile.ico_around(png(32, 32)), "ICO", "a small .ico"),
+    ("image-format-tiff", hostile.tiff, "TIFF", "a 64 x 64 TIFF"),
+    ("image-format-psd", hostile.psd_header, "PSD", "a Photoshop header"),
+]:
+    case("client", "image", _id, "INVALID_ARGUMENT", "messages[0].content[0].image", f"{_name} images are not accepted",
+         "JPEG, PNG, WEBP, GIF, BMP", "--image-formats", what=_what, untouched=NOT_DECODED + NOT_TOKENIZED,
+         repeat_peak=True)((lambda make: lambda ctx: ctx.generate(request(user(image(make()), text("Look.")))))(_data))
+
+
+@case("client", "image", "image-token-bomb", "INVALID_ARGUMENT", "messages[0].content[0].image", "1000x1000",
+      "1296 prompt tokens", "context of 1024", "--max-model-len", untouched=NOT_DECODED + NOT_TOKENIZED,
+      repeat_peak=True, what="a 5 kB solid 1000 x 1000 PNG (inside --max-image-pixels) that is 1296 tokens")
+def _(ctx):
+    ctx.generate(request(user(image(hostile.solid_png(1000, 1000)), text("Look."))))
+
+
+@case("client", "image", "images-tokens-together", "INVALID_ARGUMENT", "messages[0].content[2].image", "324",
+      "context of 1024", untouched=NOT_DECODED + NOT_TOKENIZED,
+      what="three 504 x 504 images of 324 tokens each and max_tokens 100: each fits, together they do not")
+def _(ctx):
+    ctx.generate(request(user(*[image(hostile.solid_png(504, 504, value=v)) for v in (1, 2, 3)], text("Compare.")),
+                         max_tokens=100))
+
+
+@case("client", "upload", "upload-format-ico-bomb", "INVALID_ARGUMENT", "upload", "ICO images are not accepted",
+      "--image-formats", untouched=NOT_DECODED, repeat_peak=True, what="an upload of the ICO bomb")
+def _(ctx):
+    ctx.upload([pb.UploadImageChunk(data=hostile.ico_bomb())])
+
+
+@case("client", "upload", "upload-token-bomb", "INVALID_ARGUMENT", "upload", "1296 prompt tokens", "1024",
+      untouched=NOT_DECODED, what="an upload of an image no request could hold (1296 tokens, context 1024)")
+def _(ctx):
+    ctx.upload([pb.UploadImageChunk(data=hostile.solid_png(1000, 1000))])
+
+
 # --- client API: uploads ----------------------------------------------------------------------------------------
 
 
@@ -246,9 +302,73 @@ def _(ctx):
     ctx.upload([pb.UploadImageChunk(data=png_header_only(100_000, 100_000))])
 
 
+class StalledUpload:
+    """An upload that sends ``size`` bytes and then waits (until ``cancel``) without finishing."""
+
+    def __init__(self, ctx: ClientCtx, size: int, metadata) -> None:
+        self._release = threading.Event()
+
+        def chunks():
+            yield pb.UploadImageChunk(data=bytes(size)).SerializeToString()
+            self._release.wait(60)
+
+        self.future = ctx.upload_raw.future(chunks(), metadata=metadata, timeout=60)
+
+    def cancel(self) -> None:
+        self.future.cancel()  # the client goes away: the server must release what it counted
+        self._release.set()
+
+
+def pending_upload_bytes(ctx: ClientCtx) -> float:
+    from tests.security_support import scrape
+
+    return scrape(ctx.metrics_url)["mmcast_upload_pending_bytes"]
+
+
+def stalled(ctx: ClientCtx, sizes_and_metadata) -> list[StalledUpload]:
+    """Starts the uploads and waits until the server counts all their bytes."""
+    from tests.security_support import wait_for
+
+    uploads = [StalledUpload(ctx, size, md) for size, md in sizes_and_metadata]
+    total = sum(size for size, _ in sizes_and_metadata)
+    wait_for(lambda: pending_upload_bytes(ctx) >= total, 20, f"the server counting {total} pending upload bytes")
+    return uploads
+
+
+@case("client", "upload", "upload-pending-per-tenant", "RESOURCE_EXHAUSTED", "393216",
+      "--max-pending-upload-bytes-per-tenant", repeat_peak=True,
+      what="a tenant's second unfinished upload while its first holds 250 kB (bound 384 KiB per tenant)")
+def _(ctx):
+    held = stalled(ctx, [(256_000, ctx.metadata)])
+    try:
+        ctx.upload([pb.UploadImageChunk(data=bytes(65536)) for _ in range(3)])
+    finally:
+        for u in held:
+            u.cancel()
+
+
+@case("client", "upload", "upload-pending-total", "RESOURCE_EXHAUSTED", "524288", "--max-pending-upload-bytes",
+      what="an upload while two tenants' unfinished uploads hold 512 kB together (bound 512 KiB in all)")
+def _(ctx):
+    held = stalled(ctx, [(256_000, ctx.metadata), (256_000, ctx.other_metadata)])
+    try:
+        ctx.upload_raw(iter([pb.UploadImageChunk(data=bytes(20_000)).SerializeToString()]),
+                       metadata=ctx.other_metadata, timeout=60)
+    finally:
+        for u in held:
+            u.cancel()
+
+
 # --- client API: prompt and context ----------------------------------------------------------------------------
 
-LONG_TEXT = "the quick brown fox jumps over the lazy dog " * 400  # ~3600 tokens with the tiny tokenizer
+LONG_TEXT = "the quick brown fox jumps over the lazy dog " * 150  # ~1400 tokens (6.6 kB, under the 8192-byte bound)
+
+
+@case("client", "prompt", "prompt-over-byte-bound", "INVALID_ARGUMENT", "messages[0].content[0].text", "8192",
+      "--max-prompt-bytes", untouched=NOT_TOKENIZED, repeat_peak=True,
+      what="900 kB of text (the limit: the 1024-token context x 8 bytes), refused before tokenizing")
+def _(ctx):
+    ctx.generate(request(user(text("漢字 and text " * 60_000))))
 
 
 @case("client", "prompt", "messages-empty", "INVALID_ARGUMENT", "messages is empty", what="no messages at all")

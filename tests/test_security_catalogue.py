@@ -2,8 +2,10 @@
 
 One scheduler + one rank (``LocalGroup``, bearer tokens on the client API, a shared token on the rank streams)
 takes every client-API case, each beside a concurrent well-formed request that must still succeed; afterwards
-the scheduler's gauges (running, waiting, KV blocks used) and cache sizes (uploads, processed images) must be back
-where they were. A standalone ``mmcast-worker`` takes every step-stream case; afterwards it must still accept a
+the scheduler's gauges (running, waiting, KV blocks used), cache sizes (uploads, processed images) and unfinished
+upload bytes must be back where they were. Cases that name ``untouched`` counters (images decoded, text tokenized)
+must not have grown them; ``repeat_peak`` cases run three times and the scheduler's peak RSS (VmHWM: the allocator
+settings keep freed memory, so current RSS says little) may grow by at most ``PEAK_TOLERANCE`` over them. A standalone ``mmcast-worker`` takes every step-stream case; afterwards it must still accept a
 fresh handshake and serve a well-formed step with an image, and hold nothing (payload and encoder caches empty).
 
 ``MMCAST_SECURITY_REPORT_DIR=<folder>`` writes what each case got and how long it took to ``catalogue.json`` there
@@ -31,7 +33,10 @@ pytestmark = pytest.mark.slow
 CLIENT = [c for c in cat.CASES if c.endpoint == "client"]
 STEP = [c for c in cat.CASES if c.endpoint == "step"]
 GAUGES = ("mmcast_requests_running", "mmcast_requests_waiting", "mmcast_kv_blocks_used")
-CACHES = ("mmcast_upload_store_bytes", "mmcast_processor_cache_bytes")
+CACHES = ("mmcast_upload_store_bytes", "mmcast_processor_cache_bytes", "mmcast_upload_pending_bytes")
+# Peak-RSS growth allowed over three runs of a repeat_peak case: gRPC's buffers for a ~1 MB message and the
+# concurrent request. Decoding the ICO bomb once would add ~500 MiB (169 MB grey + 507 MB RGB).
+PEAK_TOLERANCE = 48 << 20
 RANK_CACHES = ("mmcast_worker_payload_cache_bytes", "mmcast_worker_payload_cache_items",
                "mmcast_worker_encoder_cache_tokens")
 RESULTS: list[dict] = []
@@ -40,15 +45,15 @@ RESULTS: list[dict] = []
 @pytest.fixture(scope="module")
 def secrets_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("catalogue-secrets")
-    tenant, worker = new_token(), new_token()
-    secret_file(folder / "tokens.txt", f"# tenant token\ncatalogue {tenant}\n")
+    tenant, worker, other = new_token(), new_token(), new_token()
+    secret_file(folder / "tokens.txt", f"# tenant token\ncatalogue {tenant}\ncatalogue-b {other}\n")
     secret_file(folder / "worker-token", worker + "\n")
-    return folder, tenant, worker
+    return folder, tenant, worker, other
 
 
 @pytest.fixture(scope="module")
 def processes(tiny_model_dir, secrets_dir, tmp_path_factory):
-    folder, _, _ = secrets_dir
+    folder = secrets_dir[0]
     logs = tmp_path_factory.mktemp("catalogue-logs")
     rank = WorkerProcess(tiny_model_dir, logs / "standalone-rank.log",
                          [x for k, v in cat.WORKER_LIMITS.items() for x in (k, str(v))]
@@ -75,7 +80,8 @@ def processes(tiny_model_dir, secrets_dir, tmp_path_factory):
 def client_ctx(processes, secrets_dir, tiny_model_dir):
     group, _ = processes
     grpcurl = os.path.join(os.path.dirname(sys.executable), "grpcurl")
-    ctx = cat.ClientCtx(group.target, secrets_dir[1], grpcurl if os.path.exists(grpcurl) else None)
+    ctx = cat.ClientCtx(group.target, secrets_dir[1], grpcurl if os.path.exists(grpcurl) else None,
+                        other_token=secrets_dir[3], metrics_url=group.metrics_urls["scheduler"])
     ctx.generate(cat.good_request())  # the good request's image is processed and cached once, before any case
     yield ctx
     ctx.close()
@@ -93,6 +99,12 @@ def step_ctx(processes, secrets_dir, tiny_model_dir):
     ctx = cat.StepCtx(rank.target, secrets_dir[2], tiny_model_dir, vocab, lambda: next(counter))
     yield ctx
     ctx.close_all()
+
+
+def peak_rss(group) -> int:
+    """The scheduler's peak resident set (VmHWM), bytes."""
+    with open(f"/proc/{group.pids()['scheduler']}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
 
 
 def scheduler_state(group) -> dict[str, float]:
@@ -129,11 +141,18 @@ def test_client_case(case, processes, client_ctx):
     if case.id.startswith("grpcurl") and client_ctx.grpcurl is None:
         pytest.skip("grpcurl is not installed (make tools)")
     before = scheduler_state(group)
+    counters = scrape(group.metrics_urls["scheduler"])
+    peak = peak_rss(group)
     good = Concurrent(client_ctx)
     t0 = time.perf_counter()
     with pytest.raises(grpc.RpcError) as caught:
         case.run(client_ctx)
     seconds = time.perf_counter() - t0
+    good.check()
+    for _ in range(2 if case.repeat_peak else 0):
+        with pytest.raises(grpc.RpcError) as again:
+            case.run(client_ctx)
+        assert again.value.code().name == case.code, again.value.details()
     code, message = caught.value.code().name, caught.value.details() or ""
     RESULTS.append({"id": case.id, "endpoint": case.endpoint, "code": code, "message": message,
                     "seconds": round(seconds, 4)})
@@ -141,7 +160,12 @@ def test_client_case(case, processes, client_ctx):
     for word in case.mentions:
         assert word in message, f"{case.id}: the message does not name {word!r}: {message}"
     assert " at 0x" not in message, f"{case.id}: the message leaks an object address: {message}"
-    good.check()
+    after = scrape(group.metrics_urls["scheduler"])
+    for name, most in case.untouched:
+        assert after[name] - counters[name] <= most, f"{case.id}: {name} grew by {after[name] - counters[name]}"
+    if case.repeat_peak:
+        grown = peak_rss(group) - peak
+        assert grown <= PEAK_TOLERANCE, f"{case.id}: three runs grew the scheduler's peak RSS by {grown >> 20} MiB"
     # Nothing left behind: no request running or queued, no block held, no upload or processed image kept.
     wait_for(lambda: scheduler_state(group) == before, 5, f"{case.id}: scheduler state back to {before}")
     assert group.restarts == 0 and group.failure is None
