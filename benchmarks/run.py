@@ -49,6 +49,7 @@ class Plan:
     correctness_tps: tuple[int, ...] = ()  # sizes run for token equality only (oversubscribed: not timed)
     max_tokens: int = 4
     kv_blocks: int = 8192
+    security: bool = False  # also run benchmarks/security_load.py (hostile inputs beside a token stream)
 
     def clients(self, mode: str) -> list[str]:
         return ["sdk", "resend"] if mode in self.resend_modes else ["sdk"]
@@ -67,7 +68,7 @@ PLANS = {
     "full": Plan("full", (1280, 720), (1, 2), ("full", "strip", "lazy"), (2, 8, 13, 20, 26), 5,
                  ("cached_floor", "duplicate", "conversation", "sliding_window"), 16, 8, ("full", "strip", "lazy"),
                  ("1280x720", "448x448"), (1, 2, 4), 15, (10, 100, 1000, 10_000), correctness_tps=(4,),
-                 kv_blocks=16384),
+                 kv_blocks=16384, security=True),
 }  # fmt: skip
 
 
@@ -195,14 +196,20 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     finally:
         if bar is not None:
             bar.close()
+    security = []
+    if plan.security:
+        from benchmarks import security_load
+
+        security = security_load.measure(model_dir, log)
+        log("hostile inputs beside a token stream\n" + security_load.write(out_dir, security))
     meta["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     meta["wall_seconds"] = time.monotonic() - started
     analysis = report.analyze(records, floor_rows, steps, meta["image_size"])
     figures = plots.write_plots(out_dir, analysis)
     report.write_markdown(os.path.join(out_dir, "results.md"), meta, analysis, floors_md, figures)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"meta": meta, "configs": configs, "floors": floor_rows, "analysis": analysis, "records": records},
-                  f, indent=1, default=str)
+        json.dump({"meta": meta, "configs": configs, "floors": floor_rows, "analysis": analysis, "records": records,
+                   "security": security}, f, indent=1, default=str)
     log(f"wrote {out_dir}/results.md, results.json and {len(figures)} plots")
     return analysis
 
