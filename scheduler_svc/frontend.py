@@ -43,6 +43,7 @@ from common.multimodal import (
     MultiModalKwargsItem,
     PlaceholderRange,
 )
+from common.rope import uses_mrope
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.upload_store import ByteLRU, UploadStore
 
@@ -117,8 +118,7 @@ class Frontend:
         model_len = int(getattr(text_config, "max_position_embeddings", 0) or 0)
         lengths = [v for v in (config.max_model_len, model_len) if v]
         self.max_model_len = min(lengths) if lengths else 0  # 0: unknown
-        rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
-        self.uses_mrope = "mrope_section" in rope or model_config.model_type in ("qwen2_vl", "qwen2_5_vl")
+        self.uses_mrope = uses_mrope(model_config)  # the rule the ranks apply too (common/rope.py)
         self.eos_token_ids = self._eos_token_ids()
         self.uploads = upload_store or UploadStore(config.upload_store_bytes, config.max_upload_bytes)
         self.cache = ByteLRU(config.processor_cache_bytes)
