@@ -1,4 +1,4 @@
-"""Process set-up shared by the scheduler and worker entry points: allocator environment and JSON logs."""
+"""Process set-up shared by the scheduler and worker entry points: allocator environment, JSON logs, CPU count."""
 
 from __future__ import annotations
 
@@ -31,6 +31,50 @@ def ensure_allocator_env() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _cgroup_cpu_limit(root: str) -> float | None:
+    """CPUs a cgroup quota allows (a container's CPU limit), or None when unlimited or unknown.
+
+    Reads the cgroup mounted at ``root`` (in a container, its own cgroup): v2 ``cpu.max`` ("QUOTA PERIOD" or
+    "max PERIOD"), else v1 ``cpu/cpu.cfs_quota_us`` and ``cpu/cpu.cfs_period_us`` (quota -1: unlimited).
+    """
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota_us = int(f.read())
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period_us = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+
+
+def available_cpus(cgroup_root: str | None = None) -> int:
+    """CPUs this process may use: its affinity mask (``os.sched_getaffinity``; taskset, cpusets, Kubernetes'
+    static CPU manager), capped by the cgroup CPU quota (a container's CPU limit, which the affinity mask does
+    not show), rounded down, at least 1."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except AttributeError:  # platforms without affinity masks
+        count = os.cpu_count() or 1
+    limit = _cgroup_cpu_limit(CGROUP_ROOT if cgroup_root is None else cgroup_root)
+    if limit is not None:
+        count = min(count, int(limit))
+    return max(1, count)
+
+
+def default_threads(local_ranks: int, cgroup_root: str | None = None) -> int:
+    """Torch threads of one of ``local_ranks`` processes sharing this process's CPUs: an equal share, at least 1."""
+    return max(1, available_cpus(cgroup_root) // max(1, local_ranks))
 
 
 class JsonFormatter(logging.Formatter):

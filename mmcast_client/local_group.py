@@ -151,6 +151,8 @@ class LocalGroup:
         self.env = dict(os.environ if env is None else env)
         self.env.update(ALLOCATOR_ENV)
         self.env.update({"MMCAST_ALLOCATOR_ENV_SET": "1", "PYTHONUNBUFFERED": "1"})
+        # The tp ranks share this machine's CPUs: each takes an equal share of torch threads by default.
+        self.env.setdefault("MMCAST_LOCAL_RANKS", str(tp))
 
         self.dist_port: int | None = None  # torch.distributed rendezvous port of the current worker group
         self.generation = 0  # incremented on every (re)start of the worker group

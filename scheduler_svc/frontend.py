@@ -49,6 +49,7 @@ from common.multimodal import (
     MultiModalKwargsItem,
     PlaceholderRange,
 )
+from common.rope import uses_mrope
 from scheduler_svc.config import PROMPT_BYTES_PER_TOKEN, SchedulerConfig
 from scheduler_svc.image_header import ImageHeader, ImageHeaderReader
 from scheduler_svc.image_header import reason as _reason
@@ -136,8 +137,7 @@ class Frontend:
         model_len = int(getattr(text_config, "max_position_embeddings", 0) or 0)
         lengths = [v for v in (config.max_model_len, model_len) if v]
         self.max_model_len = min(lengths) if lengths else 0  # 0: unknown
-        rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
-        self.uses_mrope = "mrope_section" in rope or model_config.model_type in ("qwen2_vl", "qwen2_5_vl")
+        self.uses_mrope = uses_mrope(model_config)  # the rule the ranks apply too (common/rope.py)
         self.eos_token_ids = self._eos_token_ids()
         self.max_prompt_bytes = config.max_prompt_bytes or (self.max_model_len * PROMPT_BYTES_PER_TOKEN or 2**31 - 1)
         self.uploads = upload_store or UploadStore(

@@ -70,13 +70,17 @@ class RunningRequestData:
 
 @dataclasses.dataclass
 class ItemAccounting:
-    """Per-request increments of one step; item counts are summed over ranks (one per item per rank)."""
+    """Per-request increments of one step; item counts are summed over ranks (one per item per rank).
+
+    Counted as scheduler_svc/transfer.py's module doc says: a ``sent`` delivery is one payload written to one rank
+    in one step, charged to the first request that needed it then; the others settle, once each, the deliveries
+    ``full`` would have made for the items admitted in a step."""
 
     sent: int = 0  # item deliveries whose payload travels (at admission in full/strip, when encoded in lazy)
     stripped: int = 0  # item deliveries whose payload was prefix-covered at admission
     rank_cached: int = 0  # lazy: deliveries the rank already held (payload, or encoder output so no encoding)
-    abandoned: int = 0  # lazy: deferred deliveries never needed (the request left before reaching the item)
-    payload_bytes_sent: int = 0  # payload tensor bytes selected for the ranks (frame overhead excluded)
+    abandoned: int = 0  # lazy: deliveries due that no request reached (every holder ended first; not preemptions)
+    payload_bytes_sent: int = 0  # payload tensor bytes written to the ranks (frame overhead excluded)
     bytes_saved_prefix_covered: int = 0  # payload bytes full would have sent for stripped deliveries
     bytes_saved_rank_cached: int = 0  # payload bytes full would have sent for rank_cached deliveries
 
@@ -115,6 +119,9 @@ class StepPlan:
     items_examined: int  # items the step builder looked at: window overlaps + items of admitted requests
     control: Any = None  # mmcast.v1.worker_pb2.StepControl built from the fields above; identical for every rank
     scheduled: list[tuple[Request, int]] = dataclasses.field(default_factory=list, repr=False)  # core bookkeeping
+    # What requests that ended since the previous plan left (abandoned deliveries): already in their Usage, so
+    # only the metrics add it (``totals``).
+    released: ItemAccounting = dataclasses.field(default_factory=ItemAccounting)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -130,6 +137,7 @@ class StepPlan:
         out = ItemAccounting()
         for acc in self.accounting.values():
             out.add(acc)
+        out.add(self.released)
         return out
 
 

@@ -183,7 +183,7 @@ class Scheduler:
                 )
             unique[f.identifier] = nbytes
         total = sum(unique.values())
-        if self.config.transfer_mode != "lazy" and total > self.payload_cache_bytes:
+        if self.config.transfer_mode == "full" and total > self.payload_cache_bytes:  # strip: transfer.py's doc
             raise ResourceExhausted(
                 f"the request's images hold {total} payload bytes, more than a rank's payload cache "
                 f"({self.payload_cache_bytes}); --transfer-mode={self.config.transfer_mode} sends them all at "
@@ -290,6 +290,7 @@ class Scheduler:
             accounting=planner.accounting,
             items_examined=planner.items_examined,
             scheduled=scheduled,
+            released=planner.take_released(),
         )
         plan.control = step_control(plan)
         self._next_step_id += 1
@@ -299,7 +300,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free everything, requeue at the front; it is resumed as a new request."""
-        self.planner.account(request).abandoned += self.planner.release(request)
+        self.planner.release(request, ended=False)
         self.kv.free(request.request_id)
         request.reset_progress()
         request.status = RequestStatus.WAITING

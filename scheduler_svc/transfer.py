@@ -19,6 +19,29 @@ Everything sent in a step is pinned for that step, so a step never evicts what i
 
 Per-request cursors keep the work bounded: items ``[item_cursor, pin_end)`` are the request's pinned (started,
 unfinished) items; a window only looks at items from ``item_cursor`` while they start before the window's end.
+
+Strip's guarantee. ``strip`` sends every uncovered payload at admission, so a request whose uncovered payloads
+exceed a rank's payload cache could never be admitted: the scheduler accepts a strip request whatever its total
+(only what strip sends counts, and "cached X + new Y" is served when Y fits), and a request admitted with more
+uncovered payload than the cache holds — a preempted or requeued request that lost its prefix, or a first
+admission that misses — has its uncovered items DEFERRED instead, each payload sent in the step that encodes
+it, as ``lazy`` does (``_deferring``). So every request that fits the per-item limits is eventually admitted.
+
+Accounting (``ItemAccounting``; the metrics and each request's Usage add it up). Two rules make the counts
+equal to what travelled:
+- a delivery is one payload written to one rank in one step: ``sent`` / ``payload_bytes_sent`` count it once,
+  for the request whose admission or encoder work first needed it in that step, however many occurrences (the
+  same image twice in a prompt) or requests (one image in two requests admitted together) needed it. The sums
+  therefore equal the payload frames the group writes (``mmcast_broadcast_bytes_total{kind="payload"}``, which
+  adds the frame headers) and the ranks receive.
+- "saved" compares with ``full``, which at each step writes every item of the requests admitted in that step
+  once per rank. Each such (step, item) is one *delivery due*, settled exactly once per rank: written (``sent``),
+  prefix-covered (no admitted request of the step needed its payload: ``stripped``, charged to the first
+  admitted request that had it), rank-cached (lazy: a rank already held the payload, or the group its encoder
+  output, when the first request holding the due reached the item: ``rank_cached``), or abandoned (lazy: every
+  request holding it ended before reaching it). A request preempted before reaching a deferred item drops its
+  share of the due without a count: its resumption is a new admission with dues of its own.
+A payload written again after an eviction (lazy's re-sends) is sent without a due: the wire carried it.
 """
 
 from __future__ import annotations
@@ -107,6 +130,17 @@ class BudgetedLRU:
 
 
 @dataclasses.dataclass
+class _Due:
+    """A delivery ``full`` would have made at one admission step: one item to every rank (see the module doc)."""
+
+    nbytes: int  # payload bytes per rank
+    first: RequestId  # the first request admitted in the step that has the item (charged if it is prefix-covered)
+    needed: bool = False  # some request admitted in the step needs the payload (an uncovered occurrence; full: all)
+    holders: int = 0  # lazy: requests admitted in the step that may still settle it by reaching the item
+    open: bool = True  # lazy: not settled yet
+
+
+@dataclasses.dataclass
 class Window:
     """A tentative step window of one request, cut where an item's encoder work cannot be scheduled."""
 
@@ -129,6 +163,11 @@ class TransferPlanner:
         self.encoder_cache_tokens = encoder_cache_tokens
         self.payloads = [BudgetedLRU(payload_cache_bytes) for _ in range(num_ranks)]
         self.encoder = BudgetedLRU(encoder_cache_tokens)
+        self._dues: dict[RequestId, dict[ItemId, _Due]] = {}  # lazy dues each request holds, by item
+        self._deferring: set[RequestId] = set()  # strip requests admitted with deferred payloads (too big)
+        self._candidate: RequestId | None = None  # the request place_cursor prepared for admission
+        self._candidate_defers = False  # whether that strip request's payloads would be deferred
+        self.released = ItemAccounting()  # abandoned by requests that ended since the last plan (for the metrics)
         self.begin_step()
 
     # --- step lifecycle ----------------------------------------------------------------------------------------
@@ -143,11 +182,17 @@ class TransferPlanner:
         self.evict_payload_ids: dict[ItemId, None] = {}
         self.evict_encoder_ids: list[ItemId] = []
         self.accounting: dict[RequestId, ItemAccounting] = {}
+        self._step_dues: dict[ItemId, _Due] = {}  # dues of this step's admissions, by item
         self.items_examined = 0
 
     def finish_step(self) -> None:
-        """full/strip: evicts every payload nothing needs any more (these modes never reuse one); what this step
-        sends or uses is pinned, so it stays."""
+        """Settles this step's prefix-covered dues; full/strip: evicts every payload nothing needs any more (these
+        modes never reuse one); what this step sends or uses is pinned, so it stays."""
+        for due in self._step_dues.values():
+            if not due.needed:
+                acc = self.account_id(due.first)
+                acc.stripped += self.num_ranks
+                acc.bytes_saved_prefix_covered += self.num_ranks * due.nbytes
         if self.mode != "lazy":
             for rank, mirror in enumerate(self.payloads):
                 for key in mirror.evict_unpinned():
@@ -169,22 +214,40 @@ class TransferPlanner:
         return key not in self._evicted_encoder and not any(key in ev for ev in self._evicted)
 
     def account(self, request: Request) -> ItemAccounting:
-        acc = self.accounting.get(request.request_id)
+        return self.account_id(request.request_id)
+
+    def account_id(self, request_id: RequestId) -> ItemAccounting:
+        acc = self.accounting.get(request_id)
         if acc is None:
-            acc = self.accounting[request.request_id] = ItemAccounting()
+            acc = self.accounting[request_id] = ItemAccounting()
         return acc
+
+    def take_released(self) -> ItemAccounting:
+        """What requests that ended since the last call left behind (already in their Usage): for the metrics."""
+        out, self.released = self.released, ItemAccounting()
+        return out
+
+    def _lazy(self, request: Request) -> bool:
+        """Whether the request's payloads travel with its encoder work (lazy mode, or a too-big strip request)."""
+        rid = request.request_id
+        return self.mode == "lazy" or rid in self._deferring or (rid == self._candidate and self._candidate_defers)
 
     # --- admission ---------------------------------------------------------------------------------------------
     def place_cursor(self, request: Request, num_computed: int) -> None:
         """Points the request's cursors at its first item not covered by ``num_computed`` tokens."""
         ends = [f.mm_position.end for f in request.mm_features]
         request.item_cursor = request.pin_end = bisect.bisect_right(ends, num_computed)
+        self._candidate_defers = False
+        if self.mode == "strip":  # the guarantee of the module doc: what cannot travel at once is deferred
+            uncovered = {f.identifier: payload_nbytes(f) for f in request.mm_features[request.item_cursor :]}
+            self._candidate_defers = sum(uncovered.values()) > min(m.budget for m in self.payloads)
+        self._candidate = request.request_id  # the admission being tried: plan_window, admission_fits, commit
 
     def _admission_sends(self, request: Request) -> list[MultiModalFeatureSpec]:
         """Items whose payload goes out at admission (full: all; strip: uncovered; lazy: none)."""
         if self.mode == "full":
             return request.mm_features
-        if self.mode == "strip":
+        if not self._lazy(request):
             return request.mm_features[request.item_cursor :]
         return []
 
@@ -207,15 +270,15 @@ class TransferPlanner:
         features = request.mm_features
         self.items_examined += len(features)
         acc = self.account(request)
-        ranks = self.num_ranks
+        lazy = self._lazy(request)
+        if lazy and self.mode == "strip":
+            self._deferring.add(request.request_id)
+        self._note_dues(request, lazy)
         if self.mode == "full":
             wire = list(features)
         else:
             wire = list(strip_covered_mm_data(features, num_computed, uses_mrope=self.uses_mrope) or [])
-            for f in wire[: request.item_cursor]:
-                acc.stripped += ranks
-                acc.bytes_saved_prefix_covered += ranks * payload_nbytes(f)
-        if self.mode == "lazy":
+        if lazy:
             for i in range(request.item_cursor, len(wire)):
                 wire[i] = dataclasses.replace(wire[i], payload_state=PayloadState.DEFERRED)
             return wire
@@ -233,8 +296,32 @@ class TransferPlanner:
                 mirror.unpin(key)
         return wire
 
+    def _note_dues(self, request: Request, lazy: bool) -> None:
+        """Registers the request's items in this step's dues (one per item, whatever the occurrences/requests);
+        a lazy request holds the dues of the items it still has to reach."""
+        held = self._dues.setdefault(request.request_id, {})
+        for k, f in enumerate(request.mm_features):
+            key = f.identifier
+            due = self._step_dues.get(key)
+            if due is None:
+                due = self._step_dues[key] = _Due(payload_nbytes(f), request.request_id)
+            if self.mode == "full" or k >= request.item_cursor:
+                due.needed = True
+                if lazy and key not in held:
+                    held[key] = due
+                    due.holders += 1
+
+    def _settle(self, request: Request, key: ItemId) -> _Due | None:
+        """The open due the request holds for ``key``, now settled by the caller; None when there is none."""
+        due = self._dues.get(request.request_id, {}).get(key)
+        if due is None or not due.open:
+            return None
+        due.open = False
+        return due
+
     def _send(self, rank: int, feature: MultiModalFeatureSpec, request: Request, acc: ItemAccounting) -> None:
-        """Queues the payload for a rank (once per step), pins it for the step and counts the delivery."""
+        """Queues the payload for a rank and pins it for the step; the first time in the step it is queued for
+        that rank, counts the delivery for this request (what the wire carries: once per item, rank and step)."""
         key = feature.identifier
         mirror = self.payloads[rank]
         if key in mirror:
@@ -245,9 +332,9 @@ class TransferPlanner:
         if key not in self._sent[rank]:
             self._sent[rank].add(key)
             self.rank_payloads[rank].append(PayloadSend(key, feature, request.request_id))
+            acc.sent += 1
+            acc.payload_bytes_sent += payload_nbytes(feature)
         self._step_pins.append((rank, key))
-        acc.sent += 1
-        acc.payload_bytes_sent += payload_nbytes(feature)
 
     # --- windows -----------------------------------------------------------------------------------------------
     def plan_window(self, request: Request, start: int, end: int) -> Window:
@@ -261,6 +348,7 @@ class TransferPlanner:
         pay_bytes = [0] * self.num_ranks
         keep_pay: list[list[ItemId]] = [[] for _ in range(self.num_ranks)]
         budget_left = self.encoder_cache_tokens - self.encoder_tokens
+        lazy = self._lazy(request)
         i = request.item_cursor
         while i < len(features) and features[i].mm_position.offset < end:
             self.items_examined += 1
@@ -283,7 +371,7 @@ class TransferPlanner:
                 and enc_tokens + tokens <= budget_left
                 and self.encoder.can_fit(enc_tokens + tokens, keep_enc)
             )
-            if fits and self.mode == "lazy":
+            if fits and lazy:
                 nbytes = payload_nbytes(f)
                 for rank, mirror in enumerate(self.payloads):
                     if key in mirror:
@@ -312,13 +400,14 @@ class TransferPlanner:
         Everything already held is pinned before anything is added, so additions never evict it."""
         features = request.mm_features
         acc = self.account(request)
-        lazy = self.mode == "lazy"
+        lazy = self._lazy(request)
         held = [i for i in window.reuse if features[i].identifier in self.encoder]
         later = [i for i in window.reuse if features[i].identifier not in self.encoder]  # encoded by this window
         for i in held:
             self.encoder.pin(features[i].identifier)
         for i in window.encode:
             key = features[i].identifier
+            due = self._settle(request, key) if lazy else None  # settled per rank: held here, else sent below
             for rank, mirror in enumerate(self.payloads):
                 if not lazy:
                     if mirror.pinned(key) == 0:
@@ -327,8 +416,9 @@ class TransferPlanner:
                 elif key in mirror:  # held since an earlier step (this step's sends come with encoding = reuse)
                     mirror.pin(key)
                     self._step_pins.append((rank, key))
-                    acc.rank_cached += 1
-                    acc.bytes_saved_rank_cached += payload_nbytes(features[i])
+                    if due is not None:
+                        acc.rank_cached += 1
+                        acc.bytes_saved_rank_cached += due.nbytes
         for i in window.encode:
             f = features[i]
             key = f.identifier
@@ -346,8 +436,10 @@ class TransferPlanner:
             self.encoder.pin(features[i].identifier)
         if lazy:
             for i in window.reuse:  # the ranks hold (or get this step) its encoder output: no payload needed
-                acc.rank_cached += self.num_ranks
-                acc.bytes_saved_rank_cached += self.num_ranks * payload_nbytes(features[i])
+                due = self._settle(request, features[i].identifier)
+                if due is not None:
+                    acc.rank_cached += self.num_ranks
+                    acc.bytes_saved_rank_cached += self.num_ranks * due.nbytes
         reached = window.encode + window.reuse
         if reached:
             request.pin_end = max(request.pin_end, max(reached) + 1)
@@ -364,19 +456,27 @@ class TransferPlanner:
         key = request.mm_features[i].identifier
         if i < request.pin_end:
             self.encoder.unpin(key)
-        if self.mode != "lazy":
+        if not self._lazy(request):
             for mirror in self.payloads:
                 mirror.unpin(key)
 
-    def release(self, request: Request) -> int:
-        """Drops every pin the request holds (finished, cancelled or preempted). Returns the lazy deliveries
-        abandoned: deferred items (times ranks) the request never reached, so never sent nor counted."""
+    def release(self, request: Request, *, ended: bool = True) -> int:
+        """Drops every pin the request holds: it ended (finished, cancelled, failed) or, ``ended=False``, it was
+        preempted (it comes back as a new admission). Returns the deliveries abandoned: the lazy dues whose last
+        holder was this ended request (times ranks; also added to ``released`` for the metrics)."""
         n = len(request.mm_features)
         # Encoder pins cover [item_cursor, pin_end); full/strip payload pins cover [item_cursor, n).
-        last = request.pin_end if self.mode == "lazy" else n
+        last = request.pin_end if self._lazy(request) else n
         for i in range(request.item_cursor, last):
             self._unpin_item(request, i)
-        abandoned = (n - request.pin_end) * self.num_ranks if self.mode == "lazy" else 0
+        abandoned = 0
+        for due in self._dues.pop(request.request_id, {}).values():
+            due.holders -= 1
+            if due.open and due.holders == 0:
+                due.open = False
+                abandoned += self.num_ranks if ended else 0  # preempted: its resumption has dues of its own
+        self._deferring.discard(request.request_id)
+        self.released.abandoned += abandoned
         request.item_cursor = request.pin_end = n
         return abandoned
 
@@ -384,4 +484,6 @@ class TransferPlanner:
         """The ranks lost every cache (recovery): empty mirrors, no step in flight."""
         self.payloads = [BudgetedLRU(m.budget) for m in self.payloads]
         self.encoder = BudgetedLRU(self.encoder_cache_tokens)
+        self._dues.clear()  # every running request comes back as a new admission
+        self._deferring.clear()
         self.begin_step()

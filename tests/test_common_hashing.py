@@ -1,6 +1,8 @@
 """Block hashes, item identifiers and model fingerprints."""
 
 import json
+import os
+import time
 
 import torch
 
@@ -97,3 +99,75 @@ def test_model_fingerprint_tracks_config_and_weights(tmp_path):
     assert second != first
     (tmp_path / "config.json").write_text(json.dumps({"hidden": 2}))
     assert model_fingerprint(tmp_path) not in (first, second)
+
+
+# --- model fingerprint: whole content, digests cached by file identity ------------------------------------------
+
+
+def _big_weights(path, last_byte: bytes, size: int = 65 << 20) -> None:
+    """A safetensors-shaped file over the old 64 MiB header-only limit; only its last byte varies (sparse)."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [size - 8 - 64], "data_offsets": [0, size - 8 - 64]}})
+    header = header.ljust(64).encode()
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.seek(size - 1)
+        f.write(last_byte)
+
+
+def test_fine_tunes_of_one_shape_differ_beyond_the_header(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMCAST_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, last in ((a, b"\x01"), (b, b"\x02")):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        _big_weights(folder / "model.safetensors", last)
+    assert model_fingerprint(a) != model_fingerprint(b)
+
+
+def test_weight_digests_are_reused_until_the_file_changes(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    import common.hashing as hashing
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MMCAST_CACHE_DIR", str(cache))
+    hashed = []
+    real = hashing._file_sha256
+    monkeypatch.setattr(hashing, "_file_sha256", lambda p: hashed.append(p.name) or real(p))
+    model = tmp_path / "m"
+    model.mkdir()
+    save_file({"w": torch.zeros(8)}, model / "model-1.safetensors")
+    save_file({"w": torch.ones(8)}, model / "model-2.safetensors")
+    assert model_fingerprint(model) and sorted(hashed) == ["model-1.safetensors", "model-2.safetensors"]
+    hashed.clear()
+    assert model_fingerprint(model) and len(hashed) == 2  # just written: never trusted to the cache
+    assert not (cache / "weight-digests.json").exists()
+    for path in model.iterdir():
+        os.utime(path, ns=(time.time_ns() - 10**10,) * 2)  # written 10 s ago
+    hashed.clear()
+    first = model_fingerprint(model)
+    assert sorted(hashed) == ["model-1.safetensors", "model-2.safetensors"]
+    assert (cache / "weight-digests.json").is_file()
+
+    hashing._digests.clear()  # a restarted process: the sidecar alone answers
+    hashed.clear()
+    assert model_fingerprint(model) == first and hashed == []
+
+    save_file({"w": torch.full((8,), 2.0)}, model / "model-2.safetensors")  # a new file: new identity, rehashed
+    changed = model_fingerprint(model)
+    assert hashed == ["model-2.safetensors"] and changed != first
+
+    hashing._digests.clear()
+    hashed.clear()
+    assert model_fingerprint(model, persist=False) == changed  # no cache at all: every file hashed, same answer
+    assert sorted(hashed) == ["model-1.safetensors", "model-2.safetensors"]
+
+
+def test_an_unwritable_cache_directory_only_costs_the_cache(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("MMCAST_CACHE_DIR", str(blocker / "cache"))
+    save_file({"w": torch.zeros(4)}, tmp_path / "model.safetensors")
+    assert model_fingerprint(tmp_path) == model_fingerprint(tmp_path, persist=False)

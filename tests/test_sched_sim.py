@@ -197,6 +197,8 @@ class SimRank:
         return sampled
 
     def _check_items(self, where: str, nr, items) -> None:
+        uncovered = {f.identifier: f.payload_nbytes for f in items if not f.covered_by(nr.num_computed_tokens)}
+        strip_defers = sum(uncovered.values()) > self.payload_budget  # strip's guarantee (transfer.py's doc)
         for msg, f in zip(nr.mm_items, items, strict=True):
             covered = f.covered_by(nr.num_computed_tokens)
             state = f.payload_state
@@ -205,7 +207,8 @@ class SimRank:
             elif covered:
                 ok = state is PayloadState.STRIPPED and [x.name for x in msg.fields] == ["image_grid_thw"]
             else:
-                ok = state is (PayloadState.PRESENT if self.mode == "strip" else PayloadState.DEFERRED)
+                present = self.mode == "strip" and not strip_defers
+                ok = state is (PayloadState.PRESENT if present else PayloadState.DEFERRED)
             if not ok:
                 raise Violation(f"{where}: {nr.request_id} item {f.identifier} covered={covered} has state {state}")
             if state is PayloadState.PRESENT and f.identifier not in self.payloads:
@@ -271,6 +274,10 @@ class Harness:
         if plan is None:
             return None
         control = plan.control.SerializeToString()  # once, like the service
+        totals, sends = plan.totals(), [s for per_rank in plan.rank_payloads for s in per_rank]
+        if (totals.sent, totals.payload_bytes_sent) != (len(sends), sum(s.nbytes for s in sends)):
+            raise Violation(f"step {plan.step_id}: counted {totals.sent} deliveries / {totals.payload_bytes_sent} "
+                            f"bytes, queued {len(sends)} / {sum(s.nbytes for s in sends)}")
         sampled = {}
         for rank in self.ranks:
             got = rank.apply(control, plan.rank_payloads[rank.rank])

@@ -29,7 +29,7 @@ def test_flags_override_environment_which_overrides_defaults():
     }
     config = load_config(["--kv-blocks", "32"], env)
     assert (config.model, config.kv_blocks, config.rank, config.world_size) == ("/m", 32, 1, 2)
-    assert config.group_timeout_seconds == 7.5 and config.threads == 1 and config.device == "auto"
+    assert config.group_timeout_seconds == 7.5 and config.device == "auto"
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,8 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
+from common.process import default_threads
+
 _DEVICES = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -37,7 +39,8 @@ class WorkerConfig:
     max_tensor_bytes: int = 256 << 20  # largest single payload tensor accepted
     scheduler_id: str = ""  # accept only this scheduler's streams when set; any scheduler when empty
     group_timeout_seconds: float = 60.0  # torch.distributed timeout: a lost peer ends the rank after this long
-    threads: int = 1  # torch intra-op threads (CPU)
+    threads: int = 0  # torch intra-op threads (CPU); 0: this process's CPUs / local_ranks (resolved at start)
+    local_ranks: int = 1  # ranks sharing this process's CPUs (serve-local sets it); divides the default threads
     log_level: str = "info"
     tls_cert_file: str = ""  # PEM certificate of the Step port; with tls_key_file the port serves TLS only
     tls_key_file: str = ""  # PEM private key of tls_cert_file
@@ -78,8 +81,12 @@ class WorkerConfig:
             raise bad("max_tensor_bytes", self.max_tensor_bytes, f"in [1, {1 << 40}]")
         if not 0.5 <= self.group_timeout_seconds <= 86400:
             raise bad("group_timeout_seconds", self.group_timeout_seconds, "in [0.5, 86400]")
-        if not 1 <= self.threads <= 1024:
-            raise bad("threads", self.threads, "in [1, 1024]")
+        if not 0 <= self.threads <= 1024:
+            raise bad("threads", self.threads, "in [0, 1024] (0: the CPUs available / --local-ranks)")
+        if not 1 <= self.local_ranks <= 1024:
+            raise bad("local_ranks", self.local_ranks, "in [1, 1024]")
+        if self.threads == 0:  # a rank started alone cannot know its neighbours: --local-ranks tells it
+            object.__setattr__(self, "threads", default_threads(self.local_ranks))
         if self.log_level.lower() not in _LOG_LEVELS:
             raise bad("log_level", self.log_level, f"one of {', '.join(_LOG_LEVELS)}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
@@ -110,7 +117,9 @@ _HELP = {
     "max_tensor_bytes": "largest payload tensor accepted, in bytes",
     "scheduler_id": "accept only this scheduler id (empty: any)",
     "group_timeout_seconds": "process-group timeout; a lost peer ends the rank after this long",
-    "threads": "torch intra-op threads",
+    "threads": "torch intra-op threads (0: the CPUs this process may use, by affinity and cgroup quota, divided by "
+    "--local-ranks)",
+    "local_ranks": "ranks of the group sharing this machine's CPUs (serve-local sets it; divides the default threads)",
     "log_level": "debug | info | warning | error",
     "tls_cert_file": "PEM certificate of the Step port (with --tls-key-file: TLS only)",
     "tls_key_file": "PEM private key of --tls-cert-file",

@@ -41,9 +41,10 @@ from typing import Any
 import torch
 
 from common.multimodal import Modality, MultiModalFeatureSpec
+from common.rope import config_get as _get
+from common.rope import uses_mrope  # noqa: F401  (the shared rule; re-exported for the runner)
 
 _GRID_FIELD = {Modality.IMAGE: "image_grid_thw", Modality.VIDEO: "video_grid_thw"}
-_MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 
 def _vision_span(feature: MultiModalFeatureSpec) -> tuple[int, int]:
@@ -187,36 +188,6 @@ def mrope_positions_for_window(positions: torch.Tensor, start: int, end: int, de
     if start >= n:
         return tail
     return torch.cat([positions[:, start:], tail], dim=1)
-
-
-def _get(obj: Any, name: str) -> Any:
-    if obj is None:
-        return None
-    if isinstance(obj, dict):
-        return obj.get(name)
-    return getattr(obj, name, None)
-
-
-def _has_mrope_section(rope: Any) -> bool:
-    if not isinstance(rope, dict):
-        return False
-    if "mrope_section" in rope:
-        return True
-    return any(isinstance(v, dict) and "mrope_section" in v for v in rope.values())  # per-layer-type parameters
-
-
-def uses_mrope(config: Any) -> bool:
-    """True for Qwen2-VL / Qwen2.5-VL and any model whose rope parameters carry ``mrope_section``.
-
-    ``config`` is a transformers config or its ``config.json`` as a dict.
-    """
-    if _get(config, "model_type") in _MROPE_MODEL_TYPES:
-        return True
-    for holder in (config, _get(config, "text_config")):
-        for name in ("rope_parameters", "rope_scaling"):
-            if _has_mrope_section(_get(holder, name)):
-                return True
-    return False
 
 
 def rope_index_kwargs(config: Any) -> dict[str, Any]:

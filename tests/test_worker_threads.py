@@ -1,0 +1,77 @@
+"""A rank's default torch threads: the CPUs its process may use, shared by the ranks on the machine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from common.process import available_cpus, default_threads
+from mmcast_client.local_group import LocalGroup
+from worker_svc.config import WorkerConfig, load_config
+
+EIGHT = set(range(8))
+
+
+@pytest.fixture
+def eight_cpus(monkeypatch, tmp_path):
+    """An affinity mask of 8 CPUs and an empty cgroup root (no quota), whatever the test machine has."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: EIGHT)
+    monkeypatch.setattr("common.process.CGROUP_ROOT", str(tmp_path / "no-cgroup"))
+    return tmp_path
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_cgroup_quota_caps_the_affinity_mask(eight_cpus):
+    v2 = eight_cpus / "v2"
+    _write(v2 / "cpu.max", "max 100000\n")
+    assert available_cpus(str(v2)) == 8
+    _write(v2 / "cpu.max", "250000 100000\n")  # a 2.5-CPU limit: 2 threads, never oversubscribed
+    assert available_cpus(str(v2)) == 2
+    _write(v2 / "cpu.max", "50000 100000\n")  # half a CPU: still one thread
+    assert available_cpus(str(v2)) == 1
+    v1 = eight_cpus / "v1"
+    _write(v1 / "cpu" / "cpu.cfs_quota_us", "300000\n")
+    _write(v1 / "cpu" / "cpu.cfs_period_us", "100000\n")
+    assert available_cpus(str(v1)) == 3
+    _write(v1 / "cpu" / "cpu.cfs_quota_us", "-1\n")
+    assert available_cpus(str(v1)) == 8
+    _write(v2 / "cpu.max", "garbage")  # unreadable: the affinity mask alone
+    assert available_cpus(str(v2)) == 8
+
+
+def test_the_default_splits_the_cpus_among_the_local_ranks(eight_cpus):
+    _write(eight_cpus / "no-cgroup" / "cpu.max", "max 100000\n")
+    env = {"MMCAST_MODEL": "/m"}
+    assert load_config([], env).threads == 8
+    assert load_config(["--local-ranks", "2"], env).threads == 4
+    assert load_config([], {**env, "MMCAST_LOCAL_RANKS": "3"}).threads == 2  # rounded down
+    assert load_config(["--local-ranks", "16"], env).threads == 1  # at least one
+    assert load_config(["--threads", "3", "--local-ranks", "2"], env).threads == 3  # an explicit value stays
+    assert default_threads(4) == 2
+
+
+def test_the_default_follows_the_real_machine():
+    assert WorkerConfig(model="/m").threads == available_cpus()
+    assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"local_ranks": 0}, "local_ranks=0 (--local-ranks): must be in [1, 1024]"),
+    ({"threads": -1}, "threads=-1 (--threads): must be in [0, 1024]"),
+])
+def test_bad_thread_settings_name_the_flag(kwargs, needle):
+    with pytest.raises(ValueError) as info:
+        WorkerConfig(model="/m", **kwargs)
+    assert needle in str(info.value)
+
+
+def test_serve_local_tells_its_ranks_how_many_share_the_machine(tmp_path):
+    group = LocalGroup(tmp_path / "model", tp=3, log_dir=tmp_path / "logs", env={"PATH": os.environ["PATH"]})
+    assert group.env["MMCAST_LOCAL_RANKS"] == "3"
+    mine = LocalGroup(tmp_path / "model", tp=3, log_dir=tmp_path / "logs", env={"MMCAST_LOCAL_RANKS": "6"})
+    assert mine.env["MMCAST_LOCAL_RANKS"] == "6"  # the operator's own setting wins
