@@ -42,7 +42,7 @@ class WorkerEnv:
         from transformers import AutoModelForImageTextToText
 
         from common.tiny_model import load_processor
-        from tests.worker_driver import InProcessWorker
+        from tests.worker_driver import InProcessWorker, rank_token_file
         from worker_svc.config import WorkerConfig
 
         self.model_dir = model_dir
@@ -50,7 +50,12 @@ class WorkerEnv:
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
         self.image_token_id = self.model.config.image_token_id
         self.config = WorkerConfig(
-            model=str(model_dir), listen="127.0.0.1:0", kv_blocks=256, max_tensor_bytes=64 << 20, scheduler_id="test"
+            model=str(model_dir),
+            listen="127.0.0.1:0",
+            kv_blocks=256,
+            max_tensor_bytes=64 << 20,
+            scheduler_id="test",
+            shared_token_file=rank_token_file(),
         )
         self.rank = InProcessWorker(self.config)
 
