@@ -92,6 +92,16 @@ def worker_env_for(request: pytest.FixtureRequest):
     return lambda variant: _worker_env(request, variant)
 
 
+@pytest.fixture(scope="session")
+def serve_local_tp2(tiny_model_dir):
+    """One ``serve-local --tp 2`` group (lazy, the defaults) for the modules that only talk to it: starting a
+    group costs tens of seconds on a loaded 2-core machine, so they share one."""
+    from mmcast_client.local_group import LocalGroup
+
+    with LocalGroup(tiny_model_dir, 2, "lazy", ready_timeout=180) as group:
+        yield group
+
+
 # --- long runs: `fuzz` and `soak` tests run only when asked (make fuzz / make soak) ---------------------------------
 
 _LONG_RUNS = {"fuzz": "--run-fuzz", "soak": "--run-soak"}  # marker -> the option that enables its tests

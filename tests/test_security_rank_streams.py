@@ -23,7 +23,6 @@ import pytest
 from common.wire import PROTOCOL_VERSION
 from mmcast.v1 import worker_pb2
 from mmcast_client import Client
-from mmcast_client.local_group import LocalGroup
 from tests import security_catalogue as cat
 from tests.security_support import WorkerProcess, new_token, secret_file, serving, wait_for
 
@@ -131,10 +130,8 @@ def test_readiness_is_not_serving_while_the_schedulers_handshake_is_refused(rank
 
 
 @pytest.fixture(scope="module")
-def group(tiny_model_dir, tmp_path_factory):
-    with LocalGroup(tiny_model_dir, tp=2, kv_blocks=64, log_dir=tmp_path_factory.mktemp("rank-streams-tp2"),
-                    scheduler_args=["--reconnect-backoff-max-seconds", "0.5"]) as g:
-        yield g
+def group(serve_local_tp2):
+    return serve_local_tp2  # shared with tests/test_cli_e2e.py (conftest.py)
 
 
 def listening(pid: int) -> list[tuple[str, int]]:
@@ -167,7 +164,7 @@ def test_serve_local_listens_on_loopback_only(group):
 
 
 def test_stray_desynchronised_streams_are_refused_and_the_group_keeps_serving(group, tiny_model_dir):
-    pids = group.pids()
+    pids, restarts = group.pids(), group.restarts
     fingerprint = cat.StepCtx(group.worker_targets[0], "x" * 16, tiny_model_dir, 1024, lambda: 0).fingerprint
     streams, answers = [], []
     for r, target in enumerate(group.worker_targets):  # one epoch, two step ids: the old group-desync crash
@@ -184,7 +181,7 @@ def test_stray_desynchronised_streams_are_refused_and_the_group_keeps_serving(gr
     with Client(group.target) as client:
         reply = client.generate("still serving", max_tokens=4, ignore_eos=True)
         assert len(reply.token_ids) == 4
-    assert group.pids() == pids and group.restarts == 0
+    assert group.pids() == pids and group.restarts == restarts
 
 
 def test_a_restarted_scheduler_connects_after_a_stray_max_epoch(group):
@@ -193,8 +190,9 @@ def test_a_restarted_scheduler_connects_after_a_stray_max_epoch(group):
     stray.close()
     assert code == "UNAUTHENTICATED"
     ranks_before = {k: v for k, v in group.pids().items() if k != "scheduler"}
+    restarts = group.restarts
     os.kill(group.pids()["scheduler"], signal.SIGKILL)  # a fresh scheduler handshakes under a new epoch
-    wait_for(lambda: group.restarts == 1, 30, "the scheduler was not restarted")
+    wait_for(lambda: group.restarts == restarts + 1, 30, "the scheduler was not restarted")
     group.wait_ready(120)
     with Client(group.target) as client:
         assert len(client.generate("after the restart", max_tokens=3, ignore_eos=True).token_ids) == 3
