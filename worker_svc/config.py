@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         default = "" if field.default is dataclasses.MISSING else f" (default {field.default!r})"
         flag, help_text = "--" + field.name.replace("_", "-"), f"{_HELP[field.name]}; env {env_name(field.name)}{default}"
         if str(field.type) == "bool":
-            parser.add_argument(flag, dest=field.name, action="store_const", const=True, default=None, help=help_text)
+            parser.add_argument(flag, dest=field.name, nargs="?", const=True, type=_parse_bool, default=None,
+                                metavar="BOOL", help=help_text)
             continue
         kind = {"int": int, "float": float}.get(str(field.type), str)
         parser.add_argument(flag, dest=field.name, type=kind, default=None, help=help_text)
