@@ -8,8 +8,9 @@ of two forms:
 
 A tenant may have several tokens (rotation: add the new one, roll the clients, remove the old one). The file is
 re-read when it changes (checked at most every ``reload_seconds``); a file that no longer parses keeps the last
-good table and logs why. Tokens are held only as sha256 digests and looked up by digest, so a lookup's timing says
-nothing about how much of a guessed token was right.
+good table and logs why. Tokens are held only as sha256 digests; a presented token's digest is compared with every
+known digest in constant time (``hmac.compare_digest``, no early exit), so a lookup's timing says nothing about
+how much of a guessed token was right, nor which entry matched.
 
 ``BearerTokenInterceptor`` guards the methods under given prefixes (``/mmcast.v1.Generation/``): a call without
 ``authorization: Bearer <token>`` metadata naming a known token ends with UNAUTHENTICATED before the servicer
@@ -20,6 +21,7 @@ probes and tooling work without secrets.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -162,7 +164,11 @@ class TokenTable:
 
     def tenant(self, token: str) -> str | None:
         self._maybe_reload()
-        return self._table.get(_digest(token))
+        digest, found = _digest(token), None
+        for known, tenant in self._table.items():  # every entry, whatever matched: constant time per table
+            if hmac.compare_digest(digest, known):
+                found = tenant
+        return found
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> tuple[str | None, str]:
         """(tenant, "") for a known bearer token in ``metadata``; else (None, why it was refused)."""

@@ -12,6 +12,11 @@ exits, it alone is restarted. After `max_restarts` restarts within `restart_wind
 supervisor, even one killed with SIGKILL; all spawning happens on one long-lived supervisor thread because the
 kernel ties PDEATHSIG to the thread that forked the child.
 
+Security: the group gets a fresh shared secret (a 0600 file in a private 0700 folder, removed on stop; never on a
+command line): the scheduler sends it on every rank stream (`--worker-token-file`) and each rank demands it
+(`--shared-token-file`). Every port — client, ranks, /metrics, the torch.distributed rendezvous and the ranks' gloo
+sockets — binds `host` (default 127.0.0.1) alone. Flags in `scheduler_args`/`worker_args` come last and win.
+
 Needs the `serve` extra (the services and grpcio-health-checking); the SDK itself does not import this module.
 """
 
@@ -19,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
 import pathlib
+import secrets
 import shlex
 import shutil
 import signal
@@ -51,6 +58,13 @@ if os.getppid() != int(sys.argv[1]):  # the supervisor died before prctl took ef
     os._exit(1)
 os.execvp(sys.argv[2], sys.argv[2:])
 """
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -153,6 +167,9 @@ class LocalGroup:
         self.env.update({"MMCAST_ALLOCATOR_ENV_SET": "1", "PYTHONUNBUFFERED": "1"})
         # The tp ranks share this machine's CPUs: each takes an equal share of torch threads by default.
         self.env.setdefault("MMCAST_LOCAL_RANKS", str(tp))
+        if _is_loopback(host):  # the ranks' gloo (CPU) / NCCL (GPU) sockets: loopback like every other port
+            self.env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
+        self.token_file = self._write_secret()  # removed by stop()
 
         self.dist_port: int | None = None  # torch.distributed rendezvous port of the current worker group
         self.generation = 0  # incremented on every (re)start of the worker group
@@ -166,6 +183,15 @@ class LocalGroup:
         self._thread: threading.Thread | None = None
         self.scheduler = _Child("scheduler", self._scheduler_argv(), self.log_dir / "scheduler.log")
         self.workers = [_Child(f"rank{r}", [], self.log_dir / f"rank{r}.log") for r in range(tp)]
+
+    def _write_secret(self) -> pathlib.Path:
+        """The group's shared token, in a 0600 file inside a fresh 0700 folder (``mkdtemp``)."""
+        self._secret_dir = pathlib.Path(tempfile.mkdtemp(prefix="mmcast-secret-"))
+        path = self._secret_dir / "worker-token"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        return path
 
     # -- addresses -------------------------------------------------------------------------------------------------
     @property
@@ -260,6 +286,7 @@ class LocalGroup:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._terminate([self.scheduler, *self.workers])  # no-op when the supervisor already did it
+        shutil.rmtree(self._secret_dir, ignore_errors=True)
         if self._own_log_dir and os.environ.get("MMCAST_KEEP_LOGS") != "1":
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -371,6 +398,9 @@ class LocalGroup:
             "--dist-init", f"tcp://{self.host}:{dist_port}",
             "--model", self.model_dir,
             "--metrics-port", str(self.metrics_ports[1 + rank]),
+            "--metrics-host", self.host,
+            "--dist-bind-host", self.host,
+            "--shared-token-file", str(self.token_file),
         ]  # fmt: skip
         if self.kv_blocks is not None:
             argv += ["--kv-blocks", str(self.kv_blocks)]
@@ -381,6 +411,8 @@ class LocalGroup:
             *self.scheduler_command,
             "--listen", self.target,
             "--metrics-port", str(self.metrics_ports[0]),
+            "--metrics-host", self.host,
+            "--worker-token-file", str(self.token_file),
             "--workers", ",".join(self.worker_targets),
             "--model", self.model_dir,
             "--transfer-mode", self.transfer_mode,

@@ -117,6 +117,7 @@ class SchedulerConfig:
     # --- service --------------------------------------------------------------------------------------------------
     listen: str = _field("[::]:50051", "address the client API listens on (HOST:PORT; port 0 picks one)")
     metrics_port: int = _field(9400, "port of the Prometheus /metrics endpoint (0 = disabled)", min=0, max=65535)
+    metrics_host: str = _field("0.0.0.0", "address the /metrics endpoint binds (127.0.0.1 keeps it local)")
     workers: list = _field([], "worker rank addresses HOST:PORT, ordered by rank (comma separated on the CLI)")
     scheduler_id: str = _field("mmcast-scheduler", "name sent in the handshake; ranks may accept only this name")
     group_deadline_seconds: float = _field(
@@ -181,6 +182,9 @@ class SchedulerConfig:
         for i, address in enumerate(self.workers):
             if not isinstance(address, str) or ":" not in address or not address.rsplit(":", 1)[1].isdigit():
                 raise ValueError(f"workers[{i}]={address!r} must be HOST:PORT")
+        if not self.metrics_host or not all(c.isalnum() or c in ".-_:" for c in self.metrics_host):
+            raise ValueError(f"metrics_host={self.metrics_host!r} must be a host name or IP address without a port "
+                             "(--metrics-host)")
         self._check_secret_files()
         if self.reconnect_backoff_max_seconds < self.reconnect_backoff_initial_seconds:
             raise ValueError(

@@ -28,6 +28,12 @@ STEP_METHOD = "/mmcast.v1.WorkerService/Step"
 _WRITE_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError)
 
 
+def _auth_hint(code: grpc.StatusCode) -> str:
+    if code != grpc.StatusCode.UNAUTHENTICATED:
+        return ""
+    return " (give the scheduler the ranks' token with --worker-token-file, or a client certificate with --worker-tls-*)"
+
+
 class GroupDown(Exception):
     """The group cannot run steps until it is reconnected. The message says which rank and why."""
 
@@ -116,13 +122,18 @@ class _RankStream:
         except TimeoutError:
             raise GroupDown(f"rank {self.rank} ({self.address}): no handshake answer within {timeout:.1f}s") from None
         except grpc.aio.AioRpcError as exc:
-            raise GroupDown(f"rank {self.rank} ({self.address}) refused the handshake: {exc.code().name}: {exc.details()}") from None
+            raise GroupDown(
+                f"rank {self.rank} ({self.address}) refused the handshake: {exc.code().name}: {exc.details()}"
+                + _auth_hint(exc.code())
+            ) from None
         except _WRITE_ERRORS as exc:
             raise GroupDown(f"rank {self.rank} ({self.address}): handshake failed: {exc!r}") from None
         if raw is grpc.aio.EOF:
             code = await self.call.code()
             details = await self.call.details()
-            raise GroupDown(f"rank {self.rank} ({self.address}) refused the handshake: {code.name}: {details}")
+            raise GroupDown(
+                f"rank {self.rank} ({self.address}) refused the handshake: {code.name}: {details}" + _auth_hint(code)
+            )
         frame = worker_pb2.WorkerFrame.FromString(raw)
         if frame.WhichOneof("frame") != "handshake_ack":
             raise GroupDown(f"rank {self.rank} answered the handshake with {frame.WhichOneof('frame')}")

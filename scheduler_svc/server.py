@@ -64,6 +64,11 @@ class SchedulerServer:
         if config.worker_token_file:
             token = read_token_file(config.worker_token_file, "--worker-token-file")
             worker_metadata = (("authorization", f"Bearer {token}"),)
+        elif not config.worker_tls_cert_file:
+            log.warning(
+                "no credentials for the rank streams (--worker-token-file, --worker-tls-cert-file): ranks that require "
+                "authentication (the default) refuse this scheduler with UNAUTHENTICATED"
+            )
         model_dir = Path(config.model)
         self.fingerprint = model_fingerprint(model_dir)
         self.frontend = Frontend(model_dir, config, metrics=self.metrics)
@@ -155,7 +160,7 @@ class SchedulerServer:
         c = self.config
         return generation_pb2.ServerInfo(
             model=Path(c.model).name,
-            model_fingerprint=self.fingerprint,
+            # model_fingerprint is left unset: it is what a rank checks in a handshake, and no client needs it.
             max_model_len=self.engine.max_model_len,
             max_images_per_request=c.max_images_per_request,
             max_image_pixels=c.max_image_pixels,
@@ -239,7 +244,7 @@ class SchedulerServer:
 async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
     server = SchedulerServer(config)
     if config.metrics_port:
-        start_http_server(config.metrics_port, registry=server.metrics.registry)
+        start_http_server(config.metrics_port, addr=config.metrics_host, registry=server.metrics.registry)
     await server.start()
     await stop.wait()
     log.info("shutdown requested; draining", extra={"drain_seconds": config.drain_seconds})

@@ -42,7 +42,7 @@ class WorkerEnv:
         from transformers import AutoModelForImageTextToText
 
         from common.tiny_model import load_processor
-        from tests.worker_driver import InProcessWorker
+        from tests.worker_driver import InProcessWorker, rank_token_file
         from worker_svc.config import WorkerConfig
 
         self.model_dir = model_dir
@@ -50,7 +50,12 @@ class WorkerEnv:
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
         self.image_token_id = self.model.config.image_token_id
         self.config = WorkerConfig(
-            model=str(model_dir), listen="127.0.0.1:0", kv_blocks=256, max_tensor_bytes=64 << 20, scheduler_id="test"
+            model=str(model_dir),
+            listen="127.0.0.1:0",
+            kv_blocks=256,
+            max_tensor_bytes=64 << 20,
+            scheduler_id="test",
+            shared_token_file=rank_token_file(),
         )
         self.rank = InProcessWorker(self.config)
 
@@ -85,6 +90,16 @@ def worker_env_q2(request: pytest.FixtureRequest) -> WorkerEnv:
 def worker_env_for(request: pytest.FixtureRequest):
     """``worker_env_for("qwen2_vl" | "qwen2_5_vl")``: the shared env of a variant, for tests parametrized by name."""
     return lambda variant: _worker_env(request, variant)
+
+
+@pytest.fixture(scope="session")
+def serve_local_tp2(tiny_model_dir):
+    """One ``serve-local --tp 2`` group (lazy, the defaults) for the modules that only talk to it: starting a
+    group costs tens of seconds on a loaded 2-core machine, so they share one."""
+    from mmcast_client.local_group import LocalGroup
+
+    with LocalGroup(tiny_model_dir, 2, "lazy", ready_timeout=180) as group:
+        yield group
 
 
 # --- long runs: `fuzz` and `soak` tests run only when asked (make fuzz / make soak) ---------------------------------

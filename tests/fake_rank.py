@@ -13,6 +13,7 @@ import dataclasses
 import grpc
 
 from common import wire
+from common.auth import BearerTokenInterceptor, TokenTable
 from mmcast.v1 import worker_pb2
 
 
@@ -29,6 +30,7 @@ class FakeRankConfig:
     drop_once_after_steps: int | None = None  # the same, once (cleared when it fires)
     refuse_handshake: str | None = None  # abort the handshake with FAILED_PRECONDITION and this message
     step_delay: float = 0.0  # seconds each step takes
+    token: str | None = None  # demand 'authorization: Bearer <token>' on Step streams, as a real rank does
 
 
 class FakeRank:
@@ -44,7 +46,13 @@ class FakeRank:
 
     async def start(self) -> str:
         handler = grpc.stream_stream_rpc_method_handler(self._step, request_deserializer=None, response_serializer=None)
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
+        interceptors = []
+        if self.cfg.token:  # the real rank's interceptor: UNAUTHENTICATED before any frame is read
+            table = TokenTable.single(self.cfg.token, "scheduler")
+            interceptors.append(BearerTokenInterceptor(table, ("/mmcast.v1.WorkerService/",)))
+        self.server = grpc.aio.server(
+            interceptors=interceptors, options=[("grpc.max_receive_message_length", 256 << 20)]
+        )
         self.server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler("mmcast.v1.WorkerService", {"Step": handler})]
         )

@@ -10,6 +10,7 @@ from common.hashing import model_fingerprint
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import SchedulerServer
 from tests.fake_rank import FakeRank, FakeRankConfig
+from tests.worker_driver import RANK_TOKEN, rank_token_file
 
 
 class LoopThread:
@@ -27,7 +28,8 @@ class LoopThread:
 
 
 class FakeGroupScheduler:
-    """A scheduler process's insides on loopback, with ``n_ranks`` recording fake ranks."""
+    """A scheduler process's insides on loopback, with ``n_ranks`` recording fake ranks that demand the shared
+    token, which the scheduler sends (``--worker-token-file``)."""
 
     def __init__(self, model_dir, n_ranks: int = 2, rank_kw: dict | None = None, **config) -> None:
         self.model_dir = model_dir
@@ -45,7 +47,9 @@ class FakeGroupScheduler:
 
         async def up():
             self.ranks = [
-                FakeRank(FakeRankConfig(rank=r, world_size=self.n_ranks, fingerprint=fp, **self.rank_kw))
+                FakeRank(
+                    FakeRankConfig(rank=r, world_size=self.n_ranks, fingerprint=fp, token=RANK_TOKEN, **self.rank_kw)
+                )
                 for r in range(self.n_ranks)
             ]
             for r in self.ranks:
@@ -55,6 +59,7 @@ class FakeGroupScheduler:
                 workers=[r.address for r in self.ranks],
                 listen="127.0.0.1:0",
                 metrics_port=0,
+                worker_token_file=rank_token_file(),
                 **self.config_kw,
             )
             self.server = SchedulerServer(cfg)

@@ -51,9 +51,8 @@ def oracle(tiny_model_dir) -> Oracle:
 
 
 @pytest.fixture(scope="module")
-def group(tiny_model_dir):
-    with LocalGroup(tiny_model_dir, 2, "lazy", ready_timeout=180) as g:
-        yield g
+def group(serve_local_tp2):
+    return serve_local_tp2
 
 
 # -- the growing conversation -------------------------------------------------------------------------------------

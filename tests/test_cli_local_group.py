@@ -141,6 +141,23 @@ def test_flags_readiness_and_clean_stop(stand_ins, tmp_path):
     assert wait_until(lambda: not any(alive(pid) for pid in pids.values()), 5)
 
 
+def test_a_per_group_secret_and_loopback_binding_are_passed_to_every_child(stand_ins, tmp_path):
+    with group(stand_ins, tmp_path) as g, group(stand_ins, tmp_path / "other") as other:
+        secret = g.token_file
+        assert os.stat(secret).st_mode & 0o777 == 0o600 and os.stat(secret.parent).st_mode & 0o777 == 0o700
+        token = secret.read_text().strip()
+        assert len(token) >= 32 and token != other.token_file.read_text().strip()  # one secret per group
+        sched = last_argv(g.log_dir / "scheduler.log")
+        assert f"--worker-token-file {secret}" in sched and "--metrics-host 127.0.0.1" in sched
+        for r in range(2):
+            rank = last_argv(g.log_dir / f"rank{r}.log")
+            assert f"--shared-token-file {secret}" in rank
+            assert "--metrics-host 127.0.0.1 --dist-bind-host 127.0.0.1" in rank
+        assert token not in (g.log_dir / "scheduler.log").read_text()  # a path on the command line, not the token
+        assert g.env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert not secret.exists() and not secret.parent.exists()
+
+
 def test_a_dead_rank_restarts_the_whole_group_with_a_fresh_dist_port(stand_ins, tmp_path):
     with group(stand_ins, tmp_path) as g:
         before = g.pids()

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.test_worker_process import Group as RankGroup
-from tests.worker_driver import MiniScheduler, Prompt
+from tests.worker_driver import MiniScheduler, Prompt, rank_token_file
 from worker_svc.config import WorkerConfig
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.worker import StreamHandle, Worker
@@ -70,7 +70,7 @@ def test_ranks_voting_on_different_steps_exit_instead_of_pairing_collectives(wor
 def test_a_stream_closing_during_shutdown_is_not_an_error(tmp_path):
     """SIGTERM stops the gRPC server, then the compute executor; a stream handler cancelled after that must not
     raise from its cleanup (it used to log "Unexpected RuntimeError raised by servicer method Step")."""
-    worker = Worker(WorkerConfig(model=str(tmp_path)), WorkerMetrics())
+    worker = Worker(WorkerConfig(model=str(tmp_path), shared_token_file=rank_token_file()), WorkerMetrics())
     session = type("Session", (), {"clear": lambda self: None})()
     handle = StreamHandle(epoch=7, session=session, superseded=asyncio.Event())
     worker.gate.admit(7)

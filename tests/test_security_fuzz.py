@@ -150,13 +150,14 @@ class Rank:
     """An in-process rank (world size 1) driven without gRPC: what the servicer does with each frame."""
 
     def __init__(self, model_dir) -> None:
-        from tests.worker_driver import handshake
+        from tests.worker_driver import handshake, rank_token_file
         from worker_svc.config import WorkerConfig
         from worker_svc.metrics import WorkerMetrics
         from worker_svc.worker import Worker
 
         config = WorkerConfig(model=str(model_dir), listen="127.0.0.1:0", kv_blocks=32, max_tensor_bytes=1 << 20,
-                              payload_cache_bytes=4 << 20, encoder_cache_tokens=256, scheduler_id="test")
+                              payload_cache_bytes=4 << 20, encoder_cache_tokens=256, scheduler_id="test",
+                              shared_token_file=rank_token_file())
         self.worker = Worker(config, WorkerMetrics(), fatal=self._fatal)
         self.worker.load()
         self.model_dir = model_dir

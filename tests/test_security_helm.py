@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import json
 
-from tests.deploy.deploy_tools import CHART, KUBE_VERSION, container, find, flags, pod_spec, render, run, tool
+from tests.deploy.deploy_tools import (
+    CHART,
+    KUBE_VERSION,
+    container,
+    find,
+    flags,
+    helm_template_args,
+    pod_spec,
+    render,
+    run,
+    tool,
+)
 
 SECURE = CHART / "ci" / "secure-values.yaml"
 SECRETS = {"client-tls": "mmcast-client-tls", "auth-tokens": "mmcast-tokens", "worker-tls": "mmcast-worker-tls",
@@ -57,11 +68,11 @@ def test_probes_use_the_plaintext_health_ports():
         assert ports["health"] == health and ports["grpc"] == port
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == health, (name, probe)
-    # Without TLS nothing changes: probes on the gRPC ports, no security flags, no secret volumes.
+    # Without TLS nothing changes: probes on the gRPC ports, no TLS flags; only the created worker token is mounted.
     plain = render()
     c = container(find(plain, "Deployment", "-scheduler"), "scheduler")
     assert c["readinessProbe"]["grpc"]["port"] == 50051
-    assert not any(k.startswith(("tls-", "auth-", "worker-t", "health")) for k in flags(c))
+    assert [k for k in flags(c) if k.startswith(("tls-", "auth-", "worker-t", "health"))] == ["worker-token-file"]
 
 
 def test_services_accept_the_secure_arguments(tmp_path):
@@ -84,3 +95,49 @@ def test_services_accept_the_secure_arguments(tmp_path):
     worker = container(find(objects, "StatefulSet", "-worker"), "worker")
     wconf = load_config(local(worker["args"]) + ["--rank", "0"], environ={})
     assert wconf.shared_token_file.endswith("worker-token/token") and wconf.health_port == 50062
+
+
+def _token_objects(*sets):
+    objects = render((), sets)
+    sched = flags(container(find(objects, "Deployment", "-scheduler"), "scheduler"))
+    worker = flags(container(find(objects, "StatefulSet", "-worker"), "worker"))
+    secrets = [o for o in objects if o["kind"] == "Secret"]
+    return objects, sched, worker, secrets
+
+
+def test_the_default_creates_a_worker_token_secret_and_wires_it_into_both():
+    import base64
+
+    objects, sched, worker, secrets = _token_objects()
+    assert [s["metadata"]["name"] for s in secrets] == ["demo-mmcast-worker-token"]
+    token = base64.b64decode(secrets[0]["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    assert sched["worker-token-file"] == worker["shared-token-file"] == "/etc/mmcast/worker-token/token"
+    for kind, name in (("Deployment", "scheduler"), ("StatefulSet", "worker")):
+        volumes = {v["name"]: v for v in pod_spec(find(objects, kind, f"-{name}"))["volumes"]}
+        assert volumes["worker-token"]["secret"]["secretName"] == "demo-mmcast-worker-token"
+    assert "insecure-allow-unauthenticated" not in worker
+    # Offline there is no Secret to read back (lookup is empty): every render draws a new token (docs/SECURITY.md).
+    import yaml
+
+    rendered = yaml.safe_load_all(run(helm_template_args()).stdout)
+    again = [o for o in rendered if o and o["kind"] == "Secret"][0]
+    assert base64.b64decode(again["data"]["token"]).decode() != token
+
+
+def test_an_existing_worker_token_secret_is_used_and_none_is_created():
+    objects, sched, worker, secrets = _token_objects("security.workerToken.secretName=mine", "security.workerToken.key=t")
+    assert secrets == []
+    assert sched["worker-token-file"] == worker["shared-token-file"] == "/etc/mmcast/worker-token/t"
+    volumes = {v["name"]: v for v in pod_spec(find(objects, "StatefulSet", "-worker"))["volumes"]}
+    assert volumes["worker-token"]["secret"]["secretName"] == "mine"
+
+
+def test_without_a_token_the_ranks_need_mutual_tls_or_an_explicit_insecure():
+    _, _, worker, secrets = _token_objects("security.workerToken.create=false", "security.workerTLS.secretName=wtls")
+    assert secrets == [] and worker["tls-client-ca-file"] and "insecure-allow-unauthenticated" not in worker
+    _, sched, worker, secrets = _token_objects("security.workerToken.create=false", "security.insecure=true")
+    assert secrets == [] and "worker-token-file" not in sched and "shared-token-file" not in worker
+    assert worker["insecure-allow-unauthenticated"] == "true"
+    proc = run(helm_template_args(sets=("security.workerToken.create=false",)), check=False)
+    assert proc.returncode != 0 and "security.insecure=true" in proc.stderr

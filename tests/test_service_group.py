@@ -69,6 +69,27 @@ def test_control_bytes_identical_across_ranks_and_payloads_only_where_needed():
     assert group.bytes.payload == sum(map(len, frames_a)) + 2 * sum(map(len, frames_b))
 
 
+def test_a_rank_demanding_a_token_refuses_a_group_without_it_before_any_frame():
+    async def body():
+        ranks = await start_ranks(1, token="t" * 32)
+        bare = WorkerGroup([ranks[0].address], model_fingerprint=FP, block_size=16)
+        with pytest.raises(GroupDown, match=r"UNAUTHENTICATED: missing 'authorization'.*--worker-token-file"):
+            await bare.connect()
+        wrong = WorkerGroup([ranks[0].address], model_fingerprint=FP, block_size=16,
+                            call_metadata=[("authorization", "Bearer " + "u" * 32)])
+        with pytest.raises(GroupDown, match="UNAUTHENTICATED: the bearer token is not valid"):
+            await wrong.connect()
+        assert ranks[0].frames == []  # refused before the handshake was read
+        good = WorkerGroup([ranks[0].address], model_fingerprint=FP, block_size=16,
+                           call_metadata=[("authorization", "Bearer " + "t" * 32)])
+        await good.connect()
+        assert len(ranks[0].handshakes) == 1
+        await good.close()
+        await ranks[0].stop()
+
+    run(body())
+
+
 def test_handshake_refusal_and_disagreement_raise_group_down():
     async def body():
         ranks = await start_ranks(2, refuse_handshake="model_fingerprint abc != def")

@@ -17,7 +17,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.worker_driver import MiniScheduler, StreamClient, handshake, next_epoch, noise_image, oracle
+from tests.worker_driver import (
+    MiniScheduler,
+    StreamClient,
+    handshake,
+    next_epoch,
+    noise_image,
+    oracle,
+    rank_token_file,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +59,7 @@ class Group:
                 "metrics-port": self.metrics_ports[rank],
                 "group-timeout-seconds": timeout_s,
                 "scheduler-id": "test",
+                "shared-token-file": rank_token_file(),
             }
             env = dict(os.environ)
             if rank == 1:  # the Kubernetes way: environment variables only

@@ -9,6 +9,7 @@ from transformers import Qwen2VLConfig
 from common import codec
 from common.ids import ItemId
 from mmcast.v1 import worker_pb2
+from tests.worker_driver import rank_token_file
 from worker_svc import kv_pool
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.config import WorkerConfig, load_config
@@ -26,6 +27,7 @@ def test_flags_override_environment_which_overrides_defaults():
         "MMCAST_WORLD_SIZE": "2",
         "MMCAST_DIST_INIT": "tcp://h:1",
         "MMCAST_GROUP_TIMEOUT_SECONDS": "7.5",
+        "MMCAST_SHARED_TOKEN_FILE": rank_token_file(),
     }
     config = load_config(["--kv-blocks", "32"], env)
     assert (config.model, config.kv_blocks, config.rank, config.world_size) == ("/m", 32, 1, 2)
@@ -46,13 +48,36 @@ def test_flags_override_environment_which_overrides_defaults():
 )
 def test_bad_settings_name_setting_value_and_range(kwargs, needle):
     with pytest.raises(ValueError, match="must be") as info:
-        WorkerConfig(model="/m", **kwargs)
+        WorkerConfig(model="/m", shared_token_file=rank_token_file(), **kwargs)
     assert needle in str(info.value)
+
+
+def test_a_rank_without_authentication_refuses_to_start_naming_the_flags():
+    with pytest.raises(ValueError) as info:
+        load_config(["--model", "/m"], {})
+    for flag in ("--shared-token-file", "--tls-client-ca-file", "--insecure-allow-unauthenticated"):
+        assert flag in str(info.value)
+
+
+@pytest.mark.parametrize(("argv", "env"), [(["--insecure-allow-unauthenticated"], {}),
+                                           ([], {"MMCAST_INSECURE_ALLOW_UNAUTHENTICATED": "true"})])
+def test_the_insecure_flag_must_be_explicit(argv, env):
+    assert load_config(["--model", "/m", *argv], env).insecure_allow_unauthenticated
+    with pytest.raises(ValueError, match="MMCAST_INSECURE_ALLOW_UNAUTHENTICATED='maybe'"):
+        load_config(["--model", "/m"], {"MMCAST_INSECURE_ALLOW_UNAUTHENTICATED": "maybe"})
+
+
+def test_bind_hosts_are_hosts_without_ports():
+    token = rank_token_file()
+    assert WorkerConfig(model="/m", shared_token_file=token, metrics_host="127.0.0.1", dist_bind_host="::1")
+    for name in ("metrics_host", "dist_bind_host"):
+        with pytest.raises(ValueError, match=f"{name}='127.0.0.1 9' "):
+            WorkerConfig(model="/m", shared_token_file=token, **{name: "127.0.0.1 9"})
 
 
 def test_bad_environment_value_names_the_variable():
     with pytest.raises(ValueError, match="MMCAST_KV_BLOCKS='many'"):
-        load_config([], {"MMCAST_MODEL": "/m", "MMCAST_KV_BLOCKS": "many"})
+        load_config([], {"MMCAST_MODEL": "/m", "MMCAST_KV_BLOCKS": "many", "MMCAST_SHARED_TOKEN_FILE": rank_token_file()})
 
 
 # --- KV pool ---------------------------------------------------------------------------------------------------

@@ -9,10 +9,15 @@ overlapping each window, payloads per transfer mode, deltas for decode steps. ``
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import itertools
+import os
 import queue
+import secrets
+import shutil
+import tempfile
 import threading
 import time
 
@@ -38,6 +43,27 @@ from mmcast.v1 import worker_pb2
 
 _EPOCHS = itertools.count(int(time.time() * 1000))
 _MAX_MSG = 256 << 20
+# The shared token of every rank the tests start (ranks refuse to start without authentication).
+RANK_TOKEN = "test-rank-" + secrets.token_hex(16)
+_token_file: str | None = None
+
+
+def rank_token_file() -> str:
+    """A file (mode 0600, removed at exit) holding ``RANK_TOKEN``, for ``--shared-token-file``/``--worker-token-file``."""
+    global _token_file
+    if _token_file is None:
+        folder = tempfile.mkdtemp(prefix="mmcast-test-token-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        path = os.path.join(folder, "rank-token")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(RANK_TOKEN + "\n")
+        _token_file = path
+    return _token_file
+
+
+def bearer(token: str | None = RANK_TOKEN) -> tuple[tuple[str, str], ...] | None:
+    """Call metadata carrying ``token`` (None: no credentials)."""
+    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 def next_epoch() -> int:
@@ -129,9 +155,10 @@ def handshake(model_dir, *, rank=0, world_size=1, epoch=None, block_size=16, sch
 
 
 class StreamClient:
-    """One Step stream that writes pre-serialized ``SchedulerFrame`` bytes, as the scheduler does."""
+    """One Step stream that writes pre-serialized ``SchedulerFrame`` bytes, as the scheduler does. ``token``: the
+    bearer token it presents (default: the ranks' test token; None: no credentials)."""
 
-    def __init__(self, target: str, hs: worker_pb2.Handshake) -> None:
+    def __init__(self, target: str, hs: worker_pb2.Handshake, token: str | None = RANK_TOKEN) -> None:
         self.channel = grpc.insecure_channel(
             target, options=[("grpc.max_send_message_length", _MAX_MSG), ("grpc.max_receive_message_length", _MAX_MSG)]
         )
@@ -141,7 +168,7 @@ class StreamClient:
             request_serializer=lambda b: b,
             response_deserializer=worker_pb2.WorkerFrame.FromString,
         )
-        self._responses = call(iter(self._queue.get, None))
+        self._responses = call(iter(self._queue.get, None), metadata=bearer(token))
         self.handshake_bytes = worker_pb2.SchedulerFrame(handshake=hs).SerializeToString()
         self.send(self.handshake_bytes)
         self.ack = self.recv()  # raises grpc.RpcError when the rank refuses the handshake
@@ -415,8 +442,8 @@ class InProcessWorker:
 
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def stream(self, model_dir, **handshake_kwargs) -> StreamClient:
-        return StreamClient(self.target, handshake(model_dir, **handshake_kwargs))
+    def stream(self, model_dir, token: str | None = RANK_TOKEN, **handshake_kwargs) -> StreamClient:
+        return StreamClient(self.target, handshake(model_dir, **handshake_kwargs), token)
 
     def stop(self) -> None:
         self.call(self.running.server.stop(0))

@@ -17,6 +17,7 @@ from common.process import default_threads
 _DEVICES = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+_HOST = re.compile(r"^[A-Za-z0-9_.\-:]*$")
 _ADDR = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]*):\d{1,5}$")
 
 
@@ -29,11 +30,13 @@ class WorkerConfig:
     world_size: int = 1  # tensor-parallel size; every rank loads its shard of the decoder
     listen: str = "0.0.0.0:50061"  # gRPC address of the WorkerService (port 0: pick a free one)
     dist_init: str = ""  # torch.distributed init method, e.g. tcp://rank0-host:29500; required when world_size > 1
+    dist_bind_host: str = ""  # address rank 0's tcp:// rendezvous store binds; empty: every interface (torch's own)
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16
     kv_blocks: int = 1024  # blocks in the KV pool; the scheduler's prefix cache has exactly this many
     block_size: int = 16  # tokens per KV block; must equal the scheduler's
     metrics_port: int = 0  # Prometheus /metrics port; 0 disables the endpoint
+    metrics_host: str = "0.0.0.0"  # address /metrics binds (serve-local: 127.0.0.1)
     payload_cache_bytes: int = 2 << 30  # bytes of received payload tensors the rank keeps until told to evict
     encoder_cache_tokens: int = 65536  # encoder-output rows (LLM tokens) the rank keeps until told to evict
     max_tensor_bytes: int = 256 << 20  # largest single payload tensor accepted
@@ -47,6 +50,9 @@ class WorkerConfig:
     tls_client_ca_file: str = ""  # PEM CA: a scheduler must present a certificate it signed (mutual TLS)
     shared_token_file: str = ""  # file with the token every Step stream must carry (authorization: Bearer ...)
     health_port: int = 0  # also serve grpc.health.v1 alone, in plaintext, on this port (0: off)
+    # Serve Step streams to any peer that reaches the port, without a token or a client certificate. Only for a
+    # port nothing untrusted can reach; a rank refuses to start without authentication unless this is set.
+    insecure_allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, allowed: str) -> ValueError:
@@ -99,6 +105,16 @@ class WorkerConfig:
                 raise bad(name, getattr(self, name), "an existing file")
         if not 0 <= self.health_port <= 65535:
             raise bad("health_port", self.health_port, "in [0, 65535] (0: off)")
+        for name in ("metrics_host", "dist_bind_host"):
+            if not _HOST.match(getattr(self, name)) or (name == "metrics_host" and not self.metrics_host):
+                raise bad(name, getattr(self, name), "a host name or IP address without a port (e.g. 127.0.0.1, ::1)")
+        if not (self.shared_token_file or self.tls_client_ca_file or self.insecure_allow_unauthenticated):
+            raise ValueError(
+                "the Step port would serve any peer: set --shared-token-file FILE (a token every Step stream must "
+                "carry) and/or --tls-client-ca-file PEM (mutual TLS, with --tls-cert-file/--tls-key-file); "
+                "--insecure-allow-unauthenticated serves unauthenticated peers (only where nothing untrusted can reach "
+                "the port); see docs/SECURITY.md"
+            )
 
 
 _HELP = {
@@ -112,6 +128,8 @@ _HELP = {
     "kv_blocks": "KV pool size in blocks (the scheduler's prefix-cache size)",
     "block_size": "tokens per KV block (must equal the scheduler's)",
     "metrics_port": "Prometheus /metrics port (0: off)",
+    "metrics_host": "address /metrics binds (127.0.0.1 keeps it local)",
+    "dist_bind_host": "address rank 0's tcp:// rendezvous store binds (empty: every interface)",
     "payload_cache_bytes": "payload-cache budget in bytes",
     "encoder_cache_tokens": "encoder-cache budget in rows (LLM tokens)",
     "max_tensor_bytes": "largest payload tensor accepted, in bytes",
@@ -126,6 +144,8 @@ _HELP = {
     "tls_client_ca_file": "PEM CA bundle; the scheduler must present a certificate it signed (mutual TLS)",
     "shared_token_file": "file holding the token every Step stream must carry; others get UNAUTHENTICATED",
     "health_port": "also serve grpc.health.v1 alone, in plaintext, on this port (probes; 0: off)",
+    "insecure_allow_unauthenticated": "serve Step streams without a token or client certificate (UNSAFE: any peer "
+    "that reaches the port can drive the rank); without it a rank needs --shared-token-file or --tls-client-ca-file",
 }
 
 
@@ -139,16 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="One tensor-parallel rank of the mmcast worker group (gRPC WorkerService.Step).",
     )
     for field in dataclasses.fields(WorkerConfig):
-        kind = {"int": int, "float": float}.get(str(field.type), str)
         default = "" if field.default is dataclasses.MISSING else f" (default {field.default!r})"
-        parser.add_argument(
-            "--" + field.name.replace("_", "-"),
-            dest=field.name,
-            type=kind,
-            default=None,
-            help=f"{_HELP[field.name]}; env {env_name(field.name)}{default}",
-        )
+        flag, help_text = "--" + field.name.replace("_", "-"), f"{_HELP[field.name]}; env {env_name(field.name)}{default}"
+        if str(field.type) == "bool":
+            parser.add_argument(flag, dest=field.name, nargs="?", const=True, type=_parse_bool, default=None,
+                                metavar="BOOL", help=help_text)
+            continue
+        kind = {"int": int, "float": float}.get(str(field.type), str)
+        parser.add_argument(flag, dest=field.name, type=kind, default=None, help=help_text)
     return parser
+
+
+def _parse_bool(raw: str) -> bool:
+    if raw.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.strip().lower() in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{raw!r} is not a boolean (1/true/yes/on or 0/false/no/off)")
 
 
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> WorkerConfig:
@@ -160,11 +187,11 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         value = args.get(field.name)
         if value is None and env_name(field.name) in environ:
             raw = environ[env_name(field.name)]
-            kind = {"int": int, "float": float}.get(str(field.type), str)
+            kind = {"int": int, "float": float, "bool": _parse_bool}.get(str(field.type), str)
             try:
                 value = kind(raw)
             except ValueError:
-                raise ValueError(f"{env_name(field.name)}={raw!r}: not a valid {kind.__name__}") from None
+                raise ValueError(f"{env_name(field.name)}={raw!r}: not a valid {field.type}") from None
         if value is not None:
             values[field.name] = value
     if "model" not in values:

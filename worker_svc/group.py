@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
+import urllib.parse
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,32 @@ from worker_svc.config import WorkerConfig
 log = logging.getLogger(__name__)
 
 _ID_MASK = (1 << 62) - 1  # identities travel as int64 and are negated for the minimum: keep clear of overflow
+
+
+def _bound_store(config: WorkerConfig, timeout: datetime.timedelta):
+    """The tcp:// rendezvous store with rank 0's server bound to ``--dist-bind-host`` alone, or None (torch's own
+    store, whose server listens on every interface). torch accepts an already listening socket for its server."""
+    if not config.dist_bind_host or not config.dist_init.startswith("tcp://"):
+        return None
+    parsed = urllib.parse.urlsplit(config.dist_init)
+    if parsed.hostname is None or parsed.port is None:
+        raise ValueError(f"dist_init={config.dist_init!r} (--dist-init): tcp:// needs HOST:PORT")
+    listener = None
+    if config.rank == 0:
+        family = socket.AF_INET6 if ":" in config.dist_bind_host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((config.dist_bind_host, parsed.port))
+        listener.listen(128)
+    # detach(): the store's server owns the listening descriptor from here on (it lives as long as the process).
+    return dist.TCPStore(
+        parsed.hostname,
+        parsed.port,
+        config.world_size,
+        config.rank == 0,
+        timeout,
+        master_listen_fd=listener.detach() if listener is not None else None,
+    )
 
 
 class GroupDesync(RuntimeError):
@@ -42,9 +70,13 @@ class Group:
             return
         timeout = datetime.timedelta(seconds=config.group_timeout_seconds)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=config.dist_init, rank=config.rank, world_size=config.world_size, timeout=timeout
-        )
+        store = _bound_store(config, timeout)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=config.rank, world_size=config.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, init_method=config.dist_init, rank=config.rank, world_size=config.world_size, timeout=timeout
+            )
         # Votes travel on a CPU (gloo) group even when the model's collectives use NCCL.
         self._vote_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         log.info("process group formed", extra={"backend": backend, "world_size": self.world_size})

@@ -7,8 +7,11 @@ JSON line saying why.
 
 Security (docs/SECURITY.md): with ``--tls-cert-file``/``--tls-key-file`` the port serves TLS only, and with
 ``--tls-client-ca-file`` only a scheduler presenting a certificate signed by that CA completes the handshake;
-with ``--shared-token-file`` a Step stream without ``authorization: Bearer <token>`` ends with UNAUTHENTICATED.
-Health and reflection stay open; ``--health-port`` serves health alone in plaintext for TLS-less probes.
+with ``--shared-token-file`` a Step stream without ``authorization: Bearer <token>`` ends with UNAUTHENTICATED
+before its first frame is read. A rank starts only with one of the two, or with ``--insecure-allow-unauthenticated``
+(logged as a warning). Health and reflection stay open; ``--health-port`` serves health alone in plaintext for
+TLS-less probes. Readiness turns NOT_SERVING while the last scheduler handshake was refused and no stream is
+active (``worker_svc/worker.py``), so an orchestrator sees a rank its scheduler cannot use.
 """
 
 from __future__ import annotations
@@ -67,8 +70,14 @@ async def start(config: WorkerConfig) -> RunningWorker:
         token = read_token_file(config.shared_token_file, "--shared-token-file")
         interceptors.append(BearerTokenInterceptor(TokenTable.single(token, "scheduler"), (f"/{SERVICE_NAME}/",)))
     interceptors.append(DecodeGuardInterceptor())
+    if not (config.shared_token_file or config.tls_client_ca_file):
+        log.warning(
+            "INSECURE: --insecure-allow-unauthenticated is set; any peer that reaches the Step port can open a stream, "
+            "claim a scheduler epoch and drive this rank. Use --shared-token-file or mutual TLS (docs/SECURITY.md)",
+            extra={"listen": config.listen},
+        )
     if config.metrics_port:
-        start_http_server(config.metrics_port, registry=metrics.registry)
+        start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.registry)
     worker = Worker(config, metrics)
     server = grpc.aio.server(
         interceptors=interceptors,
@@ -79,8 +88,13 @@ async def start(config: WorkerConfig) -> RunningWorker:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ],
     )
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(worker, metrics), server)
     health_servicer = health.aio.HealthServicer()
+
+    async def report_readiness(ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        await health_servicer.set(SERVICE_NAME, status)
+
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(worker, metrics, report_readiness), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server

@@ -54,6 +54,11 @@ class WorkerMetrics:
         self.protocol_errors = Counter(
             "mmcast_worker_protocol_errors", "Protocol errors reported to the scheduler, by code", ["code"], registry=r
         )
+        self.handshakes_refused = Counter(
+            "mmcast_worker_handshakes_refused",
+            "Handshakes of authenticated peers refused (mismatching model, rank, scheduler id or a stale epoch)",
+            registry=r,
+        )
         for kind in ("payload", "metadata", "control"):
             self.received_bytes.labels(kind=kind)
         for cache in ("payload", "encoder"):

@@ -101,6 +101,22 @@ def check_blocks(blocks, num_blocks: int, where: str, request_id: str) -> None:
         )
 
 
+def check_prefix_written(state: RequestState, written: set[int], block_size: int) -> None:
+    """KV isolation: a new request's computed prefix is read from the pool, so it may name only blocks that requests
+    of the same stream wrote (the scheduler's prefix cache registers a block only after the step that computed it).
+    A new stream starts with none, so no stream reads KV another stream left in the pool."""
+    rid = state.request_id
+    for index, block in enumerate(state.block_ids[: state.num_computed // block_size]):
+        if block not in written:
+            raise StepError(
+                code.STATE_MISMATCH,
+                f"new_requests[{rid}].block_ids[{index}]={block} lies in the computed prefix "
+                f"(num_computed_tokens={state.num_computed}), but no request of this stream wrote block {block}: a "
+                "prefix may reuse only KV blocks its own stream computed",
+                rid,
+            )
+
+
 def admit(
     msg: worker_pb2.NewRequest,
     *,

@@ -46,9 +46,12 @@ def step_result(step_id: int, rank: int, outcome: StepOutcome, handle: StreamHan
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, worker: Worker, metrics: WorkerMetrics) -> None:
+    def __init__(self, worker: Worker, metrics: WorkerMetrics, report_readiness=None) -> None:
+        """``report_readiness``: async (ready: bool) -> None, called when a handshake or a stream's end may have
+        changed ``worker.serving`` (the readiness health status)."""
         self.worker = worker
         self.metrics = metrics
+        self._report_readiness = report_readiness
         self._received = {k: metrics.received_bytes.labels(kind=k) for k in ("payload", "metadata", "control")}
 
     def _count(self, frame: worker_pb2.SchedulerFrame) -> int:
@@ -87,12 +90,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             handle = self.worker.open_stream(frame.handshake)
         except HandshakeRejected as exc:
             log.warning("handshake refused", extra={"reason": str(exc)})
+            await self._readiness()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        await self._readiness()
         try:
             await context.write(worker_pb2.WorkerFrame(handshake_ack=self.worker.ack()))
             await self._serve(handle, context)
         finally:
             self.worker.close_stream(handle)
+            await self._readiness()
+
+    async def _readiness(self) -> None:
+        if self._report_readiness is not None:
+            await self._report_readiness(self.worker.serving)
 
     async def _next(self, handle: StreamHandle, context, superseded: asyncio.Future):
         """The next frame, or None when the stream was superseded."""

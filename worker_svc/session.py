@@ -24,7 +24,7 @@ from common.ids import ItemId, RequestId
 from mmcast.v1 import worker_pb2
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.metrics import WorkerMetrics
-from worker_svc.requests import RequestState, admit, check_blocks, check_tokens
+from worker_svc.requests import RequestState, admit, check_blocks, check_prefix_written, check_tokens
 from worker_svc.runner import ENCODER_FIELDS, ForwardInput
 from worker_svc.sampling import Sample, sample
 from worker_svc.step_errors import StepError, code
@@ -74,6 +74,7 @@ class Session:
         self.encoded = EncoderCache(encoder_cache_tokens)
         self.items: dict[ItemId, list] = {}  # identifier -> [item message, number of held requests with it]
         self.last_step_id = 0
+        self.written: set[int] = set()  # KV pool blocks this stream's requests wrote: the prefixes it may read
 
     # --- frames ----------------------------------------------------------------------------------------------
 
@@ -95,6 +96,7 @@ class Session:
         self.assembler.clear()
         self.payloads.clear()
         self.encoded.clear()
+        self.written.clear()
         self._report_sizes()
 
     # --- phase 1: validate -----------------------------------------------------------------------------------
@@ -139,6 +141,7 @@ class Session:
                 max_model_len=r.max_model_len,
                 rope_kwargs=r.rope_kwargs if r.uses_mrope else None,
             )
+            check_prefix_written(state, self.written, r.block_size)
             new.append(state)
             for item in state.item_msgs:
                 if item.identifier not in step_items or wire.payload_field_headers(item):
@@ -361,6 +364,7 @@ class Session:
             state.num_computed = end
             full = end // r.block_size
             r.write_blocks(state.cache, state.block_ids, state.blocks_in_pool, full)
+            self.written.update(state.block_ids[state.blocks_in_pool : full])
             state.blocks_in_pool = max(state.blocks_in_pool, full)
             if row is not None and self.rank == 0:
                 sampled.append((state.request_id, sample(row, state.sampling, state.num_output_tokens)))

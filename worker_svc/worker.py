@@ -25,7 +25,7 @@ from common.wire import PROTOCOL_VERSION
 from mmcast.v1 import worker_pb2
 from worker_svc.config import WorkerConfig
 from worker_svc.group import Group
-from worker_svc.handshake import EpochGate, RankIdentity, check_handshake
+from worker_svc.handshake import EpochGate, HandshakeRejected, RankIdentity, check_handshake
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.session import Session, StepOutcome
 from worker_svc.step_errors import StepError, code, code_name
@@ -66,6 +66,14 @@ class Worker:
         self.identity: RankIdentity | None = None
         self.active: StreamHandle | None = None
         self.ready = False
+        self.refused: str | None = None  # why the latest handshake was refused; None once one is admitted
+
+    @property
+    def serving(self) -> bool:
+        """Readiness: loaded, and not locked out — a refused handshake with no stream active means the scheduler
+        cannot use this rank (a stale-epoch lock-out, a wrong model or scheduler id), which an orchestrator must
+        see. A refusal while a stream is active (a stray older scheduler) leaves the rank serving that stream."""
+        return self.ready and (self.active is not None or self.refused is None)
 
     # --- start-up (compute thread) ---------------------------------------------------------------------------
 
@@ -103,9 +111,17 @@ class Worker:
     # --- streams (event loop) --------------------------------------------------------------------------------
 
     def open_stream(self, hs: worker_pb2.Handshake) -> StreamHandle:
-        """Admits a handshake (raises ``HandshakeRejected``); a newer epoch supersedes the active stream."""
-        check_handshake(hs, self.identity)
-        superseding = self.gate.admit(hs.scheduler_epoch)
+        """Admits a handshake (raises ``HandshakeRejected``); a newer epoch supersedes the active stream. Only
+        authenticated peers get here when the rank has a token or mutual TLS (the interceptor or TLS refuses the
+        rest before a frame is read), so only they can claim an epoch."""
+        try:
+            check_handshake(hs, self.identity)
+            superseding = self.gate.admit(hs.scheduler_epoch)
+        except HandshakeRejected as exc:
+            self.refused = str(exc)
+            self.metrics.handshakes_refused.inc()
+            raise
+        self.refused = None
         old = self.active
         if superseding and old is not None:
             old.superseded_by = hs.scheduler_epoch

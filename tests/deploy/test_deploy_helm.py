@@ -390,19 +390,31 @@ def _merge(base: dict, override: dict) -> None:
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
-def test_services_accept_the_rendered_arguments(name):
-    """The chart's flags go through the services' own parsers and config validation (no server is started)."""
+def test_services_accept_the_rendered_arguments(name, tmp_path):
+    """The chart's flags go through the services' own parsers and config validation (no server is started); the
+    mounted Secret files (the worker token, by default) are stood in for by real files."""
     from scheduler_svc.main import config_from
     from worker_svc.config import load_config
 
+    def local(args):
+        out = []
+        for arg in args:
+            if "=/etc/mmcast/" in arg:
+                path = tmp_path / arg.split("=/etc/mmcast/", 1)[1]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("stand-in-token-0123456789\n")
+                arg = arg.split("=", 1)[0] + "=" + str(path)
+            out.append(arg)
+        return out
+
     objects = _render_set(name)
     scheduler = container(find(objects, "Deployment", "-scheduler"), "scheduler")
-    sconf = config_from(scheduler["args"], environ={})
+    sconf = config_from(local(scheduler["args"]), environ={})
     worker = container(find(objects, "StatefulSet", "-worker"), "worker")
     tp = find(objects, "StatefulSet", "-worker")["spec"]["replicas"]
     assert len(sconf.workers) == tp
     for rank in range(tp):
-        wconf = load_config(worker["args"], environ={"MMCAST_RANK": str(rank)})
+        wconf = load_config(local(worker["args"]), environ={"MMCAST_RANK": str(rank)})
         assert (wconf.rank, wconf.world_size) == (rank, tp)
         assert wconf.scheduler_id == sconf.scheduler_id
         assert wconf.model == sconf.model

@@ -85,6 +85,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* Checks that span several values; the schema covers each value alone. */}}
 {{- define "mmcast.validate" -}}
+{{- $sec := .Values.security }}
+{{- if and (not (include "mmcast.workerTokenSecret" .)) (not $sec.workerTLS.secretName) (not $sec.insecure) }}
+{{- fail "the rank streams would have no authentication: set security.workerToken.secretName (an existing Secret) or security.workerToken.create=true (the chart creates one), or security.workerTLS.secretName (mutual TLS); security.insecure=true serves them unauthenticated" }}
+{{- end }}
 {{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) }}
 {{- fail "model.source=pvc needs model.pvc.claimName: the name of an existing PVC holding the model folder" }}
 {{- end }}
@@ -216,6 +220,12 @@ prometheus.io/path: /metrics
 {{- define "mmcast.clientTLS" -}}{{ if .Values.security.clientTLS.secretName }}true{{ end }}{{- end }}
 {{- define "mmcast.workerTLS" -}}{{ if .Values.security.workerTLS.secretName }}true{{ end }}{{- end }}
 
+{{/* The worker-token Secret in use: the existing one named, else the chart's own when created, else "". */}}
+{{- define "mmcast.workerTokenSecret" -}}
+{{- $t := .Values.security.workerToken }}
+{{- if $t.secretName }}{{ $t.secretName }}{{ else if $t.create }}{{ include "mmcast.fullname" . }}-worker-token{{ end }}
+{{- end }}
+
 {{/* Port the kubelet's gRPC probes use: the plaintext health port while the gRPC port is TLS. (list root component) */}}
 {{- define "mmcast.probePort" -}}
 {{- $root := index . 0 }}
@@ -249,10 +259,10 @@ prometheus.io/path: /metrics
     secretName: {{ $sec.workerTLS.secretName }}
     defaultMode: 0440
 {{- end }}
-{{- if $sec.workerToken.secretName }}
+{{- with (include "mmcast.workerTokenSecret" $root) }}
 - name: worker-token
   secret:
-    secretName: {{ $sec.workerToken.secretName }}
+    secretName: {{ . }}
     defaultMode: 0440
 {{- end }}
 {{- end }}
@@ -276,7 +286,7 @@ prometheus.io/path: /metrics
   mountPath: /etc/mmcast/worker-tls
   readOnly: true
 {{- end }}
-{{- if $sec.workerToken.secretName }}
+{{- if include "mmcast.workerTokenSecret" $root }}
 - name: worker-token
   mountPath: /etc/mmcast/worker-token
   readOnly: true
@@ -306,7 +316,7 @@ prometheus.io/path: /metrics
 - --worker-tls-server-name={{ . }}
 {{- end }}
 {{- end }}
-{{- if $sec.workerToken.secretName }}
+{{- if include "mmcast.workerTokenSecret" $root }}
 - --worker-token-file=/etc/mmcast/worker-token/{{ $sec.workerToken.key }}
 {{- end }}
 {{- else }}
@@ -316,8 +326,10 @@ prometheus.io/path: /metrics
 - --tls-client-ca-file=/etc/mmcast/worker-tls/ca.crt
 - --health-port={{ $sec.workerTLS.healthPort }}
 {{- end }}
-{{- if $sec.workerToken.secretName }}
+{{- if include "mmcast.workerTokenSecret" $root }}
 - --shared-token-file=/etc/mmcast/worker-token/{{ $sec.workerToken.key }}
+{{- else if not $sec.workerTLS.secretName }}
+- --insecure-allow-unauthenticated=true
 {{- end }}
 {{- end }}
 {{- end }}
