@@ -270,6 +270,10 @@ class Harness:
         plan = self.sched.schedule()
         if plan is None:
             return None
+        return self.apply(plan)
+
+    def apply(self, plan) -> StepRecord:
+        """Runs a scheduled plan on the simulated ranks and feeds rank 0's tokens back to the core."""
         control = plan.control.SerializeToString()  # once, like the service
         sampled = {}
         for rank in self.ranks:
