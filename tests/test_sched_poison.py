@@ -221,3 +221,40 @@ def test_a_rank_side_request_failure_is_finished_and_the_ranks_told():
     assert updates["a"].new_token_ids == [sample_token("a", 20)]
     nxt = h.sched.schedule()
     assert nxt.finished_request_ids == ["b"] and list(nxt.num_scheduled_tokens) == ["a"]
+
+
+def test_the_engine_fails_a_convicted_request_with_internal_a_metric_and_a_log_line(caplog):
+    import asyncio
+    import logging
+
+    from scheduler_svc.engine import Engine, FinishEvent, RequestHandle
+    from scheduler_svc.metrics import SchedulerMetrics
+
+    class DownGroup:  # the group as _group_lost sees it: it only closes the streams
+        async def close(self):
+            pass
+
+    h = Harness("lazy")
+    metrics = SchedulerMetrics()
+    engine = Engine(group=DownGroup(), core_factory=None, metrics=metrics, group_deadline_seconds=60,
+                    model_max_len=65536)
+    engine.core = h.sched
+    workload(h, ["poison"])
+    engine.handles["poison"] = handle = RequestHandle(RequestId("poison"), 0.0)
+
+    async def crash_twice():
+        for _ in range(2):
+            assert h.sched.schedule() is not None
+            await engine._group_lost("rank 1 (127.0.0.1:1): stream ended: UNAVAILABLE")
+            h.sched.reset_group(h.group)
+
+    with caplog.at_level(logging.ERROR, logger="scheduler_svc.engine"):
+        asyncio.run(crash_twice())
+    event = handle.events.get_nowait()
+    assert isinstance(event, FinishEvent) and event.reason == "error"
+    assert event.error.status is Status.INTERNAL and "request poison crashed the worker group twice" in event.error.message
+    assert metrics.registry.get_sample_value("mmcast_poison_requests_total") == 1
+    assert metrics.registry.get_sample_value("mmcast_requests_finished_total", {"reason": "error"}) == 1
+    [line] = [r for r in caplog.records if r.getMessage().startswith("poison request failed")]
+    assert line.request_id == "poison" and "stream ended" in line.reason
+    assert engine.handles == {} and not h.sched.has_requests()
