@@ -383,7 +383,7 @@ class Session:
                 extra={"request_id": state.request_id, "error": repr(exc)},
                 exc_info=not isinstance(exc, SamplingError),
             )
-            return f"sampling request {state.request_id} failed on rank {self.rank}: {exc}"
+            return f"sampling failed on rank {self.rank}: {exc}"
 
     def _report_sizes(self) -> None:
         if self.metrics is not None:
