@@ -31,8 +31,8 @@ Step rules, in order:
 - a step that computes nothing is still produced when the ranks must be told something (finishes, evictions, a
   reset); ``None`` means nothing at all;
 - poison isolation (``scheduler_svc/poison.py``) overrides both while a suspect is isolated: the step runs that
-  request alone (the others hold their blocks, nothing else is admitted); if it waits and cannot be admitted
-  beside the running requests, the step preempts them all so it is admitted alone next.
+  request alone (the others hold their blocks, nothing else is admitted); if it cannot be scheduled beside the
+  running requests, the step preempts them all so it runs alone next.
 """
 
 from __future__ import annotations
@@ -280,11 +280,11 @@ class Scheduler:
             scheduled.append((r, n))
             budget -= n
 
-        if alone is not None and not scheduled and self._requests[alone].status is RequestStatus.WAITING:
-            # The isolated suspect did not fit beside the requests the ranks hold: requeue them, so that it is
-            # admitted alone next step.
-            while self.running:
-                victim = self.running.pop()
+        if alone is not None and not scheduled:
+            # The isolated suspect did not fit beside the requests the ranks hold (blocks, encoder room,
+            # max_num_seqs): requeue them, so that it runs alone next step.
+            for victim in [r for r in reversed(self.running) if r.request_id != alone]:
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 finished_ids.append(victim.request_id)
