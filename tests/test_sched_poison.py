@@ -258,3 +258,33 @@ def test_the_engine_fails_a_convicted_request_with_internal_a_metric_and_a_log_l
     [line] = [r for r in caplog.records if r.getMessage().startswith("poison request failed")]
     assert line.request_id == "poison" and "stream ended" in line.reason
     assert engine.handles == {} and not h.sched.has_requests()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_fail_exactly_the_poison(seed):
+    """Random prompts (some with images), chunked prefill, a random poison that crashes the group from a random
+    token on (or no poison at all): only the poison fails, after at most three crashes, and every other request's
+    tokens are those of a clean run."""
+    import random
+
+    rng = random.Random(seed)
+    names = [f"r{k}" for k in range(rng.randint(1, 6))]
+    poison = rng.choice([*names, "nobody"])
+    h = CrashingGroup(poison, max_batched=rng.choice([24, 48, 8192]),
+                      max_seqs=rng.choice([2, 4, 64]))
+    expected = {}
+    for k, name in enumerate(names):
+        segments = [text(f"{name}-a", rng.randint(3, 40))]
+        if rng.random() < 0.5:
+            segments += [(f"img-{seed}-{k}", rng.randint(4, 20)), text(f"{name}-b", rng.randint(1, 10))]
+        req = h.add(request(name, segments, max_tokens=rng.randint(1, 8)))
+        expected[name] = [sample_token(name, req.num_prompt_tokens + i) for i in range(req.sampling.max_tokens)]
+        if name == poison:  # a token count it computes: the last is prompt + max_tokens - 1
+            h.at_token = rng.randint(0, req.num_prompt_tokens + req.sampling.max_tokens - 1)
+    h.run()
+    assert set(h.failed) == ({poison} if poison in names else set())
+    assert len(h.crashes) <= 3 and h.sched.isolator.suspects == {}
+    for name in names:
+        if name != poison:
+            assert h.outputs[name] == expected[name], name
+            assert h.finished[name].finished is FinishReason.LENGTH
