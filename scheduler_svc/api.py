@@ -32,7 +32,7 @@ class SamplingSpec:
     """Validated sampling parameters of one request."""
 
     max_tokens: int  # >= 1
-    temperature: float  # [0, 2]; 0 = greedy
+    temperature: float  # [0, 2]; below 1e-5 (GREEDY_EPSILON, worker_svc/sampling.py) = greedy
     top_p: float  # (0, 1]
     seed: int | None  # None: the server picks one
     stop: tuple[str, ...]  # stop strings, matched on the server

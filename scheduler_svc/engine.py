@@ -254,7 +254,13 @@ class Engine:
         # open, the next (recovered) step would go to ranks still holding the old requests.
         await self.group.close()
         if self.core is not None:
-            self.core.recover()
+            for update in self.core.recover():  # a request convicted of crashing the group: it fails alone
+                self.metrics.poison_requests.inc()
+                log.error(
+                    "poison request failed: it crashed the worker group twice",
+                    extra={"request_id": update.request_id, "reason": reason},
+                )
+                self._deliver(update, time.monotonic())
         self._update_gauges()
 
     def _fail_if_past_deadline(self) -> None:
@@ -279,11 +285,14 @@ class Engine:
             s.request_id: (s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top_logprobs])
             for s in rank0.sampled
         }
+        failed = {f.request_id: f.message for f in rank0.failures}
+        for request_id, message in failed.items():
+            log.warning("request failed at the worker", extra={"request_id": request_id, "reason": message})
         for request_id in plan.num_scheduled_tokens:
             handle = self.handles.get(request_id)
             if handle is not None and handle.first_scheduled_at is None:
                 handle.first_scheduled_at = now
-        for update in self.core.update_from_output(plan, sampled):
+        for update in self.core.update_from_output(plan, sampled, failed):
             self._deliver(update, now)
         for request_id, handle in self.handles.items():
             if request_id in plan.accounting:
@@ -305,9 +314,10 @@ class Engine:
             self.metrics.generation_tokens.inc(len(update.new_token_ids))
             handle.events.put_nowait(TokenEvent(list(update.new_token_ids), list(update.logprobs or [])))
         if update.finished is not None:
-            error = Unavailable(update.error) if update.finished is FinishReason.ERROR and update.error else None
-            if update.finished is FinishReason.ERROR and error is None:
-                error = MmcastError(update.error or "request failed", Status.INTERNAL)
+            error = None
+            if update.finished is FinishReason.ERROR:
+                status = update.error_status or (Status.UNAVAILABLE if update.error else Status.INTERNAL)
+                error = MmcastError(update.error or "request failed", status)
             self._finish_handle(handle, FinishEvent(update.finished.value, error))
 
     def _count_plan(self, plan) -> None:

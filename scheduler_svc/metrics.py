@@ -79,6 +79,11 @@ class SchedulerMetrics:
         self.group_recoveries = Counter(
             "mmcast_worker_group_recoveries_total", "Times the worker group was lost and its requests requeued.", registry=r
         )
+        self.poison_requests = Counter(
+            "mmcast_poison_requests_total",
+            "Requests failed because they crashed the worker group twice (poison isolation).",
+            registry=r,
+        )
         self.requests_finished = Counter(
             "mmcast_requests_finished_total", "Finished requests by finish reason.", ["reason"], registry=r
         )

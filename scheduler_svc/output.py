@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from common.errors import Status
 from common.ids import ItemId, RequestId
 from common.multimodal import MultiModalFeatureSpec
 from scheduler_svc.request import FinishReason, Request, RequestUsage, SamplingParams
@@ -152,3 +153,4 @@ class RequestUpdate:
     stop_token_id: int | None = None  # the EOS/stop token that ended it (it is included in new_token_ids)
     usage: RequestUsage | None = None  # cumulative accounting; set when finished
     error: str | None = None  # why it failed (finished == ERROR), naming the limit
+    error_status: Status | None = None  # the client's status for `error`; None = UNAVAILABLE (the group is down)

@@ -36,7 +36,7 @@ class SamplingParams:
     """What the scheduler and the ranks need of a request's sampling (stop strings are the service's)."""
 
     max_tokens: int = 16  # tokens to generate at most, >= 1
-    temperature: float = 0.0  # 0 = greedy; [0, 2]
+    temperature: float = 0.0  # [0, 2]; below 1e-5 (the ranks' greedy epsilon) = greedy
     top_p: float = 1.0  # (0, 1]
     seed: int = 0  # draws for token i come from a generator seeded by (seed, i)
     stop_token_ids: tuple[int, ...] = ()  # tokens that end generation (besides EOS)

@@ -8,10 +8,12 @@ The service drives it (all calls from one thread or event loop)::
     sched.add_request(request)        # AlreadyExists | ResourceExhausted | InvalidArgument
     plan = sched.schedule()           # StepPlan, or None when there is nothing to tell the ranks
     # ... rank r gets plan.rank_payloads[r] frames, then plan.control; wait for every rank's StepResult ...
-    updates = sched.update_from_output(plan, {request_id: (token_id, logprob, top_logprobs), ...})  # rank 0's
+    updates = sched.update_from_output(plan, {request_id: (token_id, logprob, top_logprobs), ...},  # rank 0's
+                                       failed={request_id: message})  # rank 0's per-request failures
     #   -> [RequestUpdate]; raises StepOutputError (a FailedPrecondition: recover the group) on a mismatch
     sched.finish_request(request_id, FinishReason.CANCELLED)   # -> final RequestUpdate | None; next plan tells ranks
-    sched.recover()                                             # group lost: caches gone, running -> waiting as new
+    poisoned = sched.recover()                                  # group lost: caches gone, running -> waiting as new;
+                                                                #    -> [RequestUpdate] (ERROR) of a convicted poison
     failed = sched.reset_group(new_budget)                      # after reconnect; -> [RequestUpdate] (ERROR) that
                                                                 #    no longer fit the new budgets
     sched.stats                                                 # SchedulerStats for the gauges
@@ -27,7 +29,10 @@ Step rules, in order:
 - then, only if nothing was preempted, waiting requests in order (FCFS: the first that cannot be admitted stops
   admission) while ``max_num_seqs`` allows: prefix hit, window, full/strip payload room, blocks;
 - a step that computes nothing is still produced when the ranks must be told something (finishes, evictions, a
-  reset); ``None`` means nothing at all.
+  reset); ``None`` means nothing at all;
+- poison isolation (``scheduler_svc/poison.py``) overrides both while a suspect is isolated: the step runs that
+  request alone (the others hold their blocks, nothing else is admitted); if it cannot be scheduled beside the
+  running requests, the step preempts them all so it runs alone next.
 """
 
 from __future__ import annotations
@@ -37,11 +42,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, MmcastError, ResourceExhausted
+from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, MmcastError, ResourceExhausted, Status
 from common.ids import RequestId
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_cache import KVCacheManager
 from scheduler_svc.output import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
+from scheduler_svc.poison import PoisonIsolator
 from scheduler_svc.request import FinishReason, Request, RequestStatus, validate_sampling
 from scheduler_svc.transfer import TransferPlanner
 from scheduler_svc.wire import step_control
@@ -92,6 +98,7 @@ class Scheduler:
         self._next_step_id = 1
         self._outstanding: StepPlan | None = None
         self.num_preemptions = 0
+        self.isolator = PoisonIsolator()
         self._apply_group(group)
 
     def _apply_group(self, group: GroupBudget) -> None:
@@ -210,10 +217,14 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         new_reqs: list[NewRequestData] = []
         deltas: list[RunningRequestData] = []
+        alone = self.isolator.alone(r.request_id for r in (*self.running, *self.waiting))
 
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
+            if alone is not None and r.request_id != alone:
+                i += 1
+                continue  # an isolated suspect runs alone this step; the others hold their blocks
             start = r.num_computed_tokens
             window = planner.plan_window(r, start, start + min(r.num_tokens - start, budget))
             n = window.end - start
@@ -238,7 +249,9 @@ class Scheduler:
         finished_ids += preempted
 
         while not preempted and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
-            r = self.waiting[0]
+            r = self.waiting[0] if alone is None else self._requests[alone]
+            if alone is not None and (r.status is not RequestStatus.WAITING or scheduled):
+                break  # the isolated suspect is running, or was just scheduled: nothing joins it
             if r.request_id in finished_ids:
                 break  # the ranks drop the finished request of the same id with this step; admit it next step
             prefix = kv.find_prefix(r)
@@ -251,7 +264,7 @@ class Scheduler:
             appended = kv.allocate(r.request_id, computed + n, prefix)
             if appended is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(r)  # the head, unless an isolated suspect is taken out of turn
             self.running.append(r)
             r.status = RequestStatus.RUNNING
             r.num_computed_tokens = computed
@@ -267,6 +280,14 @@ class Scheduler:
             scheduled.append((r, n))
             budget -= n
 
+        if alone is not None and not scheduled:
+            # The isolated suspect did not fit beside the requests the ranks hold (blocks, encoder room,
+            # max_num_seqs): requeue them, so that it runs alone next step.
+            for victim in [r for r in reversed(self.running) if r.request_id != alone]:
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                finished_ids.append(victim.request_id)
         planner.finish_step()
         if not (scheduled or finished_ids or planner.evict_payload_ids or self._reset_next):
             if self._requests:
@@ -309,23 +330,28 @@ class Scheduler:
         self.num_preemptions += 1
 
     # --- results in ---------------------------------------------------------------------------------------------
-    def update_from_output(self, plan: StepPlan, sampled: Mapping[str, Any]) -> list[RequestUpdate]:
+    def update_from_output(self, plan: StepPlan, sampled: Mapping[str, Any],
+                           failed: Mapping[str, str] | None = None) -> list[RequestUpdate]:
         """Applies a finished step: computed tokens, new cached blocks, rank 0's sampled tokens, stop checks.
 
-        ``sampled`` maps request id -> ``(token_id, logprob, top_logprobs)`` (a bare token id is accepted too).
-        Raises StepOutputError (changing nothing) when it does not match the plan.
+        ``sampled`` maps request id -> ``(token_id, logprob, top_logprobs)`` (a bare token id is accepted too);
+        ``failed`` maps request id -> message for requests rank 0 could not sample: they finish with ERROR
+        (INTERNAL) and the next plan tells the ranks to drop them. Raises StepOutputError (changing nothing) when
+        the two together do not match the plan.
         """
+        failed = failed or {}
         if plan is not self._outstanding:
             raise FailedPrecondition(f"step {plan.step_id} is not the step in flight (stale after a recovery?)")
         live = [(r, n) for r, n in plan.scheduled if self._requests.get(r.request_id) is r and not r.is_finished]
         expected = {r.request_id for r, n in live if r.num_computed_tokens + n == r.num_tokens}
         dropped = {r.request_id for r, _ in plan.scheduled} - {r.request_id for r, _ in live}  # finished meanwhile
-        missing = expected - set(sampled)
-        unexpected = set(sampled) - expected - dropped
-        if missing or unexpected:
+        missing = expected - set(sampled) - set(failed)
+        unexpected = (set(sampled) | set(failed)) - expected - dropped
+        both = set(sampled) & set(failed)
+        if missing or unexpected or both:
             raise StepOutputError(
                 f"step {plan.step_id}: rank 0 returned no token for {sorted(missing)} and unexpected tokens for "
-                f"{sorted(unexpected)}"
+                f"{sorted(unexpected)}" + (f"; both a token and a failure for {sorted(both)}" if both else "")
             )
         self._outstanding = None
         self.planner.end_step()
@@ -336,6 +362,12 @@ class Scheduler:
             self.planner.advance(r)
             if r.request_id not in expected:
                 continue  # a prefill chunk: nothing sampled
+            if r.request_id in failed:
+                self._finish(r, FinishReason.ERROR)
+                updates.append(RequestUpdate(r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage,
+                                             error=f"request {r.request_id} failed at the worker: "
+                                                   f"{failed[r.request_id]}", error_status=Status.INTERNAL))
+                continue
             token, logprob, top = _unpack_sample(sampled[r.request_id])
             r.append_output(token)
             update = RequestUpdate(r.request_id, [token], [(logprob, top)] if r.sampling.return_logprobs else None)
@@ -346,6 +378,8 @@ class Scheduler:
                 self._finish(r, reason)
                 update.finished, update.usage = reason, r.usage
             updates.append(update)
+        if self.isolator.suspects:
+            self.isolator.step_completed({r.request_id: r.num_computed_tokens for r, _ in live})
         return updates
 
     def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
@@ -362,6 +396,7 @@ class Scheduler:
         self._pending_finished.append(r.request_id)
         r.status, r.finish_reason = RequestStatus.FINISHED, reason
         del self._requests[r.request_id]
+        self.isolator.forget(r.request_id)
 
     def finish_request(self, request_id: RequestId | str, reason: FinishReason = FinishReason.CANCELLED,
                        error: str | None = None) -> RequestUpdate | None:
@@ -377,12 +412,32 @@ class Scheduler:
             self.waiting.remove(r)
             r.status, r.finish_reason = RequestStatus.FINISHED, reason
             del self._requests[r.request_id]
+            self.isolator.forget(r.request_id)
         return RequestUpdate(r.request_id, [], None, finished=reason, usage=r.usage, error=error)
 
     # --- group loss -------------------------------------------------------------------------------------------
-    def recover(self) -> None:
+    def recover(self) -> list[RequestUpdate]:
         """The group was lost: every cache is gone. Running requests go back to the front of the queue, in order,
-        as new requests whose prompt includes the tokens generated so far; the step in flight is void."""
+        as new requests whose prompt includes the tokens generated so far; the step in flight is void.
+
+        When the loss happened during a step, poison isolation judges its requests (``scheduler_svc/poison.py``);
+        a request convicted of crashing the group is failed instead of requeued: its final update (ERROR,
+        INTERNAL) is returned."""
+        poisoned: list[RequestUpdate] = []
+        if self._outstanding is not None:
+            step = {r.request_id: r.num_computed_tokens + n for r, n in self._outstanding.scheduled
+                    if self._requests.get(r.request_id) is r}
+            convicted = self.isolator.step_failed(step)
+            if convicted is not None:
+                r = self._requests.pop(convicted)
+                if r in self.running:  # it always is: a scheduled request runs until the step's output
+                    self.running.remove(r)
+                self.kv.free(r.request_id)
+                r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.ERROR
+                poisoned.append(RequestUpdate(
+                    r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage, error_status=Status.INTERNAL,
+                    error=f"request {r.request_id} crashed the worker group twice, the second time running alone; "
+                          "it is failed so that the group keeps serving the other requests"))
         self._outstanding = None
         for r in self.running:
             self.kv.free(r.request_id)
@@ -395,6 +450,7 @@ class Scheduler:
         self.planner.reset()
         self._pending_finished = []  # fresh ranks hold no request
         self._reset_next = True
+        return poisoned
 
     def reset_group(self, group: GroupBudget) -> list[RequestUpdate]:
         """New budgets after a reconnect (call ``recover`` first). Waiting requests that no longer fit fail with

@@ -217,3 +217,71 @@ def test_concurrent_clients_get_their_oracle_answers(group, oracle):
     for t in threads:
         t.join(240)
     assert failures == [] and len(results) == 24
+
+
+# -- sampling extremes never take the group down (docs/SECURITY.md "Sampling limits") ------------------------------
+SAMPLING_PROMPT = [{"role": "user", "content": "Describe a lighthouse on a stormy night in three sentences."}]
+GREEDY_EXTREMES = [  # below the greedy epsilon, or a nucleus of one token: the oracle's greedy answer
+    dict(temperature=1e-40),
+    dict(temperature=1e-30),
+    dict(temperature=1e-45, seed=2**64 - 1),
+    dict(temperature=-0.0),
+    dict(temperature=1.0, top_p=1e-45),
+    dict(temperature=2.0, top_p=1e-45, seed=0, logprobs=20),
+    dict(temperature=1e-40, top_p=1e-45, logprobs=20),
+]
+SAMPLED_EXTREMES = [  # real draws: not comparable with greedy, but complete, finite and reproducible per seed
+    dict(temperature=2.0, top_p=1 - 1e-7, seed=2**64 - 1, logprobs=20),
+    dict(temperature=1e-5, top_p=1.0, seed=1),
+    dict(temperature=2.0, top_p=1.4e-45 * 2, seed=12345),
+]
+
+
+def test_sampling_extremes_never_restart_the_group(group, oracle):
+    from mmcast_client import Internal, InvalidArgument
+
+    generation, pids, restarts = group.generation, group.pids(), group.restarts
+    recoveries = scrape(group.metrics_urls["scheduler"], "mmcast_worker_group_recoveries_total")
+    expected = oracle(SAMPLING_PROMPT)
+    jobs = [("greedy", k, {**GENERATE, **x}) for k, x in enumerate(GREEDY_EXTREMES)]
+    jobs += [("sampled", k, {**GENERATE, **x}) for k, x in enumerate(SAMPLED_EXTREMES)]
+    jobs += [("sampled-again", k, {**GENERATE, **x}) for k, x in enumerate(SAMPLED_EXTREMES)]
+    results: dict = {}
+
+    def run(kind, k, params):
+        with Client(group.target, timeout=300) as client:
+            try:
+                results[kind, k] = client.generate(SAMPLING_PROMPT, **params)
+            except Internal as exc:  # a per-request error is allowed; the group going down is not
+                results[kind, k] = exc
+
+    threads = [threading.Thread(target=run, args=job) for job in jobs]  # concurrent: they share steps
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+
+    assert len(results) == len(jobs)
+    # The group stayed up throughout (per-request errors included): no restart, no recovery.
+    assert (group.generation, group.pids(), group.restarts) == (generation, pids, restarts)
+    assert scrape(group.metrics_urls["scheduler"], "mmcast_worker_group_recoveries_total") == recoveries
+    for (kind, k), result in results.items():
+        if isinstance(result, Internal):
+            assert result.message, (kind, k)
+            continue
+        if kind == "greedy":
+            assert_matches(result, expected, f"greedy extreme {GREEDY_EXTREMES[k]}")
+        else:
+            assert len(result.token_ids) == GENERATE["max_tokens"] and result.finish_reason == "length"
+            assert all(lp.logprob == lp.logprob and lp.logprob <= 0 for lp in result.logprobs), (kind, k)
+            again = results["sampled-again", k]
+            assert isinstance(again, Internal) or again.token_ids == result.token_ids, SAMPLED_EXTREMES[k]
+    failed = {job: str(r) for job, r in results.items() if isinstance(r, Internal)}
+    assert failed == {}  # allowed by the rule above, but none is expected of the sampler
+    with Client(group.target, timeout=60) as client:
+        for top_p in (0.0, -0.0):
+            with pytest.raises(InvalidArgument, match="top_p"):
+                client.generate(SAMPLING_PROMPT, **{**GENERATE, "temperature": 1.0, "top_p": top_p})
+        assert_matches(client.generate(SAMPLING_PROMPT, **GENERATE), expected, "a normal request right after")
+    assert (group.generation, group.pids(), group.restarts) == (generation, pids, restarts)
+    assert scrape(group.metrics_urls["scheduler"], "mmcast_worker_group_recoveries_total") == recoveries

@@ -273,6 +273,10 @@ class Harness:
         plan = self.sched.schedule()
         if plan is None:
             return None
+        return self.apply(plan)
+
+    def apply(self, plan) -> StepRecord:
+        """Runs a scheduled plan on the simulated ranks and feeds rank 0's tokens back to the core."""
         control = plan.control.SerializeToString()  # once, like the service
         totals, sends = plan.totals(), [s for per_rank in plan.rank_payloads for s in per_rank]
         if (totals.sent, totals.payload_bytes_sent) != (len(sends), sum(s.nbytes for s in sends)):

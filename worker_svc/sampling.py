@@ -2,33 +2,54 @@
 
 The draw for output token ``i`` uses a fresh CPU generator seeded from ``(seed, i)``, so a request recomputed after
 preemption or recovery repeats exactly the draws it made before. Log-probabilities are those of the unmodified
-model distribution (``log_softmax`` of the raw logits), whatever temperature and top-p did to the draw.
+model distribution (``log_softmax`` of the logits), whatever temperature and top-p did to the draw.
+
+``sample`` is total over its parameters: whatever the temperature, top-p, seed or logprobs count (NaN, infinities,
+-0.0, denormals, negative or huge values) it returns a token inside the vocabulary and log-probabilities that are
+never NaN. The rules, in order:
+
+- temperature below ``GREEDY_EPSILON`` (or NaN) is greedy. Dividing logits by a denormal temperature overflows
+  to inf and the softmax to NaN; and at 1e-5 a logit gap of 1e-3 already weighs e^-100 (~4e-44, below float32's
+  smallest positive value), so every temperature under the threshold draws the argmax except between near-ties.
+  vLLM uses the same threshold;
+- top-p outside (0, 1) (0, -0.0, negative, NaN, >= 1) is no nucleus cut (an unset proto float is 0); any positive
+  top-p keeps at least the most likely token, so 1e-45 is greedy among the finite logits;
+- a logprobs count <= 0 returns no alternatives; above the vocabulary, the whole vocabulary; alternatives of
+  probability zero are left out;
+- logits: NaN never wins (it is treated as -inf); tokens at +inf share all the probability; -inf is never drawn.
+  Logits with no finite or +inf entry at all carry no distribution: ``SamplingError``, the request's own failure.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 _MASK63 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive indices over the seed space
+GREEDY_EPSILON = 1e-5  # temperatures below this are greedy (see the module docstring)
+
+
+class SamplingError(ValueError):
+    """The logits of one request admit no token (none is finite); that request fails, the rank does not."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # (0, 1]; 1 = no nucleus cut
-    seed: int = 0  # with the output token index, seeds the draw
-    logprobs: int = 0  # top alternatives to return besides the sampled token
+    temperature: float = 0.0  # < GREEDY_EPSILON = greedy
+    top_p: float = 1.0  # (0, 1); anything else = no nucleus cut
+    seed: int = 0  # with the output token index, seeds the draw (any integer; reduced modulo 2^64)
+    logprobs: int = 0  # top alternatives to return besides the sampled token (<= 0: none)
     return_logprobs: bool = False  # False: no log-probabilities at all
 
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
     token_id: int
-    logprob: float | None  # of token_id under the unmodified distribution; None unless asked
-    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+    logprob: float | None  # of token_id under the unmodified distribution (finite); None unless asked
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first; only tokens of non-zero probability
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -38,25 +59,58 @@ def draw_seed(seed: int, index: int) -> int:
     return mixed & _MASK63
 
 
+def is_greedy(temperature: float) -> bool:
+    return not temperature >= GREEDY_EPSILON  # NaN included
+
+
+def clean_logits(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits without NaN or +inf: NaN -> -inf; if any +inf, those tokens 0 and every other -inf.
+    Raises ``SamplingError`` when nothing is left to draw."""
+    logits = logits.detach().float().reshape(-1)
+    if logits.numel() == 0:
+        raise SamplingError("the logits row is empty")
+    if math.isfinite(float(logits.sum())):  # every entry is finite (NaN or inf would show in the sum); one fast
+        return logits  # reduction where an elementwise isfinite() costs ~2x a log_softmax at 152k tokens
+    logits = logits.masked_fill(torch.isnan(logits), -math.inf)
+    pos_inf = torch.isposinf(logits)
+    if bool(pos_inf.any()):
+        return torch.full_like(logits, -math.inf).masked_fill(pos_inf, 0.0)
+    if not bool(torch.isfinite(logits).any()):
+        raise SamplingError(f"none of the {logits.numel()} logits is finite (NaN or -inf everywhere)")
+    return logits
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_probs, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
+    keep = before < top_p
+    keep[0] = True  # the most likely token always stays, however small top_p is
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, index: int) -> Sample:
-    """One token from a ``[vocab]`` logits row. ``index`` is the output token index (0 for the first)."""
-    logits = logits.detach().float()
-    if params.temperature <= 0:
+    """One token from a ``[vocab]`` logits row. ``index`` is the output token index (0 for the first).
+    Raises only ``SamplingError`` (logits without a finite entry)."""
+    logits = clean_logits(logits)
+    temperature = float(params.temperature)
+    if is_greedy(temperature):
         token = int(torch.argmax(logits))
     else:
-        probs = torch.softmax(logits / params.temperature, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
-            sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)  # the first token always stays
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        generator = torch.Generator(device="cpu").manual_seed(draw_seed(params.seed, index))
+        # Shifted by the maximum first: the scaled values are <= 0 with an exact 0 at the maximum, so neither a
+        # small temperature nor a huge logit range can overflow, and the softmax's sum is >= 1 before it normalizes.
+        shifted = (logits - logits.max()) / temperature
+        probs = torch.softmax(torch.nan_to_num(shifted, nan=-math.inf), dim=-1)
+        top_p = float(params.top_p)
+        if 0.0 < top_p < 1.0:
+            probs = _nucleus(probs, top_p)
+        generator = torch.Generator(device="cpu").manual_seed(draw_seed(int(params.seed), int(index)))
         token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
     if not params.return_logprobs:
         return Sample(token, None, [])
     logprobs = torch.log_softmax(logits, dim=-1)
     top: list[tuple[int, float]] = []
-    if params.logprobs > 0:
-        values, ids = torch.topk(logprobs, min(params.logprobs, logprobs.shape[-1]))
-        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    k = min(int(params.logprobs), logprobs.shape[-1])
+    if k > 0:
+        values, ids = torch.topk(logprobs, k)
+        top = [(i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v != -math.inf]
     return Sample(token, float(logprobs[token]), top)

@@ -34,6 +34,8 @@ def step_result(step_id: int, rank: int, outcome: StepOutcome, handle: StreamHan
             token.logprob = s.logprob
             for token_id, logprob in s.top:
                 token.top_logprobs.add(token_id=token_id, logprob=logprob)
+    for request_id, message in outcome.failed:
+        result.failures.add(request_id=request_id, message=message)
     stats = result.stats
     stats.encoder_seconds = outcome.encoder_seconds
     stats.encoder_items = outcome.encoder_items

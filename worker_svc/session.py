@@ -15,6 +15,7 @@ A step runs in three phases:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -26,9 +27,10 @@ from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, Payloa
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.requests import RequestState, admit, check_blocks, check_prefix_written, check_tokens
 from worker_svc.runner import ENCODER_FIELDS, ForwardInput
-from worker_svc.sampling import Sample, sample
+from worker_svc.sampling import Sample, SamplingError, sample
 from worker_svc.step_errors import StepError, code
 
+log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class _Plan:
@@ -45,9 +47,10 @@ class _Plan:
 
 @dataclasses.dataclass
 class StepOutcome:
-    sampled: list[tuple[RequestId, Sample]]
+    sampled: list[tuple[RequestId, Sample]]  # rank 0: the token of every request the step sampled, except...
     encoder_seconds: float
     encoder_items: int
+    failed: list[tuple[RequestId, str]] = dataclasses.field(default_factory=list)  # ...these: (id, why) (rank 0)
 
 
 class Session:
@@ -360,6 +363,7 @@ class Session:
         logits = r.forward(inputs, batch_decode=self.batch_decode) if inputs else []
 
         sampled: list[tuple[RequestId, Sample]] = []
+        failed: list[tuple[RequestId, str]] = []
         for (state, _start, end), row in zip(plan.windows, logits, strict=True):
             state.num_computed = end
             full = end // r.block_size
@@ -367,9 +371,23 @@ class Session:
             self.written.update(state.block_ids[state.blocks_in_pool : full])
             state.blocks_in_pool = max(state.blocks_in_pool, full)
             if row is not None and self.rank == 0:
-                sampled.append((state.request_id, sample(row, state.sampling, state.num_output_tokens)))
+                outcome = self._sample(state, row)
+                (sampled if isinstance(outcome, Sample) else failed).append((state.request_id, outcome))
         self._report_sizes()
-        return StepOutcome(sampled, encoder_seconds, len(plan.encode))
+        return StepOutcome(sampled, encoder_seconds, len(plan.encode), failed)
+
+    def _sample(self, state: RequestState, row: torch.Tensor) -> Sample | str:
+        """The request's token, or why sampling it failed. Sampling runs after every collective of the step and
+        only here on rank 0, so a failure is the request's alone: the group's state is intact (see worker.py)."""
+        try:
+            return sample(row, state.sampling, state.num_output_tokens)
+        except Exception as exc:  # any failure of one request's draw or log-probabilities
+            log.warning(
+                "sampling failed; the request fails alone",
+                extra={"request_id": state.request_id, "error": repr(exc)},
+                exc_info=not isinstance(exc, SamplingError),
+            )
+            return f"sampling failed on rank {self.rank}: {exc}"
 
     def _report_sizes(self) -> None:
         if self.metrics is not None:

@@ -2,11 +2,17 @@
 thread. The gRPC servicer only translates frames to calls on this object.
 
 Failure policy:
+- A failure of one request alone is that request's error, never the rank's: sampling (and its log-probabilities)
+  runs on rank 0 after every collective of the step, so when it fails for one request (``Session._sample``) the
+  group's state is intact; the StepResult lists the request in ``failures``, the scheduler fails it with INTERNAL
+  and tells every rank to drop it in the next step's ``finished_request_ids``.
 - A step the rank cannot apply is a ``StepError``: reported to the scheduler, the stream's state dropped, the
   rank keeps serving.
 - With ``world_size > 1``, anything else failing during a step (a collective that timed out or lost its peer, a
   crash inside the sharded forward) leaves the group in an unknown state: the rank logs one clear line and exits
-  non-zero, so the supervisor restarts the whole group.
+  non-zero, so the supervisor restarts the whole group. Only such faults of the rank or its group end a rank; if a
+  request's input is what crashes the group, the scheduler's poison isolation (``scheduler_svc/poison.py``) finds
+  and fails that request after the group's second failure with it.
 """
 
 from __future__ import annotations

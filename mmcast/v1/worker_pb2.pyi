@@ -222,17 +222,27 @@ class WorkerStepStats(_message.Message):
     received_payload_bytes: int
     def __init__(self, step_seconds: _Optional[float] = ..., encoder_seconds: _Optional[float] = ..., encoder_items: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., payload_cache_items: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., received_payload_bytes: _Optional[int] = ...) -> None: ...
 
+class RequestFailure(_message.Message):
+    __slots__ = ("request_id", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "rank", "sampled", "stats")
+    __slots__ = ("step_id", "rank", "sampled", "stats", "failures")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rank: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     stats: WorkerStepStats
-    def __init__(self, step_id: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., stats: _Optional[_Union[WorkerStepStats, _Mapping]] = ...) -> None: ...
+    failures: _containers.RepeatedCompositeFieldContainer[RequestFailure]
+    def __init__(self, step_id: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., stats: _Optional[_Union[WorkerStepStats, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ...) -> None: ...
 
 class ProtocolError(_message.Message):
     __slots__ = ("step_id", "code", "message", "request_id", "item_identifier", "rank")

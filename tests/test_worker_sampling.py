@@ -1,0 +1,207 @@
+"""The rank's sampler (``worker_svc/sampling.py``): exact rules for the extremes, and hypothesis fuzzing of every
+sampling parameter and of non-finite logits — never an exception for parameters, a token inside the vocabulary,
+no NaN log-probability.
+
+Budgets: the ``quick`` properties run in ``make test``; the ``fuzz``-marked ones with ``make fuzz`` at a hundred
+times the examples (the same property)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from worker_svc.sampling import GREEDY_EPSILON, SamplingError, SamplingParams, draw_seed, sample
+
+VOCAB = 64
+SCALE = 100  # make fuzz: this many times the examples of make test
+
+
+def logits_row(seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 4
+
+
+def test_temperatures_below_the_epsilon_are_greedy():
+    row = logits_row()
+    best = int(torch.argmax(row))
+    for t in (0.0, -0.0, 1e-45, 1e-40, 1e-38, 1e-30, GREEDY_EPSILON / 2, math.nan, -1.0, -math.inf):
+        for seed in (0, 1, 2**64 - 1):
+            got = sample(row, SamplingParams(temperature=t, seed=seed, return_logprobs=True), 3)
+            assert got.token_id == best, t
+            assert got.logprob == pytest.approx(float(torch.log_softmax(row, -1)[best]))
+
+
+def test_small_temperature_above_the_epsilon_still_samples_and_is_reproducible():
+    # Two near-equal top logits: at 1e-5 a gap of 1e-6 still leaves both probable, so draws differ across seeds.
+    row = torch.full((VOCAB,), -10.0)
+    row[5], row[9] = 3.0, 3.0 - 1e-6
+    draws = {sample(row, SamplingParams(temperature=GREEDY_EPSILON, seed=s), 0).token_id for s in range(40)}
+    assert draws == {5, 9}
+    again = [sample(row, SamplingParams(temperature=GREEDY_EPSILON, seed=s), 0).token_id for s in range(40)]
+    assert again == [sample(row, SamplingParams(temperature=GREEDY_EPSILON, seed=s), 0).token_id for s in range(40)]
+
+
+def test_tiny_top_p_keeps_only_the_most_likely_token():
+    row = logits_row(1)
+    best = int(torch.argmax(row))
+    for top_p in (1e-45, 1e-38, 1e-7, float(torch.softmax(row, -1).max()) * 0.999):
+        tokens = {sample(row, SamplingParams(temperature=1.0, top_p=top_p, seed=s), 0).token_id for s in range(30)}
+        assert tokens == {best}, top_p
+
+
+def test_top_p_outside_the_open_interval_is_no_cut():
+    row = torch.zeros(VOCAB)  # uniform: without a cut every token is possible
+    for top_p in (0.0, -0.0, -1.0, math.nan, 1.0, 5.0, math.inf):
+        tokens = {sample(row, SamplingParams(temperature=1.0, top_p=top_p, seed=s), 0).token_id for s in range(400)}
+        assert len(tokens) > VOCAB // 2, top_p
+
+
+def test_top_p_just_below_one_cuts_only_the_tail():
+    row = torch.zeros(VOCAB)
+    row[0] = -40.0  # probability ~e^-40 / 63: in the last 1e-7 of the mass
+    tokens = {sample(row, SamplingParams(temperature=1.0, top_p=1 - 1e-7, seed=s), 0).token_id for s in range(300)}
+    assert 0 not in tokens and len(tokens) > VOCAB // 2
+
+
+def test_non_finite_logits():
+    row = logits_row(2)
+    row[7] = math.nan
+    row[11] = -math.inf
+    best = int(torch.argmax(torch.nan_to_num(row, nan=-math.inf)))
+    got = sample(row, SamplingParams(return_logprobs=True, logprobs=VOCAB), 0)
+    assert got.token_id == best and math.isfinite(got.logprob)
+    assert {t for t, _ in got.top} == set(range(VOCAB)) - {7, 11}  # zero-probability tokens are left out
+    assert all(math.isfinite(v) for _, v in got.top)
+    # +inf: those tokens share all the probability
+    row[20] = row[30] = math.inf
+    for t in (0.0, 1.0, 2.0):
+        draws = [sample(row, SamplingParams(temperature=t, seed=s, return_logprobs=True), 0) for s in range(30)]
+        assert {d.token_id for d in draws} <= {20, 30}
+        assert all(d.logprob == pytest.approx(math.log(0.5)) for d in draws)
+    with pytest.raises(SamplingError, match="none of the 64 logits is finite"):
+        sample(torch.full((VOCAB,), math.nan), SamplingParams(), 0)
+    with pytest.raises(SamplingError):
+        sample(torch.full((VOCAB,), -math.inf), SamplingParams(temperature=1.0), 0)
+
+
+def test_huge_logit_ranges_do_not_overflow():
+    row = torch.tensor([3e38, -3e38, 3e38 - 1e33, 0.0])
+    for t in (GREEDY_EPSILON, 0.5, 2.0, 1e30):
+        got = sample(row, SamplingParams(temperature=t, return_logprobs=True, logprobs=4), 0)
+        assert got.token_id in (0, 2, 3) and not math.isnan(got.logprob)
+        assert all(not math.isnan(v) for _, v in got.top)
+
+
+def test_logprobs_limits():
+    row = logits_row(3)
+    assert sample(row, SamplingParams(return_logprobs=True, logprobs=-5), 0).top == []
+    assert sample(row, SamplingParams(return_logprobs=True, logprobs=0), 0).top == []
+    top = sample(row, SamplingParams(return_logprobs=True, logprobs=2**40), 0).top
+    assert [t for t, _ in top] == torch.argsort(row, descending=True).tolist()
+    assert sample(row, SamplingParams(return_logprobs=False, logprobs=20), 0).logprob is None
+
+
+def test_seeds_of_any_size_draw_reproducibly():
+    row = torch.zeros(VOCAB)
+    for seed in (0, 1, -1, -(2**70), 2**63, 2**64 - 1, 2**64, 2**200):
+        s = draw_seed(seed, 0)
+        assert 0 <= s < 2**63
+        a = sample(row, SamplingParams(temperature=1.0, seed=seed), 5).token_id
+        assert a == sample(row, SamplingParams(temperature=1.0, seed=seed), 5).token_id
+
+
+# --- fuzzing -----------------------------------------------------------------------------------------------------
+
+special_floats = st.sampled_from(
+    [0.0, -0.0, 1e-45, -1e-45, 1e-40, 1e-38, 1e-30, 1e-7, GREEDY_EPSILON, 1 - 1e-7, 1.0, 1 + 1e-7, 2.0, 1e4, 3e38,
+     math.inf, -math.inf, math.nan]
+)
+any_float = st.one_of(special_floats, st.floats(allow_nan=True, allow_infinity=True, width=32), st.floats())
+seeds = st.one_of(st.integers(0, 2**64 - 1), st.integers(-(2**80), 2**80), st.sampled_from([0, 2**63, 2**64 - 1]))
+logprob_counts = st.one_of(st.integers(-3, VOCAB + 3), st.integers(-(2**40), 2**40), st.just(20))
+logit_values = st.one_of(
+    st.floats(-30, 30, width=32), st.sampled_from([math.nan, math.inf, -math.inf, 3e38, -3e38, 1e-45]),
+)
+
+
+@st.composite
+def rows(draw) -> torch.Tensor:
+    vocab = draw(st.integers(1, VOCAB))
+    base = draw(st.lists(st.floats(-30, 30, width=32), min_size=vocab, max_size=vocab))
+    row = torch.tensor(base, dtype=torch.float32)
+    for index, value in draw(st.lists(st.tuples(st.integers(0, vocab - 1), logit_values), max_size=vocab)):
+        row[index] = value
+    return row.to(draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])))
+
+
+def check_sample(row: torch.Tensor, params: SamplingParams, index: int) -> None:
+    usable = torch.isfinite(row.float()) | torch.isposinf(row.float())
+    if not bool(usable.any()):
+        with pytest.raises(SamplingError):
+            sample(row, params, index)
+        return
+    got = sample(row, params, index)
+    assert 0 <= got.token_id < row.numel()
+    assert bool(usable[got.token_id]), "drew a NaN or -inf logit"
+    if params.return_logprobs:
+        assert got.logprob is not None and math.isfinite(got.logprob) and got.logprob <= 1e-6
+        assert len(got.top) <= max(0, min(params.logprobs, row.numel()))
+        assert all(0 <= t < row.numel() and not math.isnan(v) and v <= 1e-6 for t, v in got.top)
+    else:
+        assert got.logprob is None and got.top == []
+
+
+def run(prop, examples: int, long: bool) -> None:
+    settings(max_examples=examples * (SCALE if long else 1), deadline=None, database=None,
+             suppress_health_check=list(HealthCheck))(prop)()
+
+
+def fuzz_parameters(long: bool) -> None:
+    @given(temperature=any_float, top_p=any_float, seed=seeds, logprobs=logprob_counts,
+           return_logprobs=st.booleans(), index=st.one_of(st.integers(0, 4096), st.integers(-(2**70), 2**70)))
+    def prop(temperature, top_p, seed, logprobs, return_logprobs, index):
+        params = SamplingParams(temperature, top_p, seed, logprobs, return_logprobs)
+        check_sample(logits_row(abs(seed) % 7), params, index)
+
+    run(prop, 150, long)
+
+
+def fuzz_logits(long: bool) -> None:
+    @given(row=rows(), temperature=any_float, top_p=any_float, seed=seeds, logprobs=logprob_counts)
+    def prop(row, temperature, top_p, seed, logprobs):
+        check_sample(row, SamplingParams(temperature, top_p, seed, logprobs, True), 0)
+
+    run(prop, 150, long)
+
+
+def test_fuzz_sampling_parameters_quick():
+    fuzz_parameters(long=False)
+
+
+def test_fuzz_logits_quick():
+    fuzz_logits(long=False)
+
+
+@pytest.mark.fuzz
+def test_fuzz_sampling_parameters():
+    fuzz_parameters(long=True)
+
+
+@pytest.mark.fuzz
+def test_fuzz_logits():
+    fuzz_logits(long=True)
+
+
+@given(temperature=st.floats(0, 2, width=32), top_p=st.floats(0, 1, width=32, exclude_min=True))
+@settings(max_examples=100, deadline=None, database=None)
+def test_every_parameter_the_api_admits_samples(temperature, top_p):
+    """Exactly the ranges ``scheduler_svc/api.py parse_sampling`` admits, through the rank's proto parsing."""
+    from mmcast.v1 import worker_pb2
+    from worker_svc.requests import sampling_from_proto
+
+    msg = worker_pb2.WorkerSampling(temperature=temperature, top_p=top_p, seed=2**64 - 1, logprobs=20,
+                                    return_logprobs=True)
+    check_sample(logits_row(), sampling_from_proto(msg, "r"), 0)
