@@ -21,7 +21,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.server import SchedulerServer
 from tests.oracle import Oracle, wait_until
 from tests.service_harness import LoopThread
-from tests.worker_driver import InProcessWorker
+from tests.worker_driver import InProcessWorker, rank_token_file
 from worker_svc import session as session_module
 from worker_svc.config import WorkerConfig
 
@@ -41,10 +41,10 @@ def failing_sample(real):
 @pytest.fixture(scope="module")
 def service(tiny_model_dir):
     rank = InProcessWorker(WorkerConfig(model=str(tiny_model_dir), listen="127.0.0.1:0", kv_blocks=256,
-                                        scheduler_id="test"))
+                                        scheduler_id="test", shared_token_file=rank_token_file()))
     lt = LoopThread()
     config = SchedulerConfig(model=str(tiny_model_dir), workers=[rank.target], listen="127.0.0.1:0", metrics_port=0,
-                             scheduler_id="test")
+                             scheduler_id="test", worker_token_file=rank_token_file())
     server = SchedulerServer(config)
 
     async def up():
