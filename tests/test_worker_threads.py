@@ -46,7 +46,8 @@ def test_the_cgroup_quota_caps_the_affinity_mask(eight_cpus):
 
 def test_the_default_splits_the_cpus_among_the_local_ranks(eight_cpus):
     _write(eight_cpus / "no-cgroup" / "cpu.max", "max 100000\n")
-    env = {"MMCAST_MODEL": "/m"}
+    _write(eight_cpus / "token", "a-token-of-sixteen-or-more-characters\n")
+    env = {"MMCAST_MODEL": "/m", "MMCAST_SHARED_TOKEN_FILE": str(eight_cpus / "token")}
     assert load_config([], env).threads == 8
     assert load_config(["--local-ranks", "2"], env).threads == 4
     assert load_config([], {**env, "MMCAST_LOCAL_RANKS": "3"}).threads == 2  # rounded down
@@ -55,8 +56,9 @@ def test_the_default_splits_the_cpus_among_the_local_ranks(eight_cpus):
     assert default_threads(4) == 2
 
 
-def test_the_default_follows_the_real_machine():
-    assert WorkerConfig(model="/m").threads == available_cpus()
+def test_the_default_follows_the_real_machine(tmp_path):
+    _write(tmp_path / "token", "a-token-of-sixteen-or-more-characters\n")
+    assert WorkerConfig(model="/m", shared_token_file=str(tmp_path / "token")).threads == available_cpus()
     assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
 
 
