@@ -138,20 +138,25 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def cmd_serve_local(args: argparse.Namespace) -> int:
     import tempfile
 
-    from mmcast_client.local_group import LocalGroup, ready_line
+    from common.process import EXIT_STARTUP_FAILURE
+    from mmcast_client.local_group import LocalGroup, StartupFailure, ready_line
 
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="mmcast-serve-local-")
-    group = LocalGroup(
-        args.model,
-        args.tp,
-        args.transfer_mode,
-        port=args.port,
-        metrics_port_base=args.metrics_port_base,
-        kv_blocks=args.kv_blocks,
-        scheduler_args=args.extra,
-        log_dir=log_dir,
-        ready_timeout=args.ready_timeout,
-    )
+    try:  # checks the flags and, from config.json alone, that the checkpoint shards over --tp ranks
+        group = LocalGroup(
+            args.model,
+            args.tp,
+            args.transfer_mode,
+            port=args.port,
+            metrics_port_base=args.metrics_port_base,
+            kv_blocks=args.kv_blocks,
+            scheduler_args=args.extra,
+            log_dir=log_dir,
+            ready_timeout=args.ready_timeout,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_STARTUP_FAILURE
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         print(f"starting 1 scheduler + {args.tp} worker rank(s); logs in {log_dir}", file=sys.stderr, flush=True)
@@ -168,10 +173,13 @@ def cmd_serve_local(args: argparse.Namespace) -> int:
         while group.failure is None:
             time.sleep(0.5)
         print(f"error: {group.failure}", file=sys.stderr)
-        return 1
+        return EXIT_STARTUP_FAILURE if group.startup_failed else 1
     except (KeyboardInterrupt, _Terminated):
         print("stopping", file=sys.stderr, flush=True)
         return 0
+    except StartupFailure as e:  # one line: the cause; no restarts were attempted
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_STARTUP_FAILURE
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
