@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="output folder (created; left alone if it already holds the model)")
     p.add_argument("--variant", choices=("qwen2_vl", "qwen2_5_vl"), default="qwen2_vl", help="architecture")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        choices=(1, 2, 4, 8),
+        default=4,
+        help="KV heads of the 8 query heads (default 4; 2 is Qwen2-VL-2B's grouping: --tp 4 then replicates them)",
+    )
     p.set_defaults(handler="cmd_make_tiny_model")
 
     p = sub.add_parser(
@@ -129,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from common.tiny_model import ensure_tiny_model  # torch + transformers: only here
 
-    path = ensure_tiny_model(os.path.expanduser(args.dir), variant=args.variant, seed=args.seed)
+    path = ensure_tiny_model(os.path.expanduser(args.dir), variant=args.variant, seed=args.seed, kv_heads=args.kv_heads)
     print(path)
     return 0
 
