@@ -33,6 +33,14 @@ def ensure_allocator_env() -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+# Exit status of a scheduler or worker that refused to start for a reason a restart cannot cure: a bad flag, a
+# checkpoint the configuration rules reject (common/model_checks.py), a missing chat template. argparse exits with
+# the same status on a bad flag. Supervisors (mmcast_client/local_group.py) stop at once on it and show its cause;
+# any other non-zero status is a crash, worth a restart. The process logs the cause first, as one line (a JSON log
+# record with "startup_failure": true, see startup_failure()).
+EXIT_STARTUP_FAILURE = 2
+
+
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
@@ -109,3 +117,34 @@ def setup_logging(component: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def startup_failure(logger: logging.Logger, cause: str, **fields: object) -> int:
+    """Logs why this process cannot start and returns ``EXIT_STARTUP_FAILURE`` for its main to exit with.
+
+    ``cause`` is the whole sentence a user reads (what is wrong, and the flag or file that fixes it): a supervisor
+    prints it alone, as one line. ``fields`` go into the JSON record as keys.
+    """
+    logger.critical(cause, extra={"startup_failure": True, **fields})
+    return EXIT_STARTUP_FAILURE
+
+
+def startup_failure_cause(log_text: str) -> str | None:
+    """The cause a process that exited with ``EXIT_STARTUP_FAILURE`` gave, from its log (stdout and stderr).
+
+    The last JSON record marked ``"startup_failure": true`` (see ``startup_failure``), else argparse's
+    ``PROG: error: ...`` line, else None.
+    """
+    usage_error = None
+    for line in reversed(log_text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("startup_failure") is True:
+                return str(record.get("msg", ""))
+        elif usage_error is None and ": error: " in line:
+            usage_error = line
+    return usage_error

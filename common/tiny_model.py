@@ -12,7 +12,8 @@ Everything downstream loads it as it would load a local Qwen2-VL-2B-Instruct che
 the processor — that is `AutoProcessor.from_pretrained(path)` where torchvision is installed, and the same processor
 without video support where it is not (transformers 5.24's `AutoProcessor` insists on a torchvision video processor
 for every Qwen2-VL checkpoint). A real checkpoint folder replaces this one without code changes. Head counts, KV
-head counts and widths divide by 4, so tensor parallel sizes 1, 2 and 4 all shard it.
+head counts and widths divide by 4, so tensor parallel sizes 1, 2 and 4 all shard it. ``kv_heads=2`` builds the
+same model with 2 KV heads (the grouping of Qwen2-VL-2B): at TP 4 each KV head is then held by two ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import shutil
 import tempfile
 
 VARIANTS = ("qwen2_vl", "qwen2_5_vl")
+DEFAULT_KV_HEADS = 4
+KV_HEAD_CHOICES = (1, 2, 4, 8)  # divisors of the 8 query heads
 
 # Written last by a build; its presence means the folder is complete. It records what was built.
 MARKER_FILE = "mmcast_tiny_model.json"
@@ -212,9 +215,15 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_config(variant: str = "qwen2_vl"):
-    """The model config of `variant`, with the special token ids of `build_tokenizer`."""
+def _check_kv_heads(kv_heads: int) -> None:
+    if kv_heads not in KV_HEAD_CHOICES:
+        raise ValueError(f"kv_heads={kv_heads} must be one of {KV_HEAD_CHOICES} (it groups the 8 query heads)")
+
+
+def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS):
+    """The model config of `variant` with `kv_heads` KV heads, with the special token ids of `build_tokenizer`."""
     _check_variant(variant)
+    _check_kv_heads(kv_heads)
     token_ids = {
         "image_token_id": SPECIAL_TOKEN_IDS["<|image_pad|>"],
         "video_token_id": SPECIAL_TOKEN_IDS["<|video_pad|>"],
@@ -226,7 +235,7 @@ def build_config(variant: str = "qwen2_vl"):
     else:
         from transformers import Qwen2_5_VLConfig as config_class
     return config_class(
-        text_config=dict(_TEXT_CONFIG),
+        text_config={**_TEXT_CONFIG, "num_key_value_heads": kv_heads},
         vision_config=dict(_VISION_CONFIGS[variant]),
         tie_word_embeddings=False,
         dtype="float32",
@@ -291,7 +300,7 @@ def load_processor(model_dir: str | os.PathLike):
     )
 
 
-def build_model(variant: str = "qwen2_vl", *, seed: int = 0):
+def build_model(variant: str = "qwen2_vl", *, seed: int = 0, kv_heads: int = DEFAULT_KV_HEADS):
     """The randomly initialised model of `variant`, in memory; the same seed gives bit-identical weights.
 
     The caller's torch RNG state is left as it was.
@@ -299,7 +308,7 @@ def build_model(variant: str = "qwen2_vl", *, seed: int = 0):
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    config = build_config(variant)
+    config = build_config(variant, kv_heads=kv_heads)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -326,28 +335,31 @@ def recipe_id() -> str:
     return digest.hexdigest()[:16]
 
 
-def build_tiny_model(out_dir: str | os.PathLike, *, variant: str = "qwen2_vl", seed: int = 0) -> pathlib.Path:
+def build_tiny_model(
+    out_dir: str | os.PathLike, *, variant: str = "qwen2_vl", seed: int = 0, kv_heads: int = DEFAULT_KV_HEADS
+) -> pathlib.Path:
     """Builds the tiny model of `variant` into `out_dir` (created if missing) and returns its path.
 
     The same seed gives bit-identical weights and identical tokenizer files. The marker file is written last.
     """
     _check_variant(variant)
+    _check_kv_heads(kv_heads)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER_FILE).unlink(missing_ok=True)
     processor = build_processor(variant)
-    build_model(variant, seed=seed).save_pretrained(out)
+    build_model(variant, seed=seed, kv_heads=kv_heads).save_pretrained(out)
     # The file layout of a Hub Qwen2-VL checkpoint: preprocessor_config.json naming the processor class, next to
     # the tokenizer files and chat_template.jinja (not 5.x's processor_config.json).
     processor.tokenizer.save_pretrained(out)
     processor.image_processor.save_pretrained(out)
     _add_json_fields(out / "preprocessor_config.json", processor_class=_processor_class(variant).__name__)
-    (out / MARKER_FILE).write_text(json.dumps(_marker(variant, seed), sort_keys=True) + "\n")
+    (out / MARKER_FILE).write_text(json.dumps(_marker(variant, seed, kv_heads), sort_keys=True) + "\n")
     return out
 
 
-def _marker(variant: str, seed: int) -> dict:
-    return {"variant": variant, "seed": seed, "recipe": recipe_id()}
+def _marker(variant: str, seed: int, kv_heads: int) -> dict:
+    return {"variant": variant, "seed": seed, "kv_heads": kv_heads, "recipe": recipe_id()}
 
 
 def _add_json_fields(path: pathlib.Path, **fields) -> None:
@@ -356,38 +368,41 @@ def _add_json_fields(path: pathlib.Path, **fields) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _complete(path: pathlib.Path, variant: str, seed: int) -> bool:
+def _complete(path: pathlib.Path, variant: str, seed: int, kv_heads: int) -> bool:
     """Whether `path` holds the finished build of (variant, seed); raises if it holds another one."""
     try:
         built = json.loads((path / MARKER_FILE).read_text())
     except (FileNotFoundError, NotADirectoryError):
         return False
-    wanted = _marker(variant, seed)
+    wanted = _marker(variant, seed, kv_heads)
     if built != wanted:
         raise ValueError(f"{path} holds the tiny model {built}, not {wanted}; delete it or pass another folder")
     return True
 
 
-def ensure_tiny_model(out_dir: str | os.PathLike, *, variant: str = "qwen2_vl", seed: int = 0) -> pathlib.Path:
+def ensure_tiny_model(
+    out_dir: str | os.PathLike, *, variant: str = "qwen2_vl", seed: int = 0, kv_heads: int = DEFAULT_KV_HEADS
+) -> pathlib.Path:
     """Returns `out_dir` once it holds the complete tiny model, building it only if it does not yet.
 
     The build goes to a temporary sibling folder that is renamed into place, so concurrent callers (test workers,
     the ranks of one group) never see a half-written folder; the loser of a race discards its copy.
     """
     _check_variant(variant)
+    _check_kv_heads(kv_heads)
     out = pathlib.Path(out_dir)
-    if _complete(out, variant, seed):
+    if _complete(out, variant, seed, kv_heads):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        build_tiny_model(tmp, variant=variant, seed=seed)
+        build_tiny_model(tmp, variant=variant, seed=seed, kv_heads=kv_heads)
         tmp.chmod(0o755)  # mkdtemp makes it private
         try:
             # rename(2) replaces a missing or empty directory atomically and fails on a non-empty one.
             os.rename(tmp, out)
         except OSError:
-            if not _complete(out, variant, seed):  # another caller's build won the race, or a foreign folder
+            if not _complete(out, variant, seed, kv_heads):  # another caller's build won the race, or a foreign folder
                 raise FileExistsError(
                     f"{out} is not empty but holds no complete tiny model; delete it or pass another folder"
                 ) from None

@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="output folder (created; left alone if it already holds the model)")
     p.add_argument("--variant", choices=("qwen2_vl", "qwen2_5_vl"), default="qwen2_vl", help="architecture")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        choices=(1, 2, 4, 8),
+        default=4,
+        help="KV heads of the 8 query heads (default 4; 2 is Qwen2-VL-2B's grouping: --tp 4 then replicates them)",
+    )
     p.set_defaults(handler="cmd_make_tiny_model")
 
     p = sub.add_parser(
@@ -129,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from common.tiny_model import ensure_tiny_model  # torch + transformers: only here
 
-    path = ensure_tiny_model(os.path.expanduser(args.dir), variant=args.variant, seed=args.seed)
+    path = ensure_tiny_model(os.path.expanduser(args.dir), variant=args.variant, seed=args.seed, kv_heads=args.kv_heads)
     print(path)
     return 0
 
@@ -138,20 +145,25 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def cmd_serve_local(args: argparse.Namespace) -> int:
     import tempfile
 
-    from mmcast_client.local_group import LocalGroup, ready_line
+    from common.process import EXIT_STARTUP_FAILURE
+    from mmcast_client.local_group import LocalGroup, StartupFailure, ready_line
 
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="mmcast-serve-local-")
-    group = LocalGroup(
-        args.model,
-        args.tp,
-        args.transfer_mode,
-        port=args.port,
-        metrics_port_base=args.metrics_port_base,
-        kv_blocks=args.kv_blocks,
-        scheduler_args=args.extra,
-        log_dir=log_dir,
-        ready_timeout=args.ready_timeout,
-    )
+    try:  # checks the flags and, from config.json alone, that the checkpoint shards over --tp ranks
+        group = LocalGroup(
+            args.model,
+            args.tp,
+            args.transfer_mode,
+            port=args.port,
+            metrics_port_base=args.metrics_port_base,
+            kv_blocks=args.kv_blocks,
+            scheduler_args=args.extra,
+            log_dir=log_dir,
+            ready_timeout=args.ready_timeout,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_STARTUP_FAILURE
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         print(f"starting 1 scheduler + {args.tp} worker rank(s); logs in {log_dir}", file=sys.stderr, flush=True)
@@ -168,10 +180,13 @@ def cmd_serve_local(args: argparse.Namespace) -> int:
         while group.failure is None:
             time.sleep(0.5)
         print(f"error: {group.failure}", file=sys.stderr)
-        return 1
+        return EXIT_STARTUP_FAILURE if group.startup_failed else 1
     except (KeyboardInterrupt, _Terminated):
         print("stopping", file=sys.stderr, flush=True)
         return 0
+    except StartupFailure as e:  # one line: the cause; no restarts were attempted
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_STARTUP_FAILURE
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -8,7 +8,11 @@
 Supervision: if any rank exits, every rank is stopped and the whole group restarted with a fresh
 torch.distributed port (the ranks keep their gRPC ports, so the scheduler reconnects by itself); if the scheduler
 exits, it alone is restarted. After `max_restarts` restarts within `restart_window_seconds` the group is given up
-(`failure` says why). Every child runs in its own process group with PR_SET_PDEATHSIG, so none outlives the
+(`failure` says why). A process that exits with `EXIT_STARTUP_FAILURE` (common/process.py: a bad flag, a checkpoint
+the rules of common/model_checks.py reject, a model that does not load) is not restarted: no restart would cure it,
+so the group stops at once and `failure` is the cause that process logged, as one line (`wait_ready` raises
+`StartupFailure` with it). The TP size is checked against the checkpoint's config.json before anything starts,
+naming `--tp`. Every child runs in its own process group with PR_SET_PDEATHSIG, so none outlives the
 supervisor, even one killed with SIGKILL; all spawning happens on one long-lived supervisor thread because the
 kernel ties PDEATHSIG to the thread that forked the child.
 
@@ -41,7 +45,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from common.process import ALLOCATOR_ENV
+from common.model_checks import check_checkpoint
+from common.process import ALLOCATOR_ENV, EXIT_STARTUP_FAILURE, startup_failure_cause
 
 log = logging.getLogger("mmcast.local_group")
 
@@ -93,6 +98,10 @@ def _command(script: str, module: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
+class StartupFailure(RuntimeError):
+    """A process of the group refused to start for a reason a restart cannot cure; the message is its cause."""
+
+
 @dataclasses.dataclass
 class _Child:
     name: str  # "scheduler" or "rank<r>"
@@ -136,6 +145,8 @@ class LocalGroup:
             raise ValueError(f"port={port} must be in [0, 65535] (0 picks a free one)")
         if metrics_port_base is not None and not 1 <= metrics_port_base <= 65535 - tp:
             raise ValueError(f"metrics_port_base={metrics_port_base} must be in [1, {65535 - tp}]")
+        if os.path.isfile(os.path.join(model_dir, "config.json")):  # else the processes say what is missing
+            check_checkpoint(model_dir, tp, "--tp")  # ModelConfigError (a ValueError), one line naming --tp
         self.model_dir = str(model_dir)
         self.tp = tp
         self.transfer_mode = transfer_mode
@@ -175,6 +186,7 @@ class LocalGroup:
         self.generation = 0  # incremented on every (re)start of the worker group
         self.restarts = 0  # restarts of the worker group or the scheduler after an exit
         self.failure: str | None = None  # set when the supervisor gave up
+        self.startup_failed = False  # the failure is a process's start-up failure (its cause), not a crash loop
         self._restart_times: list[float] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -251,6 +263,8 @@ class LocalGroup:
             pending = 0
             while True:
                 if self.failure:
+                    if self.startup_failed:
+                        raise StartupFailure(self.failure)
                     raise RuntimeError(f"the local group failed: {self.failure}\n{self.log_tails()}")
                 if self._stopping.is_set():
                     raise RuntimeError("the local group was stopped while waiting for readiness")
@@ -348,18 +362,48 @@ class LocalGroup:
             while not self._stopping.wait(0.2):
                 dead = [c for c in self.workers if c.process is not None and c.process.poll() is not None]
                 if dead:
+                    if self._gave_up_on_startup(dead):
+                        break
                     codes = ", ".join(f"{c.name} exit {c.process.returncode}" for c in dead)
                     if not self._may_restart(f"worker group ({codes})"):
                         break
                     self._terminate(self.workers, grace=min(self.grace_seconds, 2.0))
                     self._start_workers()
                 if self.scheduler.process is not None and self.scheduler.process.poll() is not None:
+                    if self._gave_up_on_startup([self.scheduler]):
+                        break
                     code = self.scheduler.process.returncode
                     if not self._may_restart(f"scheduler (exit {code})"):
                         break
                     self._spawn(self.scheduler)
         finally:
             self._terminate([self.scheduler, *self.workers])
+
+    def _gave_up_on_startup(self, dead: Sequence[_Child]) -> bool:
+        """True (and `failure` set to the cause) when every process in `dead` exited with `EXIT_STARTUP_FAILURE`.
+
+        One killed by a signal or crashed among them makes it a crash: a rank whose peer was killed while the group
+        formed or loaded may fail its own start-up, and a restart cures that."""
+        if any(c.process.returncode != EXIT_STARTUP_FAILURE for c in dead):
+            return False
+        child = dead[0]
+        cause = startup_failure_cause(self._last_run_log(child)) or (
+            f"exited with status {EXIT_STARTUP_FAILURE} (start-up failure); see {child.log_path}"
+        )
+        self.failure = f"{child.name} could not start: {cause}"
+        self.startup_failed = True
+        log.error(self.failure)
+        return True
+
+    @staticmethod
+    def _last_run_log(child: _Child) -> str:
+        """The child's log since its latest start (the file collects every restart, each after a `=== ` line)."""
+        try:
+            lines = child.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        starts = [i for i, line in enumerate(lines) if line.startswith("=== ") and " start: " in line]
+        return "\n".join(lines[starts[-1] + 1 :] if starts else lines)
 
     def _may_restart(self, what: str) -> bool:
         now = time.monotonic()

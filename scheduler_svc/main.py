@@ -2,6 +2,9 @@
 
 Every ``SchedulerConfig`` field is a flag (``--kv-blocks``) and an environment variable (``MMCAST_KV_BLOCKS``);
 flags win over the environment. ``--help`` lists them with their help text and default.
+
+A start a restart cannot cure (a bad flag, a checkpoint ``common/model_checks.py`` rejects for the number of
+``--workers``) exits with ``common.process.EXIT_STARTUP_FAILURE`` after one cause line, before anything loads.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import os
 import signal
 import sys
 
-from common.process import ensure_allocator_env, setup_logging
+from common.model_checks import ModelConfigError, check_checkpoint
+from common.process import ensure_allocator_env, setup_logging, startup_failure
 from scheduler_svc.config import SchedulerConfig
 
 log = logging.getLogger("mmcast.scheduler")
@@ -91,11 +95,14 @@ def main(argv: list[str] | None = None) -> None:
     ensure_allocator_env()
     setup_logging("scheduler", config.log_level)
     if not config.model:
-        log.error("no model folder: pass --model DIR (or MMCAST_MODEL)")
-        sys.exit(2)
+        sys.exit(startup_failure(log, "no model folder: pass --model DIR (or MMCAST_MODEL)"))
     if not config.workers:
-        log.error("no worker ranks: pass --workers HOST:PORT,... (or MMCAST_WORKERS), ordered by rank")
-        sys.exit(2)
+        sys.exit(startup_failure(log, "no worker ranks: pass --workers HOST:PORT,... (or MMCAST_WORKERS), ordered by rank"))
+    try:  # config.json alone, before the processor loads or a rank is dialled; the ranks check the same rule
+        n = len(config.workers)
+        check_checkpoint(config.model, n, "--workers", given=f"--workers lists {n} rank(s)", values="--workers counts")
+    except ModelConfigError as exc:
+        sys.exit(startup_failure(log, str(exc)))
     from scheduler_svc.server import serve  # heavy imports (torch, transformers) after argument checks
 
     try:

@@ -12,16 +12,25 @@ from common.tiny_model import ensure_tiny_model, recipe_id
 TINY_MODEL_CACHE_ENV = "MMCAST_TINY_MODEL_CACHE"
 
 
-def _tiny_model(tmp_path_factory: pytest.TempPathFactory, variant: str) -> pathlib.Path:
+def _tiny_model(tmp_path_factory: pytest.TempPathFactory, variant: str, kv_heads: int | None = None) -> pathlib.Path:
     cache = os.environ.get(TINY_MODEL_CACHE_ENV)
     root = pathlib.Path(cache) if cache else tmp_path_factory.getbasetemp()
-    return ensure_tiny_model(root / f"tiny-{variant}-seed0-{recipe_id()}", variant=variant, seed=0)
+    if kv_heads is None:
+        return ensure_tiny_model(root / f"tiny-{variant}-seed0-{recipe_id()}", variant=variant, seed=0)
+    folder = root / f"tiny-{variant}-kv{kv_heads}-seed0-{recipe_id()}"
+    return ensure_tiny_model(folder, variant=variant, seed=0, kv_heads=kv_heads)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """Folder of the embedded tiny Qwen2-VL (seed 0), built once per session."""
     return _tiny_model(tmp_path_factory, "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_kv2_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The tiny Qwen2-VL with 2 KV heads (the grouping of Qwen2-VL-2B; seed 0): TP 4 replicates each KV head."""
+    return _tiny_model(tmp_path_factory, "qwen2_vl", kv_heads=2)
 
 
 @pytest.fixture(scope="session")

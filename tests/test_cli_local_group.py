@@ -18,8 +18,9 @@ import time
 
 import pytest
 
+from common.process import EXIT_STARTUP_FAILURE
 from mmcast_client import Client
-from mmcast_client.local_group import LocalGroup, ready_line
+from mmcast_client.local_group import LocalGroup, StartupFailure, ready_line
 
 FAKE_SCHEDULER = textwrap.dedent(
     """
@@ -201,6 +202,80 @@ def test_gives_up_after_too_many_restarts(stand_ins, tmp_path):
     try:
         with pytest.raises(RuntimeError, match="gave up after 2 restarts"):
             g.wait_ready(20)
+    finally:
+        g.stop()
+
+
+# A rank that refuses to start as the real ones do (common.process.startup_failure): one JSON record marked
+# startup_failure, then EXIT_STARTUP_FAILURE. Only rank 1 refuses; rank 0 would serve.
+REFUSING_WORKER = textwrap.dedent(
+    """
+    import json, sys, time
+    from common.process import EXIT_STARTUP_FAILURE
+    if "--rank 1 " not in " ".join(sys.argv) + " ":
+        time.sleep(60)
+    print(json.dumps({"level": "critical", "msg": "--world-size 2: the cause, in one line", "startup_failure": True}),
+          file=sys.stderr, flush=True)
+    sys.exit(EXIT_STARTUP_FAILURE)
+    """
+)
+
+
+def test_a_start_up_failure_stops_the_group_at_once_with_its_cause(stand_ins, tmp_path):
+    scheduler, _ = stand_ins
+    g = group((scheduler, [sys.executable, "-c", REFUSING_WORKER]), tmp_path)
+    g.start()
+    try:
+        rank0 = g.pids()["rank0"]
+        started = time.monotonic()
+        with pytest.raises(StartupFailure) as info:
+            g.wait_ready(30)
+        assert str(info.value) == "rank1 could not start: --world-size 2: the cause, in one line"
+        assert time.monotonic() - started < 10 and g.restarts == 0 and g.startup_failed
+        assert wait_until(lambda: not alive(rank0), 10)  # the whole group stopped, not only the refusing rank
+    finally:
+        g.stop()
+
+
+def test_a_scheduler_flag_error_stops_the_group_with_argparse_s_line(stand_ins, tmp_path):
+    _, worker = stand_ins
+    refusing = (  # what argparse does with a bad flag
+        "import sys; print('usage: mmcast-scheduler [-h] ...', file=sys.stderr); "
+        "print('mmcast-scheduler: error: bad --max-num-seqs', file=sys.stderr); sys.exit(2)"
+    )
+    g = group(([sys.executable, "-c", refusing], worker), tmp_path)
+    g.start()
+    try:
+        with pytest.raises(StartupFailure, match=r"^scheduler could not start: mmcast-scheduler: error: bad --max"):
+            g.wait_ready(30)
+        assert g.restarts == 0
+    finally:
+        g.stop()
+
+
+def test_serve_local_prints_the_cause_of_a_start_up_failure_as_one_line(stand_ins, tmp_path, monkeypatch, capsys):
+    from mmcast_client import cli
+
+    scheduler, _ = stand_ins
+    monkeypatch.setenv("MMCAST_SCHEDULER_COMMAND", " ".join(scheduler))
+    monkeypatch.setenv("MMCAST_WORKER_COMMAND", f"{sys.executable} -c '{REFUSING_WORKER}'")
+    code = cli.main(["serve-local", "--model", str(tmp_path), "--tp", "2", "--port", "0", "--log-dir", str(tmp_path)])
+    assert code == EXIT_STARTUP_FAILURE
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "error: rank1 could not start: --world-size 2: the cause, in one line"
+    assert len(err) == 2 and err[0].startswith("starting 1 scheduler + 2 worker rank(s)")
+
+
+def test_real_processes_refusing_a_folder_without_config_json_stop_the_group(tmp_path):
+    """The real mmcast-worker and mmcast-scheduler: no restarts, the rank's own one-line cause."""
+    g = LocalGroup(tmp_path / "empty", 2, "lazy", log_dir=tmp_path / "logs", ready_timeout=60, grace_seconds=2)
+    g.start()
+    try:
+        with pytest.raises(StartupFailure) as info:
+            g.wait_ready()
+        assert re.fullmatch(r"(rank[01]|scheduler) could not start: --model \S+/empty: not a model folder \(no config.json\)",
+                            str(info.value)), str(info.value)  # fmt: skip
+        assert g.restarts == 0
     finally:
         g.stop()
 

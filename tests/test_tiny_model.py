@@ -259,10 +259,10 @@ def test_concurrent_ensure_calls_publish_exactly_one_complete_folder(tmp_path, m
     callers = 3
     all_built = threading.Barrier(callers, timeout=10)
 
-    def fake_build(out_dir, *, variant, seed):
+    def fake_build(out_dir, *, variant, seed, kv_heads):
         out = pathlib.Path(out_dir)
         (out / "model.safetensors").write_text(out.name)
-        (out / MARKER_FILE).write_text(json.dumps(tiny_model._marker(variant, seed)))
+        (out / MARKER_FILE).write_text(json.dumps(tiny_model._marker(variant, seed, kv_heads)))
         all_built.wait()  # every caller has built its own copy before any of them renames
         return out
 

@@ -3,7 +3,11 @@
 Start-up order: allocator environment (re-exec), JSON logs, ``/metrics``, the gRPC server with liveness SERVING
 at once (service ""), then the process group and the model on the compute thread; the readiness of
 ``mmcast.v1.WorkerService`` turns SERVING only after both. A failure there ends the process non-zero with one
-JSON line saying why.
+JSON line saying why. Problems a restart cannot cure (bad flags, a checkpoint whose ``config.json`` the rules of
+``common/model_checks.py`` reject for this ``--world-size``, a model that does not load) end it with
+``EXIT_STARTUP_FAILURE`` and one cause line, before any port is bound where the check needs only ``config.json``;
+a group that cannot form (a peer missing or late) ends it with ``EXIT_GROUP_NOT_FORMED``, which a supervisor may
+retry.
 
 Security (docs/SECURITY.md): with ``--tls-cert-file``/``--tls-key-file`` the port serves TLS only, and with
 ``--tls-client-ca-file`` only a scheduler presenting a certificate signed by that CA completes the handshake;
@@ -31,7 +35,8 @@ from common import tls
 from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
 from common.decode_guard import DecodeGuardInterceptor
 from common.grpc_metrics import AioServerMetricsInterceptor
-from common.process import ensure_allocator_env, setup_logging
+from common.model_checks import ModelConfigError, check_checkpoint
+from common.process import ensure_allocator_env, setup_logging, startup_failure
 from mmcast.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig, load_config
 from worker_svc.metrics import WorkerMetrics
@@ -39,7 +44,7 @@ from worker_svc.metrics import WorkerMetrics
 log = logging.getLogger("mmcast.worker")
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
-EXIT_START_FAILURE = 2
+EXIT_GROUP_NOT_FORMED = 1  # like a crash: the rendezvous failed (a peer died or is late); a restart may cure it
 _MAX_MESSAGE_BYTES = 256 << 20  # a payload frame carries one chunk (~1 MiB); a control frame stays far below this
 
 
@@ -131,8 +136,7 @@ async def serve(config: WorkerConfig) -> int:
     try:
         running = await start(config)
     except Exception as exc:  # e.g. the port is taken
-        log.critical("cannot start the server", extra={"listen": config.listen, "error": repr(exc)})
-        return EXIT_START_FAILURE
+        return startup_failure(log, f"cannot serve --listen {config.listen}: {exc}", rank=config.rank)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -140,12 +144,15 @@ async def serve(config: WorkerConfig) -> int:
     try:
         await load(running)
     except Exception as exc:
-        log.critical(
-            "start-up failed: could not form the group or load the model",
-            extra={"error": repr(exc), "model": config.model, "dist_init": config.dist_init},
-        )
         await running.server.stop(0)
-        return EXIT_START_FAILURE
+        if running.worker.group is None:  # Worker.load forms the group before it loads the model
+            log.critical(
+                "start-up failed: could not form the group",
+                extra={"error": repr(exc), "dist_init": config.dist_init, "rank": config.rank},
+            )
+            return EXIT_GROUP_NOT_FORMED
+        cause = f"could not load the model from --model {config.model}: {type(exc).__name__}: {exc}"
+        return startup_failure(log, cause, rank=config.rank)
     await stop.wait()
     log.info("shutting down", extra={"rank": config.rank})
     await running.health.enter_graceful_shutdown()
@@ -162,9 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(argv)
     except ValueError as exc:
         setup_logging("worker")
-        log.critical("bad configuration", extra={"error": str(exc)})
-        return EXIT_START_FAILURE
+        return startup_failure(log, f"bad configuration: {exc}")
     setup_logging("worker", config.log_level)
+    try:  # config.json alone, before any port or weight
+        check_checkpoint(config.model, config.world_size, "--world-size")
+    except ModelConfigError as exc:
+        return startup_failure(log, str(exc), rank=config.rank)
     return asyncio.run(serve(config))
 
 

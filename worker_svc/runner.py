@@ -4,7 +4,8 @@ built over the KV block pool, and writes completed blocks back.
 Loading is the plain transformers path (``AutoModelForImageTextToText.from_pretrained``), so a real Qwen2-VL
 checkpoint loads exactly like the tiny one; with ``world_size > 1`` the decoder is sharded by transformers' tensor
 parallel plan (``DistributedConfig(tp_size=N)``) after the process group exists, and the vision tower stays
-replicated.
+replicated. The TP size is checked against ``config.json`` first (``common/model_checks.py``); with more ranks
+than KV heads, each rank holds a replica of the KV head its query heads read (``worker_svc/kv_replication.py``).
 
 The language model runs on ``inputs_embeds`` built here: the token embeddings of the step's tokens with the image
 rows of this window scattered at their placeholder positions. This is what the model's own merge does
@@ -23,8 +24,9 @@ from collections.abc import Sequence
 
 import torch
 
+from common import model_checks
 from common.multimodal import Modality, MultiModalFeatureSpec
-from worker_svc import kv_pool
+from worker_svc import kv_pool, kv_replication
 from worker_svc.config import WorkerConfig
 from worker_svc.mrope import rope_index_kwargs, uses_mrope
 
@@ -93,21 +95,28 @@ class ModelRunner:
     """Owns the model and the KV pool of this rank. Not thread-safe: one compute thread calls it."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        from transformers import AutoModelForImageTextToText
+        from transformers import AutoConfig, AutoModelForImageTextToText
 
-        if not os.path.isfile(os.path.join(config.model, "config.json")):
-            raise ValueError(f"model={config.model!r} (--model): not a model folder (no config.json)")
+        # config.json alone, before any weight: worker_svc/main.py ran the same check already; a library caller
+        # gets it here.
+        model_checks.check_checkpoint(config.model, config.world_size, "--world-size")
         self.device = resolve_device(config.device, config.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.world_size = config.world_size
         kwargs: dict = {"dtype": self.dtype, "local_files_only": True}  # a local folder; never the hub
+        model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+        shape = model_checks.check_tp(model_config, config.world_size, "--world-size")
         if config.world_size > 1:
             from transformers.distributed import DistributedConfig
 
             if self.device.type == "cuda":
                 os.environ.setdefault("LOCAL_RANK", str(self.device.index or 0))  # transformers binds this device
-            kwargs["distributed_config"] = DistributedConfig(tp_size=config.world_size)
-        model = AutoModelForImageTextToText.from_pretrained(config.model, **kwargs)
+            kwargs["distributed_config"] = DistributedConfig(
+                tp_size=config.world_size, tp_plan=kv_replication.tp_plan_override(model_config, config.world_size)
+            )
+        model = AutoModelForImageTextToText.from_pretrained(config.model, config=model_config, **kwargs)
+        if shape.kv_replicas(config.world_size) > 1:
+            kv_replication.keep_rank_kv_heads(model, shape, config.world_size, config.rank)
         if config.world_size == 1:
             model = model.to(self.device)
         self.model = model.eval()
@@ -116,16 +125,12 @@ class ModelRunner:
         self.text_config = text
         self.vocab_size = int(text.vocab_size)
         self.max_model_len = int(getattr(text, "max_position_embeddings", 0) or 0)
-        kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-        if kv_heads % config.world_size:
-            raise ValueError(
-                f"world_size={config.world_size}: the model has {kv_heads} KV heads, which do not divide evenly"
-            )
+        kv_heads_local = shape.kv_heads_local(config.world_size)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
         self.block_size = config.block_size
         self.pool = kv_pool.KVPool(
             num_layers=int(text.num_hidden_layers),
-            kv_heads=kv_heads // config.world_size,
+            kv_heads=kv_heads_local,
             head_dim=head_dim,
             num_blocks=config.kv_blocks,
             block_size=config.block_size,
@@ -149,7 +154,8 @@ class ModelRunner:
                 "device": str(self.device),
                 "dtype": str(self.dtype),
                 "kv_pool_bytes": self.pool.nbytes,
-                "kv_heads_local": kv_heads // config.world_size,
+                "kv_heads_local": kv_heads_local,
+                "kv_replicas": shape.kv_replicas(config.world_size),
             },
         )
 
