@@ -755,6 +755,12 @@ def _(ctx):
     return ctx.stream(metadata=(("authorization", "Bearer " + "z" * 32),)).send(ctx.handshake()).answer()[:2]
 
 
+@case("step", "auth", "step-no-token-max-epoch", "UNAUTHENTICATED", "authorization",
+      what="no token and scheduler_epoch 2^64-1 (would lock the real scheduler out)")
+def _(ctx):
+    return ctx.stream(metadata=()).send(ctx.handshake(scheduler_epoch=(1 << 64) - 1)).answer()[:2]
+
+
 for _id, _overrides, _mentions, _what in [
     ("handshake-wrong-fingerprint", {"model_fingerprint": "0" * 64}, ("handshake.model_fingerprint",),
      "another model's fingerprint"),
@@ -862,6 +868,9 @@ _STEP_CASES = [
     ("token-id-out-of-vocab", "ProtocolError.OUT_OF_RANGE",
      lambda c: [control(new_requests=[text_request(prompt_token_ids=[5, 1 << 30, 5])])],
      ("prompt_token_ids", "1073741824", "outside"), "token id 2^30"),
+    ("prefix-foreign-block", "ProtocolError.STATE_MISMATCH",
+     lambda c: [control(new_requests=[text_request(n=40, num_computed_tokens=32, block_ids=[0, 1, 2])])],
+     ("block_ids[0]=0", "no request of this stream wrote"), "a 32-token prefix in blocks this stream never wrote"),
     ("computed-not-block-aligned", "ProtocolError.STATE_MISMATCH",
      lambda c: [control(new_requests=[text_request(n=40, num_computed_tokens=5, block_ids=[0, 1, 2])])],
      ("num_computed_tokens=5", "block_size 16"), "5 computed tokens with 16-token blocks"),
