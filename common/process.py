@@ -1,4 +1,5 @@
-"""Process set-up shared by the scheduler and worker entry points: allocator environment, JSON logs, CPU count."""
+"""Process set-up shared by the scheduler and worker entry points: allocator environment, JSON logs, CPU count, and
+the exit status of a start-up failure."""
 
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ ALLOCATOR_ENV = {
     "MALLOC_TOP_PAD_": "67108864",
 }
 _REEXEC_MARK = "MMCAST_ALLOCATOR_ENV_SET"
+
+# Exit status of a process that cannot start with what it was given (bad configuration, an incomplete model folder,
+# a port it cannot bind): starting it again unchanged fails the same way, so a supervisor should stop and show the
+# cause rather than restart. A crash after start-up exits with any other status.
+EXIT_START_FAILURE = 2
+
+
+class StartupError(Exception):
+    """A start-up failure a restart cannot cure. Its message is the one line the operator reads: what is wrong, where
+    (the flag, the file or the folder) and what to change. Entry points log it and exit with EXIT_START_FAILURE."""
 
 
 def ensure_allocator_env() -> None:

@@ -1,7 +1,7 @@
 """The frontend: chat turns with text and images -> prompt token ids and multimodal items.
 
 It loads the model folder's HF processor (``AutoProcessor.from_pretrained``, through
-``common.tiny_model.load_processor`` which falls back to the same files without the video processor when
+``common.processor.load_processor`` which falls back to the same files without the video processor when
 torchvision is absent) and works with any Qwen2-VL-family processor (an image token the processor expands into
 ``grid.prod() / merge_size**2`` placeholders).
 
@@ -118,7 +118,7 @@ class Frontend:
                  metrics=None):
         from transformers import AutoConfig
 
-        from common.tiny_model import load_processor
+        from common.processor import load_processor
 
         self.config = config
         self.model_dir = Path(model_dir)

@@ -33,7 +33,7 @@ class Oracle:
     def __init__(self, model_dir) -> None:
         from transformers import AutoModelForImageTextToText
 
-        from common.tiny_model import load_processor
+        from common.processor import load_processor
 
         self.processor = load_processor(model_dir)
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()

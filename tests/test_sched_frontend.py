@@ -17,7 +17,7 @@ from PIL import Image
 from common.errors import InvalidArgument, NotFound, ResourceExhausted
 from common.hashing import item_identifier
 from common.multimodal import FieldKind, PayloadState
-from common.tiny_model import load_processor
+from common.processor import load_processor
 from scheduler_svc import frontend as frontend_module
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.frontend import ChatTurn, Frontend, ImagePart, TextPart

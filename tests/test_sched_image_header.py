@@ -13,7 +13,7 @@ from PIL import Image
 
 from benchmarks import hostile_inputs as hostile
 from common.errors import InvalidArgument, ResourceExhausted
-from common.tiny_model import load_processor
+from common.processor import load_processor
 from scheduler_svc.config import DEFAULT_IMAGE_FORMATS, SchedulerConfig
 from scheduler_svc.frontend import ChatTurn, Frontend, ImagePart, TextPart
 from scheduler_svc.image_header import ImageHeaderReader
