@@ -2,6 +2,11 @@
 
 Every ``SchedulerConfig`` field is a flag (``--kv-blocks``) and an environment variable (``MMCAST_KV_BLOCKS``);
 flags win over the environment. ``--help`` lists them with their help text and default.
+
+Exit status: 0 after a requested shutdown; ``EXIT_START_FAILURE`` (2, common/process.py, as the ranks use) when it
+cannot start with what it was given — a missing flag, a model folder without a chat template or image processor, a
+secret file it cannot read, a port it cannot bind — logged as one line saying what to change; 1 for a crash after
+start-up.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import os
 import signal
 import sys
 
-from common.process import ensure_allocator_env, setup_logging
+from common.process import EXIT_START_FAILURE, StartupError, ensure_allocator_env, setup_logging
 from scheduler_svc.config import SchedulerConfig
 
 log = logging.getLogger("mmcast.scheduler")
@@ -91,15 +96,19 @@ def main(argv: list[str] | None = None) -> None:
     ensure_allocator_env()
     setup_logging("scheduler", config.log_level)
     if not config.model:
-        log.error("no model folder: pass --model DIR (or MMCAST_MODEL)")
-        sys.exit(2)
+        log.critical("no model folder: pass --model DIR (or MMCAST_MODEL)")
+        sys.exit(EXIT_START_FAILURE)
     if not config.workers:
-        log.error("no worker ranks: pass --workers HOST:PORT,... (or MMCAST_WORKERS), ordered by rank")
-        sys.exit(2)
+        log.critical("no worker ranks: pass --workers HOST:PORT,... (or MMCAST_WORKERS), ordered by rank")
+        sys.exit(EXIT_START_FAILURE)
     from scheduler_svc.server import serve  # heavy imports (torch, transformers) after argument checks
 
     try:
         asyncio.run(_run(serve, config))
+    except StartupError as exc:  # one line, no traceback (--log-level debug shows it): the message says what to change
+        log.debug("start-up failure", exc_info=exc)
+        log.critical(str(exc), extra={"model": config.model})
+        sys.exit(EXIT_START_FAILURE)
     except Exception:
         log.exception("scheduler failed")
         sys.exit(1)

@@ -63,14 +63,19 @@ def _exif(orientation: int) -> Image.Exif:
     return exif
 
 
+@pytest.fixture(scope="module")
+def frontend(tiny_model_dir):
+    return Frontend(tiny_model_dir, SchedulerConfig())
+
+
 @pytest.mark.parametrize("orientation", range(1, 9))
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
-def test_exif_orientation_is_read_from_the_header_without_decoding(tiny_model_dir, monkeypatch, fmt, orientation):
+def test_exif_orientation_is_read_from_the_header_without_decoding(frontend, monkeypatch, fmt, orientation):
     """Orientations 5-8 turn the image a quarter: the header's size is the upright one, read before any pixel is
     decoded, and the processed prompt takes the tokens it predicted."""
     from PIL import ImageFile, ImageOps, WebPImagePlugin
 
-    fe = Frontend(tiny_model_dir, SchedulerConfig())
+    fe = frontend
     data = encoded(500, 300, fmt, exif=_exif(orientation))
     decodes: list[str] = []
     for cls in (ImageFile.ImageFile, WebPImagePlugin.WebPImageFile):
