@@ -1,4 +1,5 @@
-"""Process set-up shared by the scheduler and worker entry points: allocator environment, JSON logs, CPU count."""
+"""Process set-up shared by the scheduler and worker entry points: allocator environment, JSON logs, CPU count, and
+the exit status of a start-up failure."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ ALLOCATOR_ENV = {
 }
 _REEXEC_MARK = "MMCAST_ALLOCATOR_ENV_SET"
 
+class StartupError(Exception):
+    """A start-up failure a restart cannot cure. Its message is the one line the operator reads: what is wrong, where
+    (the flag, the file or the folder) and what to change. Entry points log it with ``startup_failure()`` and exit
+    with ``EXIT_STARTUP_FAILURE``."""
+
 
 def ensure_allocator_env() -> None:
     """Re-exec the current process once with the allocator environment set, unless it already is.
@@ -34,7 +40,8 @@ def ensure_allocator_env() -> None:
 
 
 # Exit status of a scheduler or worker that refused to start for a reason a restart cannot cure: a bad flag, a
-# checkpoint the configuration rules reject (common/model_checks.py), a missing chat template. argparse exits with
+# checkpoint the configuration rules reject (common/model_checks.py), a model folder without a chat template or image
+# processor (common/processor.py), a port it cannot bind. argparse exits with
 # the same status on a bad flag. Supervisors (mmcast_client/local_group.py) stop at once on it and show its cause;
 # any other non-zero status is a crash, worth a restart. The process logs the cause first, as one line (a JSON log
 # record with "startup_failure": true, see startup_failure()).

@@ -8,12 +8,13 @@ vision tower, a 1024-token vocabulary with the Qwen2-VL special tokens at its to
 runs on a CPU in milliseconds. Nothing is downloaded.
 
 Everything downstream loads it as it would load a local Qwen2-VL-2B-Instruct checkpoint, with no
-`trust_remote_code`: `AutoModelForImageTextToText.from_pretrained(path)` for the model and `load_processor(path)` for
-the processor — that is `AutoProcessor.from_pretrained(path)` where torchvision is installed, and the same processor
-without video support where it is not (transformers 5.24's `AutoProcessor` insists on a torchvision video processor
-for every Qwen2-VL checkpoint). A real checkpoint folder replaces this one without code changes. Head counts, KV
-head counts and widths divide by 4, so tensor parallel sizes 1, 2 and 4 all shard it. ``kv_heads=2`` builds the
-same model with 2 KV heads (the grouping of Qwen2-VL-2B): at TP 4 each KV head is then held by two ranks.
+`trust_remote_code`: `AutoModelForImageTextToText.from_pretrained(path)` for the model and
+`common.processor.load_processor(path)` for the processor — `AutoProcessor.from_pretrained(path)` where torchvision is
+installed, and the same processor without video support where it is not (transformers 5.24's `AutoProcessor` insists
+on a torchvision video processor for every Qwen2-VL checkpoint). A real checkpoint folder replaces this one without
+code changes. Head counts, KV head counts and widths divide by 4, so tensor parallel sizes 1, 2 and 4 all shard it.
+``kv_heads=2`` builds the same model with 2 KV heads (the grouping of Qwen2-VL-2B): at TP 4 each KV head is then held
+by two ranks.
 """
 
 from __future__ import annotations
@@ -253,50 +254,17 @@ def _processor_class(variant: str):
     return Qwen2_5_VLProcessor
 
 
-def _image_only(processor_class):
-    """`processor_class` without a video processor, which transformers cannot build without torchvision.
-
-    Same name as the parent, so anything it saves still names the real class.
-    """
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        # ProcessorMixin takes its sub-processor list from this signature, so `video_processor` is not required.
-        processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-    return type(processor_class.__name__, (processor_class,), {"__init__": __init__, "video_processor": None})
-
-
 def build_processor(variant: str = "qwen2_vl", tokenizer=None):
     """The processor of `variant` (image-only): PIL image processor, tokenizer, chat template."""
     _check_variant(variant)
     from transformers import Qwen2VLImageProcessorPil
 
+    from common.processor import image_only
+
     tokenizer = build_tokenizer() if tokenizer is None else tokenizer
     image_processor = Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR_SETTINGS)
-    return _image_only(_processor_class(variant))(
+    return image_only(_processor_class(variant))(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
-    )
-
-
-def load_processor(model_dir: str | os.PathLike):
-    """`AutoProcessor.from_pretrained(model_dir)`, or without torchvision the same processor minus video support.
-
-    transformers 5.24 builds every Qwen2-VL-family processor with a video processor, and those need torchvision
-    (huggingface/transformers#48558), so plain `AutoProcessor` fails here even for a real checkpoint. The fallback
-    loads the same files through `AutoImageProcessor` (the PIL image processor) and `AutoTokenizer`.
-    """
-    from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
-    from transformers.utils import is_torchvision_available
-
-    if is_torchvision_available():
-        return AutoProcessor.from_pretrained(model_dir)
-    processor_class = PROCESSOR_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return _image_only(processor_class)(
-        image_processor=AutoImageProcessor.from_pretrained(model_dir),
-        tokenizer=tokenizer,
-        chat_template=tokenizer.chat_template,
     )
 
 

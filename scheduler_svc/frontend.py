@@ -1,9 +1,14 @@
 """The frontend: chat turns with text and images -> prompt token ids and multimodal items.
 
-It loads the model folder's HF processor (``AutoProcessor.from_pretrained``, through
-``common.tiny_model.load_processor`` which falls back to the same files without the video processor when
-torchvision is absent) and works with any Qwen2-VL-family processor (an image token the processor expands into
+It loads the model folder's HF processor (``common.processor.load_processor``: the parts ``AutoProcessor`` finds,
+without the video processor when torchvision is absent; a folder without an image processor or a chat template stops
+the start) and works with any Qwen2-VL-family processor (an image token the processor expands into
 ``grid.prod() / merge_size**2`` placeholders).
+
+Images enter as the model's processor takes a decoded file: upright (the EXIF orientation applied, as transformers'
+``load_image`` does), then handed over in their own mode, so the processor's ``convert_to_rgb`` composites
+transparency onto white and converts palette, CMYK and 16-bit images itself (tests/test_sched_image_modes.py compares
+``pixel_values`` and served tokens with the processor fed the file as sent).
 
 Every check whose input is at hand runs before the work it protects (docs/SECURITY.md section 5):
 1. structure, sizes and the text's UTF-8 bytes (``--max-prompt-bytes``) — before anything is tokenized;
@@ -12,7 +17,7 @@ Every check whose input is at hand runs before the work it protects (docs/SECURI
    the header (``scheduler_svc.image_header``: allowed formats only, pixels, placeholder tokens by the processor's
    resize rule) — before any pixel is decoded;
 3. the images' tokens plus the tokens to generate against the context — before any image is decoded;
-4. decode + preprocess (at most ``--max-concurrent-decodes`` at once) and
+4. decode, EXIF orientation, preprocess (at most ``--max-concurrent-decodes`` at once) and
    ``common.hashing.item_identifier(encoded bytes, processor settings, scope=tenant)``;
 5. the chat template with one image token per image, tokenized once with the calling thread's own tokenizer, each
    image token expanded to the item's placeholder count exactly as the processor would (tests compare with the
@@ -37,6 +42,8 @@ import json
 import threading
 from pathlib import Path
 from typing import Any
+
+from PIL import ImageOps
 
 from common.errors import InvalidArgument, ResourceExhausted
 from common.hashing import item_identifier
@@ -118,7 +125,7 @@ class Frontend:
                  metrics=None):
         from transformers import AutoConfig
 
-        from common.tiny_model import load_processor
+        from common.processor import load_processor
 
         self.config = config
         self.model_dir = Path(model_dir)
@@ -191,7 +198,10 @@ class Frontend:
             try:
                 image = pending.image
                 image.load()
-                image = image.convert("RGB")
+                # Upright, as transformers' load_image turns it (a phone photo's EXIF orientation applied); then the
+                # decoded image as it is: the processor's own convert_to_rgb composites transparency (RGBA, LA,
+                # palette with a transparent index) onto white and converts CMYK, 16-bit and bilevel images.
+                ImageOps.exif_transpose(image, in_place=True)
                 out = self.image_processor(images=[image], return_tensors="pt")
             except Exception as exc:
                 raise InvalidArgument(

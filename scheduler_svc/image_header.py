@@ -7,8 +7,13 @@
 - **Tokens.** The placeholder count follows from the header size and the processor's own resize rule
   (``get_number_of_image_patches``: transformers' ``smart_resize`` with the processor's patch size, merge size and
   min/max pixels) divided by ``merge_size**2``; ``tests/test_sched_image_header.py`` compares it with the
-  processor's output. The frontend passes the image to the processor as opened (no EXIF transpose), so the header's
-  width and height are the processed ones. A GIF, APNG or animated WebP counts its first frame, the only one decoded.
+  processor's output. A GIF, APNG or animated WebP counts its first frame, the only one decoded.
+- **Orientation.** The frontend turns an image upright as transformers' ``load_image`` does
+  (``ImageOps.exif_transpose``), so an EXIF orientation of 5-8 (a quarter turn, with or without a mirror) swaps the
+  width and height the processor sees; the header's width and height are those. The tag is read from the metadata
+  Pillow parsed at open (JPEG APP1, WebP EXIF/XMP chunks, PNG eXIf/text chunks before the pixel data): no pixel is
+  decoded. A PNG whose eXIf chunk follows its pixel data is predicted unturned; its prompt still takes the count the
+  processor gives the turned image.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from collections.abc import Sequence
 from common.errors import InvalidArgument
 
 _PREFIX_BYTES = 16  # what Pillow's accept() functions look at
+_ORIENTATION_TAG = 0x0112
+_QUARTER_TURNS = (5, 6, 7, 8)  # transpose, rotate 270, transverse, rotate 90: width and height trade places
 
 
 def reason(exc: BaseException) -> str:
@@ -33,7 +40,7 @@ def reason(exc: BaseException) -> str:
 @dataclasses.dataclass(frozen=True)
 class ImageHeader:
     format: str  # Pillow's format name (one of the allowed ones)
-    width: int  # pixels, as decoded (first frame of an animation)
+    width: int  # pixels, as the processor will see them: first frame of an animation, EXIF orientation applied
     height: int
     tokens: int  # placeholder tokens the processor will give this image
 
@@ -95,6 +102,8 @@ class ImageHeaderReader:
         except Exception as exc:  # PIL raises many types for bad input
             self._refuse_format(data, field, exc)
         width, height = image.size
+        if orientation(image, data) in _QUARTER_TURNS:
+            width, height = height, width
         if width < 1 or height < 1:
             raise InvalidArgument(f"{field}: image is {width}x{height}; both sides must be >= 1 pixel")
         if width * height > self.max_pixels:
@@ -107,3 +116,22 @@ class ImageHeaderReader:
         except ValueError as exc:  # e.g. an aspect ratio the resize rule refuses
             raise InvalidArgument(f"{field}: the {width}x{height} image cannot be preprocessed ({reason(exc)})") from None
         return image, ImageHeader(image.format or "", width, height, tokens)
+
+
+def orientation(image, data: bytes) -> int:
+    """The EXIF orientation (1-8) of a lazily opened ``image`` as ``ImageOps.exif_transpose`` reads it, without
+    decoding pixels; 1 when the file has none or its metadata is unreadable (the decode then fails or agrees)."""
+    from PIL import Image
+
+    try:
+        if image.format == "PNG" and "exif" not in image.info:
+            # PngImageFile.getexif decodes the whole image to look for an eXIf chunk behind the pixel data. The base
+            # class reads what was parsed at open (text chunks, XMP); it runs on a second, throwaway opening so the
+            # image the frontend decodes keeps no cached answer and exif_transpose later reads the file as it is.
+            exif = Image.Image.getexif(Image.open(io.BytesIO(data), formats=("PNG",)))
+        else:
+            exif = image.getexif()
+        value = int(exif.get(_ORIENTATION_TAG, 1))
+    except Exception:  # noqa: BLE001 - malformed metadata: no turn predicted
+        return 1
+    return value if 1 <= value <= 8 else 1

@@ -3,8 +3,11 @@
 Every ``SchedulerConfig`` field is a flag (``--kv-blocks``) and an environment variable (``MMCAST_KV_BLOCKS``);
 flags win over the environment. ``--help`` lists them with their help text and default.
 
-A start a restart cannot cure (a bad flag, a checkpoint ``common/model_checks.py`` rejects for the number of
-``--workers``) exits with ``common.process.EXIT_STARTUP_FAILURE`` after one cause line, before anything loads.
+Exit status: 0 after a requested shutdown; ``EXIT_STARTUP_FAILURE`` (2, common/process.py, as the ranks use) when
+it cannot start with what it was given — a missing flag, a checkpoint ``common/model_checks.py`` rejects for the
+number of ``--workers``, a model folder without a chat template or image processor, a secret file it cannot read, a
+port it cannot bind — logged as one line saying what to change, before anything heavy loads where it can be; 1 for a
+crash after start-up.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import signal
 import sys
 
 from common.model_checks import ModelConfigError, check_checkpoint
-from common.process import ensure_allocator_env, setup_logging, startup_failure
+from common.process import StartupError, ensure_allocator_env, setup_logging, startup_failure
 from scheduler_svc.config import SchedulerConfig
 
 log = logging.getLogger("mmcast.scheduler")
@@ -107,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         asyncio.run(_run(serve, config))
+    except StartupError as exc:  # one line, no traceback (--log-level debug shows it): the message says what to change
+        log.debug("start-up failure", exc_info=exc)
+        sys.exit(startup_failure(log, str(exc), model=config.model))
     except Exception:
         log.exception("scheduler failed")
         sys.exit(1)

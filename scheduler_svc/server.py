@@ -29,6 +29,7 @@ from common import tls
 from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
 from common.decode_guard import DecodeGuardInterceptor
 from common.hashing import model_fingerprint
+from common.process import StartupError
 from mmcast.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
@@ -242,10 +243,17 @@ class SchedulerServer:
 
 
 async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
-    server = SchedulerServer(config)
-    if config.metrics_port:
-        start_http_server(config.metrics_port, addr=config.metrics_host, registry=server.metrics.registry)
-    await server.start()
+    """Runs until ``stop`` is set. Anything that fails before the server listens raises StartupError: the same
+    configuration would fail again, so a supervisor should not restart it."""
+    try:
+        server = SchedulerServer(config)
+        if config.metrics_port:
+            start_http_server(config.metrics_port, addr=config.metrics_host, registry=server.metrics.registry)
+        await server.start()
+    except StartupError:
+        raise
+    except Exception as exc:
+        raise StartupError(f"the scheduler cannot start: {type(exc).__name__}: {' '.join(str(exc).split())}") from exc
     await stop.wait()
     log.info("shutdown requested; draining", extra={"drain_seconds": config.drain_seconds})
     await server.stop()

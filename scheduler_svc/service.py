@@ -1,5 +1,9 @@
 """The client-facing ``mmcast.v1.Generation`` servicer. It only translates: proto → domain objects (api.py),
-the frontend and the engine decide, events → proto. Status codes come from ``common.errors`` statuses."""
+the frontend and the engine decide, events → proto. Status codes come from ``common.errors`` statuses.
+
+Any other exception is a bug of the server, not of the request: the client gets ``INTERNAL`` with the request id
+(an id made for the call where the RPC has none) and the log holds the traceback under that id — never gRPC's
+``UNKNOWN`` with a Python class name."""
 
 from __future__ import annotations
 
@@ -34,6 +38,15 @@ def grpc_code(err: MmcastError) -> grpc.StatusCode:
     return grpc.StatusCode[err.status.value]
 
 
+async def abort_internal(context, method: str, request_id: str) -> None:
+    """Logs the exception being handled under ``request_id`` and ends the RPC with INTERNAL naming that id."""
+    log.exception("unexpected error in %s", method, extra={"request_id": request_id})
+    await context.abort(
+        grpc.StatusCode.INTERNAL,
+        f"internal server error in {method} (request_id={request_id}); the server log records the cause under this id",
+    )
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self, *, engine: Engine, frontend, uploads, config, tokenizer, make_request, server_info, tokens=None
@@ -66,6 +79,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         client_id = request.request_id or f"req-{uuid.uuid4().hex}"
         request_id = client_id
         log_extra = {"request_id": request_id}
+        handle = None
         try:
             if self.draining:
                 raise Unavailable("the server is draining for shutdown; retry on another replica")
@@ -101,9 +115,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             log.info("request rejected: %s", err.message, extra={**log_extra, "code": err.status.value})
             await context.abort(grpc_code(err), err.message)
             return
+        except Exception:
+            if handle is not None:  # admitted before the failure: free what it holds
+                self.engine.finish(handle.request_id, "cancelled")
+            await abort_internal(context, "Generate", client_id)
+            return
         log.info("request admitted", extra={**log_extra, "prompt_tokens": len(processed.token_ids)})
-        async for response in self._stream(handle, processed, sampling, received, context, client_id):
-            yield response
+        try:
+            async for response in self._stream(handle, processed, sampling, received, context, client_id):
+                yield response
+        except grpc.aio.AbortError:  # a status the stream set on purpose
+            raise
+        except Exception:
+            await abort_internal(context, "Generate", client_id)
 
     async def _stream(
         self, handle: RequestHandle, processed, sampling: api.SamplingSpec, received: float, context, client_id: str
@@ -213,10 +237,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except MmcastError as err:
             await context.abort(grpc_code(err), err.message)
             return None
+        except Exception:
+            await abort_internal(context, "UploadImage", f"upload-{uuid.uuid4().hex}")
+            return None
         finally:
             if tenant is not None and size:
                 self.uploads.pending.release(tenant, size)
         return generation_pb2.UploadImageResponse(sha256=sha2, byte_size=size, already_present=already)
 
     async def GetServerInfo(self, request, context):
-        return self.server_info()
+        try:
+            return self.server_info()
+        except Exception:
+            await abort_internal(context, "GetServerInfo", f"info-{uuid.uuid4().hex}")
+            return None

@@ -50,7 +50,7 @@ class WorkerEnv:
     def __init__(self, model_dir: pathlib.Path) -> None:
         from transformers import AutoModelForImageTextToText
 
-        from common.tiny_model import load_processor
+        from common.processor import load_processor
         from tests.worker_driver import InProcessWorker, rank_token_file
         from worker_svc.config import WorkerConfig
 

@@ -33,7 +33,7 @@ class Oracle:
     def __init__(self, model_dir) -> None:
         from transformers import AutoModelForImageTextToText
 
-        from common.tiny_model import load_processor
+        from common.processor import load_processor
 
         self.processor = load_processor(model_dir)
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
@@ -50,7 +50,6 @@ class Oracle:
 
     def _run(self, messages: list[dict], n: int) -> tuple[list[int], list[float]]:
         import torch
-        from PIL import Image
 
         hf_messages, images = [], []
         for message in messages:
@@ -60,7 +59,7 @@ class Oracle:
             parts = []
             for part in content:
                 if part["type"] == "image":
-                    images.append(Image.open(io.BytesIO(part["image"])).convert("RGB"))
+                    images.append(image_as_sent(part["image"]))
                     parts.append({"type": "image"})
                 else:
                     parts.append({"type": "text", "text": part["text"]})
@@ -76,6 +75,17 @@ class Oracle:
         tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
         logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens, strict=True)]
         return tokens, logprobs
+
+
+def image_as_sent(data: bytes):
+    """The file as the user sent it, opened the way transformers' ``load_image`` opens it: Pillow decodes it and
+    ``ImageOps.exif_transpose`` turns it upright. ``load_image`` then calls ``convert("RGB")``, which drops an alpha
+    channel unblended; the processor's own ``convert_to_rgb`` composites it onto white, and that is the step this
+    image is left to (tests/test_sched_image_modes.py shows it equal to ``processor(load_image(file))`` for every
+    opaque image and to ``processor(Image.open(file))`` for every unturned one)."""
+    from PIL import Image, ImageOps
+
+    return ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
 
 
 def _key(messages):

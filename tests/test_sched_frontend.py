@@ -17,11 +17,12 @@ from PIL import Image
 from common.errors import InvalidArgument, NotFound, ResourceExhausted
 from common.hashing import item_identifier
 from common.multimodal import FieldKind, PayloadState
-from common.tiny_model import load_processor
+from common.processor import load_processor
 from scheduler_svc import frontend as frontend_module
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.frontend import ChatTurn, Frontend, ImagePart, TextPart
 from scheduler_svc.upload_store import UploadStore
+from tests.oracle import image_as_sent
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -88,7 +89,7 @@ def test_cold_path_matches_the_hf_processor(tiny_model_dir, processor):
         {"role": "user", "content": [{"type": "text", "text": "again"}, {"type": "image"}]},
     ]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    images = [Image.open(io.BytesIO(x)).convert("RGB") for x in (IMG_A, IMG_B, IMG_A)]
+    images = [image_as_sent(x) for x in (IMG_A, IMG_B, IMG_A)]
     ref = processor(text=[text], images=images, return_tensors="pt")
     assert prompt.token_ids == ref["input_ids"][0].tolist()
     assert prompt.num_images == 3 and prompt.processor_cache_hits == 1  # the repeated image

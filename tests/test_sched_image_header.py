@@ -13,7 +13,7 @@ from PIL import Image
 
 from benchmarks import hostile_inputs as hostile
 from common.errors import InvalidArgument, ResourceExhausted
-from common.tiny_model import load_processor
+from common.processor import load_processor
 from scheduler_svc.config import DEFAULT_IMAGE_FORMATS, SchedulerConfig
 from scheduler_svc.frontend import ChatTurn, Frontend, ImagePart, TextPart
 from scheduler_svc.image_header import ImageHeaderReader
@@ -57,15 +57,84 @@ def test_header_tokens_equal_the_processors_output(variant, max_pixels, request)
     assert checked >= 35
 
 
-def test_exif_orientation_and_gif_first_frame_follow_the_header(tiny_model_dir):
-    fe = Frontend(tiny_model_dir, SchedulerConfig())
+def _exif(orientation: int) -> Image.Exif:
     exif = Image.Exif()
-    exif[0x0112] = 6  # "rotate 90 CW": a viewer would show 300 x 500; the frontend processes it as stored
-    rotated = encoded(500, 300, "JPEG", exif=exif)
+    exif[0x0112] = orientation
+    return exif
+
+
+@pytest.fixture(scope="module")
+def frontend(tiny_model_dir):
+    return Frontend(tiny_model_dir, SchedulerConfig())
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+def test_exif_orientation_is_read_from_the_header_without_decoding(frontend, monkeypatch, fmt, orientation):
+    """Orientations 5-8 turn the image a quarter: the header's size is the upright one, read before any pixel is
+    decoded, and the processed prompt takes the tokens it predicted."""
+    from PIL import ImageFile, ImageOps, WebPImagePlugin
+
+    fe = frontend
+    data = encoded(500, 300, fmt, exif=_exif(orientation))
+    decodes: list[str] = []
+    for cls in (ImageFile.ImageFile, WebPImagePlugin.WebPImageFile):
+        original = cls.load
+        monkeypatch.setattr(cls, "load", lambda self, _original=original: decodes.append(self.format) or
+                            _original(self))
+    image, header = fe.check_image_header(data, "x")
+    assert decodes == [], f"the header check decoded a {fmt} image"
+    image.load()
+    assert decodes, "the decode counter sees nothing: it could not have caught a decode"
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).size
+    assert upright == ((300, 500) if orientation >= 5 else (500, 300))
+    assert (header.width, header.height) == upright, (fmt, orientation, header)
+    prompt = fe.process(user(ImagePart(data)))
+    grid = prompt.mm_features[0].data["image_grid_thw"].data[0].tolist()
+    assert prompt.mm_features[0].mm_position.length == header.tokens
+    # the grid is (frames, rows, columns) of the upright image: 300 wide x 500 high has more rows than columns
+    assert (grid[1] > grid[2]) == (orientation >= 5), (fmt, orientation, grid)
+
+
+def _exif_after_pixels(png: bytes) -> bytes:
+    """``png`` with its eXIf chunk moved behind the pixel data (allowed by the PNG spec; Pillow sees it on load)."""
+    chunks, pos = [], 8
+    while pos < len(png):
+        size = int.from_bytes(png[pos : pos + 4], "big")
+        chunks.append(png[pos : pos + 12 + size])
+        pos += 12 + size
+    exif = [c for c in chunks if c[4:8] == b"eXIf"]
+    rest = [c for c in chunks if c[4:8] != b"eXIf"]
+    assert len(exif) == 1 and rest[-1][4:8] == b"IEND"
+    return png[:8] + b"".join(rest[:-1]) + exif[0] + rest[-1]
+
+
+def test_a_png_with_exif_behind_its_pixels_is_turned_as_load_image_turns_it(tiny_model_dir, tmp_path):
+    """The header cannot see such a chunk without decoding, so it predicts the stored size; the decode still turns
+    the image as load_image does (the header read caches nothing on the image), and the prompt takes the tokens
+    the processor gives the turned image."""
+    from transformers.image_utils import load_image
+
+    fe = Frontend(tiny_model_dir, SchedulerConfig())
+    data = _exif_after_pixels(encoded(500, 300, "PNG", exif=_exif(8)))
+    assert "exif" not in Image.open(io.BytesIO(data)).info  # really behind the pixels
+    _, header = fe.check_image_header(data, "x")
+    assert (header.width, header.height) == (500, 300)
+    path = tmp_path / "late-exif.png"
+    path.write_bytes(data)
+    expected = fe.image_processor(images=[load_image(str(path))], return_tensors="pt")
+    item = fe.process(user(ImagePart(data))).mm_features[0]
+    assert item.data["image_grid_thw"].data.tolist() == expected["image_grid_thw"].tolist()
+    assert bool((item.data["pixel_values"].data == expected["pixel_values"]).all())
+    assert load_image(str(path)).size == (300, 500)
+
+
+def test_gif_first_frame_and_other_formats_follow_the_header(tiny_model_dir):
+    fe = Frontend(tiny_model_dir, SchedulerConfig())
     frames = [Image.new("RGB", (240, 120), (i * 40, 0, 0)) for i in range(3)]
     gif = io.BytesIO()
     frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:])
-    for data in (rotated, gif.getvalue(), encoded(333, 222, "WEBP"), encoded(200, 100, "BMP")):
+    for data in (gif.getvalue(), encoded(333, 222, "WEBP"), encoded(200, 100, "BMP")):
         _, header = fe.check_image_header(data, "x")
         prompt = fe.process(user(ImagePart(data)))
         assert prompt.mm_features[0].mm_position.length == header.tokens, header

@@ -14,6 +14,7 @@ from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from common import tiny_model
+from common.processor import load_processor
 from common.tiny_model import (
     MARKER_FILE,
     SPECIAL_TOKEN_IDS,
@@ -23,7 +24,6 @@ from common.tiny_model import (
     build_model,
     build_tiny_model,
     ensure_tiny_model,
-    load_processor,
 )
 
 IMAGE_PAD = SPECIAL_TOKEN_IDS["<|image_pad|>"]
