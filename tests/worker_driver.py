@@ -9,6 +9,7 @@ overlapping each window, payloads per transfer mode, deltas for decode steps. ``
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import dataclasses
 import hashlib
@@ -420,6 +421,13 @@ class StepRefused(AssertionError):
 # --- an in-process rank --------------------------------------------------------------------------------------
 
 
+async def _cancel_pending_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class InProcessWorker:
     """A rank (world size 1) served by ``worker_svc.main`` on port 0 in a background event loop."""
 
@@ -448,5 +456,6 @@ class InProcessWorker:
     def stop(self) -> None:
         self.call(self.running.server.stop(0))
         self.worker.executor.shutdown(wait=True)
+        self.call(_cancel_pending_tasks())  # stream readers left waiting by the stopped server
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
