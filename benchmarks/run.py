@@ -50,6 +50,7 @@ class Plan:
     max_tokens: int = 4
     kv_blocks: int = 8192
     security: bool = False  # also run benchmarks/security_load.py (hostile inputs beside a token stream)
+    rank_memory_tps: tuple[int, ...] = ()  # benchmarks/rank_memory.py: rank peak RSS vs plain transformers per TP
 
     def clients(self, mode: str) -> list[str]:
         return ["sdk", "resend"] if mode in self.resend_modes else ["sdk"]
@@ -68,7 +69,7 @@ PLANS = {
     "full": Plan("full", (1280, 720), (1, 2), ("full", "strip", "lazy"), (2, 8, 13, 20, 26), 5,
                  ("cached_floor", "duplicate", "conversation", "sliding_window"), 16, 8, ("full", "strip", "lazy"),
                  ("1280x720", "448x448"), (1, 2, 4), 15, (10, 100, 1000, 10_000), correctness_tps=(4,),
-                 kv_blocks=16384, security=True),
+                 kv_blocks=16384, security=True, rank_memory_tps=(1, 2, 4)),
 }  # fmt: skip
 
 
@@ -202,6 +203,12 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
 
         security = security_load.measure(model_dir, log)
         log("hostile inputs beside a token stream\n" + security_load.write(out_dir, security))
+    rank_memory = None
+    if plan.rank_memory_tps:
+        from benchmarks import rank_memory as rank_memory_mod
+
+        rank_memory = rank_memory_mod.measure(list(plan.rank_memory_tps), log=log)
+        log("rank peak RSS, demo conversation, real-width checkpoint\n" + rank_memory_mod.write(out_dir, rank_memory))
     meta["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     meta["wall_seconds"] = time.monotonic() - started
     analysis = report.analyze(records, floor_rows, steps, meta["image_size"])
@@ -209,7 +216,7 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     report.write_markdown(os.path.join(out_dir, "results.md"), meta, analysis, floors_md, figures)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "configs": configs, "floors": floor_rows, "analysis": analysis, "records": records,
-                   "security": security}, f, indent=1, default=str)
+                   "security": security, "rank_memory": rank_memory}, f, indent=1, default=str)
     log(f"wrote {out_dir}/results.md, results.json and {len(figures)} plots")
     return analysis
 

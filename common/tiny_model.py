@@ -15,6 +15,12 @@ on a torchvision video processor for every Qwen2-VL checkpoint). A real checkpoi
 code changes. Head counts, KV head counts and widths divide by 4, so tensor parallel sizes 1, 2 and 4 all shard it.
 ``kv_heads=2`` builds the same model with 2 KV heads (the grouping of Qwen2-VL-2B): at TP 4 each KV head is then held
 by two ranks.
+
+``width="real"`` builds the same recipe at Qwen2-VL-2B's published widths (``REAL_WIDTH``: hidden 1536, 12 query /
+2 KV heads, intermediate 8960, vocabulary 151936 with tied embeddings, a vision tower of width 1280 with 16 heads)
+but only 2 decoder layers and 2 vision blocks, randomly initialised (~1.6 GB in float32). Memory measurements use it:
+a rank's activations, KV pool and caches have their real sizes there (``benchmarks/rank_memory.py``). Its tokenizer
+is the tiny one (1024 tokens at the bottom of the large vocabulary, as Qwen2-VL-2B's 151657 tokens are of 151936).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import shutil
 import tempfile
 
 VARIANTS = ("qwen2_vl", "qwen2_5_vl")
+WIDTHS = ("tiny", "real")
 DEFAULT_KV_HEADS = 4
 KV_HEAD_CHOICES = (1, 2, 4, 8)  # divisors of the 8 query heads
 
@@ -159,9 +166,31 @@ _VISION_CONFIGS = {
 }
 
 
-def _check_variant(variant: str) -> None:
+# width="real": Qwen2-VL-2B-Instruct's config.json widths, with 2 decoder layers and 2 vision blocks (of 28 and 32).
+REAL_WIDTH = {
+    "text": {
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "max_window_layers": 2,
+        "initializer_range": 0.02,
+        # head_dim 128: Qwen2-VL-2B's temporal/height/width rotary pairs
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+    },
+    "vision": {"depth": 2, "embed_dim": 1280, "hidden_size": 1536, "mlp_ratio": 4, "num_heads": 16},
+    "tie_word_embeddings": True,
+}
+
+
+def _check_variant(variant: str, width: str = "tiny") -> None:
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} is not a tiny model variant; choose one of {VARIANTS}")
+    if width not in WIDTHS:
+        raise ValueError(f"width={width!r} is not a tiny model width; choose one of {WIDTHS}")
+    if width == "real" and variant != "qwen2_vl":
+        raise ValueError(f"width='real' has Qwen2-VL-2B's widths; variant={variant!r} must be 'qwen2_vl'")
 
 
 def corpus_path() -> pathlib.Path:
@@ -221,9 +250,11 @@ def _check_kv_heads(kv_heads: int) -> None:
         raise ValueError(f"kv_heads={kv_heads} must be one of {KV_HEAD_CHOICES} (it groups the 8 query heads)")
 
 
-def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS):
-    """The model config of `variant` with `kv_heads` KV heads, with the special token ids of `build_tokenizer`."""
-    _check_variant(variant)
+def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS, width: str = "tiny"):
+    """The model config of `variant` with `kv_heads` KV heads, with the special token ids of `build_tokenizer`.
+
+    ``width="real"``: Qwen2-VL-2B's widths and KV heads (``REAL_WIDTH``); `kv_heads` is not used."""
+    _check_variant(variant, width)
     _check_kv_heads(kv_heads)
     token_ids = {
         "image_token_id": SPECIAL_TOKEN_IDS["<|image_pad|>"],
@@ -235,6 +266,14 @@ def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS)
         from transformers import Qwen2VLConfig as config_class
     else:
         from transformers import Qwen2_5_VLConfig as config_class
+    if width == "real":
+        return config_class(
+            text_config={**_TEXT_CONFIG, **REAL_WIDTH["text"]},
+            vision_config={**_VISION_CONFIGS[variant], **REAL_WIDTH["vision"]},
+            tie_word_embeddings=REAL_WIDTH["tie_word_embeddings"],
+            dtype="float32",
+            **token_ids,
+        )
     return config_class(
         text_config={**_TEXT_CONFIG, "num_key_value_heads": kv_heads},
         vision_config=dict(_VISION_CONFIGS[variant]),
@@ -268,7 +307,7 @@ def build_processor(variant: str = "qwen2_vl", tokenizer=None):
     )
 
 
-def build_model(variant: str = "qwen2_vl", *, seed: int = 0, kv_heads: int = DEFAULT_KV_HEADS):
+def build_model(variant: str = "qwen2_vl", *, seed: int = 0, kv_heads: int = DEFAULT_KV_HEADS, width: str = "tiny"):
     """The randomly initialised model of `variant`, in memory; the same seed gives bit-identical weights.
 
     The caller's torch RNG state is left as it was.
@@ -276,7 +315,7 @@ def build_model(variant: str = "qwen2_vl", *, seed: int = 0, kv_heads: int = DEF
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    config = build_config(variant, kv_heads=kv_heads)
+    config = build_config(variant, kv_heads=kv_heads, width=width)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -304,30 +343,38 @@ def recipe_id() -> str:
 
 
 def build_tiny_model(
-    out_dir: str | os.PathLike, *, variant: str = "qwen2_vl", seed: int = 0, kv_heads: int = DEFAULT_KV_HEADS
+    out_dir: str | os.PathLike,
+    *,
+    variant: str = "qwen2_vl",
+    seed: int = 0,
+    kv_heads: int = DEFAULT_KV_HEADS,
+    width: str = "tiny",
 ) -> pathlib.Path:
     """Builds the tiny model of `variant` into `out_dir` (created if missing) and returns its path.
 
     The same seed gives bit-identical weights and identical tokenizer files. The marker file is written last.
     """
-    _check_variant(variant)
+    _check_variant(variant, width)
     _check_kv_heads(kv_heads)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER_FILE).unlink(missing_ok=True)
     processor = build_processor(variant)
-    build_model(variant, seed=seed, kv_heads=kv_heads).save_pretrained(out)
+    build_model(variant, seed=seed, kv_heads=kv_heads, width=width).save_pretrained(out)
     # The file layout of a Hub Qwen2-VL checkpoint: preprocessor_config.json naming the processor class, next to
     # the tokenizer files and chat_template.jinja (not 5.x's processor_config.json).
     processor.tokenizer.save_pretrained(out)
     processor.image_processor.save_pretrained(out)
     _add_json_fields(out / "preprocessor_config.json", processor_class=_processor_class(variant).__name__)
-    (out / MARKER_FILE).write_text(json.dumps(_marker(variant, seed, kv_heads), sort_keys=True) + "\n")
+    (out / MARKER_FILE).write_text(json.dumps(_marker(variant, seed, kv_heads, width), sort_keys=True) + "\n")
     return out
 
 
-def _marker(variant: str, seed: int, kv_heads: int) -> dict:
-    return {"variant": variant, "seed": seed, "kv_heads": kv_heads, "recipe": recipe_id()}
+def _marker(variant: str, seed: int, kv_heads: int, width: str = "tiny") -> dict:
+    marker = {"variant": variant, "seed": seed, "kv_heads": kv_heads, "recipe": recipe_id()}
+    if width != "tiny":  # the tiny build's marker stays as it was
+        marker["width"] = width
+    return marker
 
 
 def _add_json_fields(path: pathlib.Path, **fields) -> None:
@@ -336,41 +383,46 @@ def _add_json_fields(path: pathlib.Path, **fields) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _complete(path: pathlib.Path, variant: str, seed: int, kv_heads: int) -> bool:
+def _complete(path: pathlib.Path, variant: str, seed: int, kv_heads: int, width: str = "tiny") -> bool:
     """Whether `path` holds the finished build of (variant, seed); raises if it holds another one."""
     try:
         built = json.loads((path / MARKER_FILE).read_text())
     except (FileNotFoundError, NotADirectoryError):
         return False
-    wanted = _marker(variant, seed, kv_heads)
+    wanted = _marker(variant, seed, kv_heads, width)
     if built != wanted:
         raise ValueError(f"{path} holds the tiny model {built}, not {wanted}; delete it or pass another folder")
     return True
 
 
 def ensure_tiny_model(
-    out_dir: str | os.PathLike, *, variant: str = "qwen2_vl", seed: int = 0, kv_heads: int = DEFAULT_KV_HEADS
+    out_dir: str | os.PathLike,
+    *,
+    variant: str = "qwen2_vl",
+    seed: int = 0,
+    kv_heads: int = DEFAULT_KV_HEADS,
+    width: str = "tiny",
 ) -> pathlib.Path:
     """Returns `out_dir` once it holds the complete tiny model, building it only if it does not yet.
 
     The build goes to a temporary sibling folder that is renamed into place, so concurrent callers (test workers,
     the ranks of one group) never see a half-written folder; the loser of a race discards its copy.
     """
-    _check_variant(variant)
+    _check_variant(variant, width)
     _check_kv_heads(kv_heads)
     out = pathlib.Path(out_dir)
-    if _complete(out, variant, seed, kv_heads):
+    if _complete(out, variant, seed, kv_heads, width):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        build_tiny_model(tmp, variant=variant, seed=seed, kv_heads=kv_heads)
+        build_tiny_model(tmp, variant=variant, seed=seed, kv_heads=kv_heads, width=width)
         tmp.chmod(0o755)  # mkdtemp makes it private
         try:
             # rename(2) replaces a missing or empty directory atomically and fails on a non-empty one.
             os.rename(tmp, out)
         except OSError:
-            if not _complete(out, variant, seed, kv_heads):  # another caller's build won the race, or a foreign folder
+            if not _complete(out, variant, seed, kv_heads, width):  # another caller's build won the race, or a foreign folder
                 raise FileExistsError(
                     f"{out} is not empty but holds no complete tiny model; delete it or pass another folder"
                 ) from None

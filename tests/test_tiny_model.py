@@ -224,6 +224,24 @@ def test_shapes_divide_for_tensor_parallel_sizes_up_to_4(variant):
     assert not config.tie_word_embeddings  # lm_head is sharded colwise while embed_tokens stays whole
 
 
+def test_real_width_config_has_qwen2_vl_2b_widths_and_two_layers():
+    config = build_config("qwen2_vl", width="real")
+    text, vision = config.text_config, config.vision_config
+    got = {name: getattr(text, name) for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                  "num_key_value_heads", "vocab_size", "num_hidden_layers")}
+    assert got == {"hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12,
+                   "num_key_value_heads": 2, "vocab_size": 151936, "num_hidden_layers": 2}
+    assert sum(text.rope_parameters["mrope_section"]) == 1536 // 12 // 2
+    assert (vision.embed_dim, vision.num_heads, vision.mlp_ratio, vision.hidden_size) == (1280, 16, 4, 1536)
+    assert config.tie_word_embeddings
+    # the special token ids of the tiny tokenizer lie inside the large vocabulary
+    assert max(SPECIAL_TOKEN_IDS.values()) < text.vocab_size
+    with pytest.raises(ValueError, match="width="):
+        build_config("qwen2_vl", width="huge")
+    with pytest.raises(ValueError, match="variant='qwen2_5_vl' must be 'qwen2_vl'"):
+        build_config("qwen2_5_vl", width="real")
+
+
 def test_qwen2_5_vl_vision_tower_uses_windows_on_small_images():
     vision = build_config("qwen2_5_vl").vision_config
     window_in_merged_patches = vision.window_size // (vision.patch_size * vision.spatial_merge_size)
@@ -259,10 +277,10 @@ def test_concurrent_ensure_calls_publish_exactly_one_complete_folder(tmp_path, m
     callers = 3
     all_built = threading.Barrier(callers, timeout=10)
 
-    def fake_build(out_dir, *, variant, seed, kv_heads):
+    def fake_build(out_dir, *, variant, seed, kv_heads, width):
         out = pathlib.Path(out_dir)
         (out / "model.safetensors").write_text(out.name)
-        (out / MARKER_FILE).write_text(json.dumps(tiny_model._marker(variant, seed, kv_heads)))
+        (out / MARKER_FILE).write_text(json.dumps(tiny_model._marker(variant, seed, kv_heads, width)))
         all_built.wait()  # every caller has built its own copy before any of them renames
         return out
 

@@ -136,3 +136,19 @@ def test_resumed_request_continues_identically(worker_env, sched):
             assert resumed.outputs == reference[0]
             diffs = [abs(a - b) for a, b in zip(resumed.logprobs, reference[1][16:], strict=True)]
             assert max(diffs) <= TOL
+
+
+def test_encoder_rows_the_rank_keeps_carry_no_autograd_graph(worker_env, sched, monkeypatch):
+    # Rows kept in the encoder cache with a grad_fn would pin the vision tower's saved activations until eviction:
+    # at Qwen2-VL-2B's widths ~1.5 GB per 1280x720 image (benchmarks/rank_memory.py measures the rank's peak).
+    runner = worker_env.rank.worker.runner
+    kept = []
+    encode = runner.encode
+    monkeypatch.setattr(runner, "encode", lambda feature: kept.append(encode(feature)) or kept[-1])
+    prompt = two_image_prompt(worker_env, seed=40)
+    req = sched.add(prompt, "graph")
+    sched.run([req])
+    assert len(kept) == 2
+    assert all(rows.grad_fn is None and not rows.requires_grad for rows in kept)
+    assert not [name for name, p in runner.model.named_parameters() if p.requires_grad]
+    assert_matches(req, oracle(worker_env.model, prompt))

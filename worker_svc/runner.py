@@ -119,7 +119,8 @@ class ModelRunner:
             kv_replication.keep_rank_kv_heads(model, shape, config.world_size, config.rank)
         if config.world_size == 1:
             model = model.to(self.device)
-        self.model = model.eval()
+        # Serving never trains: no parameter asks autograd to record, whatever path calls the model.
+        self.model = model.eval().requires_grad_(False)
         self.config = model.config
         text = model.config.get_text_config(decoder=True)
         self.text_config = text
@@ -181,8 +182,13 @@ class ModelRunner:
             return f"{pixels_name} rows have {pixels.shape[1]} values; the vision tower takes {self.patch_dim}"
         return None
 
+    @torch.inference_mode()
     def encode(self, feature: MultiModalFeatureSpec) -> torch.Tensor:
-        """The encoder output rows of a whole item (``[num_embeds, hidden]``), on this rank's device."""
+        """The encoder output rows of a whole item (``[num_embeds, hidden]``), on this rank's device.
+
+        Under inference mode: with autograd recording, the rows the encoder cache keeps would hold the vision
+        tower's whole graph and every activation it saved for a backward pass (at Qwen2-VL-2B's widths ~1.5 GB per
+        1280x720 image, kept until the item is evicted)."""
         pixels_name, grid_name = ENCODER_FIELDS[feature.modality]
         pixels = feature.data[pixels_name].data.to(self.device, non_blocking=True)
         grid = feature.data[grid_name].data.reshape(-1, 3).to(self.device)
