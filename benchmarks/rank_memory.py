@@ -21,20 +21,11 @@ import sys
 import tempfile
 import time
 
+from benchmarks.proc_memory import status_mib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "benchmarks", "results", ".model", "qwen2_vl-real-width")
 TURNS, MAX_TOKENS, SEED = 8, 16, 0  # mmcast demo's defaults
-
-
-def status_mib(pid: int | str = "self") -> dict[str, float]:
-    """VmHWM (peak RSS) and VmRSS of a process, in MiB."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key = line.split(":", 1)[0]
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(line.split()[1]) / 1024
-    return out
 
 
 def demo_images(directory: str) -> list[str]:

@@ -27,6 +27,8 @@ import os
 import threading
 import time
 
+from benchmarks.proc_memory import peak_mib, reset_peak
+
 CONTEXT = 16384
 STREAM_TOKENS = 4000
 
@@ -35,16 +37,6 @@ def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _peak_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def _reset_peak(pid: int) -> None:
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
 
 
 def cases() -> list[tuple[str, str, object]]:
@@ -128,7 +120,7 @@ def measure_case(stub, pid: int, name: str, what: str, build) -> dict:
     stream = Stream(stub)
     stream.wait_tokens(20)
     time.sleep(0.2)
-    _reset_peak(pid)
+    reset_peak(pid)
     cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
     outcome: dict = {"code": "OK"}
 
@@ -148,7 +140,7 @@ def measure_case(stub, pid: int, name: str, what: str, build) -> dict:
     else:
         time.sleep(0.5)  # a window as long as a quick case's, for the stream's gaps
     t1, cpu1 = time.perf_counter(), _cpu_seconds(pid)
-    peak = _peak_mib(pid)
+    peak = peak_mib(pid)
     time.sleep(0.3)
     gap = stream.max_gap_ms(t0, time.perf_counter())
     stream.stop()

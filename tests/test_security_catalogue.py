@@ -23,6 +23,7 @@ import time
 import grpc
 import pytest
 
+from benchmarks.proc_memory import peak_mib
 from mmcast.v1 import generation_pb2 as pb
 from mmcast_client.local_group import LocalGroup
 from tests import security_catalogue as cat
@@ -103,8 +104,7 @@ def step_ctx(processes, secrets_dir, tiny_model_dir):
 
 def peak_rss(group) -> int:
     """The scheduler's peak resident set (VmHWM), bytes."""
-    with open(f"/proc/{group.pids()['scheduler']}/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+    return int(peak_mib(group.pids()["scheduler"]) * 1024) << 10
 
 
 def scheduler_state(group) -> dict[str, float]:
