@@ -1,4 +1,4 @@
-"""Scheduler metrics (DESIGN.md §2.7). Counters count the underlying unit; PromQL makes the ratios."""
+"""Scheduler metrics (docs/ARCHITECTURE.md §2.7). Counters count the underlying unit; PromQL makes the ratios."""
 
 from __future__ import annotations
 

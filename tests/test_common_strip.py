@@ -1,4 +1,4 @@
-"""Prefix-cache-aware stripping (DESIGN.md §3.1), rule by rule, plus properties."""
+"""Prefix-cache-aware stripping (docs/ARCHITECTURE.md §3, invariant 1), rule by rule, plus properties."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""M-RoPE positions from placeholder ranges and grids equal transformers' ``get_rope_index`` (DESIGN.md §3.4)."""
+"""M-RoPE positions from placeholder ranges and grids equal transformers' ``get_rope_index`` (docs/ARCHITECTURE.md §3, invariant 4)."""
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ Where the inputs come from: each item's ``mm_position`` and its ``keep_on_cpu`` 
 so a stripped item counts exactly like a present one. ``input_ids`` is used only for its length: nothing scans it
 for special tokens, so placeholder ids that also occur in plain text cannot shift anything.
 
-The rule is ``transformers`` 5.24's ``get_rope_index`` (the oracle of DESIGN.md §3, invariants 3-4), exactly:
+The rule is ``transformers`` 5.24's ``get_rope_index`` (the oracle of docs/ARCHITECTURE.md §3, invariants 3-4), exactly:
 
 - images: identical to the original Qwen rule too — the text after an image resumes at
   ``start + max(h, w)``, which is the image's largest position + 1.

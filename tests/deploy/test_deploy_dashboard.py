@@ -17,7 +17,7 @@ from tests.deploy.dashboard import (
 )
 from tests.deploy.deploy_tools import run, tool
 
-# Every metric the services export (DESIGN.md §2.7), histograms by their base name.
+# Every metric the services export (docs/ARCHITECTURE.md §2.7), histograms by their base name.
 SCHEDULER_METRICS = {
     "mmcast_broadcast_bytes_total", "mmcast_broadcast_payload_bytes_saved_total", "mmcast_mm_items_total",
     "mmcast_prefix_cache_query_tokens_total", "mmcast_prefix_cache_hit_tokens_total",
