@@ -429,11 +429,8 @@ class Scheduler:
                     if self._requests.get(r.request_id) is r}
             convicted = self.isolator.step_failed(step)
             if convicted is not None:
-                r = self._requests.pop(convicted)
-                if r in self.running:  # it always is: a scheduled request runs until the step's output
-                    self.running.remove(r)
-                self.kv.free(r.request_id)
-                r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.ERROR
+                r = self._requests[convicted]
+                self._finish(r, FinishReason.ERROR)  # a scheduled request is running until the step's output
                 poisoned.append(RequestUpdate(
                     r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage, error_status=Status.INTERNAL,
                     error=f"request {r.request_id} crashed the worker group twice, the second time running alone; "
