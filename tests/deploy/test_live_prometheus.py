@@ -5,8 +5,10 @@ Prometheus on loopback scraping the scheduler and both ranks every second (and l
 workload through the SDK chosen so that every panel has something to show:
 - a growing three-turn conversation: prefix hits, stripped items (saved bytes: prefix_covered);
 - four concurrent requests re-using its images behind other text: rank-cached items (saved bytes: rank_cached),
-  encoder-cache hits and, with 56 KV blocks, a waiting queue (three fit at admission, 3 x 17 blocks) and
-  preemptions (the three grow to 3 x 21 blocks);
+  encoder-cache hits and, with 56 KV blocks, a waiting queue and preemptions. Their text comes first, so they share
+  only the system prompt's block with each other and the conversation: three fit at admission (3 x 18 blocks) and
+  must grow past the pool (3 x 24 blocks); a barrier releases the four together, so they overlap however loaded
+  the machine is;
 - one prompt larger than the KV pool: RESOURCE_EXHAUSTED, a server-side gRPC error for the error-ratio panel;
 - GetServerInfo: a unary RPC for the unary-latency panel.
 With MMCAST_RENDER_DASHBOARD=1 the run also renders docs/img/dashboard.png (tests/deploy/render_dashboard.py).
@@ -44,7 +46,7 @@ QUESTIONS = (
     "Now consider all of the pictures so far together and tell me which one feels the warmest and why.",
 )
 CONCURRENT_REQUESTS = 4
-CONCURRENT_MAX_TOKENS = 64
+CONCURRENT_MAX_TOKENS = 96
 RENDER_ENV = "MMCAST_RENDER_DASHBOARD"
 PICTURE = ROOT / "docs" / "img" / "dashboard.png"
 
@@ -72,8 +74,9 @@ MUST_RISE = {
 KNOWN_METRIC_LINTS: dict[str, str] = {}
 
 
-def user_turn(image: bytes, text: str) -> dict:
-    return {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
+def user_turn(image: bytes, text: str, text_first: bool = False) -> dict:
+    content = [{"type": "image", "image": image}, {"type": "text", "text": text}]
+    return {"role": "user", "content": content[::-1] if text_first else content}
 
 
 class LiveRun:
@@ -104,12 +107,14 @@ class LiveRun:
             self.checkpoint()
 
             usages, errors = [], []
+            start_together = threading.Barrier(CONCURRENT_REQUESTS)
 
             def other_view(k: int) -> None:
                 try:
                     text = f"Seen from another place ({k}): " + QUESTIONS[k % 3]
-                    r = client.generate([user_turn(images[k % 3], text)], max_tokens=CONCURRENT_MAX_TOKENS,
-                                        ignore_eos=True)
+                    messages = [user_turn(images[k % 3], text, text_first=True)]
+                    start_together.wait(timeout=60)
+                    r = client.generate(messages, max_tokens=CONCURRENT_MAX_TOKENS, ignore_eos=True)
                     usages.append(r.usage)
                 except Exception as e:  # noqa: BLE001 - reported below
                     errors.append(e)
