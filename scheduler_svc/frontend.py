@@ -14,7 +14,7 @@ Every check whose input is at hand runs before the work it protects (docs/SECURI
 1. structure, sizes and the text's UTF-8 bytes (``--max-prompt-bytes``) — before anything is tokenized;
 2. per image: the encoded bytes' sha256 (computed once for inline bytes; an upload is already stored under it),
    then the processor cache keyed by the tenant and that sha256 (a hit: no decoding, preprocessing or hashing), else
-   the header (``scheduler_svc.image_header``: allowed formats only, pixels, placeholder tokens by the processor's
+   the header (``common.image_header``: allowed formats only, pixels, placeholder tokens by the processor's
    resize rule) — before any pixel is decoded;
 3. the images' tokens plus the tokens to generate against the context — before any image is decoded;
 4. decode, EXIF orientation, preprocess (at most ``--max-concurrent-decodes`` at once) and
@@ -43,11 +43,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from PIL import ImageOps
-
 from common.errors import InvalidArgument, ResourceExhausted
 from common.hashing import item_identifier
 from common.ids import ItemId
+from common.image_header import ImageHeader
+from common.image_input import ImageInput
 from common.multimodal import (
     FieldKind,
     Modality,
@@ -58,8 +58,6 @@ from common.multimodal import (
 )
 from common.rope import uses_mrope
 from scheduler_svc.config import PROMPT_BYTES_PER_TOKEN, SchedulerConfig
-from scheduler_svc.image_header import ImageHeader, ImageHeaderReader
-from scheduler_svc.image_header import reason as _reason
 from scheduler_svc.upload_store import ByteLRU, UploadStore
 
 __all__ = ["ChatTurn", "Frontend", "ImagePart", "ProcessedPrompt", "TextPart", "UploadStore"]
@@ -152,7 +150,8 @@ class Frontend:
             pending_per_tenant=config.max_pending_upload_bytes_per_tenant,
         )
         self.cache = ByteLRU(config.processor_cache_bytes)
-        self.headers = ImageHeaderReader(config.image_formats, config.max_image_pixels, self.image_processor)
+        self.images = ImageInput(self.image_processor, config.image_formats, config.max_image_pixels)
+        self.headers = self.images.headers
         self._decode_slots = threading.BoundedSemaphore(config.max_concurrent_decodes)
         self._local = threading.local()  # per thread: its own tokenizer
         # Work done, for /metrics and tests: images_decoded, decoded_pixels, prompts_tokenized, tokenized_bytes.
@@ -196,23 +195,13 @@ class Frontend:
             self._count("images_decoded", 1)
             self._count("decoded_pixels", pending.header.width * pending.header.height)
             try:
-                image = pending.image
-                image.load()
-                # Upright, as transformers' load_image turns it (a phone photo's EXIF orientation applied); then the
-                # decoded image as it is: the processor's own convert_to_rgb composites transparency (RGBA, LA,
-                # palette with a transparent index) onto white and converts CMYK, 16-bit and bilevel images.
-                ImageOps.exif_transpose(image, in_place=True)
-                out = self.image_processor(images=[image], return_tensors="pt")
-            except Exception as exc:
-                raise InvalidArgument(
-                    f"{pending.field}: the image could not be decoded or preprocessed ({_reason(exc)})"
-                ) from None
+                # Upright and in its own mode, as the model's processor takes a decoded file (common/image_input.py).
+                pixel_values, grid = self.images.process(pending.image, pending.field)
             finally:
                 pending.image = None  # the decoded pixels go now, not when the request's last reference does
-        pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
         num_tokens = int(grid[0].prod()) // (self.merge_size**2)
         identifier = item_identifier(pending.data, self.processor_settings, scope=tenant)
-        return _Processed(identifier, pixel_values, grid.reshape(1, 3), num_tokens)
+        return _Processed(identifier, pixel_values, grid, num_tokens)
 
     def _resolve(self, part: Any, field: str, tenant: str, seen: dict) -> _Pending:
         """The image's bytes and either its cached processing or its checked header (nothing decoded); an image

@@ -1,0 +1,70 @@
+"""One image file -> what the model's processor gives it: the single implementation the frontend and the ranks share.
+
+``--payload-encoding pixels``: the frontend decodes and preprocesses each new image and the ranks receive
+``pixel_values``. ``encoded`` (the default): the frontend reads only the header and the ranks receive the file
+exactly as the client sent it; the rank that encodes the item runs ``process`` here on the same bytes, with an image
+processor loaded from the same model folder (``common.processor.load_processor``; the handshake's model fingerprint
+covers the processor files), so both paths give identical ``pixel_values`` and ``image_grid_thw``
+(tests/test_image_input.py compares them with the processor fed the file as sent, bit for bit).
+
+- ``open``: the header checks of ``common.image_header`` (format whitelist, pixels, tokens; nothing decoded).
+- ``grid``: the ``image_grid_thw`` the processor will produce, from the header's upright size and the processor's
+  own resize rule (``smart_resize`` with its patch size, merge size and min/max pixels): the frontend builds the
+  prompt and the M-RoPE metadata from it without decoding a pixel.
+- ``process``: decode, EXIF orientation applied as transformers' ``load_image`` does, then the processor on the
+  image in its own mode (its ``convert_to_rgb`` composites transparency onto white, converts palette/CMYK/16-bit).
+  Any failure is ``InvalidArgument`` naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from PIL import ImageOps
+
+from common.errors import InvalidArgument
+from common.image_header import ImageHeader, ImageHeaderReader, reason
+
+__all__ = ["ImageHeader", "ImageInput"]
+
+
+class ImageInput:
+    """Header checks, grid prediction and preprocessing for one model's image processor."""
+
+    def __init__(self, image_processor, formats: Sequence[str], max_pixels: int) -> None:
+        self.image_processor = image_processor
+        self.headers = ImageHeaderReader(formats, max_pixels, image_processor)
+        self.patch_size = int(image_processor.patch_size)
+        self.merge_size = int(image_processor.merge_size)
+
+    def open(self, data: bytes, field: str):
+        """``(image, header)``: opened lazily with the allowed plugins only, every header limit checked."""
+        return self.headers.open(data, field)
+
+    def grid(self, header: ImageHeader) -> torch.Tensor:
+        """``image_grid_thw`` (1, 3) int64 the processor gives an image of the header's (upright) size."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        size = self.image_processor.size
+        factor = self.patch_size * self.merge_size
+        height, width = smart_resize(header.height, header.width, factor, min_pixels=size["shortest_edge"],
+                                     max_pixels=size["longest_edge"])
+        return torch.tensor([[1, height // self.patch_size, width // self.patch_size]], dtype=torch.int64)
+
+    def process(self, image, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pixel_values, image_grid_thw)`` of an image ``open`` returned; decodes it (and frees the pixels)."""
+        try:
+            image.load()
+            ImageOps.exif_transpose(image, in_place=True)
+            out = self.image_processor(images=[image], return_tensors="pt")
+        except Exception as exc:  # noqa: BLE001 - PIL and the processor raise many types for bad input
+            raise InvalidArgument(f"{field}: the image could not be decoded or preprocessed ({reason(exc)})") from None
+        finally:
+            image.close()
+        return out["pixel_values"], out["image_grid_thw"].reshape(1, 3)
+
+    def process_bytes(self, data: bytes, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``open`` then ``process``: what a rank does with an encoded payload."""
+        image, _ = self.open(data, field)
+        return self.process(image, field)
