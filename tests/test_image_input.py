@@ -319,6 +319,32 @@ def test_a_corrupt_file_is_invalid_argument_naming_the_field(kits, name):
             message
 
 
+def _exif_after_pixels(png: bytes) -> bytes:
+    """The PNG with its eXIf chunk moved behind its IDAT chunks: Pillow reads it only once the pixels are decoded."""
+    chunks, at = [], 8
+    while at < len(png):
+        (length,) = struct.unpack(">I", png[at:at + 4])
+        chunks.append(png[at:at + 12 + length])
+        at += 12 + length
+    exif = [chunk for chunk in chunks if chunk[4:8] == b"eXIf"]
+    rest = [chunk for chunk in chunks if chunk[4:8] != b"eXIf"]
+    assert len(exif) == 1 and rest[-1][4:8] == b"IEND"
+    return png[:8] + b"".join(rest[:-1]) + exif[0] + rest[-1]
+
+
+def test_a_turn_found_only_by_decoding_fails_instead_of_mismatching_the_prompt(kits):
+    """The header cannot see an eXIf chunk behind the pixel data; the decoded image is turned (as load_image turns
+    it) and its grid differs from the one the prompt was built from: the request fails, naming the field."""
+    kit = kits[False]
+    data = _exif_after_pixels(_encode(_rgb(76, W, H), "PNG", 6))
+    _, header = kit.input.open(data, "image")
+    _, turned_grid = kit.processed(data_uri(data))
+    assert kit.input.grid(header).tolist() == [[1, H // 14, W // 14]] and turned_grid.tolist() == [[1, W // 14, H // 14]]
+    with pytest.raises(InvalidArgument, match=r"^image: the decoded image has a 6x4 patch grid but its header gave "
+                                              r"4x6 \(an EXIF orientation stored after the pixel data\?\)"):
+        kit.input.process_bytes(data, "image")
+
+
 def _tiff() -> bytes:
     return _encode(_rgb(80, W, H), "TIFF")
 
