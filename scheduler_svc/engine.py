@@ -88,15 +88,21 @@ class Engine:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine")
 
-    async def stop(self) -> None:
+    async def stop(self, step_grace_seconds: float = 10.0) -> None:
+        """Ends the step loop at a step boundary: a step in flight completes on every rank first (up to
+        ``step_grace_seconds``). Cut between its writes, one rank would hold a step its peers never get, and the
+        group would have to restart before the next scheduler could use it."""
         self._stopping = True
         self._wake.set()
         if self._task is not None:
-            self._task.cancel()
             try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+                await asyncio.wait_for(asyncio.shield(self._task), step_grace_seconds)
+            except (TimeoutError, asyncio.CancelledError, Exception):
+                self._task.cancel()
+                try:
+                    await self._task
+                except (asyncio.CancelledError, Exception):
+                    pass
         await self.group.close()
 
     async def wait_ready(self, timeout: float) -> bool:
