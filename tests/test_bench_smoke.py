@@ -42,6 +42,6 @@ def test_smoke_plan_writes_results_and_checks_mode_equality(tmp_path, tiny_model
     assert rows[("full", 2)]["payload_bytes"] > 0
 
     md = (out / "results.md").read_text()
-    assert "## Targets (issue 7)" in md and "all modes return the same tokens" in md
+    assert "## Targets (issue 7" in md and "all modes return the same tokens" in md
     for name in ("results.json", "results.md"):
         assert os.path.getsize(out / name) > 0
