@@ -2,9 +2,10 @@
 placement (issue 15).
 
 For every tensor-parallel size and every variant of ``VARIANTS`` (scheduler flags ``--payload-encoding`` and
-``--encoder-placement``), a fresh local group in the ``lazy`` transfer mode is warmed (one new image of each image
-set) and then sent requests holding 1, 4, 8 images it has never seen (fresh synthetic seeds; the same seeds in every
-group, so every variant must return the same tokens). Per new image, for each (TP, variant, image set):
+``--encoder-placement``), a fresh local group in the ``lazy`` transfer mode is warmed (one request holding one new
+image of each image set) and then sent requests holding 1, 4, 8 images it has never seen (fresh synthetic seeds; the
+same seeds in every group, so every variant must return the same tokens). At TP1 the one rank owns every image, so
+``encoded+replicated`` is the same configuration as ``encoded+sharded`` and runs at TP2 and above only. Per new image, for each (TP, variant, image set):
 
 - bytes on the scheduler→ranks path: ``Usage.payload_bytes_broadcast`` and the scheduler's
   ``mmcast_broadcast_bytes_total{kind="payload"}`` delta (frame bytes, summed over ranks), beside the client's file;
@@ -92,8 +93,16 @@ def plan_requests(sets: Sequence[ImageSet]) -> Iterator[tuple[int, ImageSet, int
 
 
 def planned_requests(sets: Sequence[ImageSet]) -> int:
-    """Requests one group makes (warm-ups included), for the progress bar."""
-    return len(sets) + sum(1 for _ in plan_requests(sets))
+    """Requests one group makes (the warm-up included), for the progress bar."""
+    return 1 + sum(1 for _ in plan_requests(sets))
+
+
+def groups(tps: Sequence[int], variants: Sequence[str] = tuple(VARIANTS)) -> tuple[tuple[int, str], ...]:
+    """(TP, variant) of every group to run; at TP1 placement means nothing (one rank), so only one encoded variant."""
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"new-image variant {v!r}; choose from {list(VARIANTS)}")
+    return tuple((tp, v) for tp in tps for v in variants if not (tp == 1 and v == "encoded+replicated"))
 
 
 def run_variant(model_dir: str, tp: int, variant: str, sets: Sequence[ImageSet], images, *, max_tokens: int,
@@ -115,10 +124,9 @@ def run_variant(model_dir: str, tp: int, variant: str, sets: Sequence[ImageSet],
         started = time.monotonic() - t0
         session = Session(group, tp, "lazy", max_tokens, on_record, variant=variant)
         try:
-            for k, s in enumerate(sets):
-                files = paths(k, 0, 0, 1)
-                session.run([user(files, question(0))], scenario="new_images", kind="warm", n=1, index=0,
-                            image=s.label, image_bytes=_size(files))
+            files = [f for k in range(len(sets)) for f in paths(k, 0, 0, 1)]  # every size and format once
+            session.run([user(files, question(0))], scenario="new_images", kind="warm", n=len(files), index=0,
+                        image="+".join(s.label for s in sets), image_bytes=_size(files))
             for k, s, r, j, n in plan_requests(sets):
                 files = paths(k, r, j, n)
                 session.run([user(files, question(r))], scenario="new_images", kind="image", n=n, index=r,

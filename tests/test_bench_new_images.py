@@ -119,7 +119,11 @@ def test_plan_seeds_are_fresh_and_the_same_in_every_group():
     used = [s for k, _, r, j, n in plan for s in new_images.seeds(k, r, j, n)]
     warm = [s for k in range(len(sets)) for s in new_images.seeds(k, 0, 0, 1)]
     assert len(set(used + warm)) == len(used) + len(warm) == 2 * 13 + 1 + 2
-    assert new_images.planned_requests(sets) == len(plan) + len(sets)
+    assert new_images.planned_requests(sets) == len(plan) + 1  # one warm-up request
+    assert new_images.groups((1, 2)) == ((1, BASELINE), (1, CANDIDATE), (2, BASELINE), (2, "encoded+replicated"),
+                                         (2, CANDIDATE))
+    with pytest.raises(ValueError, match="new-image variant"):
+        new_images.groups((2,), ("pixels+sharded",))
     with pytest.raises(ValueError, match="ImageSet.fmt"):
         ImageSet((448, 448), "gif", (1,), 1)
     with pytest.raises(ValueError, match="ImageSet.ns"):
@@ -139,3 +143,14 @@ def test_counter_deltas_tell_a_missing_metric_from_zero():
     assert d["saved_rank_bytes"] == 0  # the metric exists, nothing counted yet
     assert d["encoder_output_shared_bytes"] is None and d["metadata_bytes"] == 0
     assert d["worker_preprocess_seconds_sum"] == pytest.approx(0.25) and d["worker_collective_bytes"] is None
+
+
+def test_the_plot_is_written_when_matplotlib_is_installed(tmp_path):
+    from benchmarks import plots
+
+    if not plots.available():
+        pytest.skip("matplotlib is not installed (the plots are optional)")
+    a = report.analyze(_records() + _records(tp=1, image="448x448 png"), FLOORS, None, "448x448")
+    written = plots.write_plots(str(tmp_path), a)
+    assert [p.rsplit("/", 1)[1] for p in written] == ["new_images.png"]
+    assert (tmp_path / "new_images.png").stat().st_size > 10_000
