@@ -70,7 +70,7 @@ PLANS = {
     "smoke": Plan("smoke", (448, 448), (1,), ("full", "lazy"), (1, 2), 2, ("cached_floor", "sliding_window"), 3, 2,
                   ("lazy",), ("448x448",), (1, 2), 10, (10, 100), kv_blocks=1024,
                   new_image_groups=((1, CANDIDATE),), new_image_sets=(ImageSet(*_JPEG_448, (1, 2), 2),)),
-    # make bench-quick (<= 5 min): 448x448 keeps the 26-image prefill (6.6k tokens) cheap on 2 CPU cores; a
+    # make bench-quick (<= 6 min): 448x448 keeps the 26-image prefill (6.6k tokens) cheap on 2 CPU cores; a
     # 1280x720 prompt of 26 images is 31k tokens, whose uncached prefill alone takes ~20 s per configuration here.
     # New images: 448x448 JPEG and PNG with N = 1, 4, 8; one 1280x720 JPEG per request (bytes, runs and CPU per
     # image; a 720p image costs ~1-2 s of tiny-model prefill and encoding here, so no slope in the quick plan).
