@@ -65,6 +65,18 @@ class ImageInput:
         return out["pixel_values"], out["image_grid_thw"].reshape(1, 3)
 
     def process_bytes(self, data: bytes, field: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``open`` then ``process``: what a rank does with an encoded payload."""
-        image, _ = self.open(data, field)
-        return self.process(image, field)
+        """``open`` then ``process``: what a rank does with an encoded payload.
+
+        The prompt and M-RoPE positions were built from ``grid(header)``; a file whose decoded grid differs (a PNG
+        whose EXIF orientation follows its pixel data turns only once decoded) fails rather than be served with
+        positions that do not match its pixels."""
+        image, header = self.open(data, field)
+        pixel_values, grid = self.process(image, field)
+        predicted = self.grid(header)
+        if not torch.equal(grid, predicted):
+            raise InvalidArgument(
+                f"{field}: the decoded image has a {grid[0, 1]}x{grid[0, 2]} patch grid but its header gave "
+                f"{predicted[0, 1]}x{predicted[0, 2]} (an EXIF orientation stored after the pixel data?); re-save it "
+                "with the orientation applied or stored before the pixel data"
+            )
+        return pixel_values, grid

@@ -33,6 +33,16 @@ class PayloadState(enum.Enum):
     RANK_CACHED = "rank_cached"  # the receiver already holds the payload or its encoder output
 
 
+class PayloadEncoding(enum.Enum):
+    """What an item's payload fields hold (mirrors ``mmcast.v1.PayloadEncoding``)."""
+
+    PIXELS = "pixels"  # the processor's outputs (pixel_values)
+    ENCODED = "encoded"  # the image file as the client sent it (ENCODED_FIELD); the encoding rank preprocesses it
+
+
+ENCODED_FIELD = "image_bytes"  # the payload field of an ENCODED image: the file's bytes as a 1-D uint8 tensor
+
+
 class Modality(enum.Enum):
     IMAGE = "image"
     VIDEO = "video"
@@ -131,6 +141,7 @@ class MultiModalFeatureSpec:
     mm_position: PlaceholderRange
     payload_state: PayloadState = PayloadState.PRESENT
     payload_nbytes: int = 0  # bytes of the heavy fields in the original item (kept when they are stripped)
+    encoding: PayloadEncoding = PayloadEncoding.PIXELS
 
     def covered_by(self, num_computed_tokens: int) -> bool:
         """True when the item's whole placeholder span lies inside the computed prefix (equality counts)."""

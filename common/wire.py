@@ -20,6 +20,7 @@ from common.multimodal import (
     MultiModalFeatureSpec,
     MultiModalFieldElem,
     MultiModalKwargsItem,
+    PayloadEncoding,
     PayloadState,
     PlaceholderRange,
 )
@@ -43,6 +44,12 @@ _KIND_TO_PROTO = {
 _KIND_FROM_PROTO = {v: k for k, v in _KIND_TO_PROTO.items()}
 _MODALITY_TO_PROTO = {Modality.IMAGE: multimodal_pb2.MODALITY_IMAGE, Modality.VIDEO: multimodal_pb2.MODALITY_VIDEO}
 _MODALITY_FROM_PROTO = {v: k for k, v in _MODALITY_TO_PROTO.items()}
+_ENCODING_TO_PROTO = {
+    PayloadEncoding.PIXELS: multimodal_pb2.PAYLOAD_ENCODING_PIXELS,
+    PayloadEncoding.ENCODED: multimodal_pb2.PAYLOAD_ENCODING_ENCODED,
+}
+_ENCODING_FROM_PROTO = {v: k for k, v in _ENCODING_TO_PROTO.items()}
+_ENCODING_FROM_PROTO[multimodal_pb2.PAYLOAD_ENCODING_UNSPECIFIED] = PayloadEncoding.PIXELS
 
 
 class WireError(ValueError):
@@ -63,6 +70,7 @@ def feature_to_proto(
             offset=pos.offset, length=pos.length, is_embed=[] if pos.is_embed is None else [bool(x) for x in pos.is_embed]
         ),
         payload_state=_STATE_TO_PROTO[state],
+        encoding=_ENCODING_TO_PROTO[feature.encoding],
     )
     if feature.data is None:
         return msg
@@ -102,6 +110,8 @@ def feature_from_proto(
         raise WireError(f"{where}.payload_state={msg.payload_state} is not a known state")
     if msg.modality not in _MODALITY_FROM_PROTO:
         raise WireError(f"{where}.modality={msg.modality} is not a known modality")
+    if msg.encoding not in _ENCODING_FROM_PROTO:
+        raise WireError(f"{where}.encoding={msg.encoding} is not a known payload encoding")
     pos = msg.position
     if max_prompt_len is not None and pos.offset + pos.length > max_prompt_len:
         raise WireError(
@@ -130,6 +140,7 @@ def feature_from_proto(
         mm_position=PlaceholderRange(pos.offset, pos.length, list(pos.is_embed) if pos.is_embed else None),
         payload_state=_STATE_FROM_PROTO[msg.payload_state],
         payload_nbytes=payload_nbytes,
+        encoding=_ENCODING_FROM_PROTO[msg.encoding],
     )
 
 

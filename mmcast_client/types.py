@@ -48,6 +48,10 @@ class Usage:
     payload_bytes_broadcast: int = 0  # payload bytes written to the ranks for this request
     payload_bytes_saved: int = 0  # bytes the `full` transfer mode would have written in addition
     preemptions: int = 0
+    encoder_runs: int = 0  # vision-encoder runs over the group for this request's images
+    encoder_output_bytes_shared: int = 0  # encoder-output bytes the owner rank shared with the others (sharded)
+    image_cpu_seconds: float = 0.0  # the scheduler's CPU seconds on this request's images
+    images_encoder_shared: int = 0  # deliveries replaced by the owner's encoder output (sharded placement)
 
     @property
     def payload_bytes_full(self) -> int:

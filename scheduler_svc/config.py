@@ -13,6 +13,8 @@ import os
 from typing import Any
 
 TRANSFER_MODES = ("full", "strip", "lazy")
+PAYLOAD_ENCODINGS = ("encoded", "pixels")
+ENCODER_PLACEMENTS = ("sharded", "replicated")
 _INT_MAX = 2**63 - 1
 # Pillow format names the frontend opens by default; every other plugin (ICO, TIFF, PSD, ...) never runs.
 DEFAULT_IMAGE_FORMATS = ["JPEG", "PNG", "WEBP", "GIF", "BMP"]
@@ -111,6 +113,16 @@ class SchedulerConfig:
     transfer_mode: str = _field(
         "lazy", "which payloads go to the ranks: full (all at admission), strip (uncovered at admission), "
         "lazy (in the step that encodes them, only to ranks lacking them)", choices=TRANSFER_MODES,
+    )
+    payload_encoding: str = _field(
+        "encoded", "what an image's payload is on the way to the ranks: encoded (the file as the client sent it; the "
+        "rank that encodes it decodes and preprocesses it) or pixels (the frontend's float32 pixel_values)",
+        choices=PAYLOAD_ENCODINGS,
+    )
+    encoder_placement: str = _field(
+        "sharded", "which ranks run the vision encoder on an item: sharded (one owner per item, its output shared over "
+        "the group's collective) or replicated (every rank, each with its own copy of the payload)",
+        choices=ENCODER_PLACEMENTS,
     )
     chunk_size_bytes: int = _field(1 << 20, "bytes per payload chunk on the step streams", min=1, max=64 << 20)
 

@@ -88,15 +88,21 @@ class Engine:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine")
 
-    async def stop(self) -> None:
+    async def stop(self, step_grace_seconds: float = 10.0) -> None:
+        """Ends the step loop at a step boundary: a step in flight completes on every rank first (up to
+        ``step_grace_seconds``). Cut between its writes, one rank would hold a step its peers never get, and the
+        group would have to restart before the next scheduler could use it."""
         self._stopping = True
         self._wake.set()
         if self._task is not None:
-            self._task.cancel()
             try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+                await asyncio.wait_for(asyncio.shield(self._task), step_grace_seconds)
+            except (TimeoutError, asyncio.CancelledError, Exception):
+                self._task.cancel()
+                try:
+                    await self._task
+                except (asyncio.CancelledError, Exception):
+                    pass
         await self.group.close()
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -196,7 +202,7 @@ class Engine:
                 await self._group_lost(str(exc))
                 continue
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
-            self._apply(plan, results[0])
+            self._apply(plan, results)
             await asyncio.sleep(0)  # let client streams and new requests run between steps
 
     @property
@@ -278,8 +284,9 @@ class Engine:
             self._finish_handle(handle, FinishEvent("error", err))
         self._update_gauges()
 
-    def _apply(self, plan, rank0) -> None:
+    def _apply(self, plan, results) -> None:
         now = time.monotonic()
+        rank0 = results[0]
         self._count_plan(plan)
         sampled = {
             s.request_id: (s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top_logprobs])
@@ -292,7 +299,11 @@ class Engine:
             handle = self.handles.get(request_id)
             if handle is not None and handle.first_scheduled_at is None:
                 handle.first_scheduled_at = now
-        for update in self.core.update_from_output(plan, sampled, failed):
+        # Items an owner rank could not decode (encoded payloads): every rank skipped the windows reaching them.
+        item_failures = {f.item_identifier: f.message for r in results for f in r.item_failures}
+        for ident, message in item_failures.items():
+            log.warning("image failed at its owner rank", extra={"item": ident[:16], "reason": message})
+        for update in self.core.update_from_output(plan, sampled, failed, item_failures):
             self._deliver(update, now)
         for request_id, handle in self.handles.items():
             if request_id in plan.accounting:
@@ -331,6 +342,10 @@ class Engine:
             m.mm_items.labels("abandoned").inc(totals.abandoned)
         m.payload_bytes_saved.labels("prefix_covered").inc(totals.bytes_saved_prefix_covered)
         m.payload_bytes_saved.labels("rank_cached").inc(totals.bytes_saved_rank_cached)
+        m.mm_items.labels("encoder_shared").inc(totals.encoder_shared)
+        m.payload_bytes_saved.labels("encoder_shared").inc(totals.bytes_saved_encoder_shared)
+        m.encoder_runs.inc(totals.encoder_runs)
+        m.encoder_output_shared_bytes.inc(totals.encoder_output_bytes_shared)
         stats, seen = self.core.stats, self._stats_seen
         m.prefix_query_tokens.inc(max(0, stats.prefix_query_tokens - seen.prefix_query_tokens))
         m.prefix_hit_tokens.inc(max(0, stats.prefix_hit_tokens - seen.prefix_hit_tokens))

@@ -40,8 +40,11 @@ import dataclasses
 import hashlib
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from common.errors import InvalidArgument, ResourceExhausted
 from common.hashing import item_identifier
@@ -49,11 +52,13 @@ from common.ids import ItemId
 from common.image_header import ImageHeader
 from common.image_input import ImageInput
 from common.multimodal import (
+    ENCODED_FIELD,
     FieldKind,
     Modality,
     MultiModalFeatureSpec,
     MultiModalFieldElem,
     MultiModalKwargsItem,
+    PayloadEncoding,
     PlaceholderRange,
 )
 from common.rope import uses_mrope
@@ -93,16 +98,18 @@ class ProcessedPrompt:
     # (cache key, processed image) of every image processed for this prompt; Frontend.commit stores them once the
     # request is admitted (and empties the list), so a refused request leaves nothing in the cache.
     pending_cache: list = dataclasses.field(default_factory=list)
+    image_cpu_seconds: float = 0.0  # this thread's CPU time on the images: hashing, headers, decoding (pixels)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Processed:
-    """One processed image as the processor cache keeps it (tensors are shared, never mutated)."""
+    """One image ready for the prompt, as the processor cache keeps it (tensors are shared, never mutated)."""
 
     identifier: ItemId
-    pixel_values: Any  # (patches, patch_dim) float tensor: the payload
+    payload: Any  # pixels: (patches, patch_dim) float pixel_values; encoded: the file's bytes, 1-D uint8
     grid_thw: Any  # (1, 3) int64 tensor: keep_on_cpu metadata
     num_tokens: int  # placeholder tokens in the prompt
+    encoding: PayloadEncoding = PayloadEncoding.PIXELS
 
 
 @dataclasses.dataclass
@@ -152,6 +159,7 @@ class Frontend:
         self.cache = ByteLRU(config.processor_cache_bytes)
         self.images = ImageInput(self.image_processor, config.image_formats, config.max_image_pixels)
         self.headers = self.images.headers
+        self.encoded = config.payload_encoding == "encoded"  # header-only: the ranks decode (common/image_input.py)
         self._decode_slots = threading.BoundedSemaphore(config.max_concurrent_decodes)
         self._local = threading.local()  # per thread: its own tokenizer
         # Work done, for /metrics and tests: images_decoded, decoded_pixels, prompts_tokenized, tokenized_bytes.
@@ -203,6 +211,19 @@ class Frontend:
         identifier = item_identifier(pending.data, self.processor_settings, scope=tenant)
         return _Processed(identifier, pixel_values, grid, num_tokens)
 
+    def _encoded(self, pending: _Pending, tenant: str) -> _Processed:
+        """``--payload-encoding encoded``: the file as sent is the payload; its grid and placeholder count come from
+        the header and the processor's resize rule, the rank that encodes it preprocesses it. Nothing is decoded."""
+        grid = self.images.grid(pending.header)
+        num_tokens = int(grid[0].prod()) // (self.merge_size**2)
+        if num_tokens != pending.tokens:  # one resize rule, two uses: they cannot disagree unless the processor does
+            raise InvalidArgument(f"{pending.field}: the image's grid {grid.tolist()} gives {num_tokens} tokens, its "
+                                  f"header {pending.tokens}")
+        pending.image = None
+        payload = torch.frombuffer(bytearray(pending.data), dtype=torch.uint8)
+        identifier = item_identifier(pending.data, self.processor_settings, scope=tenant)
+        return _Processed(identifier, payload, grid, num_tokens, PayloadEncoding.ENCODED)
+
     def _resolve(self, part: Any, field: str, tenant: str, seen: dict) -> _Pending:
         """The image's bytes and either its cached processing or its checked header (nothing decoded); an image
         repeated in the request (``seen``: key -> its first _Pending) is that same entry."""
@@ -221,7 +242,7 @@ class Frontend:
         key = (tenant, sha)  # per tenant: a hit's timing must not tell one tenant what another sent
         if key in seen:
             return seen[key]
-        cached = self.cache.get(key)
+        cached = None if self.encoded else self.cache.get(key)  # encoded: nothing to reuse but the header
         if cached is not None:
             seen[key] = _Pending(field, key, data, cached=cached, tokens=cached.num_tokens)
         else:
@@ -277,14 +298,18 @@ class Frontend:
         context = self.max_model_len if context is None else context
         messages, images = self._collect(turns)
         seen: dict = {}
+        cpu = time.thread_time()
         pending = [self._resolve(part, field, tenant, seen) for field, part in images]
         self._check_image_tokens(pending, context, max(1, reserve_tokens))
         decoded: dict = {}  # key -> _Processed of the images decoded for this request (a repeat is decoded once)
         processed = []
         for p in pending:
             if p.cached is None and p.key not in decoded:
-                decoded[p.key] = self._decode(p, tenant)
+                decoded[p.key] = self._encoded(p, tenant) if self.encoded else self._decode(p, tenant)
             processed.append(p.cached if p.cached is not None else decoded[p.key])
+        image_cpu_seconds = time.thread_time() - cpu
+        if self.metrics is not None and pending:
+            self.metrics.frontend_image_cpu_seconds.observe(image_cpu_seconds / len(pending))
         hits = len(pending) - len(decoded)  # from the cache, or a repeat of an image earlier in the request
         template_ids = self._tokenize(messages, add_generation_prompt)
         token_ids, features = self._expand(template_ids, processed)
@@ -294,13 +319,13 @@ class Frontend:
                 "one generated token (--max-model-len / the model's max_position_embeddings)"
             )
         return ProcessedPrompt(token_ids, features, len(features), [p.key[1] for p in pending], hits,
-                               list(decoded.items()))
+                               [] if self.encoded else list(decoded.items()), image_cpu_seconds)
 
     def commit(self, prompt: ProcessedPrompt) -> None:
         """Stores the prompt's newly processed images in the processor cache: call once the request is admitted,
         so a refused request leaves nothing behind."""
         for key, item in prompt.pending_cache:
-            self.cache.put(key, item, item.pixel_values.nbytes + 64)
+            self.cache.put(key, item, item.payload.nbytes + 64)
         prompt.pending_cache = []
 
     def _collect(self, turns) -> tuple[list[dict], list[tuple[str, Any]]]:
@@ -371,13 +396,14 @@ class Frontend:
             offset = len(token_ids)
             token_ids += [self.image_token_id] * image.num_tokens
             prev = pos + 1
+            name = ENCODED_FIELD if image.encoding is PayloadEncoding.ENCODED else "pixel_values"
             data = MultiModalKwargsItem({
-                "pixel_values": MultiModalFieldElem(image.pixel_values, keep_on_cpu=False, kind=FieldKind.FLAT),
+                name: MultiModalFieldElem(image.payload, keep_on_cpu=False, kind=FieldKind.FLAT),
                 "image_grid_thw": MultiModalFieldElem(image.grid_thw, keep_on_cpu=True, kind=FieldKind.BATCHED),
             })
             features.append(MultiModalFeatureSpec(
                 data, Modality.IMAGE, image.identifier, PlaceholderRange(offset, image.num_tokens),
-                payload_nbytes=int(image.pixel_values.nbytes),
+                payload_nbytes=int(image.payload.nbytes), encoding=image.encoding,
             ))
         token_ids += template_ids[prev:]
         return token_ids, features

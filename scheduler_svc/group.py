@@ -48,6 +48,7 @@ class GroupBudget:
     payload_cache_bytes: int  # payload-cache bytes per rank
     max_tensor_bytes: int  # largest tensor any rank accepts
     max_model_len: int  # context length of the loaded model
+    encoder_row_bytes: int = 0  # bytes of one encoder-output row (sharded placement's collective unit)
 
 
 @dataclasses.dataclass
@@ -200,9 +201,12 @@ class WorkerGroup:
         channel_factory: Callable[[str, list], grpc.aio.Channel] | None = None,
         on_bytes: Callable[[str, int], None] | None = None,
         call_metadata: Sequence[tuple[str, str]] = (),
+        image_formats: Sequence[str] = (),
+        max_image_pixels: int = 0,
     ) -> None:
         """``channel_factory``: (address, options) -> channel (TLS); ``call_metadata``: sent when opening every
-        Step stream (the ranks' shared token)."""
+        Step stream (the ranks' shared token); ``image_formats`` / ``max_image_pixels``: the limits a rank applies
+        to an encoded payload before decoding it (the frontend's own, sent in the handshake)."""
         if not addresses:
             raise ValueError("workers: at least one rank address is required (--workers host:port,...)")
         self.addresses = list(addresses)
@@ -215,6 +219,8 @@ class WorkerGroup:
         self.channel_options = default_channel_options(max_message_bytes)
         self._channel_factory = channel_factory or (lambda addr, opts: grpc.aio.insecure_channel(addr, options=opts))
         self.call_metadata = tuple(call_metadata)
+        self.image_formats = list(image_formats)
+        self.max_image_pixels = max_image_pixels
         self.bytes = ByteCounters()
         self._on_bytes_hook = on_bytes
         self.epoch = 0
@@ -267,6 +273,8 @@ class WorkerGroup:
                 scheduler_epoch=self.epoch,
                 scheduler_id=self.scheduler_id,
                 block_size=self.block_size,
+                image_formats=self.image_formats,
+                max_image_pixels=self.max_image_pixels,
             )
             return await s.handshake(hs, self.handshake_timeout)
 
@@ -295,6 +303,7 @@ class WorkerGroup:
             payload_cache_bytes=min(a.payload_cache_bytes for a in acks),
             max_tensor_bytes=min(a.max_tensor_bytes for a in acks),
             max_model_len=min(a.max_model_len for a in acks),
+            encoder_row_bytes=max(a.encoder_output_row_bytes for a in acks),
         )
         log.info("worker group connected", extra={"epoch": self.epoch, "ranks": self.world_size, **dataclasses.asdict(self.budget)})
         return self.budget

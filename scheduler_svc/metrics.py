@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_IMAGE_CPU_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 20.0)
 
 
@@ -74,6 +75,24 @@ class SchedulerMetrics:
             "tokenized_bytes": Counter("mmcast_frontend_tokenized_bytes_total",
                                        "UTF-8 bytes of the rendered chat templates tokenized.", registry=r),
         }
+        self.frontend_image_cpu_seconds = Histogram(
+            "mmcast_frontend_image_cpu_seconds",
+            "Frontend CPU seconds per image of a request: hashing, header checks and (pixels encoding) decoding.",
+            buckets=_IMAGE_CPU_BUCKETS,
+            registry=r,
+        )
+        self.encoder_runs = Counter(
+            "mmcast_encoder_runs_total",
+            "Vision-encoder runs scheduled over the group (sharded placement: one per item encoded; replicated: one "
+            "per rank).",
+            registry=r,
+        )
+        self.encoder_output_shared_bytes = Counter(
+            "mmcast_encoder_output_shared_bytes_total",
+            "Encoder-output bytes owner ranks broadcast to the other ranks over the group's collective, summed over "
+            "receivers (sharded placement).",
+            registry=r,
+        )
         self.preemptions = Counter("mmcast_preemptions_total", "Requests preempted for lack of KV blocks.", registry=r)
         self.group_up = Gauge("mmcast_worker_group_up", "1 when every rank has completed its handshake.", registry=r)
         self.group_recoveries = Counter(
@@ -97,7 +116,7 @@ class SchedulerMetrics:
     def _init_labels(self) -> None:
         for kind in ("payload", "metadata", "control"):
             self.broadcast_bytes.labels(kind)
-        for reason in ("prefix_covered", "rank_cached"):
+        for reason in ("prefix_covered", "rank_cached", "encoder_shared"):
             self.payload_bytes_saved.labels(reason)
-        for disposition in ("sent", "stripped", "rank_cached"):
+        for disposition in ("sent", "stripped", "rank_cached", "encoder_shared"):
             self.mm_items.labels(disposition)

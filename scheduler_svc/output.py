@@ -84,6 +84,10 @@ class ItemAccounting:
     payload_bytes_sent: int = 0  # payload tensor bytes written to the ranks (frame overhead excluded)
     bytes_saved_prefix_covered: int = 0  # payload bytes full would have sent for stripped deliveries
     bytes_saved_rank_cached: int = 0  # payload bytes full would have sent for rank_cached deliveries
+    encoder_shared: int = 0  # sharded: deliveries no rank needed (the owner's encoder output reached it instead)
+    bytes_saved_encoder_shared: int = 0  # payload bytes full would have sent for encoder_shared deliveries
+    encoder_runs: int = 0  # vision-encoder runs over the group (sharded: 1 per item encoded; replicated: ranks)
+    encoder_output_bytes_shared: int = 0  # sharded: encoder-output bytes the owner broadcasts, summed over receivers
 
     def add(self, other: ItemAccounting) -> None:
         for f in dataclasses.fields(self):
@@ -97,6 +101,10 @@ class ItemAccounting:
         usage.payload_bytes_sent += self.payload_bytes_sent
         usage.payload_bytes_saved_prefix_covered += self.bytes_saved_prefix_covered
         usage.payload_bytes_saved_rank_cached += self.bytes_saved_rank_cached
+        usage.items_encoder_shared += self.encoder_shared
+        usage.payload_bytes_saved_encoder_shared += self.bytes_saved_encoder_shared
+        usage.encoder_runs += self.encoder_runs
+        usage.encoder_output_bytes_shared += self.encoder_output_bytes_shared
 
 
 @dataclasses.dataclass
@@ -109,7 +117,8 @@ class StepPlan:
     running: list[RunningRequestData]  # deltas of scheduled requests the ranks already hold
     finished_request_ids: list[RequestId]  # ranks drop their state: finished, cancelled or preempted (requeued)
     preempted_request_ids: list[RequestId]  # the subset of finished_request_ids preempted by this step
-    encoder_inputs: list[ItemId]  # items every rank encodes this step (each payload held by every rank)
+    encoder_inputs: list[ItemId]  # items to encode this step; every rank holds each output afterwards
+    encoder_owners: list[int | None]  # per encoder input: the rank that encodes it (sharded), None = every rank
     evict_payload_ids: list[ItemId]  # every rank drops these payloads (none is used or sent this step)
     evict_encoder_ids: list[ItemId]  # every rank drops these encoder outputs (none is used this step)
     reset_caches: bool  # first step after a recovery: ranks drop every payload and encoder output first

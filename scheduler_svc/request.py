@@ -82,6 +82,10 @@ class RequestUsage:
     payload_bytes_sent: int = 0  # payload tensor bytes selected for the ranks for this request
     payload_bytes_saved_prefix_covered: int = 0  # bytes `full` would have sent for covered items
     payload_bytes_saved_rank_cached: int = 0  # bytes `full` would have sent for items the ranks held
+    items_encoder_shared: int = 0  # sharded: deliveries replaced by the owner's encoder output on the collective
+    payload_bytes_saved_encoder_shared: int = 0  # bytes `full` would have sent for those
+    encoder_runs: int = 0  # vision-encoder runs over the group for the request's items
+    encoder_output_bytes_shared: int = 0  # encoder-output bytes broadcast over the collective, summed over receivers
     preemptions: int = 0  # times preempted (or requeued by a recovery) and resumed
 
 

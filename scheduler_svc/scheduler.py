@@ -63,6 +63,7 @@ class GroupBudget:
     payload_cache_bytes: int  # payload bytes each rank holds
     max_model_len: int = 0  # context length the ranks' model allows (0 = not reported)
     max_tensor_bytes: int = 0  # largest single tensor every rank accepts (0 = not reported)
+    encoder_row_bytes: int = 0  # bytes of one encoder-output row (the collective's unit under sharded placement)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +121,8 @@ class Scheduler:
         if old is not None:  # the counters are cumulative across reconnects
             self.kv.query_tokens, self.kv.hit_tokens = old.query_tokens, old.hit_tokens
         self.planner = TransferPlanner(cfg.transfer_mode, self.uses_mrope, group.num_ranks,
-                                       self.payload_cache_bytes, self.encoder_cache_tokens)
+                                       self.payload_cache_bytes, self.encoder_cache_tokens,
+                                       placement=cfg.encoder_placement, encoder_row_bytes=group.encoder_row_bytes)
 
     # --- requests in ------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -302,6 +304,7 @@ class Scheduler:
             finished_request_ids=finished_ids,
             preempted_request_ids=preempted,
             encoder_inputs=planner.encoder_inputs,
+            encoder_owners=planner.encoder_owners,
             evict_payload_ids=list(planner.evict_payload_ids),
             evict_encoder_ids=planner.evict_encoder_ids,
             reset_caches=self._reset_next,
@@ -331,21 +334,28 @@ class Scheduler:
 
     # --- results in ---------------------------------------------------------------------------------------------
     def update_from_output(self, plan: StepPlan, sampled: Mapping[str, Any],
-                           failed: Mapping[str, str] | None = None) -> list[RequestUpdate]:
+                           failed: Mapping[str, str] | None = None,
+                           item_failures: Mapping[str, str] | None = None) -> list[RequestUpdate]:
         """Applies a finished step: computed tokens, new cached blocks, rank 0's sampled tokens, stop checks.
 
         ``sampled`` maps request id -> ``(token_id, logprob, top_logprobs)`` (a bare token id is accepted too);
         ``failed`` maps request id -> message for requests rank 0 could not sample: they finish with ERROR
-        (INTERNAL) and the next plan tells the ranks to drop them. Raises StepOutputError (changing nothing) when
-        the two together do not match the plan.
+        (INTERNAL) and the next plan tells the ranks to drop them. ``item_failures`` maps item identifier -> message
+        for encoded images an owner rank could not decode: every request holding one finishes with ERROR
+        (INVALID_ARGUMENT naming the image), without the step's progress (the ranks skipped the windows reaching
+        it, so none of its blocks enters the prefix cache). Raises StepOutputError (changing nothing) when the
+        results do not match the plan.
         """
         failed = failed or {}
+        item_failures = item_failures or {}
         if plan is not self._outstanding:
             raise FailedPrecondition(f"step {plan.step_id} is not the step in flight (stale after a recovery?)")
         live = [(r, n) for r, n in plan.scheduled if self._requests.get(r.request_id) is r and not r.is_finished]
         expected = {r.request_id for r, n in live if r.num_computed_tokens + n == r.num_tokens}
         dropped = {r.request_id for r, _ in plan.scheduled} - {r.request_id for r, _ in live}  # finished meanwhile
-        missing = expected - set(sampled) - set(failed)
+        bad_items = self._failed_items(item_failures)
+        spoiled = {rid for rid in self._requests if rid in bad_items}  # hold a failed item: none may sample
+        missing = expected - set(sampled) - set(failed) - spoiled
         unexpected = (set(sampled) | set(failed)) - expected - dropped
         both = set(sampled) & set(failed)
         if missing or unexpected or both:
@@ -355,8 +365,10 @@ class Scheduler:
             )
         self._outstanding = None
         self.planner.end_step()
-        updates = []
+        updates = [self._fail_item(self._requests[rid], *bad_items[rid]) for rid in spoiled]
         for r, n in live:
+            if r.request_id in spoiled:
+                continue
             r.num_computed_tokens += n
             self.kv.cache_full_blocks(r)
             self.planner.advance(r)
@@ -381,6 +393,31 @@ class Scheduler:
         if self.isolator.suspects:
             self.isolator.step_completed({r.request_id: r.num_computed_tokens for r, _ in live})
         return updates
+
+    def _failed_items(self, item_failures: Mapping[str, str]) -> dict[RequestId, tuple[int, str]]:
+        """Requests holding a failed item: request id -> (index of its first failed image, message)."""
+        out: dict[RequestId, tuple[int, str]] = {}
+        if not item_failures:
+            return out
+        for rid, r in self._requests.items():
+            for k, f in enumerate(r.mm_features):
+                if f.identifier in item_failures:
+                    out[rid] = (k, item_failures[f.identifier])
+                    break
+        return out
+
+    def _fail_item(self, r: Request, index: int, message: str) -> RequestUpdate:
+        """Ends a request whose image ``index`` failed at its owner rank (INVALID_ARGUMENT); the failed item's
+        encoder-mirror entry goes with its last holder (the ranks never stored an output for it)."""
+        key = r.mm_features[index].identifier
+        if r.status is RequestStatus.RUNNING:
+            self._finish(r, FinishReason.ERROR)
+        else:
+            self.finish_request(r.request_id, FinishReason.ERROR)
+        self.planner.forget_encoder(key)
+        return RequestUpdate(r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage,
+                             error=f"image {index} of the prompt (item {key[:16]}) could not be used: {message}",
+                             error_status=Status.INVALID_ARGUMENT)
 
     def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
         if token in r.sampling.stop_token_ids or (not r.sampling.ignore_eos and token in self.eos_token_ids):

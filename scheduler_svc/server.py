@@ -94,6 +94,8 @@ class SchedulerServer:
             on_bytes=lambda kind, n: self.metrics.broadcast_bytes.labels(kind).inc(n),
             channel_factory=self._worker_channel_factory(worker_credentials),
             call_metadata=worker_metadata,
+            image_formats=config.image_formats,
+            max_image_pixels=config.max_image_pixels,
         )
         self.metrics.upload_store_bytes.set_function(lambda: self.uploads.used)
         self.metrics.processor_cache_bytes.set_function(lambda: self.frontend.cache.used)

@@ -191,8 +191,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 images_stripped=u.items_stripped,
                 images_rank_cached=u.items_rank_cached,
                 payload_bytes_broadcast=u.payload_bytes_sent,
-                payload_bytes_saved=u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached,
+                payload_bytes_saved=(u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached
+                                     + u.payload_bytes_saved_encoder_shared),
                 preemptions=u.preemptions,
+                encoder_runs=u.encoder_runs,
+                encoder_output_bytes_shared=u.encoder_output_bytes_shared,
+                image_cpu_seconds=processed.image_cpu_seconds,
+                images_encoder_shared=u.items_encoder_shared,
             ),
             timings=generation_pb2.Timings(
                 time_to_first_token_seconds=ttft or 0.0,

@@ -7,6 +7,14 @@ Modes (``--transfer-mode``, DESIGN §2.4):
 - ``lazy``: at admission covered items are STRIPPED and the others DEFERRED (metadata only); a payload travels in
   the step that schedules the item's encoder work, and only to ranks whose mirror lacks it.
 
+Placement (``--encoder-placement``): ``replicated`` sends a payload to every rank and every rank encodes it;
+``sharded`` gives each item to one owner rank — one that already holds its payload, else the rank with the fewest
+encoder tokens assigned in the step (that can take it) — which alone receives the payload and encodes it; the
+ranks share its output over their collective within the step (``EncoderInput.owner_rank``). Under ``sharded``,
+full/strip send each admitted item's payload at admission to its owner only, and lazy to the owner in the step
+that encodes it. A re-encode (after an eviction or a preemption) goes to a rank still holding the payload, or the
+payload travels again.
+
 Mirrors. One ``BudgetedLRU`` per rank mirrors its payload cache (bytes), one mirrors the group's encoder cache
 (rows; every rank gets the same encoder inputs). Entries are pinned while something still needs them and only
 unpinned entries are evicted (least recently used first), always by an explicit id in a step's control:
@@ -36,6 +44,7 @@ equal to what travelled:
   adds the frame headers) and the ranks receive.
 - "saved" compares with ``full``, which at each step writes every item of the requests admitted in that step
   once per rank. Each such (step, item) is one *delivery due*, settled exactly once per rank: written (``sent``),
+  replaced by the owner's encoder output on the collective (``sharded``: ``encoder_shared``, every rank but the owner),
   prefix-covered (no admitted request of the step needed its payload: ``stripped``, charged to the first
   admitted request that had it), rank-cached (lazy: a rank already held the payload, or the group its encoder
   output, when the first request holding the due reached the item: ``rank_cached``), or abandoned (lazy: every
@@ -58,6 +67,7 @@ from scheduler_svc.output import ItemAccounting, PayloadSend, payload_nbytes
 from scheduler_svc.request import Request
 
 TRANSFER_MODES = ("full", "strip", "lazy")
+PLACEMENTS = ("sharded", "replicated")
 
 
 class BudgetedLRU:
@@ -117,6 +127,11 @@ class BudgetedLRU:
             self._unpinned[key] = None  # most recently used
             self.evictable += self._size[key]
 
+    def discard(self, key: ItemId) -> None:
+        """Removes an unpinned entry without an eviction (the cache never held it)."""
+        self._unpinned.pop(key)
+        self._drop(key)
+
     def evict_unpinned(self) -> list[ItemId]:
         """Drops every unpinned entry (oldest first)."""
         out = list(self._unpinned)
@@ -148,16 +163,21 @@ class Window:
     end: int  # one past the last token to compute
     encode: list[int]  # item indices whose encoder work is scheduled this step (first occurrence of an id)
     reuse: list[int]  # item indices newly reached whose encoder output is (or will this step be) held
+    owners: dict[int, int] = dataclasses.field(default_factory=dict)  # sharded, lazy: encode index -> owner rank
 
 
 class TransferPlanner:
     """Mirrors plus the per-step decisions; the scheduler calls it in a fixed order per step (see scheduler.py)."""
 
     def __init__(self, mode: str, uses_mrope: bool, num_ranks: int, payload_cache_bytes: int,
-                 encoder_cache_tokens: int) -> None:
+                 encoder_cache_tokens: int, placement: str = "replicated", encoder_row_bytes: int = 0) -> None:
         if mode not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode={mode!r}; choose one of {TRANSFER_MODES}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"encoder_placement={placement!r}; choose one of {PLACEMENTS}")
         self.mode = mode
+        self.sharded = placement == "sharded"
+        self.encoder_row_bytes = encoder_row_bytes  # bytes of one encoder-output row (the handshake's)
         self.uses_mrope = uses_mrope
         self.num_ranks = num_ranks
         self.encoder_cache_tokens = encoder_cache_tokens
@@ -178,7 +198,11 @@ class TransferPlanner:
         self._evicted: list[set[ItemId]] = [set() for _ in range(self.num_ranks)]  # payloads evicted this step
         self._evicted_encoder: set[ItemId] = set()
         self.encoder_inputs: list[ItemId] = []
+        self.encoder_owners: list[int | None] = []  # per encoder input: its owner (sharded) or None (every rank)
         self.encoder_tokens = 0  # encoder rows scheduled this step
+        self._load = [0] * self.num_ranks  # sharded: encoder rows given to each rank this step (admission + windows)
+        self._admission_owners: dict[ItemId, int] = {}  # sharded full/strip: owners chosen by admission_fits
+        self._shared_credited: set[ItemId] = set()  # sharded full/strip: dues already settled as encoder_shared
         self.evict_payload_ids: dict[ItemId, None] = {}
         self.evict_encoder_ids: list[ItemId] = []
         self.accounting: dict[RequestId, ItemAccounting] = {}
@@ -251,13 +275,46 @@ class TransferPlanner:
             return request.mm_features[request.item_cursor :]
         return []
 
+    def _least_loaded(self, ranks: Iterable[int], load: list[int]) -> int | None:
+        return min(ranks, key=lambda r: (load[r], r), default=None)
+
+    def _choose_owners(self, sends: list[MultiModalFeatureSpec]) -> dict[ItemId, int] | None:
+        """sharded full/strip: an owner per item this admission sends (a rank holding it, else the least loaded that
+        can take it beside the others chosen), or None when some item fits no rank."""
+        extra = [0] * self.num_ranks
+        keep: list[list[ItemId]] = [[] for _ in range(self.num_ranks)]
+        load = list(self._load)
+        owners: dict[ItemId, int] = {}
+        for f in sends:
+            key = f.identifier
+            if key in owners:
+                continue
+            nbytes = payload_nbytes(f)
+            rank = self._least_loaded((r for r, m in enumerate(self.payloads)
+                                       if key in m and m.can_fit(extra[r], [*keep[r], key])), load)
+            if rank is not None:
+                keep[rank].append(key)
+            else:
+                rank = self._least_loaded((r for r, m in enumerate(self.payloads)
+                                           if key not in m and m.can_fit(extra[r] + nbytes, keep[r])), load)
+                if rank is None:
+                    return None
+                extra[rank] += nbytes
+            owners[key] = rank
+            load[rank] += f.mm_position.get_num_embeds()
+        return owners
+
     def admission_fits(self, request: Request) -> bool:
-        """full/strip: whether every rank can take the payloads this admission sends."""
+        """full/strip: whether every rank (sharded: each item's owner) can take the payloads this admission sends."""
         sends = self._admission_sends(request)
         if not sends:
             return True
         if not all(self._usable(f.identifier) for f in sends):
             return False
+        if self.sharded:
+            owners = self._choose_owners(sends)
+            self._admission_owners = owners or {}
+            return owners is not None
         for mirror in self.payloads:
             new = {f.identifier: payload_nbytes(f) for f in sends if f.identifier not in mirror}
             held = [f.identifier for f in sends if f.identifier in mirror]
@@ -284,6 +341,9 @@ class TransferPlanner:
             return wire
         sends = self._admission_sends(request)
         first = len(features) - len(sends)  # full sends from item 0, strip from the first uncovered item
+        if self.sharded:
+            self._commit_sharded_admission(request, sends, first, acc)
+            return wire
         for rank, mirror in enumerate(self.payloads):
             held = [f.identifier for f in sends if f.identifier in mirror]
             for key in held:
@@ -295,6 +355,35 @@ class TransferPlanner:
             for key in held:
                 mirror.unpin(key)
         return wire
+
+    def _commit_sharded_admission(self, request: Request, sends: list[MultiModalFeatureSpec], first: int,
+                                  acc: ItemAccounting) -> None:
+        """sharded full/strip: each payload to its owner only (pinned there until computed past); the other ranks'
+        deliveries are settled as encoder_shared, once per item and step."""
+        owners = self._admission_owners
+        held = [(owners[f.identifier], f.identifier) for f in sends if f.identifier in self.payloads[owners[f.identifier]]]
+        for rank, key in held:
+            self.payloads[rank].pin(key)
+        for k, f in enumerate(sends, start=first):
+            key, rank = f.identifier, owners[f.identifier]
+            self._send(rank, f, request, acc)
+            if k >= request.item_cursor:
+                self.payloads[rank].pin(key)
+            if key not in self._shared_credited:
+                self._shared_credited.add(key)
+                self._load[rank] += f.mm_position.get_num_embeds()
+                acc.encoder_shared += self.num_ranks - 1
+                acc.bytes_saved_encoder_shared += (self.num_ranks - 1) * payload_nbytes(f)
+        for rank, key in held:
+            self.payloads[rank].unpin(key)
+
+    def _payload_rank(self, key: ItemId) -> int:
+        """sharded full/strip: the rank whose mirror pins the item's payload (its owner)."""
+        for rank, mirror in enumerate(self.payloads):
+            if mirror.pinned(key):
+                return rank
+        raise MmcastError(f"internal: no rank holds the payload of item {key[:16]} (sharded {self.mode} mode pins it "
+                          "on its owner at admission)")
 
     def _note_dues(self, request: Request, lazy: bool) -> None:
         """Registers the request's items in this step's dues (one per item, whatever the occurrences/requests);
@@ -349,6 +438,8 @@ class TransferPlanner:
         keep_pay: list[list[ItemId]] = [[] for _ in range(self.num_ranks)]
         budget_left = self.encoder_cache_tokens - self.encoder_tokens
         lazy = self._lazy(request)
+        owners: dict[int, int] = {}
+        load = list(self._load)
         i = request.item_cursor
         while i < len(features) and features[i].mm_position.offset < end:
             self.items_examined += 1
@@ -371,7 +462,13 @@ class TransferPlanner:
                 and enc_tokens + tokens <= budget_left
                 and self.encoder.can_fit(enc_tokens + tokens, keep_enc)
             )
-            if fits and lazy:
+            if fits and lazy and self.sharded:
+                owner = self._window_owner(key, payload_nbytes(f), pay_bytes, keep_pay, load)
+                fits = owner is not None
+                if fits:
+                    owners[i] = owner
+                    load[owner] += tokens
+            elif fits and lazy:
                 nbytes = payload_nbytes(f)
                 for rank, mirror in enumerate(self.payloads):
                     if key in mirror:
@@ -393,7 +490,23 @@ class TransferPlanner:
             enc_ids.add(key)
             enc_tokens += tokens
             i += 1
-        return Window(start, end, encode, reuse)
+        return Window(start, end, encode, reuse, owners)
+
+    def _window_owner(self, key: ItemId, nbytes: int, pay_bytes: list[int], keep_pay: list[list[ItemId]],
+                      load: list[int]) -> int | None:
+        """sharded lazy: the owner of an item to encode — a rank holding its payload (nothing travels), else the
+        least loaded rank that can take it beside the window's other sends; None when none can. Updates the
+        window's tallies for the chosen rank."""
+        rank = self._least_loaded((r for r, m in enumerate(self.payloads)
+                                   if key in m and m.can_fit(pay_bytes[r], [*keep_pay[r], key])), load)
+        if rank is not None:
+            keep_pay[rank].append(key)
+            return rank
+        rank = self._least_loaded((r for r, m in enumerate(self.payloads)
+                                   if key not in m and m.can_fit(pay_bytes[r] + nbytes, keep_pay[r])), load)
+        if rank is not None:
+            pay_bytes[rank] += nbytes
+        return rank
 
     def commit_window(self, request: Request, window: Window) -> None:
         """Pins encoder outputs, schedules encoder inputs and (lazy) payload sends; counts lazy deliveries.
@@ -405,9 +518,13 @@ class TransferPlanner:
         later = [i for i in window.reuse if features[i].identifier not in self.encoder]  # encoded by this window
         for i in held:
             self.encoder.pin(features[i].identifier)
+        owners: dict[int, int] = {}
         for i in window.encode:
             key = features[i].identifier
             due = self._settle(request, key) if lazy else None  # settled per rank: held here, else sent below
+            if self.sharded:
+                owners[i] = self._commit_owner(request, i, window, due, acc)
+                continue
             for rank, mirror in enumerate(self.payloads):
                 if not lazy:
                     if mirror.pinned(key) == 0:
@@ -427,7 +544,16 @@ class TransferPlanner:
                 self.evict_encoder_ids.append(victim)
                 self._evicted_encoder.add(victim)
             self.encoder_inputs.append(key)
+            self.encoder_owners.append(owners.get(i))
             self.encoder_tokens += tokens
+            if self.sharded:
+                acc.encoder_runs += 1
+                acc.encoder_output_bytes_shared += (self.num_ranks - 1) * tokens * self.encoder_row_bytes
+                self._load[owners[i]] += tokens
+                if lazy and key not in self._sent[owners[i]] and key not in self.payloads[owners[i]]:
+                    self._send(owners[i], f, request, acc)
+                continue
+            acc.encoder_runs += self.num_ranks
             if lazy:
                 for rank, mirror in enumerate(self.payloads):
                     if key not in self._sent[rank] and key not in mirror:
@@ -444,6 +570,25 @@ class TransferPlanner:
         if reached:
             request.pin_end = max(request.pin_end, max(reached) + 1)
 
+    def _commit_owner(self, request: Request, i: int, window: Window, due: _Due | None, acc: ItemAccounting) -> int:
+        """sharded: the owner of encode index ``i``, its held payload pinned for the step; settles a lazy due (the
+        owner held it: rank_cached, else sent when queued; every other rank: encoder_shared)."""
+        key = request.mm_features[i].identifier
+        if not self._lazy(request):
+            return self._payload_rank(key)
+        rank = window.owners[i]
+        mirror = self.payloads[rank]
+        if key in mirror:
+            mirror.pin(key)
+            self._step_pins.append((rank, key))
+            if due is not None:
+                acc.rank_cached += 1
+                acc.bytes_saved_rank_cached += due.nbytes
+        if due is not None:
+            acc.encoder_shared += self.num_ranks - 1
+            acc.bytes_saved_encoder_shared += (self.num_ranks - 1) * due.nbytes
+        return rank
+
     # --- progress and release ----------------------------------------------------------------------------------
     def advance(self, request: Request) -> None:
         """Unpins the items the request has now computed past (after a step)."""
@@ -456,9 +601,13 @@ class TransferPlanner:
         key = request.mm_features[i].identifier
         if i < request.pin_end:
             self.encoder.unpin(key)
-        if not self._lazy(request):
-            for mirror in self.payloads:
-                mirror.unpin(key)
+        if self._lazy(request):
+            return
+        if self.sharded:
+            self.payloads[self._payload_rank(key)].unpin(key)
+            return
+        for mirror in self.payloads:
+            mirror.unpin(key)
 
     def release(self, request: Request, *, ended: bool = True) -> int:
         """Drops every pin the request holds: it ended (finished, cancelled, failed) or, ``ended=False``, it was
@@ -479,6 +628,11 @@ class TransferPlanner:
         self.released.abandoned += abandoned
         request.item_cursor = request.pin_end = n
         return abandoned
+
+    def forget_encoder(self, key: ItemId) -> None:
+        """Drops an encoder-mirror entry the ranks never stored (its encoding failed), once nothing pins it."""
+        if key in self.encoder and not self.encoder.pinned(key):
+            self.encoder.discard(key)
 
     def reset(self) -> None:
         """The ranks lost every cache (recovery): empty mirrors, no step in flight."""

@@ -57,7 +57,10 @@ def step_control(plan) -> worker_pb2.StepControl:
         new_requests=[new_request_to_proto(n) for n in plan.new_requests],
         running=[running_request_to_proto(r) for r in plan.running],
         finished_request_ids=plan.finished_request_ids,
-        encoder_inputs=[worker_pb2.EncoderInput(item_identifier=i) for i in plan.encoder_inputs],
+        encoder_inputs=[
+            worker_pb2.EncoderInput(item_identifier=i, owner_rank=owner or 0, replicated=owner is None)
+            for i, owner in zip(plan.encoder_inputs, plan.encoder_owners, strict=True)
+        ],
         evict_payload_ids=plan.evict_payload_ids,
         evict_encoder_ids=plan.evict_encoder_ids,
         reset_caches=plan.reset_caches,

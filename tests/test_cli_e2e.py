@@ -88,16 +88,20 @@ def test_growing_conversation_matches_the_oracle(tiny_model_dir, oracle, tp, mod
         assert worker_bytes == scheduler_bytes, (worker_bytes, scheduler_bytes)
         for wire, tensors in zip(worker_bytes, broadcast, strict=True):
             assert tensors <= wire <= tensors * 1.001 + 4096, (worker_bytes, broadcast)
-        assert broadcast[0] > 0
+        # The defaults (encoded payloads, sharded encoders): a new image is one delivery to one rank of exactly the
+        # client's file, and one encoder run for the whole group; its output reaches the other ranks (TP=2) over
+        # the group's collective.
         for turn, r in enumerate(results):
             assert r.usage.images == turn + 1
+            assert r.usage.encoder_runs == 1, r.usage  # the new image only: earlier ones are prefix-covered
+            assert (r.usage.encoder_output_bytes_shared > 0) == (tp > 1), r.usage
             if mode == "full":
-                assert broadcast[turn] == (turn + 1) * broadcast[0]  # every image of the context again
-                assert r.usage.payload_bytes_saved == 0
+                assert broadcast[turn] == sum(map(len, images[: turn + 1]))  # every image of the context again
+                assert r.usage.images_sent == turn + 1
             else:
                 # the images of earlier turns are prefix-covered: only the new one travels
-                assert broadcast[turn] == broadcast[0], broadcast
-                assert r.usage.payload_bytes_full == (turn + 1) * broadcast[0]
+                assert broadcast[turn] == len(images[turn]), broadcast
+                assert r.usage.images_sent == 1, r.usage
                 assert r.usage.images_stripped + r.usage.images_rank_cached == turn * tp
 
 

@@ -43,9 +43,10 @@ def check_dues(h: Harness, usages, abandoned_bytes: int = 0) -> None:
     """Without re-sends or preemptions, every delivery ``full`` would make is settled exactly once."""
     plans = [r.plan for r in h.log]
     items, nbytes = map(sum, zip(*(due(p, h.group.num_ranks) for p in plans), strict=True))
-    settled = sum(u.items_sent + u.items_stripped + u.items_rank_cached + u.items_abandoned for u in usages)
+    settled = sum(u.items_sent + u.items_stripped + u.items_rank_cached + u.items_abandoned + u.items_encoder_shared
+                  for u in usages)
     saved = sum(u.payload_bytes_sent + u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached
-                for u in usages)
+                + u.payload_bytes_saved_encoder_shared for u in usages)
     assert (settled, saved + abandoned_bytes) == (items, nbytes)
 
 
@@ -172,5 +173,25 @@ def test_strip_defers_what_cannot_travel_at_once():
     assert [r.sends[0] for r in records if r.sends[0]] == [["a"], ["b"]]
     assert [r.encoder_inputs for r in records if r.encoder_inputs] == [["a"], ["b"]]
     (u,) = usages(h, "r")
+    check_wire(h, [u])
+    check_dues(h, [u])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_placement_sends_each_new_item_once_to_one_owner(mode):
+    """One delivery and one encoder run per item for the whole group; the other ranks' deliveries are settled as
+    encoder_shared (their output comes over the collective); owners are balanced by encoder rows."""
+    h = Harness(mode, num_ranks=3, keep_plans=True, placement="sharded")
+    h.add(request("r", [text("s", 10), ("x", 16), text("m", 10), ("x", 16), text("n", 3), ("y", 32), text("e", 5)]))
+    records = h.run()
+    (u,) = usages(h, "r")
+    assert (u.items_sent, u.payload_bytes_sent) == (2, (16 + 32) * ROW_BYTES)
+    assert (u.items_encoder_shared, u.payload_bytes_saved_encoder_shared) == (2 * 2, 2 * (16 + 32) * ROW_BYTES)
+    assert u.encoder_runs == 2
+    sends = {rank: ids for rec in records for rank, ids in rec.sends.items() if ids}
+    assert sorted(sends.values()) == [["x"], ["y"]] and len(sends) == 2  # two different owners
+    owners = [e.owner_rank for rec in records for e in rec.plan.control.encoder_inputs]
+    assert sorted(owners) == sorted(sends) and not any(e.replicated for rec in records
+                                                       for e in rec.plan.control.encoder_inputs)
     check_wire(h, [u])
     check_dues(h, [u])

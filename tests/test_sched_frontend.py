@@ -16,7 +16,7 @@ from PIL import Image
 
 from common.errors import InvalidArgument, NotFound, ResourceExhausted
 from common.hashing import item_identifier
-from common.multimodal import FieldKind, PayloadState
+from common.multimodal import ENCODED_FIELD, FieldKind, PayloadEncoding, PayloadState
 from common.processor import load_processor
 from scheduler_svc import frontend as frontend_module
 from scheduler_svc.config import SchedulerConfig
@@ -58,6 +58,7 @@ def processor(tiny_model_dir):
 
 
 def make_frontend(model_dir, **overrides) -> Frontend:
+    overrides.setdefault("payload_encoding", "pixels")  # the decoding path; the header-only one has its own tests
     return Frontend(model_dir, SchedulerConfig(**overrides))
 
 
@@ -232,7 +233,7 @@ def test_every_limit_has_its_error(tiny_model_dir, overrides, turns, error, need
 
 
 def test_evicted_upload_is_not_found_even_when_processed_before(tiny_model_dir):
-    fe = Frontend(tiny_model_dir, SchedulerConfig(), upload_store=UploadStore(len(IMG_A) + 10))
+    fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels"), upload_store=UploadStore(len(IMG_A) + 10))
     sha_a, _ = fe.uploads.put(IMG_A)
     fe.process(user(ImagePart(uploaded_sha256=sha_a)))
     fe.uploads.put(IMG_B)  # evicts A from the store
@@ -266,7 +267,7 @@ def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_di
 
     fe = make_frontend(tiny_model_dir)
     prompt = fe.process(conversation())
-    config = SchedulerConfig(transfer_mode=mode, max_model_len=fe.max_model_len)
+    config = SchedulerConfig(transfer_mode=mode, max_model_len=fe.max_model_len, encoder_placement="replicated")
     sched = Scheduler(config, GroupBudget(2, 64, 4096, 64 << 20), fe.uses_mrope, fe.eos_token_ids)
     sched.add_request(Request("r", prompt.token_ids, prompt.mm_features, SamplingParams(max_tokens=2)))
     plan = sched.schedule()
@@ -285,3 +286,39 @@ def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_di
         assert torch.equal(rebuilt.data["pixel_values"].data, send.feature.data["pixel_values"].data)
         assert torch.equal(rebuilt.data["image_grid_thw"].data, send.feature.data["image_grid_thw"].data)
         assert rebuilt.mm_position == send.feature.mm_position
+
+
+def test_encoded_prompt_is_built_from_headers_and_carries_the_file_as_sent(tiny_model_dir, processor):
+    """--payload-encoding encoded: the same prompt, positions and identifiers as the decoding path, the grid the
+    processor gives, the client's bytes as the payload, and no image decoded."""
+    encoded, pixels = make_frontend(tiny_model_dir, payload_encoding="encoded"), make_frontend(tiny_model_dir)
+    tall = png(30, 200, 4)  # resized by the processor's rule: the grid is not the file's size over the patch
+    turns = conversation(IMG_A, tall)
+    e, p = encoded.process(turns), pixels.process(turns)
+    assert encoded.counts["images_decoded"] == 0 and pixels.counts["images_decoded"] == 2
+    assert e.token_ids == p.token_ids and e.pending_cache == []
+    ref_grids = processor.image_processor(images=[image_as_sent(x) for x in (IMG_A, tall, IMG_A)],
+                                          return_tensors="pt")["image_grid_thw"]
+    for f, g, raw, ref_grid in zip(e.mm_features, p.mm_features, (IMG_A, tall, IMG_A), ref_grids, strict=True):
+        assert f.encoding is PayloadEncoding.ENCODED and g.encoding is PayloadEncoding.PIXELS
+        assert (f.identifier, f.mm_position) == (g.identifier, g.mm_position)
+        assert list(f.data.payload_fields()) == [ENCODED_FIELD]
+        assert f.data[ENCODED_FIELD].data.numpy().tobytes() == raw and f.payload_nbytes == len(raw)
+        assert torch.equal(f.data["image_grid_thw"].data, ref_grid.reshape(1, 3))
+    assert e.image_cpu_seconds > 0
+
+
+def test_encoded_items_round_trip_the_wire_with_their_encoding(tiny_model_dir):
+    from common.wire import feature_from_proto, feature_to_proto
+    from mmcast.v1 import multimodal_pb2
+
+    fe = make_frontend(tiny_model_dir, payload_encoding="encoded")
+    (f,) = fe.process([ChatTurn("user", [ImagePart(IMG_C), TextPart("what is it")])]).mm_features
+    msg = feature_to_proto(f)
+    assert msg.encoding == multimodal_pb2.PAYLOAD_ENCODING_ENCODED
+    assert [(x.name, x.keep_on_cpu) for x in msg.fields] == [(ENCODED_FIELD, False), ("image_grid_thw", True)]
+    back = feature_from_proto(msg, {ENCODED_FIELD: f.data[ENCODED_FIELD].data})
+    assert back.encoding is PayloadEncoding.ENCODED and back.payload_nbytes == len(IMG_C)
+    msg.encoding = 7
+    with pytest.raises(ValueError, match="encoding=7 is not a known payload encoding"):
+        feature_from_proto(msg)

@@ -65,7 +65,7 @@ def _exif(orientation: int) -> Image.Exif:
 
 @pytest.fixture(scope="module")
 def frontend(tiny_model_dir):
-    return Frontend(tiny_model_dir, SchedulerConfig())
+    return Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels"))
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
@@ -115,7 +115,7 @@ def test_a_png_with_exif_behind_its_pixels_is_turned_as_load_image_turns_it(tiny
     the processor gives the turned image."""
     from transformers.image_utils import load_image
 
-    fe = Frontend(tiny_model_dir, SchedulerConfig())
+    fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels"))
     data = _exif_after_pixels(encoded(500, 300, "PNG", exif=_exif(8)))
     assert "exif" not in Image.open(io.BytesIO(data)).info  # really behind the pixels
     _, header = fe.check_image_header(data, "x")
@@ -130,7 +130,7 @@ def test_a_png_with_exif_behind_its_pixels_is_turned_as_load_image_turns_it(tiny
 
 
 def test_gif_first_frame_and_other_formats_follow_the_header(tiny_model_dir):
-    fe = Frontend(tiny_model_dir, SchedulerConfig())
+    fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels"))
     frames = [Image.new("RGB", (240, 120), (i * 40, 0, 0)) for i in range(3)]
     gif = io.BytesIO()
     frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:])
@@ -143,7 +143,7 @@ def test_gif_first_frame_and_other_formats_follow_the_header(tiny_model_dir):
 @pytest.mark.parametrize("data, name", [(hostile.ico_around(hostile.solid_png(300, 300)), "ICO"),
                                         (hostile.tiff(), "TIFF"), (hostile.psd_header(), "PSD")])
 def test_other_formats_are_refused_by_name_and_never_opened(tiny_model_dir, data, name):
-    fe = Frontend(tiny_model_dir, SchedulerConfig())
+    fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels"))
     with pytest.raises(InvalidArgument) as info:
         fe.process(user(ImagePart(data), TextPart("look")))
     message = info.value.message
@@ -151,7 +151,7 @@ def test_other_formats_are_refused_by_name_and_never_opened(tiny_model_dir, data
                  "messages[0].content[0].image"):
         assert word in message, message
     assert fe.counts["images_decoded"] == 0 and fe.counts["prompts_tokenized"] == 0
-    allowed = Frontend(tiny_model_dir, SchedulerConfig(image_formats=f"png,{name.lower()}")) if name != "PSD" else None
+    allowed = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels", image_formats=f"png,{name.lower()}")) if name != "PSD" else None
     if allowed is not None:  # the flag lets it through
         assert allowed.process(user(ImagePart(data))).num_images == 1
 
@@ -163,14 +163,14 @@ def test_the_ico_bomb_never_reaches_a_decoder(tiny_model_dir, monkeypatch):
         raise AssertionError("the ICO plugin ran")
 
     monkeypatch.setattr(IcoImagePlugin.IcoImageFile, "_open", fail)
-    fe = Frontend(tiny_model_dir, SchedulerConfig())
+    fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels"))
     with pytest.raises(InvalidArgument, match="ICO images are not accepted"):
         fe.process(user(ImagePart(hostile.ico_bomb())))
     assert fe.counts["images_decoded"] == 0
 
 
 def test_png_token_bomb_is_refused_before_decoding_and_a_fitting_one_decodes(tiny_model_dir):
-    fe = Frontend(tiny_model_dir, SchedulerConfig(max_model_len=16384))
+    fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels", max_model_len=16384))
     with pytest.raises(InvalidArgument) as info:
         fe.process(user(ImagePart(hostile.png_bomb()), TextPart("what is it?")), reserve_tokens=16)
     for word in ("messages[0].content[0].image", "5792x5792", "16384 prompt tokens", "context of 16384",
@@ -178,7 +178,7 @@ def test_png_token_bomb_is_refused_before_decoding_and_a_fitting_one_decodes(tin
         assert word in info.value.message, info.value.message
     assert fe.counts["images_decoded"] == 0 and fe.counts["prompts_tokenized"] == 0 and fe.cache.used == 0
     # Two images that fit alone but not together are refused for their sum, before either is decoded.
-    small = Frontend(tiny_model_dir, SchedulerConfig(max_model_len=1024))
+    small = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels", max_model_len=1024))
     two = user(ImagePart(encoded(504, 504)), ImagePart(encoded(504, 505)), TextPart("compare"))
     with pytest.raises(InvalidArgument, match=r"messages\[0\].content\[1\].image: the 504x505 image takes 324"):
         small.process(two, reserve_tokens=400)
@@ -188,20 +188,20 @@ def test_png_token_bomb_is_refused_before_decoding_and_a_fitting_one_decodes(tin
 
 
 def test_text_over_the_byte_bound_is_never_tokenized(tiny_model_dir):
-    fe = Frontend(tiny_model_dir, SchedulerConfig(max_model_len=1024))
+    fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels", max_model_len=1024))
     assert fe.max_prompt_bytes == 1024 * 8
     with pytest.raises(InvalidArgument) as info:
         fe.process(user(TextPart("a" * 5000), TextPart("漢" * 1200)))
     for word in ("messages[0].content[1].text", "8600 bytes", "8192", "--max-prompt-bytes"):
         assert word in info.value.message, info.value.message
     assert fe.counts["prompts_tokenized"] == 0
-    explicit = Frontend(tiny_model_dir, SchedulerConfig(max_model_len=1024, max_prompt_bytes=100))
+    explicit = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels", max_model_len=1024, max_prompt_bytes=100))
     with pytest.raises(InvalidArgument, match="limit is 100 "):
         explicit.process(user(TextPart("x" * 101)))
 
 
 def test_a_refused_request_leaves_nothing_in_the_processor_cache(tiny_model_dir):
-    fe = Frontend(tiny_model_dir, SchedulerConfig(max_model_len=300))
+    fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels", max_model_len=300))
     turns = user(ImagePart(encoded(224, 224)), TextPart("the quick brown fox jumps " * 45))  # 64 + ~400 tokens
     with pytest.raises(InvalidArgument, match="the prompt has"):
         fe.process(turns)
@@ -213,7 +213,7 @@ def test_a_refused_request_leaves_nothing_in_the_processor_cache(tiny_model_dir)
 
 
 def test_threads_tokenize_concurrently_with_their_own_tokenizers(tiny_model_dir):
-    fe = Frontend(tiny_model_dir, SchedulerConfig())
+    fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels"))
     texts = [f"thread {i}: " + "the lazy dog " * (200 + i) for i in range(6)]
     expected = [fe.process(user(TextPart(t))).token_ids for t in texts]
     got: dict[int, list[int]] = {}

@@ -83,7 +83,7 @@ def _pixels(processor, image) -> tuple:
 
 @pytest.mark.parametrize("variant", ["tiny_model_dir", "tiny_model_25_dir"])
 def test_pixel_values_equal_the_processor_fed_the_file_as_sent(variant, request, tmp_path):
-    frontend = Frontend(request.getfixturevalue(variant), SchedulerConfig())
+    frontend = Frontend(request.getfixturevalue(variant), SchedulerConfig(payload_encoding="pixels"))
     processor = frontend.image_processor
     for name, (data, transparent, turned) in CASES.items():
         path = tmp_path / f"{len(list(tmp_path.iterdir()))}.img"

@@ -30,10 +30,11 @@ def random_prompt(rng: random.Random, prefixes: list) -> list:
     return segs
 
 
-def run_session(mode: str, seed: int) -> Harness:
+def run_session(mode: str, seed: int, placement: str = "replicated") -> Harness:
     rng = random.Random(seed)
     h = Harness(
         mode,
+        placement=placement,
         num_ranks=rng.choice([1, 2, 3]),
         kv_blocks=rng.randint(14, 40),
         encoder_tokens=rng.choice([24, 40, 64, 400]),
@@ -73,11 +74,15 @@ def run_session(mode: str, seed: int) -> Harness:
     return h
 
 
-@pytest.mark.parametrize("mode", ("full", "strip", "lazy"))
-def test_random_sessions_keep_every_invariant(mode):
+@pytest.mark.parametrize(("mode", "placement", "sessions"), [
+    ("full", "replicated", 120), ("strip", "replicated", 120), ("lazy", "replicated", 120),
+    ("full", "sharded", 60), ("strip", "sharded", 60), ("lazy", "sharded", 120),
+])
+def test_random_sessions_keep_every_invariant(mode, placement, sessions):
+    """Sharded placement: only each encoder input's owner must hold its payload (the simulated ranks check it)."""
     preemptions = recoveries = 0
-    for seed in range(120):
-        h = run_session(mode, seed)
+    for seed in range(sessions):
+        h = run_session(mode, seed, placement)
         preemptions += h.sched.stats.preemptions
         recoveries += h.recoveries
     assert preemptions > 0 and recoveries > 0  # the sessions did exercise both

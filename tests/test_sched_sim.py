@@ -6,7 +6,8 @@ blocks record the content written into them — and fails loudly on any violatio
 encoder input without its payload, a window without the encoder output of an item it covers), of the lazy rule (a
 payload received and evicted, or left over, without ever being consumed; a payload sent to a rank that already
 holds it), of the budgets, and of the step protocol (unknown requests, computed-token mismatches, prefix hits on
-blocks whose content differs).
+blocks whose content differs). Under sharded placement only an encoder input's owner needs its payload; every
+rank then holds the output (the collective that shares it is the real ranks' business, tests/test_encoder_sharding.py).
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ class SimRequest:
 
 class SimRank:
     def __init__(self, rank: int, mode: str, payload_budget: int, encoder_budget: int, block_size: int,
-                 salts: dict[str, str | None]) -> None:
-        self.rank, self.mode, self.bs = rank, mode, block_size
+                 salts: dict[str, str | None], sharded: bool = False) -> None:
+        self.rank, self.mode, self.bs, self.sharded = rank, mode, block_size, sharded
         self.payload_budget, self.encoder_budget = payload_budget, encoder_budget
         self.payloads: dict[str, int] = {}  # id -> bytes
         self.consumed: dict[str, bool] = {}  # lazy: whether a held payload fed an encoder input since it arrived
@@ -128,6 +129,8 @@ class SimRank:
             if key in staged:
                 raise Violation(f"{where}: payload {key} evicted in the step that sends it")
             if key not in self.payloads:
+                if self.sharded:
+                    continue  # the list is the group's: under sharded placement another rank held it
                 raise Violation(f"{where}: evicts payload {key} it does not hold")
             if self.mode == "lazy" and not self.consumed[key]:
                 raise Violation(f"{where}: lazy payload {key} evicted without ever being consumed")
@@ -172,10 +175,13 @@ class SimRank:
         rows = {f.identifier: f.mm_position.length for r in self.reqs.values() for f in r.items}
         for enc in ctrl.encoder_inputs:
             key = enc.item_identifier
-            if key not in self.payloads:
-                raise Violation(f"{where}: encoder input {key} but the payload is missing (MISSING_PAYLOAD)")
-            self.consumed[key] = True
-            self.encoder[key] = rows[key]
+            if enc.replicated == self.sharded:
+                raise Violation(f"{where}: encoder input {key} replicated={enc.replicated} under sharded={self.sharded}")
+            if enc.replicated or enc.owner_rank == self.rank:
+                if key not in self.payloads:
+                    raise Violation(f"{where}: encoder input {key} but the payload is missing (MISSING_PAYLOAD)")
+                self.consumed[key] = True
+            self.encoder[key] = rows[key]  # sharded: the owner's output, shared on the collective
         if sum(self.encoder.values()) > self.encoder_budget:
             raise Violation(f"{where}: encoder cache {sum(self.encoder.values())} > budget {self.encoder_budget}")
 
@@ -211,7 +217,7 @@ class SimRank:
                 ok = state is (PayloadState.PRESENT if present else PayloadState.DEFERRED)
             if not ok:
                 raise Violation(f"{where}: {nr.request_id} item {f.identifier} covered={covered} has state {state}")
-            if state is PayloadState.PRESENT and f.identifier not in self.payloads:
+            if state is PayloadState.PRESENT and not self.sharded and f.identifier not in self.payloads:
                 raise Violation(f"{where}: {nr.request_id} item {f.identifier} PRESENT but not received")
             if msg.payload_state == multimodal_pb2.PAYLOAD_STATE_UNSPECIFIED:
                 raise Violation(f"{where}: unspecified payload state")
@@ -242,10 +248,12 @@ class Harness:
 
     def __init__(self, mode: str, *, num_ranks: int = 2, kv_blocks: int = 256, encoder_tokens: int = 4096,
                  payload_bytes: int = 1 << 20, block_size: int = 16, max_batched: int = 8192, max_seqs: int = 64,
-                 max_model_len: int = 65536, keep_plans: bool = False) -> None:
+                 max_model_len: int = 65536, keep_plans: bool = False, placement: str = "replicated") -> None:
         self.mode = mode
+        self.sharded = placement == "sharded"
         self.config = SchedulerConfig(transfer_mode=mode, block_size=block_size, max_num_batched_tokens=max_batched,
-                                      max_num_seqs=max_seqs, max_model_len=max_model_len)
+                                      max_num_seqs=max_seqs, max_model_len=max_model_len,
+                                      encoder_placement=placement)
         self.group = GroupBudget(num_ranks, kv_blocks, encoder_tokens, payload_bytes)
         self.sched = Scheduler(self.config, self.group, uses_mrope=True, eos_token_ids={EOS})
         self.salts: dict[str, str | None] = {}
@@ -260,7 +268,7 @@ class Harness:
     def _new_ranks(self) -> None:
         g = self.group
         self.ranks = [SimRank(r, self.mode, g.payload_cache_bytes, g.encoder_cache_tokens, self.config.block_size,
-                              self.salts) for r in range(g.num_ranks)]
+                              self.salts, self.sharded) for r in range(g.num_ranks)]
 
     def add(self, req: Request) -> Request:
         self.salts[req.request_id] = req.cache_salt

@@ -73,7 +73,7 @@ def conversation():
 
 @pytest.mark.parametrize("mode", ["full", "strip", "lazy"])
 def test_wire_bytes_match_the_core_decisions_in_every_mode(tiny_model_dir, mode):
-    h = FakeGroupScheduler(tiny_model_dir, n_ranks=2, transfer_mode=mode).start()
+    h = FakeGroupScheduler(tiny_model_dir, n_ranks=2, transfer_mode=mode, encoder_placement="replicated").start()
     try:
         with grpc.insecure_channel(h.target) as ch:
             stub = gg.GenerationStub(ch)

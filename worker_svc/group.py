@@ -98,6 +98,21 @@ class Group:
             )
         return int(code)
 
+    def any_failed(self, flags: list[int]) -> list[int]:
+        """Per position, the largest flag of any rank (one MAX all-reduce on the CPU vote group): how every rank
+        learns which items of a step failed at their owner before any output is shared."""
+        if self.world_size == 1 or not flags:
+            return list(flags)
+        vote = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._vote_group)
+        return [int(v) for v in vote.tolist()]
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """``tensor`` from rank ``src`` to every rank, in place, on the model's group (gloo on CPU, NCCL on GPU):
+        an item's encoder output from its owner (sharded placement)."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src)
+
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -27,6 +27,33 @@ class WorkerMetrics:
             buckets=_STEP_BUCKETS,
             registry=r,
         )
+        self.encoder_runs = Counter(
+            "mmcast_worker_encoder_runs",
+            "Items this rank ran through the vision encoder (sharded placement: the items it owns)",
+            registry=r,
+        )
+        self.preprocess_seconds = Histogram(
+            "mmcast_worker_preprocess_seconds",
+            "Decoding and preprocessing of one encoded image payload on its owner rank",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.encoder_collective_bytes = Counter(
+            "mmcast_worker_encoder_collective_bytes",
+            "Encoder-output bytes this rank sent (as an item's owner) or received over the group's collective",
+            registry=r,
+        )
+        self.encoder_collective_seconds = Histogram(
+            "mmcast_worker_encoder_collective_seconds",
+            "Time per step in the encoder status exchange and the encoder-output broadcasts (sharded placement)",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.image_failures = Counter(
+            "mmcast_worker_image_failures",
+            "Encoded image payloads this rank owned that failed to decode or preprocess (the request failed alone)",
+            registry=r,
+        )
         self.step_seconds = Histogram(
             "mmcast_worker_step_seconds",
             "Time from a step control received to its result sent",

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from common import model_checks
-from common.multimodal import Modality, MultiModalFeatureSpec
+from common.multimodal import ENCODED_FIELD, Modality, MultiModalFeatureSpec, PayloadEncoding
 from worker_svc import kv_pool, kv_replication
 from worker_svc.config import WorkerConfig
 from worker_svc.mrope import rope_index_kwargs, uses_mrope
@@ -38,6 +38,13 @@ ENCODER_FIELDS = {
     Modality.IMAGE: ("pixel_values", "image_grid_thw"),
     Modality.VIDEO: ("pixel_values_videos", "video_grid_thw"),
 }
+
+
+def encoder_fields(feature: MultiModalFeatureSpec) -> tuple[str, str]:
+    """The fields a rank needs to encode the item: (payload, grid) — the file's bytes for an encoded image."""
+    if feature.encoding is PayloadEncoding.ENCODED:
+        return ENCODED_FIELD, ENCODER_FIELDS[feature.modality][1]
+    return ENCODER_FIELDS[feature.modality]
 
 
 def resolve_device(name: str, rank: int) -> torch.device:
@@ -148,6 +155,10 @@ class ModelRunner:
             self.patch_dim = None  # unknown: not checked
         self.merge_size = int(getattr(vision, "spatial_merge_size", 1) or 1)
         self.embed = model.get_input_embeddings()
+        # Encoder-output rows as the language model consumes them (``_embeds`` casts to this dtype): the unit of
+        # the sharded placement's broadcast, identical on every rank.
+        self.row_dtype = self.embed.weight.dtype
+        self.row_width = int(self.embed.embedding_dim)
         log.info(
             "model loaded",
             extra={
@@ -167,13 +178,17 @@ class ModelRunner:
         """Why ``encode`` could not run on this item's fields (their shapes disagree), or None.
 
         Checked while planning, so a malformed item is refused before any rank starts the step."""
-        pixels_name, grid_name = ENCODER_FIELDS[feature.modality]
+        pixels_name, grid_name = encoder_fields(feature)
         pixels, grid = feature.data[pixels_name].data, feature.data[grid_name].data
         if grid.numel() != 3 or grid.dtype.is_floating_point:
             return f"{grid_name} must hold 3 integers (t, h, w); got {grid.dtype}{tuple(grid.shape)}"
         t, h, w = (int(v) for v in grid.reshape(-1).tolist())
         if min(t, h, w) < 1 or h % self.merge_size or w % self.merge_size:
             return f"{grid_name}=({t}, {h}, {w}) must be positive with h, w multiples of {self.merge_size}"
+        if feature.encoding is PayloadEncoding.ENCODED:  # decoded by the item's owner, which checks the rest
+            if pixels.dim() != 1 or pixels.dtype != torch.uint8:
+                return f"{pixels_name} must be a 1-D uint8 tensor (the file's bytes); got {pixels.dtype}{tuple(pixels.shape)}"
+            return None
         if pixels.dim() != 2 or not pixels.dtype.is_floating_point:
             return f"{pixels_name} must be a 2-D float tensor; got {pixels.dtype}{tuple(pixels.shape)}"
         if pixels.shape[0] != t * h * w:
@@ -199,6 +214,10 @@ class ModelRunner:
             out = inner.get_video_features(pixels, grid, return_dict=True)
         rows = out.pooler_output
         return torch.cat(list(rows), dim=0) if isinstance(rows, tuple | list) else rows
+
+    def empty_rows(self, num_rows: int) -> torch.Tensor:
+        """A buffer for an item's encoder output received over the group's collective."""
+        return torch.empty(num_rows, self.row_width, dtype=self.row_dtype, device=self.device)
 
     # --- KV --------------------------------------------------------------------------------------------------
 

@@ -36,9 +36,15 @@ def step_result(step_id: int, rank: int, outcome: StepOutcome, handle: StreamHan
                 token.top_logprobs.add(token_id=token_id, logprob=logprob)
     for request_id, message in outcome.failed:
         result.failures.add(request_id=request_id, message=message)
+    for ident, message in outcome.item_failures:
+        result.item_failures.add(item_identifier=ident, message=message)
     stats = result.stats
     stats.encoder_seconds = outcome.encoder_seconds
     stats.encoder_items = outcome.encoder_items
+    stats.encoder_runs = outcome.encoder_runs
+    stats.collective_bytes = outcome.collective_bytes
+    stats.collective_seconds = outcome.collective_seconds
+    stats.preprocess_seconds = outcome.preprocess_seconds
     stats.payload_cache_bytes = session.payloads.nbytes
     stats.payload_cache_items = len(session.payloads)
     stats.encoder_cache_tokens = session.encoded.tokens

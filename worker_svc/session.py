@@ -21,12 +21,14 @@ import time
 import torch
 
 from common import wire
+from common.errors import InvalidArgument
 from common.ids import ItemId, RequestId
+from common.multimodal import ENCODED_FIELD, MultiModalFieldElem, MultiModalKwargsItem, PayloadEncoding
 from mmcast.v1 import worker_pb2
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.requests import RequestState, admit, check_blocks, check_prefix_written, check_tokens
-from worker_svc.runner import ENCODER_FIELDS, ForwardInput
+from worker_svc.runner import ForwardInput, encoder_fields
 from worker_svc.sampling import Sample, SamplingError, sample
 from worker_svc.step_errors import StepError, code
 
@@ -39,7 +41,8 @@ class _Plan:
     new: list[RequestState]
     running: list[tuple[RequestState, worker_pb2.RunningRequest]]
     incoming: dict[ItemId, dict[str, torch.Tensor]]  # payloads received for this step
-    encode: list[tuple[ItemId, object]]  # (identifier, feature with payload) to run through the encoder
+    encode: list[tuple[ItemId, object, int | None]]  # (identifier, feature, owner rank or None = every rank);
+    # the feature holds its payload on the ranks that encode it
     windows: list[tuple[RequestState, int, int]]  # (request, start, end) in control order
     payload_hits: int = 0
     encoder_hits: int = 0
@@ -51,6 +54,11 @@ class StepOutcome:
     encoder_seconds: float
     encoder_items: int
     failed: list[tuple[RequestId, str]] = dataclasses.field(default_factory=list)  # ...these: (id, why) (rank 0)
+    item_failures: list[tuple[ItemId, str]] = dataclasses.field(default_factory=list)  # owned items that failed
+    encoder_runs: int = 0  # items this rank encoded
+    collective_bytes: int = 0  # encoder-output bytes sent or received over the collective
+    collective_seconds: float = 0.0
+    preprocess_seconds: float = 0.0  # decoding + preprocessing encoded payloads
 
 
 class Session:
@@ -66,8 +74,15 @@ class Session:
         max_tensor_bytes: int,
         metrics: WorkerMetrics | None = None,
         batch_decode: bool = True,
+        group=None,
+        images=None,
     ) -> None:
+        """``group``: the rank's ``worker_svc.group.Group`` (sharded placement's collectives; None for one rank);
+        ``images``: a ``common.image_input.ImageInput`` with the limits the scheduler's handshake sent (None: encoded
+        payloads are refused)."""
         self.runner = runner
+        self.group = group
+        self.images = images
         self.rank = rank
         self.metrics = metrics
         self.batch_decode = batch_decode
@@ -214,8 +229,9 @@ class Session:
             else self.encoded.tokens
             - sum(self.encoded.entries[i].shape[0] for i in gone_encoded if i in self.encoded.entries)
         )
-        encode: list[tuple[ItemId, object]] = []
+        encode: list[tuple[ItemId, object, int | None]] = []
         plan_hits = 0
+        world = getattr(self.group, "world_size", 1)
         for enc in control.encoder_inputs:
             ident = ItemId(enc.item_identifier)
             if ident in encoded_after:
@@ -227,6 +243,19 @@ class Session:
                     f"encoder_inputs names item {ident[:16]}, which no request held by this rank contains",
                     item_identifier=ident,
                 )
+            owner = None if enc.replicated else enc.owner_rank
+            if owner is not None and owner >= world:
+                raise StepError(code.OUT_OF_RANGE, f"encoder_inputs[{ident[:16]}].owner_rank={owner}; the group has "
+                                f"{world} ranks", item_identifier=ident)
+            if owner is not None and owner != self.rank:  # another rank encodes it; its output comes over the group
+                try:
+                    feature = wire.feature_from_proto(msg)
+                except (wire.WireError, ValueError) as exc:
+                    raise StepError(code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}]: {exc}", item_identifier=ident) from None
+                encode.append((ident, feature, owner))
+                encoded_after.add(ident)
+                encoder_tokens += feature.mm_position.get_num_embeds()
+                continue
             fields = dict(
                 {} if reset or ident in gone_payloads else (self.payloads.get(ident) or {}), **incoming.get(ident, {})
             )
@@ -238,7 +267,10 @@ class Session:
                 raise StepError(
                     code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}]: {exc}", item_identifier=ident
                 ) from None
-            missing = [n for n in ENCODER_FIELDS[feature.modality] if feature.data is None or n not in feature.data]
+            if feature.encoding is PayloadEncoding.ENCODED and self.images is None:
+                raise StepError(code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}] is an encoded image, but the handshake "
+                                "allowed no image format", item_identifier=ident)
+            missing = [n for n in encoder_fields(feature) if feature.data is None or n not in feature.data]
             if missing:
                 raise StepError(
                     code.MISSING_PAYLOAD,
@@ -249,7 +281,7 @@ class Session:
             problem = r.encoder_input_problem(feature)
             if problem is not None:
                 raise StepError(code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}]: {problem}", item_identifier=ident)
-            encode.append((ident, feature))
+            encode.append((ident, feature, owner))
             encoded_after.add(ident)
             encoder_tokens += feature.mm_position.get_num_embeds()
         if encoder_tokens > self.encoded.budget_tokens:
@@ -258,7 +290,7 @@ class Session:
                 f"encoder cache would hold {encoder_tokens} rows after this step, over the budget of "
                 f"{self.encoded.budget_tokens} (--encoder-cache-tokens)",
             )
-        scheduled = {ident for ident, _ in encode}
+        scheduled = {ident for ident, _, _ in encode}
         encoder_hits = 0
         for state, start, end in windows:
             for index in state.overlapping(start, end):
@@ -326,10 +358,40 @@ class Session:
 
     # --- phase 3: compute ------------------------------------------------------------------------------------
 
-    def execute(self, plan: _Plan) -> StepOutcome:
+    def _pixels(self, ident: ItemId, feature):
+        """The feature with pixel fields: an encoded image decoded and preprocessed by the model's own processor
+        (common/image_input.py); its grid must be the one the item carries (the prompt was built from it). Raises
+        InvalidArgument for a file that fails (the item's failure, not the rank's)."""
+        if feature.encoding is not PayloadEncoding.ENCODED:
+            return feature
+        data = feature.data[ENCODED_FIELD].data.numpy().tobytes()
+        pixels, grid = self.images.process_bytes(data, f"item {ident[:16]}")
+        want = feature.data["image_grid_thw"].data.reshape(1, 3)
+        if not torch.equal(grid, want):
+            raise InvalidArgument(f"item {ident[:16]}: the decoded image has the grid {grid.tolist()[0]}, its header "
+                                  f"gave {want.tolist()[0]}")
+        fields = {"pixel_values": MultiModalFieldElem(pixels), "image_grid_thw": feature.data["image_grid_thw"]}
+        return dataclasses.replace(feature, data=MultiModalKwargsItem(fields), encoding=PayloadEncoding.PIXELS)
+
+    def _encode_step(self, plan: _Plan, outcome: StepOutcome) -> set[ItemId]:
+        """Runs the step's encoder work and fills the encoder cache; returns the items that failed (known to every
+        rank alike). Each rank first encodes what it owns (every item under replicated placement); with several
+        ranks they then exchange one status per item and each owner broadcasts its outputs, in control order."""
         r = self.runner
         t0 = time.perf_counter()
-        for ident, feature in plan.encode:
+        rows_of: dict[ItemId, torch.Tensor] = {}
+        failures: dict[ItemId, str] = {}
+        for ident, feature, owner in plan.encode:
+            if owner is not None and owner != self.rank:
+                continue
+            p0, encoded = time.perf_counter(), feature.encoding is PayloadEncoding.ENCODED
+            try:
+                feature = self._pixels(ident, feature)
+            except InvalidArgument as exc:
+                failures[ident] = exc.message
+                continue
+            finally:
+                outcome.preprocess_seconds += (time.perf_counter() - p0) if encoded else 0.0
             rows = r.encode(feature)
             want = feature.mm_position.get_num_embeds()
             if rows.shape[0] != want:
@@ -338,13 +400,49 @@ class Session:
                     f"item {ident[:16]}: the encoder produced {rows.shape[0]} rows, its placeholder range takes {want}",
                     item_identifier=ident,
                 )
+            rows_of[ident] = rows if owner is None else rows.to(r.row_dtype)
+            outcome.encoder_runs += 1
+        outcome.encoder_seconds = time.perf_counter() - t0
+        failed = set(failures)
+        if self.group is not None and self.group.world_size > 1 and plan.encode:
+            t1 = time.perf_counter()
+            flags = self.group.any_failed([int(ident in failures) for ident, _, _ in plan.encode])
+            failed = {ident for (ident, _, _), flag in zip(plan.encode, flags, strict=True) if flag}
+            for ident, feature, owner in plan.encode:
+                if owner is None or ident in failed:
+                    continue
+                rows = rows_of[ident] if owner == self.rank else r.empty_rows(feature.mm_position.get_num_embeds())
+                self.group.broadcast(rows, owner)
+                rows_of[ident] = rows
+                outcome.collective_bytes += rows.numel() * rows.element_size()
+            outcome.collective_seconds = time.perf_counter() - t1
+        for ident, rows in rows_of.items():
             self.encoded.put(ident, rows)
-        encoder_seconds = time.perf_counter() - t0
-        if plan.encode and self.metrics is not None:
-            self.metrics.encoder_seconds.observe(encoder_seconds)
+        outcome.item_failures = sorted(failures.items())
+        if self.metrics is not None:
+            m = self.metrics
+            if plan.encode:
+                m.encoder_seconds.observe(outcome.encoder_seconds)
+            m.encoder_runs.inc(outcome.encoder_runs)
+            m.image_failures.inc(len(failures))
+            if outcome.preprocess_seconds:
+                m.preprocess_seconds.observe(outcome.preprocess_seconds)
+            if outcome.collective_seconds:
+                m.encoder_collective_bytes.inc(outcome.collective_bytes)
+                m.encoder_collective_seconds.observe(outcome.collective_seconds)
+        return failed
+
+    def execute(self, plan: _Plan) -> StepOutcome:
+        r = self.runner
+        outcome = StepOutcome([], 0.0, len(plan.encode))
+        failed_items = self._encode_step(plan, outcome)
+        windows = plan.windows
+        if failed_items:  # every rank skips the same windows: those that reach an item no rank could encode
+            windows = [(s, a, b) for s, a, b in windows
+                       if not any(s.features[i].identifier in failed_items for i in s.overlapping(a, b))]
 
         inputs: list[ForwardInput] = []
-        for state, start, end in plan.windows:
+        for state, start, end in windows:
             if state.cache is None:
                 state.cache = r.new_cache(state.block_ids, state.num_computed)
             mm_rows = []
@@ -362,19 +460,17 @@ class Session:
             )
         logits = r.forward(inputs, batch_decode=self.batch_decode) if inputs else []
 
-        sampled: list[tuple[RequestId, Sample]] = []
-        failed: list[tuple[RequestId, str]] = []
-        for (state, _start, end), row in zip(plan.windows, logits, strict=True):
+        for (state, _start, end), row in zip(windows, logits, strict=True):
             state.num_computed = end
             full = end // r.block_size
             r.write_blocks(state.cache, state.block_ids, state.blocks_in_pool, full)
             self.written.update(state.block_ids[state.blocks_in_pool : full])
             state.blocks_in_pool = max(state.blocks_in_pool, full)
             if row is not None and self.rank == 0:
-                outcome = self._sample(state, row)
-                (sampled if isinstance(outcome, Sample) else failed).append((state.request_id, outcome))
+                drawn = self._sample(state, row)
+                (outcome.sampled if isinstance(drawn, Sample) else outcome.failed).append((state.request_id, drawn))
         self._report_sizes()
-        return StepOutcome(sampled, encoder_seconds, len(plan.encode), failed)
+        return outcome
 
     def _sample(self, state: RequestState, row: torch.Tensor) -> Sample | str:
         """The request's token, or why sampling it failed. Sampling runs after every collective of the step and

@@ -60,6 +60,13 @@ class StreamHandle:
     pending_error: StepError | None = None  # a payload frame failed; reported with the next control
 
 
+def _pil_formats() -> set[str]:
+    from PIL import Image
+
+    Image.init()
+    return set(Image.OPEN)
+
+
 class Worker:
     def __init__(self, config: WorkerConfig, metrics: WorkerMetrics, *, fatal=_exit_process) -> None:
         self.config = config
@@ -68,6 +75,7 @@ class Worker:
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.gate = EpochGate()
         self.runner = None
+        self.image_processor = None
         self.group: Group | None = None
         self.identity: RankIdentity | None = None
         self.active: StreamHandle | None = None
@@ -97,6 +105,10 @@ class Worker:
         )
         self.group = Group(self.config, resolve_device(self.config.device, self.config.rank))
         self.runner = ModelRunner(self.config)
+        # The model folder's own image processor, as the frontend loads it: encoded payloads are preprocessed here.
+        from common.processor import load_processor
+
+        self.image_processor = load_processor(self.config.model).image_processor
         self.ready = True
 
     def ack(self) -> worker_pb2.HandshakeAck:
@@ -112,6 +124,7 @@ class Worker:
             max_tensor_bytes=c.max_tensor_bytes,
             max_model_len=r.max_model_len,
             device=str(r.device),
+            encoder_output_row_bytes=r.row_width * r.row_dtype.itemsize,
         )
 
     # --- streams (event loop) --------------------------------------------------------------------------------
@@ -142,10 +155,22 @@ class Worker:
             encoder_cache_tokens=c.encoder_cache_tokens,
             max_tensor_bytes=c.max_tensor_bytes,
             metrics=self.metrics,
+            group=self.group,
+            images=self._image_input(hs),
         )
         self.active = StreamHandle(hs.scheduler_epoch, session, asyncio.Event())
         log.info("stream admitted", extra={"epoch": hs.scheduler_epoch, "scheduler_id": hs.scheduler_id})
         return self.active
+
+    def _image_input(self, hs: worker_pb2.Handshake):
+        """The checks and preprocessing of encoded payloads under the scheduler's limits (its --image-formats and
+        --max-image-pixels, sent in the handshake); None when it allows no format."""
+        from common.image_input import ImageInput
+
+        if not hs.image_formats or self.image_processor is None:
+            return None
+        formats = [f for f in hs.image_formats if f in _pil_formats()]
+        return ImageInput(self.image_processor, formats, hs.max_image_pixels or 1) if formats else None
 
     def close_stream(self, handle: StreamHandle) -> None:
         if self.active is handle:

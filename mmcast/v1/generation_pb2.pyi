@@ -113,7 +113,7 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "images", "images_sent", "images_stripped", "images_rank_cached", "payload_bytes_broadcast", "payload_bytes_saved", "preemptions")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "images", "images_sent", "images_stripped", "images_rank_cached", "payload_bytes_broadcast", "payload_bytes_saved", "preemptions", "encoder_runs", "encoder_output_bytes_shared", "image_cpu_seconds", "images_encoder_shared")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,10 @@ class Usage(_message.Message):
     PAYLOAD_BYTES_BROADCAST_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_SAVED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_RUNS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_OUTPUT_BYTES_SHARED_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_ENCODER_SHARED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -134,7 +138,11 @@ class Usage(_message.Message):
     payload_bytes_broadcast: int
     payload_bytes_saved: int
     preemptions: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images: _Optional[int] = ..., images_sent: _Optional[int] = ..., images_stripped: _Optional[int] = ..., images_rank_cached: _Optional[int] = ..., payload_bytes_broadcast: _Optional[int] = ..., payload_bytes_saved: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    encoder_runs: int
+    encoder_output_bytes_shared: int
+    image_cpu_seconds: float
+    images_encoder_shared: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images: _Optional[int] = ..., images_sent: _Optional[int] = ..., images_stripped: _Optional[int] = ..., images_rank_cached: _Optional[int] = ..., payload_bytes_broadcast: _Optional[int] = ..., payload_bytes_saved: _Optional[int] = ..., preemptions: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., encoder_output_bytes_shared: _Optional[int] = ..., image_cpu_seconds: _Optional[float] = ..., images_encoder_shared: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("time_to_first_token_seconds", "total_seconds", "queue_seconds")

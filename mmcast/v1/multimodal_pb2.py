@@ -25,23 +25,25 @@ _sym_db = _symbol_database.Default()
 from mmcast.v1 import tensor_pb2 as mmcast_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ammcast/v1/multimodal.proto\x12\tmmcast.v1\x1a\x16mmcast/v1/tensor.proto\"D\n\x10PlaceholderRange\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x10\n\x08is_embed\x18\x03 \x03(\x08\"\x81\x01\n\x0fMultiModalField\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.mmcast.v1.FieldKind\x12\x13\n\x0bkeep_on_cpu\x18\x03 \x01(\x08\x12\'\n\x06tensor\x18\x04 \x01(\x0b\x32\x17.mmcast.v1.TensorHeader\"\xd6\x01\n\x0eMultiModalItem\x12\x12\n\nidentifier\x18\x01 \x01(\t\x12%\n\x08modality\x18\x02 \x01(\x0e\x32\x13.mmcast.v1.Modality\x12-\n\x08position\x18\x03 \x01(\x0b\x32\x1b.mmcast.v1.PlaceholderRange\x12.\n\rpayload_state\x18\x04 \x01(\x0e\x32\x17.mmcast.v1.PayloadState\x12*\n\x06\x66ields\x18\x05 \x03(\x0b\x32\x1a.mmcast.v1.MultiModalField*L\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02*k\n\tFieldKind\x12\x1a\n\x16\x46IELD_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46IELD_KIND_BATCHED\x10\x01\x12\x13\n\x0f\x46IELD_KIND_FLAT\x10\x02\x12\x15\n\x11\x46IELD_KIND_SHARED\x10\x03*\x9f\x01\n\x0cPayloadState\x12\x1d\n\x19PAYLOAD_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15PAYLOAD_STATE_PRESENT\x10\x01\x12\x1a\n\x16PAYLOAD_STATE_STRIPPED\x10\x02\x12\x1a\n\x16PAYLOAD_STATE_DEFERRED\x10\x03\x12\x1d\n\x19PAYLOAD_STATE_RANK_CACHED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ammcast/v1/multimodal.proto\x12\tmmcast.v1\x1a\x16mmcast/v1/tensor.proto\"D\n\x10PlaceholderRange\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x10\n\x08is_embed\x18\x03 \x03(\x08\"\x81\x01\n\x0fMultiModalField\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.mmcast.v1.FieldKind\x12\x13\n\x0bkeep_on_cpu\x18\x03 \x01(\x08\x12\'\n\x06tensor\x18\x04 \x01(\x0b\x32\x17.mmcast.v1.TensorHeader\"\x84\x02\n\x0eMultiModalItem\x12\x12\n\nidentifier\x18\x01 \x01(\t\x12%\n\x08modality\x18\x02 \x01(\x0e\x32\x13.mmcast.v1.Modality\x12-\n\x08position\x18\x03 \x01(\x0b\x32\x1b.mmcast.v1.PlaceholderRange\x12.\n\rpayload_state\x18\x04 \x01(\x0e\x32\x17.mmcast.v1.PayloadState\x12*\n\x06\x66ields\x18\x05 \x03(\x0b\x32\x1a.mmcast.v1.MultiModalField\x12,\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32\x1a.mmcast.v1.PayloadEncoding*L\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02*k\n\tFieldKind\x12\x1a\n\x16\x46IELD_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46IELD_KIND_BATCHED\x10\x01\x12\x13\n\x0f\x46IELD_KIND_FLAT\x10\x02\x12\x15\n\x11\x46IELD_KIND_SHARED\x10\x03*\x9f\x01\n\x0cPayloadState\x12\x1d\n\x19PAYLOAD_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15PAYLOAD_STATE_PRESENT\x10\x01\x12\x1a\n\x16PAYLOAD_STATE_STRIPPED\x10\x02\x12\x1a\n\x16PAYLOAD_STATE_DEFERRED\x10\x03\x12\x1d\n\x19PAYLOAD_STATE_RANK_CACHED\x10\x04*n\n\x0fPayloadEncoding\x12 \n\x1cPAYLOAD_ENCODING_UNSPECIFIED\x10\x00\x12\x1b\n\x17PAYLOAD_ENCODING_PIXELS\x10\x01\x12\x1c\n\x18PAYLOAD_ENCODING_ENCODED\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmcast.v1.multimodal_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=484
-  _globals['_MODALITY']._serialized_end=560
-  _globals['_FIELDKIND']._serialized_start=562
-  _globals['_FIELDKIND']._serialized_end=669
-  _globals['_PAYLOADSTATE']._serialized_start=672
-  _globals['_PAYLOADSTATE']._serialized_end=831
+  _globals['_MODALITY']._serialized_start=530
+  _globals['_MODALITY']._serialized_end=606
+  _globals['_FIELDKIND']._serialized_start=608
+  _globals['_FIELDKIND']._serialized_end=715
+  _globals['_PAYLOADSTATE']._serialized_start=718
+  _globals['_PAYLOADSTATE']._serialized_end=877
+  _globals['_PAYLOADENCODING']._serialized_start=879
+  _globals['_PAYLOADENCODING']._serialized_end=989
   _globals['_PLACEHOLDERRANGE']._serialized_start=65
   _globals['_PLACEHOLDERRANGE']._serialized_end=133
   _globals['_MULTIMODALFIELD']._serialized_start=136
   _globals['_MULTIMODALFIELD']._serialized_end=265
   _globals['_MULTIMODALITEM']._serialized_start=268
-  _globals['_MULTIMODALITEM']._serialized_end=482
+  _globals['_MULTIMODALITEM']._serialized_end=528
 # @@protoc_insertion_point(module_scope)

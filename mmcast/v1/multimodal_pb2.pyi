@@ -28,6 +28,12 @@ class PayloadState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAYLOAD_STATE_STRIPPED: _ClassVar[PayloadState]
     PAYLOAD_STATE_DEFERRED: _ClassVar[PayloadState]
     PAYLOAD_STATE_RANK_CACHED: _ClassVar[PayloadState]
+
+class PayloadEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAYLOAD_ENCODING_UNSPECIFIED: _ClassVar[PayloadEncoding]
+    PAYLOAD_ENCODING_PIXELS: _ClassVar[PayloadEncoding]
+    PAYLOAD_ENCODING_ENCODED: _ClassVar[PayloadEncoding]
 MODALITY_UNSPECIFIED: Modality
 MODALITY_IMAGE: Modality
 MODALITY_VIDEO: Modality
@@ -40,6 +46,9 @@ PAYLOAD_STATE_PRESENT: PayloadState
 PAYLOAD_STATE_STRIPPED: PayloadState
 PAYLOAD_STATE_DEFERRED: PayloadState
 PAYLOAD_STATE_RANK_CACHED: PayloadState
+PAYLOAD_ENCODING_UNSPECIFIED: PayloadEncoding
+PAYLOAD_ENCODING_PIXELS: PayloadEncoding
+PAYLOAD_ENCODING_ENCODED: PayloadEncoding
 
 class PlaceholderRange(_message.Message):
     __slots__ = ("offset", "length", "is_embed")
@@ -64,15 +73,17 @@ class MultiModalField(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[FieldKind, str]] = ..., keep_on_cpu: _Optional[bool] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ...) -> None: ...
 
 class MultiModalItem(_message.Message):
-    __slots__ = ("identifier", "modality", "position", "payload_state", "fields")
+    __slots__ = ("identifier", "modality", "position", "payload_state", "fields", "encoding")
     IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
     MODALITY_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_STATE_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     identifier: str
     modality: Modality
     position: PlaceholderRange
     payload_state: PayloadState
     fields: _containers.RepeatedCompositeFieldContainer[MultiModalField]
-    def __init__(self, identifier: _Optional[str] = ..., modality: _Optional[_Union[Modality, str]] = ..., position: _Optional[_Union[PlaceholderRange, _Mapping]] = ..., payload_state: _Optional[_Union[PayloadState, str]] = ..., fields: _Optional[_Iterable[_Union[MultiModalField, _Mapping]]] = ...) -> None: ...
+    encoding: PayloadEncoding
+    def __init__(self, identifier: _Optional[str] = ..., modality: _Optional[_Union[Modality, str]] = ..., position: _Optional[_Union[PlaceholderRange, _Mapping]] = ..., payload_state: _Optional[_Union[PayloadState, str]] = ..., fields: _Optional[_Iterable[_Union[MultiModalField, _Mapping]]] = ..., encoding: _Optional[_Union[PayloadEncoding, str]] = ...) -> None: ...

@@ -65,7 +65,7 @@ class Keepalive(_message.Message):
     def __init__(self, sent_unix_nanos: _Optional[int] = ...) -> None: ...
 
 class Handshake(_message.Message):
-    __slots__ = ("protocol_version", "model_fingerprint", "rank", "world_size", "scheduler_epoch", "scheduler_id", "block_size")
+    __slots__ = ("protocol_version", "model_fingerprint", "rank", "world_size", "scheduler_epoch", "scheduler_id", "block_size", "image_formats", "max_image_pixels")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,8 @@ class Handshake(_message.Message):
     SCHEDULER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FORMATS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     model_fingerprint: str
     rank: int
@@ -80,10 +82,12 @@ class Handshake(_message.Message):
     scheduler_epoch: int
     scheduler_id: str
     block_size: int
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., scheduler_epoch: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    image_formats: _containers.RepeatedScalarFieldContainer[str]
+    max_image_pixels: int
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., scheduler_epoch: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., block_size: _Optional[int] = ..., image_formats: _Optional[_Iterable[str]] = ..., max_image_pixels: _Optional[int] = ...) -> None: ...
 
 class HandshakeAck(_message.Message):
-    __slots__ = ("protocol_version", "model_fingerprint", "rank", "world_size", "kv_blocks", "payload_cache_bytes", "encoder_cache_tokens", "max_tensor_bytes", "max_model_len", "device")
+    __slots__ = ("protocol_version", "model_fingerprint", "rank", "world_size", "kv_blocks", "payload_cache_bytes", "encoder_cache_tokens", "max_tensor_bytes", "max_model_len", "device", "encoder_output_row_bytes")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +98,7 @@ class HandshakeAck(_message.Message):
     MAX_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_OUTPUT_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     model_fingerprint: str
     rank: int
@@ -104,7 +109,8 @@ class HandshakeAck(_message.Message):
     max_tensor_bytes: int
     max_model_len: int
     device: str
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    encoder_output_row_bytes: int
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ..., encoder_output_row_bytes: _Optional[int] = ...) -> None: ...
 
 class PayloadFrame(_message.Message):
     __slots__ = ("item_identifier", "field_name", "header", "chunk")
@@ -167,10 +173,14 @@ class RunningRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class EncoderInput(_message.Message):
-    __slots__ = ("item_identifier",)
+    __slots__ = ("item_identifier", "owner_rank", "replicated")
     ITEM_IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
     item_identifier: str
-    def __init__(self, item_identifier: _Optional[str] = ...) -> None: ...
+    owner_rank: int
+    replicated: bool
+    def __init__(self, item_identifier: _Optional[str] = ..., owner_rank: _Optional[int] = ..., replicated: _Optional[bool] = ...) -> None: ...
 
 class StepControl(_message.Message):
     __slots__ = ("step_id", "new_requests", "running", "finished_request_ids", "encoder_inputs", "evict_payload_ids", "evict_encoder_ids", "reset_caches")
@@ -205,7 +215,7 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_logprob_pb2.TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerStepStats(_message.Message):
-    __slots__ = ("step_seconds", "encoder_seconds", "encoder_items", "payload_cache_bytes", "payload_cache_items", "encoder_cache_tokens", "received_payload_bytes")
+    __slots__ = ("step_seconds", "encoder_seconds", "encoder_items", "payload_cache_bytes", "payload_cache_items", "encoder_cache_tokens", "received_payload_bytes", "encoder_runs", "collective_bytes", "collective_seconds", "preprocess_seconds")
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +223,10 @@ class WorkerStepStats(_message.Message):
     PAYLOAD_CACHE_ITEMS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_RUNS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_seconds: float
     encoder_seconds: float
     encoder_items: int
@@ -220,7 +234,19 @@ class WorkerStepStats(_message.Message):
     payload_cache_items: int
     encoder_cache_tokens: int
     received_payload_bytes: int
-    def __init__(self, step_seconds: _Optional[float] = ..., encoder_seconds: _Optional[float] = ..., encoder_items: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., payload_cache_items: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., received_payload_bytes: _Optional[int] = ...) -> None: ...
+    encoder_runs: int
+    collective_bytes: int
+    collective_seconds: float
+    preprocess_seconds: float
+    def __init__(self, step_seconds: _Optional[float] = ..., encoder_seconds: _Optional[float] = ..., encoder_items: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., payload_cache_items: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., received_payload_bytes: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., collective_bytes: _Optional[int] = ..., collective_seconds: _Optional[float] = ..., preprocess_seconds: _Optional[float] = ...) -> None: ...
+
+class ItemFailure(_message.Message):
+    __slots__ = ("item_identifier", "message")
+    ITEM_IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    item_identifier: str
+    message: str
+    def __init__(self, item_identifier: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RequestFailure(_message.Message):
     __slots__ = ("request_id", "message")
@@ -231,18 +257,20 @@ class RequestFailure(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "rank", "sampled", "stats", "failures")
+    __slots__ = ("step_id", "rank", "sampled", "stats", "failures", "item_failures")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rank: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     stats: WorkerStepStats
     failures: _containers.RepeatedCompositeFieldContainer[RequestFailure]
-    def __init__(self, step_id: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., stats: _Optional[_Union[WorkerStepStats, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ...) -> None: ...
+    item_failures: _containers.RepeatedCompositeFieldContainer[ItemFailure]
+    def __init__(self, step_id: _Optional[int] = ..., rank: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., stats: _Optional[_Union[WorkerStepStats, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ..., item_failures: _Optional[_Iterable[_Union[ItemFailure, _Mapping]]] = ...) -> None: ...
 
 class ProtocolError(_message.Message):
     __slots__ = ("step_id", "code", "message", "request_id", "item_identifier", "rank")
