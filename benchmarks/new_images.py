@@ -195,6 +195,7 @@ def variant_rows(records: Sequence[dict], floors: Sequence[dict]) -> list[dict]:
             "images_sent": _per_image(rs, "usage", "images_sent"),
             "encoder_runs": _per_image(rs, "usage", "encoder_runs"),
             "encoder_runs_metric": _per_image(rs, "metrics", "encoder_runs"),
+            "encoder_runs_ranks": _per_image(rs, "metrics", "worker_encoder_runs"),  # counted where they ran
             "collective_bytes": _per_image(rs, "usage", "encoder_output_bytes_shared"),
             "collective_bytes_metric": _per_image(rs, "metrics", "encoder_output_shared_bytes"),
             "collective_bytes_workers": _per_image(rs, "metrics", "worker_collective_bytes"),

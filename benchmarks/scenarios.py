@@ -47,7 +47,8 @@ _WORKER = {
     ("mmcast_worker_received_bytes_total", "kind", "payload"): "worker_payload_bytes",
     ("mmcast_worker_received_bytes_total", "kind", "metadata"): "worker_metadata_bytes",
     ("mmcast_worker_received_bytes_total", "kind", "control"): "worker_control_bytes",
-    ("mmcast_worker_encoder_collective_bytes_total", None, None): "worker_collective_bytes",
+    ("mmcast_worker_encoder_runs_total", None, None): "worker_encoder_runs",
+    ("mmcast_worker_encoder_collective_bytes_total", None, None): "worker_collective_bytes",  # sent + received
     ("mmcast_worker_encoder_collective_seconds_sum", None, None): "worker_collective_seconds_sum",
     ("mmcast_worker_preprocess_seconds_sum", None, None): "worker_preprocess_seconds_sum",
     ("mmcast_encoder_seconds_sum", None, None): "worker_encoder_seconds_sum",
