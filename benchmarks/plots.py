@@ -1,11 +1,13 @@
 """PNG plots of an analysis (matplotlib, optional): TTFT against N per mode with the text control, bytes per
-request per mode, and TTFT per turn for the conversation and the sliding window."""
+request per mode, TTFT per turn for the conversation and the sliding window, and the cost of a new image per
+payload encoding and encoder placement."""
 
 from __future__ import annotations
 
 import os
 
 _COLOURS = {"full": "tab:red", "strip": "tab:orange", "lazy": "tab:green"}
+_VARIANT_COLOURS = {"pixels+replicated": "tab:red", "encoded+replicated": "tab:blue", "encoded+sharded": "tab:green"}
 
 
 def available() -> bool:
@@ -23,7 +25,8 @@ def write_plots(directory: str, analysis: dict) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
-    paths = [_ttft_vs_n(directory, analysis), _bytes(directory, analysis), _turns(directory, analysis)]
+    paths = [_ttft_vs_n(directory, analysis), _bytes(directory, analysis), _turns(directory, analysis),
+             _new_images(directory, analysis)]
     return [p for p in paths if p]
 
 
@@ -119,6 +122,56 @@ def _turns(directory: str, analysis: dict) -> str | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, directory, "ttft_per_turn.png")
+
+
+def _new_images(directory: str, analysis: dict) -> str | None:
+    """Per (TP, image set): payload bytes and collective bytes per new image (log), scheduler CPU per new image,
+    one bar per variant; and client TTFT against N new images at the largest TP."""
+    import matplotlib.pyplot as plt
+
+    rows = (analysis.get("new_images") or {}).get("rows") or []
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.4))
+    cases = list(dict.fromkeys((r["tp"], r["image"]) for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    by = {(r["tp"], r["image"], r["variant"]): r for r in rows}
+    width = 0.8 / len(variants)
+    for v, variant in enumerate(variants):
+        xs = [i + (v - (len(variants) - 1) / 2) * width for i in range(len(cases))]
+        got = [by.get((*case, variant)) for case in cases]
+        colour = _VARIANT_COLOURS.get(variant)
+        axes[0].bar(xs, [max(r["payload_bytes_wire"] or 1, 1) / 1e3 if r else 0 for r in got], width, color=colour,
+                    label=f"{variant}: payload")
+        shared = [(x, r["collective_bytes"] / 1e3) for x, r in zip(xs, got, strict=True) if r and r["collective_bytes"]]
+        if shared:
+            axes[0].plot(*zip(*shared, strict=True), "k_", markersize=14, mew=2)
+        axes[1].bar(xs, [r["scheduler_cpu_ms"]["slope"] if r and r["scheduler_cpu_ms"] else 0 for r in got], width,
+                    color=colour, label=variant)
+    axes[0].plot([], [], "k_", markersize=14, mew=2, label="encoder output shared over the collective")
+    labels = [f"TP{tp}\n{image}" for tp, image in cases]
+    for ax, title, unit in ((axes[0], "scheduler→ranks bytes per new image (log)", "kB"),
+                            (axes[1], "scheduler CPU per new image", "ms")):  # fmt: skip
+        ax.set_xticks(range(len(cases)), labels, fontsize=7)
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    top = max(r["tp"] for r in rows)
+    for r in rows:
+        if r["tp"] != top or len(r["ttft_p50_by_n"]) < 2:
+            continue
+        style = "-o" if r["image"].endswith("jpeg") else "--s"
+        pts = sorted((int(n), ms) for n, ms in r["ttft_p50_by_n"].items())
+        axes[2].plot(*zip(*pts, strict=True), style, color=_VARIANT_COLOURS.get(r["variant"]), markersize=4,
+                     label=f"{r['variant']}, {r['image']}")
+    axes[2].set_title(f"new images, TP={top}")
+    axes[2].set_xlabel("new images in the request N")
+    axes[2].set_ylabel("client TTFT p50 (ms)")
+    axes[2].grid(alpha=0.3)
+    axes[2].legend(fontsize=6)
+    return _save(fig, directory, "new_images.png")
 
 
 def _save(fig, directory: str, name: str) -> str:

@@ -10,7 +10,7 @@ import collections
 import os
 from collections.abc import Iterable, Sequence
 
-from benchmarks import stats
+from benchmarks import new_images, stats
 
 ANCHOR = {"before_ms_per_image": 21.0, "after_ms_per_image": 2.9}  # vLLM #52040 / PR #52041, TP=4 GPUs, 31B
 MODES = ("full", "strip", "lazy")
@@ -30,22 +30,35 @@ def _ms_slope(rows: Sequence[dict]) -> stats.Slope | None:
     return stats.fit_slope([r["n"] for r in rows], [r["ttft_ms"] for r in rows])
 
 
+_REQUEST = ("tp", "scenario", "kind", "client", "n", "index", "image")  # one request, whatever served it
+
+
+def _config(r: dict) -> str:
+    """What served a record: the new-image variant (payload encoding + placement), else the transfer mode."""
+    return r.get("variant") or r["mode"]
+
+
+def _request_key(records: Iterable[dict], *keys: str) -> dict[tuple, list[dict]]:
+    return _group(({**r, "image": r.get("image", "")} for r in records), *keys)
+
+
 def mode_equality(records: Sequence[dict]) -> dict:
-    """Every (tp, scenario, kind, client, n, index) must have produced the same tokens in every mode."""
+    """Every request (tp, scenario, kind, client, n, index, image) must have produced the same tokens in every
+    configuration that ran it: transfer mode, or new-image variant."""
     checked, mismatches = 0, []
-    for key, rows in _group(records, "tp", "scenario", "kind", "client", "n", "index").items():
+    for key, rows in _request_key(records, *_REQUEST).items():
         if key[1] == "calibration":
             continue
-        by_mode = {r["mode"]: tuple(r["token_ids"]) for r in rows}
+        by_mode = {_config(r): tuple(r["token_ids"]) for r in rows}
         if len(by_mode) < 2:
             continue
         checked += 1
         if len(set(by_mode.values())) > 1:
-            mismatches.append({"key": dict(zip(("tp", "scenario", "kind", "client", "n", "index"), key, strict=True)),
+            mismatches.append({"key": dict(zip(_REQUEST, key, strict=True)),
                                "tokens": {m: list(t) for m, t in by_mode.items()}})  # fmt: skip
     # Across tensor-parallel sizes tokens may legitimately differ (reduction order), so this is only reported.
     cross, agree = 0, 0
-    for key, rows in _group(records, "scenario", "kind", "client", "n", "index", "mode").items():
+    for key, rows in _request_key(({**r, "config": _config(r)} for r in records), *_REQUEST[1:], "config").items():
         by_tp = {r["tp"]: tuple(r["token_ids"]) for r in rows}
         if key[0] != "calibration" and len(by_tp) > 1:
             cross += 1
@@ -216,6 +229,7 @@ def targets(analysis: dict) -> list[dict]:
                                 f"{v['rows'][-1]['decode_p50_us']:.1f} µs), items examined ≤ {v['items_examined_max']}",
                                 v["flatness"] <= 0.2 and v["items_examined_max"] <= 16))  # fmt: skip
     eq = analysis["equality"]
+    rows += analysis.get("new_images", {}).get("targets", [])
     rows.append(_target("all modes return the same tokens", "no mismatch",
                         f"{eq['checked']} comparisons, {len(eq['mismatches'])} mismatches (across TP sizes, "
                         f"informational: {eq['cross_tp_agree']}/{eq['cross_tp_compared']} agree)", eq["ok"]))
@@ -243,7 +257,7 @@ def duplicate_warm(records: Sequence[dict]) -> list[dict]:
 
 
 def analyze(records: Sequence[dict], floors: Sequence[dict], scheduler_steps: dict | None, size: str) -> dict:
-    timed = [r for r in records if r["scenario"] not in ("warmup", "calibration", "tp4_correctness")]
+    timed = [r for r in records if r["scenario"] not in ("warmup", "calibration", "tp4_correctness", "new_images")]
     analysis = {
         "cached_floor": cached_floor_tables(timed),
         "slopes": slopes(timed),
@@ -254,6 +268,7 @@ def analyze(records: Sequence[dict], floors: Sequence[dict], scheduler_steps: di
         "scheduler_steps": scheduler_steps,
     }
     analysis["broadcast"] = broadcast_cost(analysis["slopes"], floors, size)
+    analysis["new_images"] = new_images.analyze(records, floors)
     analysis["targets"] = targets(analysis)
     return analysis
 
@@ -306,8 +321,21 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
         out += [f"**Warning:** the 1-minute load average reached {load:.1f} on {meta['machine']['cores']} cores: "
                 "other processes competed for the CPUs, so times (and the floors) are inflated and noisier than on "
                 "an idle machine. Byte counts and token equality are unaffected.", ""]
-    out += ["## Targets (issue 7)", "", "| target | goal | measured | status |", "|---|---|---|---|"]
+    out += ["## Targets (issue 7; new images: issue 15)", "", "| target | goal | measured | status |",
+            "|---|---|---|---|"]
     out += [f"| {t['name']} | {t['target']} | {t['measured']} | {t['status']} |" for t in analysis["targets"]]
+    fresh = new_images.markdown(analysis.get("new_images") or {"rows": []})
+    if fresh:
+        out += ["", "## New images: cost per never-seen image (issue 15)", "",
+                "A fresh group per (TP, variant), `lazy` transfer mode, warmed; requests of N never-seen synthetic "
+                "images. Payload: scheduler→ranks bytes per new image, summed over ranks (wire = the scheduler's "
+                "`mmcast_broadcast_bytes_total{kind=\"payload\"}` frames; Usage = `payload_bytes_broadcast`). "
+                "Encoder runs over the group and encoder-output bytes shared over the ranks' collective "
+                "(`Usage.encoder_runs`, `Usage.encoder_output_bytes_shared`), collective seconds summed over ranks. "
+                "Scheduler and rank CPU: the processes' CPU clocks around each request, slope against N (or the "
+                "mean per image where a set has one N). The floors are one float32 `pixel_values` of that size to "
+                "TP receiver processes (see below): what the `pixels` payload costs at best on each transport. "
+                "`–`: not reported by this build.", "", fresh, ""]  # fmt: skip
     out += ["", "## Cached floor: TTFT (client side, ms) against N cached images", "", quick_table(analysis), "",
             "The text control has the image prompt's token count (± 1) and is as fully cached; it pays the tokenizer on "
             "its long text every turn, which the image prompt does not, so an image-specific slope (images − control) "

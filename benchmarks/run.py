@@ -2,8 +2,10 @@
 
 In one run: the transport floors, the scheduler's step time against items held, then for every configuration
 (tensor-parallel size × transfer mode) a fresh local group (real processes, the embedded tiny model, loopback)
-that is warmed and driven through the SDK scenarios of ``benchmarks.scenarios``. All modes must return the same
-tokens (greedy, ``ignore_eos``); a mismatch fails the run after the results are written. Output goes to
+that is warmed and driven through the SDK scenarios of ``benchmarks.scenarios``, then for every tensor-parallel
+size × new-image variant (payload encoding + encoder placement) a fresh group driven through
+``benchmarks.new_images``. All modes, and all variants, must return the same tokens (greedy, ``ignore_eos``); a
+mismatch fails the run after the results are written. Output goes to
 ``benchmarks/results/<timestamp>-<plan>/``: ``results.json`` (machine, versions, commit, every record and figure),
 ``results.md`` (tables; every issue-7 target next to its measured value) and PNG plots (with matplotlib).
 """
@@ -21,7 +23,8 @@ import time
 from collections.abc import Callable
 
 from benchmarks import floors as floors_mod
-from benchmarks import plots, report, sched_steps
+from benchmarks import new_images, plots, report, sched_steps
+from benchmarks.new_images import CANDIDATE, ImageSet
 from benchmarks.scenarios import Images, Record, Session, question, user
 from common.process import ensure_allocator_env
 
@@ -51,25 +54,39 @@ class Plan:
     kv_blocks: int = 8192
     security: bool = False  # also run benchmarks/security_load.py (hostile inputs beside a token stream)
     rank_memory_tps: tuple[int, ...] = ()  # benchmarks/rank_memory.py: rank peak RSS vs plain transformers per TP
+    new_image_groups: tuple[tuple[int, str], ...] = ()  # benchmarks/new_images.py: a fresh group per (TP, variant)
+    new_image_sets: tuple[ImageSet, ...] = ()
 
     def clients(self, mode: str) -> list[str]:
         return ["sdk", "resend"] if mode in self.resend_modes else ["sdk"]
 
 
+_JPEG_448, _PNG_448 = ((448, 448), "jpeg"), ((448, 448), "png")
+_JPEG_720P, _PNG_720P = ((1280, 720), "jpeg"), ((1280, 720), "png")
+
 PLANS = {
     # make test: one TP, two modes, the smallest images; only that it runs and that the modes agree is checked.
+    # New images: one group (the default variant, TP1; a group costs ~5-10 s to start here), 1 and 2 new JPEGs.
     "smoke": Plan("smoke", (448, 448), (1,), ("full", "lazy"), (1, 2), 2, ("cached_floor", "sliding_window"), 3, 2,
-                  ("lazy",), ("448x448",), (1, 2), 10, (10, 100), kv_blocks=1024),
-    # make bench-quick (<= 5 min): 448x448 keeps the 26-image prefill (6.6k tokens) cheap on 2 CPU cores; a
+                  ("lazy",), ("448x448",), (1, 2), 10, (10, 100), kv_blocks=1024,
+                  new_image_groups=((1, CANDIDATE),), new_image_sets=(ImageSet(*_JPEG_448, (1, 2), 2),)),
+    # make bench-quick (<= 6 min): 448x448 keeps the 26-image prefill (6.6k tokens) cheap on 2 CPU cores; a
     # 1280x720 prompt of 26 images is 31k tokens, whose uncached prefill alone takes ~20 s per configuration here.
+    # New images: 448x448 JPEG and PNG with N = 1, 4, 8; one 1280x720 JPEG per request (bytes, runs and CPU per
+    # image; a 720p image costs ~1-2 s of tiny-model prefill and encoding here, so no slope in the quick plan).
     "quick": Plan("quick", (448, 448), (1, 2), ("full", "strip", "lazy"), (2, 13, 26), 8,
                   ("cached_floor", "sliding_window"), 16, 8, ("lazy",), ("448x448", "1280x720"), (1, 2, 4), 12,
-                  (10, 100, 1000, 10_000)),
+                  (10, 100, 1000, 10_000), new_image_groups=new_images.groups((1, 2)),
+                  new_image_sets=(ImageSet(*_JPEG_448, (1, 4, 8), 2), ImageSet(*_PNG_448, (1, 4, 8), 1),
+                                  ImageSet(*_JPEG_720P, (1,), 1))),
     # make bench: the issue's full matrix at 1280x720 (~30-40 min here), TP=4 for token equality only.
     "full": Plan("full", (1280, 720), (1, 2), ("full", "strip", "lazy"), (2, 8, 13, 20, 26), 5,
                  ("cached_floor", "duplicate", "conversation", "sliding_window"), 16, 8, ("full", "strip", "lazy"),
                  ("1280x720", "448x448"), (1, 2, 4), 15, (10, 100, 1000, 10_000), correctness_tps=(4,),
-                 kv_blocks=16384, security=True, rank_memory_tps=(1, 2, 4)),
+                 kv_blocks=16384, security=True, rank_memory_tps=(1, 2, 4),
+                 new_image_groups=new_images.groups((1, 2)),
+                 new_image_sets=(ImageSet(*_JPEG_448, (1, 4, 8), 3), ImageSet(*_PNG_448, (1, 4, 8), 3),
+                                 ImageSet(*_JPEG_720P, (1, 4, 8), 2), ImageSet(*_PNG_720P, (1, 4, 8), 2))),
 }  # fmt: skip
 
 
@@ -179,12 +196,14 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     configs = []
     total = sum(planned_requests(plan, m) for m in plan.modes) * len(plan.tps)
     total += sum(2 + 2 * min(2, len(plan.ns)) for _ in plan.correctness_tps for _ in plan.modes)
+    total += new_images.planned_requests(plan.new_image_sets) * len(plan.new_image_groups)
     bar = _progress(total)
 
     def on_record(rec: Record) -> None:
         records.append(dataclasses.asdict(rec))
         if bar is not None:
-            bar.set_postfix_str(f"TP{rec.tp} {rec.mode} {rec.scenario} N={rec.n} {rec.ttft_ms:.0f} ms", refresh=False)
+            bar.set_postfix_str(f"TP{rec.tp} {rec.variant or rec.mode} {rec.scenario} N={rec.n} {rec.ttft_ms:.0f} ms",
+                                refresh=False)
             bar.update(1)
 
     try:
@@ -194,6 +213,10 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
         for tp in plan.correctness_tps:
             for mode in plan.modes:
                 configs.append(run_config(plan, model_dir, tp, mode, images, on_record, correctness_only=True))
+        for tp, variant in plan.new_image_groups:
+            configs.append(new_images.run_variant(model_dir, tp, variant, plan.new_image_sets, images,
+                                                  max_tokens=plan.max_tokens, kv_blocks=plan.kv_blocks,
+                                                  on_record=on_record))
     finally:
         if bar is not None:
             bar.close()
@@ -235,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in analysis["targets"]:
         print(f"{t['status']:>12}  {t['name']}: {t['measured']} (target {t['target']})")
     if not analysis["equality"]["ok"]:
-        print(f"FAILED: the transfer modes returned different tokens: {analysis['equality']['mismatches'][:3]}",
+        print(f"FAILED: the transfer modes or new-image variants returned different tokens: "
+              f"{analysis['equality']['mismatches'][:3]}",
               file=sys.stderr)
         return 1
     return 0

@@ -20,6 +20,7 @@ prompt's token count on the server.
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import os
 import urllib.request
@@ -39,27 +40,38 @@ _SCHED = {
     ("mmcast_step_seconds_sum", None, None): "step_seconds_sum",
     ("mmcast_step_seconds_count", None, None): "steps",
     ("mmcast_schedule_seconds_sum", None, None): "schedule_seconds_sum",
+    ("mmcast_encoder_runs_total", None, None): "encoder_runs",
+    ("mmcast_encoder_output_shared_bytes_total", None, None): "encoder_output_shared_bytes",
 }
 _WORKER = {
     ("mmcast_worker_received_bytes_total", "kind", "payload"): "worker_payload_bytes",
     ("mmcast_worker_received_bytes_total", "kind", "metadata"): "worker_metadata_bytes",
     ("mmcast_worker_received_bytes_total", "kind", "control"): "worker_control_bytes",
+    ("mmcast_worker_encoder_runs_total", None, None): "worker_encoder_runs",
+    ("mmcast_worker_encoder_collective_bytes_total", None, None): "worker_collective_bytes",  # sent + received
+    ("mmcast_worker_encoder_collective_seconds_sum", None, None): "worker_collective_seconds_sum",
+    ("mmcast_worker_preprocess_seconds_sum", None, None): "worker_preprocess_seconds_sum",
+    ("mmcast_encoder_seconds_sum", None, None): "worker_encoder_seconds_sum",
 }
 
 
 def parse_metrics(text: str) -> dict[tuple[str, str | None, str | None], float]:
-    """The samples of a Prometheus text page keyed by (sample name, label name, label value); one label at most."""
+    """The samples of a Prometheus text page keyed by (sample name, label name, label value) for samples with one
+    label at most, and (sample name, None, None) = the sum over every label set of that sample name; that key is
+    0 for a metric on the page without samples yet (a labelled counter before its first increment)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    suffixes = {"counter": ("_total",), "histogram": ("_sum", "_count"), "summary": ("_sum", "_count")}
     out: dict[tuple[str, str | None, str | None], float] = {}
     for family in text_string_to_metric_families(text):
+        for suffix in suffixes.get(family.type, ("",)):
+            out[(family.name + suffix, None, None)] = 0.0
         for s in family.samples:
             labels = {k: v for k, v in s.labels.items() if k != "le"}
             if "le" in s.labels:
                 continue  # histogram buckets are not needed; _sum and _count are
-            if not labels:
-                out[(s.name, None, None)] = s.value
-            elif len(labels) == 1:
+            out[(s.name, None, None)] = out.get((s.name, None, None), 0.0) + s.value
+            if len(labels) == 1:
                 (k, v), = labels.items()
                 out[(s.name, k, v)] = s.value
     return out
@@ -79,13 +91,18 @@ class Scraper:
         return out
 
     @staticmethod
-    def delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, float]:
-        d: dict[str, float] = {}
+    def delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, float | None]:
+        """Per field: after - before (summed over ranks for the workers' fields); None where the metric is on no
+        page (a build without it), so that it is not mistaken for a measured 0."""
+        d: dict[str, float | None] = {}
+        ranks = [r for r in after if r != "scheduler"]
         for key, field in _SCHED.items():
-            d[field] = after["scheduler"].get(key, 0.0) - before["scheduler"].get(key, 0.0)
+            present = (key[0], None, None) in after["scheduler"]
+            d[field] = after["scheduler"].get(key, 0.0) - before["scheduler"].get(key, 0.0) if present else None
         for key, field in _WORKER.items():
-            d[field] = sum(after[r].get(key, 0.0) - before[r].get(key, 0.0) for r in after if r != "scheduler")
-        return {k: (int(v) if not k.endswith("_sum") else v) for k, v in d.items()}
+            present = any((key[0], None, None) in after[r] for r in ranks)
+            d[field] = sum(after[r].get(key, 0.0) - before[r].get(key, 0.0) for r in ranks) if present else None
+        return {k: (int(v) if v is not None and not k.endswith("_sum") else v) for k, v in d.items()}
 
 
 @dataclasses.dataclass
@@ -103,28 +120,56 @@ class Record:
     server_ttft_ms: float
     total_ms: float
     token_ids: list[int]
-    usage: dict  # mmcast.v1.Usage fields
-    metrics: dict  # per-request counter deltas (see Scraper.delta)
+    usage: dict  # mmcast.v1.Usage fields (a field this build's SDK lacks is absent)
+    metrics: dict  # per-request counter deltas (see Scraper.delta) and CPU seconds (see Session.run)
+    variant: str = ""  # new_images: payload encoding + encoder placement (benchmarks/new_images.py); else ""
+    image: str = ""  # new_images: "<W>x<H> <format>" of every image in the request; else ""
+    image_bytes: int = 0  # new_images: encoded bytes of the request's images as the client sent them
 
 
 class Images:
-    """Synthetic JPEG files on disk (paths let the SDK hash each image once, as a real application's would)."""
+    """Synthetic scenes as JPEG or PNG files on disk (paths let the SDK hash each image once, as a real application's
+    would). ``size`` is the default (width, height); a file is rendered once and kept for later runs."""
+
+    FORMATS = {"jpeg": "jpg", "png": "png"}  # format -> file extension
 
     def __init__(self, directory: str, size: tuple[int, int]) -> None:
         self.directory = directory
         self.size = size
         os.makedirs(directory, exist_ok=True)
 
-    def path(self, seed: int) -> str:
-        from mmcast_client.synthetic import synthetic_jpeg
+    def path(self, seed: int, size: tuple[int, int] | None = None, fmt: str = "jpeg") -> str:
+        from mmcast_client.synthetic import synthetic_jpeg, synthetic_scene
 
-        path = os.path.join(self.directory, f"scene-{self.size[0]}x{self.size[1]}-{seed}.jpg")
+        if fmt not in self.FORMATS:
+            raise ValueError(f"image format {fmt!r}; choose one of {sorted(self.FORMATS)}")
+        w, h = size or self.size
+        path = os.path.join(self.directory, f"scene-{w}x{h}-{seed}.{self.FORMATS[fmt]}")
         if not os.path.exists(path):
+            if fmt == "jpeg":
+                data = synthetic_jpeg(seed, (w, h))
+            else:  # lossless: a PNG of the same scene is ~10x its JPEG, the heavy case for the encoded payload
+                buffer = io.BytesIO()
+                synthetic_scene(seed, (w, h)).save(buffer, format="PNG")
+                data = buffer.getvalue()
             tmp = f"{path}.{os.getpid()}.tmp"  # concurrent runs may share the folder
             with open(tmp, "wb") as f:
-                f.write(synthetic_jpeg(seed, self.size))
+                f.write(data)
             os.replace(tmp, path)
         return path
+
+
+def _cpu(pids: dict[str, int | None]) -> dict[str, float | None]:
+    """CPU seconds of each named process; None for one that is not running."""
+    from benchmarks.proc_memory import cpu_seconds
+
+    out: dict[str, float | None] = {}
+    for name, pid in pids.items():
+        try:
+            out[name] = cpu_seconds(pid) if pid else None
+        except (OSError, ValueError):  # exited (and reaped) since the pids were read
+            out[name] = None
+    return out
 
 
 def question(i: int) -> str:
@@ -148,10 +193,12 @@ def filler(words: int) -> str:
 class Session:
     """One group's clients and scraper; ``run`` times one request and returns its Record."""
 
-    def __init__(self, group, tp: int, mode: str, max_tokens: int, on_record: Callable[[Record], None]) -> None:
+    def __init__(self, group, tp: int, mode: str, max_tokens: int, on_record: Callable[[Record], None],
+                 variant: str = "") -> None:
         from mmcast_client.client import Client
 
-        self.tp, self.mode, self.max_tokens = tp, mode, max_tokens
+        self.tp, self.mode, self.max_tokens, self.variant = tp, mode, max_tokens, variant
+        self.pids = group.pids  # re-read per request: a restarted process has a new pid
         self.clients = {"sdk": Client(group.target, timeout=600), "resend": Client(group.target, timeout=600,
                                                                                     upload_images=False)}
         self.scraper = Scraper(group.metrics_urls)
@@ -163,15 +210,27 @@ class Session:
             c.close()
 
     def run(self, messages, *, scenario: str, kind: str, n: int, index: int, client: str = "sdk",
-            max_tokens: int | None = None) -> Record:
+            max_tokens: int | None = None, image: str = "", image_bytes: int = 0) -> Record:
+        """One request, timed. Besides the counter deltas, ``metrics`` gets the CPU seconds the scheduler process
+        (``scheduler_cpu_seconds``) and all ranks together (``rank_cpu_seconds``) spent while it ran, read inside
+        the scrapes so that serving /metrics is not counted (None if a process restarted meanwhile)."""
         before = self.scraper.snapshot()
+        pids = self.pids()
+        cpu0 = _cpu(pids)
         result = self.clients[client].generate(messages, max_tokens=max_tokens or self.max_tokens, ignore_eos=True)
+        cpu1 = _cpu(pids)
         after = self.scraper.snapshot()
+        metrics = Scraper.delta(before, after)
+        for role, key in (("scheduler", "scheduler_cpu_seconds"), ("rank", "rank_cpu_seconds")):
+            names = [name for name in pids if name.startswith(role)]
+            ok = all(cpu0.get(name) is not None and cpu1.get(name) is not None for name in names)
+            metrics[key] = sum(cpu1[name] - cpu0[name] for name in names) if ok and names else None
         rec = Record(
             scenario, kind, client, self.tp, self.mode, n, index,
             ttft_ms=result.ttft_seconds * 1e3, server_ttft_ms=result.server_ttft_seconds * 1e3,
             total_ms=result.total_seconds * 1e3, token_ids=list(result.token_ids),
-            usage=dataclasses.asdict(result.usage), metrics=Scraper.delta(before, after),
+            usage=dataclasses.asdict(result.usage), metrics=metrics, variant=self.variant, image=image,
+            image_bytes=image_bytes,
         )  # fmt: skip
         self.on_record(rec)
         return rec

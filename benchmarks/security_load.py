@@ -2,7 +2,7 @@
 (also part of ``make bench``; ``--out DIR`` writes ``security.md`` and ``security.json`` there).
 
 One scheduler + one rank (``LocalGroup``, the default limits, ``--max-model-len 16384``). For each case, while a
-long greedy token stream runs: the scheduler's CPU time (utime + stime from ``/proc/<pid>/stat``) and peak RSS
+long greedy token stream runs: the scheduler's CPU time (``proc_memory.cpu_seconds``: utime + stime) and peak RSS
 (``VmHWM`` after resetting it through ``/proc/<pid>/clear_refs``) over the case's request, the request's status and
 wall time, the latency of a small request sent while the case's request is in flight, and the largest gap between
 two token deltas of the stream while the case ran. The baseline row is the same with no case request. The peak is
@@ -27,16 +27,10 @@ import os
 import threading
 import time
 
-from benchmarks.proc_memory import peak_mib, reset_peak
+from benchmarks.proc_memory import cpu_seconds, peak_mib, reset_peak
 
 CONTEXT = 16384
 STREAM_TOKENS = 4000
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cases() -> list[tuple[str, str, object]]:
@@ -121,7 +115,7 @@ def measure_case(stub, pid: int, name: str, what: str, build) -> dict:
     stream.wait_tokens(20)
     time.sleep(0.2)
     reset_peak(pid)
-    cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
     outcome: dict = {"code": "OK"}
 
     def attack():
@@ -139,7 +133,7 @@ def measure_case(stub, pid: int, name: str, what: str, build) -> dict:
         thread.join(600)
     else:
         time.sleep(0.5)  # a window as long as a quick case's, for the stream's gaps
-    t1, cpu1 = time.perf_counter(), _cpu_seconds(pid)
+    t1, cpu1 = time.perf_counter(), cpu_seconds(pid)
     peak = peak_mib(pid)
     time.sleep(0.3)
     gap = stream.max_gap_ms(t0, time.perf_counter())

@@ -1,5 +1,5 @@
-"""The benchmark driver on its smallest plan, end to end, so it cannot rot: real groups, floors, scenarios, the
-mode-equality check and every output file."""
+"""The benchmark driver on its smallest plan, end to end, so it cannot rot: real groups, floors, scenarios (new
+images included), the mode-equality check and every output file."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_smoke_plan_writes_results_and_checks_mode_equality(tmp_path, tiny_model
     analysis = data["analysis"]
     equality = analysis["equality"]
     assert equality["ok"] and equality["checked"] > 0 and not equality["mismatches"]
-    assert {r["mode"] for r in data["records"]} == {"full", "lazy"}
+    assert {r["mode"] for r in data["records"]} == {"full", "lazy"}  # new images run in lazy
     assert analysis["crosscheck"]["requests"] == len(data["records"])
     assert any(s["scenario"] == "cached_floor" and s["image_specific"] for s in analysis["slopes"])
     assert analysis["scheduler_steps"]["counts"] == [10, 100]
@@ -41,7 +41,18 @@ def test_smoke_plan_writes_results_and_checks_mode_equality(tmp_path, tiny_model
     assert rows[("lazy", 2)]["payload_bytes"] == 0
     assert rows[("full", 2)]["payload_bytes"] > 0
 
+    # New images, the default variant (encoded payload, sharded encoder) at TP1: the client's file travels once
+    # (+ frame headers), one encoder run per image, and the scheduler's CPU was measured.
+    (row,) = analysis["new_images"]["rows"]
+    assert (row["tp"], row["variant"], row["image"], row["images"]) == (1, "encoded+sharded", "448x448 jpeg", 6)
+    assert row["file_bytes"] <= row["payload_bytes_wire"] <= row["file_bytes"] + 1024
+    assert row["payload_bytes_usage"] == row["file_bytes"]
+    assert row["encoder_runs"] == row["encoder_runs_ranks"] == 1.0
+    assert row["scheduler_cpu_ms"] is not None and row["floor_grpc_ms"] is not None
+    assert {r["variant"] for r in data["records"] if r["scenario"] == "new_images"} == {"encoded+sharded"}
+
     md = (out / "results.md").read_text()
-    assert "## Targets (issue 7)" in md and "all modes return the same tokens" in md
+    assert "## Targets (issue 7" in md and "all modes return the same tokens" in md
+    assert "## New images: cost per never-seen image" in md
     for name in ("results.json", "results.md"):
         assert os.path.getsize(out / name) > 0
