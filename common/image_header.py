@@ -12,8 +12,8 @@
   (``ImageOps.exif_transpose``), so an EXIF orientation of 5-8 (a quarter turn, with or without a mirror) swaps the
   width and height the processor sees; the header's width and height are those. The tag is read from the metadata
   Pillow parsed at open (JPEG APP1, WebP EXIF/XMP chunks, PNG eXIf/text chunks before the pixel data): no pixel is
-  decoded. A PNG whose eXIf chunk follows its pixel data is predicted unturned; its prompt still takes the count the
-  processor gives the turned image.
+  decoded. A PNG's eXIf chunk that follows its pixel data (Pillow reads it only when decoding) is found by walking
+  the chunk headers, without decompressing anything.
 """
 
 from __future__ import annotations
@@ -118,16 +118,37 @@ class ImageHeaderReader:
         return image, ImageHeader(image.format or "", width, height, tokens)
 
 
+def _png_exif_chunk(data: bytes) -> bytes | None:
+    """The data of a PNG's eXIf chunk wherever it sits, by walking the chunk headers (length, type): nothing is
+    decompressed. None when there is none or the chunk list is malformed before one is found."""
+    pos = 8  # after the signature
+    while pos + 8 <= len(data):
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        kind = data[pos + 4 : pos + 8]
+        if kind == b"eXIf":
+            return data[pos + 8 : pos + 8 + length]
+        if kind == b"IEND":
+            return None
+        pos += 12 + length  # length, type, data, CRC
+    return None
+
+
 def orientation(image, data: bytes) -> int:
     """The EXIF orientation (1-8) of a lazily opened ``image`` as ``ImageOps.exif_transpose`` reads it, without
     decoding pixels; 1 when the file has none or its metadata is unreadable (the decode then fails or agrees)."""
     from PIL import Image
 
     try:
-        if image.format == "PNG" and "exif" not in image.info:
-            # PngImageFile.getexif decodes the whole image to look for an eXIf chunk behind the pixel data. The base
-            # class reads what was parsed at open (text chunks, XMP); it runs on a second, throwaway opening so the
-            # image the frontend decodes keeps no cached answer and exif_transpose later reads the file as it is.
+        late = _png_exif_chunk(data) if image.format == "PNG" and "exif" not in image.info else None
+        if late is not None:
+            # PngImageFile.getexif would decode the whole image to reach an eXIf chunk behind the pixel data; the
+            # chunk is read here from the file, as Pillow's decode would then read it (it wins over text chunks).
+            exif = Image.Exif()
+            exif.load(late)
+        elif image.format == "PNG" and "exif" not in image.info:
+            # No eXIf chunk: the base class reads what was parsed at open (text chunks, XMP), on a second, throwaway
+            # opening so the image the frontend decodes keeps no cached answer and exif_transpose later reads the
+            # file as it is.
             exif = Image.Image.getexif(Image.open(io.BytesIO(data), formats=("PNG",)))
         else:
             exif = image.getexif()

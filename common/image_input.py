@@ -67,16 +67,15 @@ class ImageInput:
     def process_bytes(self, data: bytes, field: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``open`` then ``process``: what a rank does with an encoded payload.
 
-        The prompt and M-RoPE positions were built from ``grid(header)``; a file whose decoded grid differs (a PNG
-        whose EXIF orientation follows its pixel data turns only once decoded) fails rather than be served with
-        positions that do not match its pixels."""
+        The prompt and M-RoPE positions were built from ``grid(header)``; a file whose decoded grid differs (its
+        metadata disagrees with its pixels) fails rather than be served with positions that do not match them."""
         image, header = self.open(data, field)
         pixel_values, grid = self.process(image, field)
         predicted = self.grid(header)
         if not torch.equal(grid, predicted):
             raise InvalidArgument(
                 f"{field}: the decoded image has a {grid[0, 1]}x{grid[0, 2]} patch grid but its header gave "
-                f"{predicted[0, 1]}x{predicted[0, 2]} (an EXIF orientation stored after the pixel data?); re-save it "
-                "with the orientation applied or stored before the pixel data"
+                f"{predicted[0, 1]}x{predicted[0, 2]} (its metadata disagrees with its pixels); re-save it with the "
+                "orientation applied"
             )
         return pixel_values, grid

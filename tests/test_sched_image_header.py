@@ -110,16 +110,15 @@ def _exif_after_pixels(png: bytes) -> bytes:
 
 
 def test_a_png_with_exif_behind_its_pixels_is_turned_as_load_image_turns_it(tiny_model_dir, tmp_path):
-    """The header cannot see such a chunk without decoding, so it predicts the stored size; the decode still turns
-    the image as load_image does (the header read caches nothing on the image), and the prompt takes the tokens
-    the processor gives the turned image."""
+    """Pillow sees such a chunk only when decoding; the header finds it by walking the chunk headers, so it predicts
+    the turned size, and the decode turns the image as load_image does (the header read caches nothing on it)."""
     from transformers.image_utils import load_image
 
     fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels"))
     data = _exif_after_pixels(encoded(500, 300, "PNG", exif=_exif(8)))
     assert "exif" not in Image.open(io.BytesIO(data)).info  # really behind the pixels
     _, header = fe.check_image_header(data, "x")
-    assert (header.width, header.height) == (500, 300)
+    assert (header.width, header.height) == (300, 500)
     path = tmp_path / "late-exif.png"
     path.write_bytes(data)
     expected = fe.image_processor(images=[load_image(str(path))], return_tensors="pt")
