@@ -344,6 +344,7 @@ class Engine:
         m.payload_bytes_saved.labels("rank_cached").inc(totals.bytes_saved_rank_cached)
         m.mm_items.labels("encoder_shared").inc(totals.encoder_shared)
         m.payload_bytes_saved.labels("encoder_shared").inc(totals.bytes_saved_encoder_shared)
+        m.encoder_items.inc(len(plan.encoder_inputs))
         m.encoder_runs.inc(totals.encoder_runs)
         m.encoder_output_shared_bytes.inc(totals.encoder_output_bytes_shared)
         stats, seen = self.core.stats, self._stats_seen

@@ -99,6 +99,7 @@ class ProcessedPrompt:
     # request is admitted (and empties the list), so a refused request leaves nothing in the cache.
     pending_cache: list = dataclasses.field(default_factory=list)
     image_cpu_seconds: float = 0.0  # this thread's CPU time on the images: hashing, headers, decoding (pixels)
+    image_fields: list[str] = dataclasses.field(default_factory=list)  # where each image came from, for errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +320,8 @@ class Frontend:
                 "one generated token (--max-model-len / the model's max_position_embeddings)"
             )
         return ProcessedPrompt(token_ids, features, len(features), [p.key[1] for p in pending], hits,
-                               [] if self.encoded else list(decoded.items()), image_cpu_seconds)
+                               [] if self.encoded else list(decoded.items()), image_cpu_seconds,
+                               [p.field for p in pending])
 
     def commit(self, prompt: ProcessedPrompt) -> None:
         """Stores the prompt's newly processed images in the processor cache: call once the request is admitted,

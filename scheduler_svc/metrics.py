@@ -81,6 +81,10 @@ class SchedulerMetrics:
             buckets=_IMAGE_CPU_BUCKETS,
             registry=r,
         )
+        self.encoder_items = Counter(
+            "mmcast_encoder_items_total", "Items scheduled for the vision encoder (each once, whatever the placement).",
+            registry=r,
+        )
         self.encoder_runs = Counter(
             "mmcast_encoder_runs_total",
             "Vision-encoder runs scheduled over the group (sharded placement: one per item encoded; replicated: one "

@@ -100,8 +100,12 @@ class Request:
         sampling: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        image_fields: Sequence[str] = (),
     ) -> None:
+        """``image_fields``: where each image of ``mm_features`` came from in the client's request (in order), so an
+        image that fails at its rank is named as the client sent it."""
         self.request_id = RequestId(request_id)
+        self.image_fields = list(image_fields)
         self.prompt_token_ids = list(prompt_token_ids)
         # Sorted by position; the scheduler's copy keeps every payload in every transfer mode.
         self.mm_features: list[MultiModalFeatureSpec] = sorted(mm_features, key=lambda f: f.mm_position.offset)

@@ -415,8 +415,9 @@ class Scheduler:
         else:
             self.finish_request(r.request_id, FinishReason.ERROR)
         self.planner.forget_encoder(key)
+        where = r.image_fields[index] if index < len(r.image_fields) else f"image {index} of the prompt"
         return RequestUpdate(r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage,
-                             error=f"image {index} of the prompt (item {key[:16]}) could not be used: {message}",
+                             error=f"{where} (item {key[:16]}) could not be used: {message}",
                              error_status=Status.INVALID_ARGUMENT)
 
     def _stop_reason(self, r: Request, token: int) -> FinishReason | None:

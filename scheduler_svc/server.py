@@ -157,6 +157,7 @@ class SchedulerServer:
             sampling=params,
             cache_salt=cache_salt or None,
             arrival_time=time.monotonic(),
+            image_fields=processed.image_fields,
         )
 
     def _server_info(self) -> generation_pb2.ServerInfo:

@@ -115,7 +115,7 @@ def test_a_corrupt_file_fails_its_request_alone(ranks, tiny_model_dir, oracle):
 
         thread = threading.Thread(target=serve_good)
         thread.start()
-        with pytest.raises(InvalidArgument, match=r"image 0 of the prompt .* could not be used: .*decoded"):
+        with pytest.raises(InvalidArgument, match=r"messages\[0\]\.content\[0\]\.image \(item .*\) could not be used: .*decoded"):
             client.generate([user_turn(broken, "what is this?")], **GENERATE)
         thread.join()
         assert_matches(outcome["good"], expected, "beside a corrupt file")

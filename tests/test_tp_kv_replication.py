@@ -64,6 +64,12 @@ def test_tp4_over_two_kv_heads_matches_the_oracle(tiny_model_kv2_dir, tmp_path):
             results.append(result)
             history.append({"role": "assistant", "content": result.text})
         assert results[1].usage.cached_tokens > 0  # turn 2 read turn 1's KV back from the ranks' pools
+        # The defaults at TP=4: each new image is one delivery of exactly the client's file, one encoder run for the
+        # group, and its output reaches the three other ranks over the collective.
+        for turn, result in enumerate(results):
+            usage = result.usage
+            assert (usage.images_sent, usage.payload_bytes_broadcast, usage.encoder_runs) == (1, len(images[turn]), 1)
+            assert usage.images_encoder_shared == TP - 1 and usage.encoder_output_bytes_shared > 0, usage
 
     # Negative control: the last turn with the first image swapped gives other log-probabilities.
     swapped = [dict(m) for m in history[:-1]]

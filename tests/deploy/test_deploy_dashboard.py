@@ -20,6 +20,7 @@ from tests.deploy.deploy_tools import run, tool
 # Every metric the services export (docs/ARCHITECTURE.md §2.7), histograms by their base name.
 SCHEDULER_METRICS = {
     "mmcast_broadcast_bytes_total", "mmcast_broadcast_payload_bytes_saved_total", "mmcast_mm_items_total",
+    "mmcast_encoder_items_total", "mmcast_encoder_runs_total", "mmcast_encoder_output_shared_bytes_total",
     "mmcast_prefix_cache_query_tokens_total", "mmcast_prefix_cache_hit_tokens_total",
     "mmcast_time_to_first_token_seconds", "mmcast_step_seconds", "mmcast_requests_running", "mmcast_requests_waiting",
     "mmcast_kv_blocks_used", "mmcast_kv_blocks_capacity", "mmcast_preemptions_total", "mmcast_worker_group_up",
@@ -148,10 +149,13 @@ def _series_like_a_bare_prometheus() -> list[dict]:
 
     for kind in ("payload", "metadata", "control"):
         counter("mmcast_broadcast_bytes_total", f'{sched}, kind="{kind}"', 6000)
-    for reason in ("prefix_covered", "rank_cached"):
+    for reason in ("prefix_covered", "rank_cached", "encoder_shared"):
         counter("mmcast_broadcast_payload_bytes_saved_total", f'{sched}, reason="{reason}"', 3000)
-    for disposition in ("sent", "stripped", "rank_cached"):
+    for disposition in ("sent", "stripped", "rank_cached", "encoder_shared"):
         counter("mmcast_mm_items_total", f'{sched}, disposition="{disposition}"', 60)
+    counter("mmcast_encoder_items_total", sched, 20)
+    counter("mmcast_encoder_runs_total", sched, 20)
+    counter("mmcast_encoder_output_shared_bytes_total", sched, 9000)
     counter("mmcast_prefix_cache_query_tokens_total", sched, 600)
     counter("mmcast_prefix_cache_hit_tokens_total", sched, 300)
     histogram("mmcast_time_to_first_token_seconds", sched)
