@@ -258,7 +258,9 @@ def comparisons(rows: Sequence[dict]) -> list[dict]:
 
 
 def _x(v: float | None) -> str:
-    return "–" if v is None else ("∞" if v == float("inf") else f"{v:.1f}×")
+    if v is None:
+        return "–"
+    return "∞" if v == float("inf") else f"{v:.1f}×" if v >= 10 else f"{v:.2f}×"  # 1.46× must not read as 1.5×
 
 
 def targets(comps: Sequence[dict]) -> list[dict]:
@@ -317,7 +319,7 @@ def markdown(analysis: dict) -> str:
     if not rows:
         return ""
     lines = ["| TP | image | variant | file | payload → ranks (wire / Usage) | encoder runs | collective bytes | "
-             "collective ms | scheduler CPU ms [95 % CI] | frontend image CPU ms | rank CPU ms | TTFT slope ms "
+             "collective ms (incl. waits) | scheduler CPU ms [95 % CI] | frontend image CPU ms | rank CPU ms | TTFT slope ms "
              "[95 % CI] | pixels floor gRPC / shm ms |", "|" + "---|" * 13]  # fmt: skip
     for r in rows:
         lines.append(

@@ -134,7 +134,7 @@ def _new_images(directory: str, analysis: dict) -> str | None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(18, 4.4))
     cases = list(dict.fromkeys((r["tp"], r["image"]) for r in rows))
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    variants = [v for v in _VARIANT_COLOURS if any(r["variant"] == v for r in rows)]  # baseline first
     by = {(r["tp"], r["image"], r["variant"]): r for r in rows}
     width = 0.8 / len(variants)
     for v, variant in enumerate(variants):
@@ -156,8 +156,9 @@ def _new_images(directory: str, analysis: dict) -> str | None:
         ax.set_ylabel(unit)
         ax.set_title(title)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper right")
     axes[0].set_yscale("log")
+    axes[0].set_ylim(top=axes[0].get_ylim()[1] * 30)  # room for the legend above the tallest bar
     top = max(r["tp"] for r in rows)
     for r in rows:
         if r["tp"] != top or len(r["ttft_p50_by_n"]) < 2:
