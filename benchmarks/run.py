@@ -30,6 +30,7 @@ from common.process import ensure_allocator_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
+PIXEL_PATH = ("--payload-encoding", "pixels", "--encoder-placement", "replicated")
 SEEDS = {"cached_floor": 1000, "duplicate": 5000, "conversation": 2000, "sliding_window": 3000, "warmup": 9000}
 
 
@@ -110,7 +111,11 @@ def run_config(plan: Plan, model_dir: str, tp: int, mode: str, images: Images, o
 
     t0 = time.monotonic()
     load = [round(x, 2) for x in os.getloadavg()]
-    with LocalGroup(model_dir, tp=tp, transfer_mode=mode, kv_blocks=plan.kv_blocks) as group:
+    # The transfer-mode scenarios measure what each mode saves on the heaviest payload: the frontend's pixel_values
+    # sent to every rank (--payload-encoding pixels, --encoder-placement replicated). What the defaults cost per new
+    # image is benchmarks/new_images.py's subject.
+    with LocalGroup(model_dir, tp=tp, transfer_mode=mode, kv_blocks=plan.kv_blocks,
+                    scheduler_args=PIXEL_PATH) as group:
         started = time.monotonic() - t0
         session = Session(group, tp, mode, plan.max_tokens, on_record)
         try:

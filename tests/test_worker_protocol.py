@@ -295,3 +295,92 @@ def test_sampling_is_reproducible_per_seed_and_index(env, prompt):
     assert all(len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] for top in a.top)
     assert all(lp <= top[0][1] + 1e-6 for lp, top in zip(a.logprobs, a.top, strict=True))
     _ = torch  # noqa: F841
+
+
+def encoded(prompt, index: int, data: bytes):
+    """The prompt's item ``index`` as an ENCODED item carrying ``data`` (the file) and the item's own grid."""
+    import dataclasses as dc
+
+    from common.multimodal import ENCODED_FIELD, FieldKind, MultiModalFieldElem, MultiModalKwargsItem, PayloadEncoding
+
+    old = prompt.features[index]
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    fields = MultiModalKwargsItem({ENCODED_FIELD: MultiModalFieldElem(payload, kind=FieldKind.FLAT),
+                                   "image_grid_thw": old.data["image_grid_thw"]})
+    return dc.replace(old, data=fields, encoding=PayloadEncoding.ENCODED, payload_nbytes=len(data))
+
+
+def encoded_step(prompt, feature) -> list[bytes]:
+    from common.multimodal import ENCODED_FIELD
+
+    msg = new_request(prompt)
+    msg.ClearField("mm_items")
+    msg.mm_items.append(wire.feature_to_proto(feature, payload_state=PayloadState.DEFERRED))
+    control = worker_pb2.StepControl(step_id=1, new_requests=[msg])
+    control.encoder_inputs.add(item_identifier=feature.identifier)
+    return [*codec.payload_frames(feature.identifier, ENCODED_FIELD, feature.data[ENCODED_FIELD].data),
+            control_frame(control)]
+
+
+def png_bytes(image) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_an_owner_rank_outside_the_group_is_out_of_range(env, prompt):
+    stream = env.rank.stream(env.model_dir)
+    control = worker_pb2.StepControl(step_id=1, new_requests=[new_request(prompt)])
+    control.encoder_inputs.add(item_identifier=prompt.features[0].identifier, owner_rank=3)
+    error = refused(stream, [control_frame(control)])
+    assert error.code == code.OUT_OF_RANGE and "owner_rank=3" in error.message and "1 ranks" in error.message
+    stream.close()
+
+
+def test_an_encoded_payload_needs_formats_from_the_handshake(env):
+    image = noise_image(3, 112, 84)
+    prompt = env.prompt([image, "What is this?"])
+    stream = env.rank.stream(env.model_dir)  # no image_formats: this scheduler never sends encoded payloads
+    error = refused(stream, encoded_step(prompt, encoded(prompt, 0, png_bytes(image))))
+    assert error.code == code.BAD_TENSOR and "allowed no image format" in error.message
+    stream.close()
+
+
+def test_an_encoded_file_is_decoded_by_the_rank_and_a_corrupt_one_fails_its_item_alone(env):
+    """The file (lossless PNG of the prompt's image) gives the tokens the pixel path gives; a cut copy of it fails
+    as an item failure in the step's result (no protocol error), its request samples nothing, the stream goes on."""
+    image = noise_image(3, 112, 84)
+    prompt = env.prompt([image, "What is this?"])
+    data = png_bytes(image)
+    limits = {"image_formats": ["PNG", "JPEG"], "max_image_pixels": 1 << 24}
+
+    stream = env.rank.stream(env.model_dir, **limits)
+    for frame in encoded_step(prompt, encoded(prompt, 0, data)):
+        stream.send(frame)
+    served = stream.recv().step_result
+    stream.close()
+    stream = env.rank.stream(env.model_dir)
+    control = worker_pb2.StepControl(step_id=1, new_requests=[new_request(prompt)])
+    control.encoder_inputs.add(item_identifier=prompt.features[0].identifier)
+    frames = codec.payload_frames(prompt.features[0].identifier, "pixel_values", prompt.features[0].data["pixel_values"].data)
+    for frame in [*frames, control_frame(control)]:
+        stream.send(frame)
+    reference = stream.recv().step_result
+    stream.close()
+    assert [(s.request_id, s.token_id) for s in served.sampled] == [(s.request_id, s.token_id) for s in reference.sampled]
+    assert abs(served.sampled[0].logprob - reference.sampled[0].logprob) < 1e-5
+    assert served.stats.encoder_runs == 1 and served.stats.preprocess_seconds > 0
+
+    stream = env.rank.stream(env.model_dir, **limits)
+    for frame in encoded_step(prompt, encoded(prompt, 0, data[: len(data) // 2])):
+        stream.send(frame)
+    reply = stream.recv()
+    assert reply.WhichOneof("frame") == "step_result", reply
+    result = reply.step_result
+    assert not result.sampled and not result.failures
+    (failure,) = result.item_failures
+    assert failure.item_identifier == prompt.features[0].identifier and "could not be decoded" in failure.message
+    stream.close()
+    serves_a_request(env, prompt)

@@ -151,7 +151,10 @@ def handshake(model_dir, *, rank=0, world_size=1, epoch=None, block_size=16, sch
         block_size=block_size,
     )
     for key, value in overrides.items():
-        setattr(hs, key, value)
+        if isinstance(value, list | tuple):
+            getattr(hs, key).extend(value)
+        else:
+            setattr(hs, key, value)
     return hs
 
 

@@ -394,12 +394,10 @@ class Session:
                 outcome.preprocess_seconds += (time.perf_counter() - p0) if encoded else 0.0
             rows = r.encode(feature)
             want = feature.mm_position.get_num_embeds()
-            if rows.shape[0] != want:
-                raise StepError(
-                    code.STATE_MISMATCH,
-                    f"item {ident[:16]}: the encoder produced {rows.shape[0]} rows, its placeholder range takes {want}",
-                    item_identifier=ident,
-                )
+            if rows.shape[0] != want:  # the item's failure, reported like a bad file: the peers must learn of it
+                failures[ident] = (f"item {ident[:16]}: the encoder produced {rows.shape[0]} rows, its placeholder "
+                                   f"range takes {want}")
+                continue
             rows_of[ident] = rows if owner is None else rows.to(r.row_dtype)
             outcome.encoder_runs += 1
         outcome.encoder_seconds = time.perf_counter() - t0
