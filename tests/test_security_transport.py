@@ -280,9 +280,9 @@ def test_another_tenants_upload_is_not_found_like_an_unknown_hash(setup):
 
 
 def test_no_cache_is_shared_across_tenants(setup):
-    """Alpha's second request hits the prefix cache and the processor cache; gamma's first request (a tenant
-    that never sent anything) with the same image and text hits nothing: no cached tokens, nothing the rank holds,
-    the image processed and sent again."""
+    """Alpha's second request hits the prefix cache; gamma's first request (a tenant that never sent anything) with
+    the same image and text hits nothing: no cached tokens, nothing the rank holds, the image sent and encoded
+    again."""
     image = cat.png(96, 64, seed=31)
     messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                              {"type": "text", "text": "What is in this picture, in detail?"}]}]
@@ -292,13 +292,15 @@ def test_no_cache_is_shared_across_tenants(setup):
         second = alpha.generate(messages, max_tokens=2, ignore_eos=True)
     assert first.usage.images_sent == 1
     assert second.usage.cached_tokens > 0 and second.usage.images_sent == 0
-    processed_before = scrape(url)["mmcast_processor_cache_bytes"]
+    runs_before = scrape(url)["mmcast_encoder_runs_total"]
     with setup.client("gamma", upload_images=False) as gamma:
         other = gamma.generate(messages, max_tokens=2, ignore_eos=True)
     assert other.usage.cached_tokens == 0, other.usage
     assert other.usage.images_rank_cached == 0 and other.usage.images_stripped == 0, other.usage
     assert other.usage.images_sent == 1 and other.usage.payload_bytes_broadcast > 0, other.usage
-    assert scrape(url)["mmcast_processor_cache_bytes"] > processed_before, "gamma's image was not processed anew"
+    # encoded anew from gamma's own bytes: alpha's encoder output is not gamma's to reuse
+    assert other.usage.encoder_runs == 1, other.usage
+    assert scrape(url)["mmcast_encoder_runs_total"] == runs_before + 1, "gamma's image was not encoded anew"
     assert other.token_ids == first.token_ids  # the same answer: isolation changes caching, not results
 
 
