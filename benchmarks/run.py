@@ -75,8 +75,8 @@ PLANS = {
     # 1280x720 prompt of 26 images is 31k tokens, whose uncached prefill alone takes ~20 s per configuration here.
     # New images: 448x448 JPEG and PNG with N = 1, 4, 8; one 1280x720 JPEG per request (bytes, runs and CPU per
     # image; a 720p image costs ~1-2 s of tiny-model prefill and encoding here, so no slope in the quick plan).
-    "quick": Plan("quick", (448, 448), (1, 2), ("full", "strip", "lazy"), (2, 13, 26), 8,
-                  ("cached_floor", "sliding_window"), 16, 8, ("lazy",), ("448x448", "1280x720"), (1, 2, 4), 12,
+    "quick": Plan("quick", (448, 448), (1, 2), ("full", "strip", "lazy"), (2, 13, 26), 6,
+                  ("cached_floor", "sliding_window"), 12, 6, ("lazy",), ("448x448", "1280x720"), (1, 2, 4), 12,
                   (10, 100, 1000, 10_000), new_image_groups=new_images.groups((1, 2)),
                   new_image_sets=(ImageSet(*_JPEG_448, (1, 4, 8), 2), ImageSet(*_PNG_448, (1, 4, 8), 1),
                                   ImageSet(*_JPEG_720P, (1,), 1))),
