@@ -4,6 +4,7 @@ tests can drive it with ordinary synchronous gRPC clients."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 from common.hashing import model_fingerprint
@@ -25,6 +26,27 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+@contextlib.contextmanager
+def scheduler_server(config: SchedulerConfig, ready_timeout: float = 60.0):
+    """The real scheduler server on its own event loop, connected to real ranks (``config.workers``); yields its
+    client port once the group is ready, stops it on exit."""
+    loop = LoopThread()
+    server = SchedulerServer(config)
+
+    async def up() -> int:
+        port = await server.start()
+        assert await server.engine.wait_ready(ready_timeout), server.engine.last_down_reason
+        return port
+
+    try:
+        yield loop.run(up())
+    finally:
+        try:
+            loop.run(server.stop(drain_seconds=0))
+        finally:
+            loop.close()
 
 
 class FakeGroupScheduler:

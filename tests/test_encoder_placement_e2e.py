@@ -20,6 +20,7 @@ from mmcast_client import Client, InvalidArgument
 from mmcast_client.synthetic import synthetic_jpeg
 from scheduler_svc.config import SchedulerConfig
 from tests.oracle import GENERATE, Oracle, assert_matches, scrape, user_turn
+from tests.service_harness import scheduler_server
 from tests.test_worker_process import Group
 from tests.worker_driver import rank_token_file
 
@@ -52,30 +53,13 @@ def oracle(tiny_model_dir) -> Oracle:
 
 @contextlib.contextmanager
 def scheduler(ranks, model_dir, **settings):
-    """The real scheduler server on its own event loop, connected to the shared ranks; yields an SDK client."""
-    from scheduler_svc.server import SchedulerServer
-    from tests.service_harness import LoopThread
-
-    loop = LoopThread()
-    server = SchedulerServer(SchedulerConfig(
+    """The real scheduler server, connected to the shared ranks under a new epoch; yields an SDK client."""
+    config = SchedulerConfig(
         model=str(model_dir), workers=[f"127.0.0.1:{p}" for p in ranks.ports], listen="127.0.0.1:0", metrics_port=0,
         worker_token_file=rank_token_file(), scheduler_id="test", kv_blocks=128, **settings,
-    ))
-
-    async def up() -> int:
-        port = await server.start()
-        assert await server.engine.wait_ready(60), server.engine.last_down_reason
-        return port
-
-    try:
-        port = loop.run(up())
-        with Client(f"127.0.0.1:{port}", timeout=300) as client:
-            yield client
-    finally:
-        try:
-            loop.run(server.stop(drain_seconds=0))
-        finally:
-            loop.close()
+    )
+    with scheduler_server(config) as port, Client(f"127.0.0.1:{port}", timeout=300) as client:
+        yield client
 
 
 @pytest.mark.parametrize(("encoding", "placement", "mode"), COMBINATIONS)

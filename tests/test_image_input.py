@@ -42,6 +42,7 @@ from common.errors import InvalidArgument
 from common.image_input import ImageInput
 from common.processor import load_processor
 from scheduler_svc.config import DEFAULT_IMAGE_FORMATS, SchedulerConfig
+from tests.test_sched_image_header import exif_after_pixels
 
 CLAMPED_MAX_PIXELS = 256 * 28 * 28  # a processor max_pixels the downscaled cases exceed (the checkpoint's is 12.8 MP)
 
@@ -319,24 +320,11 @@ def test_a_corrupt_file_is_invalid_argument_naming_the_field(kits, name):
             message
 
 
-def _exif_after_pixels(png: bytes) -> bytes:
-    """The PNG with its eXIf chunk moved behind its IDAT chunks: Pillow reads it only once the pixels are decoded."""
-    chunks, at = [], 8
-    while at < len(png):
-        (length,) = struct.unpack(">I", png[at:at + 4])
-        chunks.append(png[at:at + 12 + length])
-        at += 12 + length
-    exif = [chunk for chunk in chunks if chunk[4:8] == b"eXIf"]
-    rest = [chunk for chunk in chunks if chunk[4:8] != b"eXIf"]
-    assert len(exif) == 1 and rest[-1][4:8] == b"IEND"
-    return png[:8] + b"".join(rest[:-1]) + exif[0] + rest[-1]
-
-
 def test_an_exif_chunk_behind_the_pixel_data_is_read_from_the_header(kits):
     """Pillow reads a PNG's eXIf chunk stored after the pixel data only when decoding; the header reader finds it
     without decoding, so the grid the prompt is built from is the turned image's, as load_image turns it."""
     for kit in kits.values():
-        data = _exif_after_pixels(_encode(_rgb(76, W, H), "PNG", 6))
+        data = exif_after_pixels(_encode(_rgb(76, W, H), "PNG", 6))
         _, header = kit.input.open(data, "image")
         pixels, turned_grid = kit.processed(data_uri(data))
         assert turned_grid.tolist() == [[1, W // 14, H // 14]]

@@ -96,7 +96,7 @@ def test_exif_orientation_is_read_from_the_header_without_decoding(frontend, mon
     assert (grid[1] > grid[2]) == (orientation >= 5), (fmt, orientation, grid)
 
 
-def _exif_after_pixels(png: bytes) -> bytes:
+def exif_after_pixels(png: bytes) -> bytes:
     """``png`` with its eXIf chunk moved behind the pixel data (allowed by the PNG spec; Pillow sees it on load)."""
     chunks, pos = [], 8
     while pos < len(png):
@@ -115,7 +115,7 @@ def test_a_png_with_exif_behind_its_pixels_is_turned_as_load_image_turns_it(tiny
     from transformers.image_utils import load_image
 
     fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels"))
-    data = _exif_after_pixels(encoded(500, 300, "PNG", exif=_exif(8)))
+    data = exif_after_pixels(encoded(500, 300, "PNG", exif=_exif(8)))
     assert "exif" not in Image.open(io.BytesIO(data)).info  # really behind the pixels
     _, header = fe.check_image_header(data, "x")
     assert (header.width, header.height) == (300, 500)

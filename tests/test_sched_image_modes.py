@@ -148,30 +148,16 @@ def test_served_tokens_match_the_oracle_qwen2_vl_tp2(serve_local_tp2, tiny_model
 @pytest.mark.slow
 def test_served_tokens_match_the_oracle_qwen2_5_vl(tiny_model_25_dir):
     """The real scheduler server and a real rank, in this process (each on its own port and event loop)."""
-    from scheduler_svc.server import SchedulerServer
-    from tests.service_harness import LoopThread
+    from tests.service_harness import scheduler_server
     from tests.worker_driver import InProcessWorker, rank_token_file
     from worker_svc.config import WorkerConfig
 
     rank = InProcessWorker(WorkerConfig(model=str(tiny_model_25_dir), listen="127.0.0.1:0", kv_blocks=256,
                                         shared_token_file=rank_token_file()))
-    loop = LoopThread()
-    server = SchedulerServer(SchedulerConfig(model=str(tiny_model_25_dir), workers=[rank.target],
-                                             listen="127.0.0.1:0", metrics_port=0,
-                                             worker_token_file=rank_token_file()))
-
-    async def up() -> int:
-        port = await server.start()
-        assert await server.engine.wait_ready(30), server.engine.last_down_reason
-        return port
-
+    config = SchedulerConfig(model=str(tiny_model_25_dir), workers=[rank.target], listen="127.0.0.1:0",
+                             metrics_port=0, worker_token_file=rank_token_file())
     try:
-        port = loop.run(up())
-        with Client(f"127.0.0.1:{port}", timeout=300) as client:
+        with scheduler_server(config) as port, Client(f"127.0.0.1:{port}", timeout=300) as client:
             _check_served(client, Oracle(tiny_model_25_dir), "qwen2_5_vl TP=1")
     finally:
-        try:
-            loop.run(server.stop(drain_seconds=0))
-        finally:
-            loop.close()
-            rank.stop()
+        rank.stop()
