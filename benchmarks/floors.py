@@ -1,6 +1,6 @@
 """Transport floors: what moving one image's ``pixel_values`` to N same-host receiver processes costs at best.
 
-Three transports, each to N ∈ {1, 2, 4} real receiver processes, the allocator environment of DESIGN §4 set in
+Three transports, each to N ∈ {1, 2, 4} real receiver processes, the allocator environment of common/process.py set in
 every process (sender and receivers):
 
 - ``grpc``: a bare bidirectional gRPC stream per receiver (grpc.aio on both ends, as the scheduler and workers
@@ -36,7 +36,7 @@ from benchmarks import stats
 from common.process import ALLOCATOR_ENV, ensure_allocator_env
 
 # pixel_values shapes of Qwen2-VL's image processor (14-px patches, 2x2 merge, float32, 1176 = 3*2*14*14):
-# 1280x720 resizes to 1288x728 → grid (1, 52, 92) → 4784 rows (DESIGN §4); 448x448 → grid (1, 32, 32).
+# 1280x720 resizes to 1288x728 → grid (1, 52, 92) → 4784 rows; 448x448 → grid (1, 32, 32).
 PAYLOAD_SHAPES: dict[str, tuple[int, int]] = {"1280x720": (4784, 1176), "448x448": (1024, 1176)}
 TRANSPORTS = ("grpc", "tcp", "shm")
 CHUNK = 1 << 20

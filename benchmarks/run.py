@@ -271,5 +271,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    ensure_allocator_env()  # re-execs this process once with the allocator settings of DESIGN §4
+    ensure_allocator_env()  # re-execs this process once with the allocator settings of common/process.py
     sys.exit(main())

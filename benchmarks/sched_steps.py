@@ -1,4 +1,4 @@
-"""Scheduler step time against the number of items a session holds (DESIGN §1 gap (b), vLLM #58324).
+"""Scheduler step time against the number of items a session holds (vLLM #58324).
 
 One ``Scheduler`` (the core, in process, no network) serves a growing session: request k holds ``counts[k]``
 small image items — the previous request's items (a prefix hit) plus new ones — and then decodes

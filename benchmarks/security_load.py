@@ -6,7 +6,7 @@ long greedy token stream runs: the scheduler's CPU time (``proc_memory.cpu_secon
 (``VmHWM`` after resetting it through ``/proc/<pid>/clear_refs``) over the case's request, the request's status and
 wall time, the latency of a small request sent while the case's request is in flight, and the largest gap between
 two token deltas of the stream while the case ran. The baseline row is the same with no case request. The peak is
-reset to the current RSS before each case, and the allocator settings (DESIGN of ``common/process.py``) keep freed
+reset to the current RSS before each case, and the allocator settings (``common/process.py``) keep freed
 memory, so a case's peak includes what earlier cases left mapped: the cheap cases run first.
 
 Cases (``benchmarks/hostile_inputs.py`` builds the bombs in memory):

@@ -1,6 +1,6 @@
 """Transfer decisions: which item payloads go to which rank in which step, and the mirrors of the ranks' caches.
 
-Modes (``--transfer-mode``, DESIGN §2.4):
+Modes (``--transfer-mode``, docs/ARCHITECTURE.md §2.4):
 - ``full``: at admission every item is PRESENT and its payload goes to every rank (the baseline).
 - ``strip``: at admission items with ``end <= num_computed_tokens`` are STRIPPED (``strip_covered_mm_data``,
   keep_on_cpu fields kept for M-RoPE models); the others are PRESENT and go to every rank.

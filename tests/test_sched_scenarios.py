@@ -1,6 +1,6 @@
 """Scripted scheduler scenarios in every transfer mode: exactly which payload goes to which rank in which step.
 
-Every step of every scenario is replayed by simulated ranks (``test_sched_sim``) that check DESIGN §3
+Every step of every scenario is replayed by simulated ranks (``test_sched_sim``) that check docs/ARCHITECTURE.md §3
 invariant 2 — no encoder input without its payload, no computed window without its items' encoder outputs, and
 in lazy mode no payload that is not consumed and none sent to a rank that already holds it — plus the budgets,
 the step protocol and the content of every prefix-hit block.

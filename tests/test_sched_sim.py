@@ -2,7 +2,7 @@
 (through the serialized control, as the service sends it) and checks it, and a driver.
 
 The simulated rank keeps what a real one keeps — payload cache, encoder cache, per-request state, a KV pool whose
-blocks record the content written into them — and fails loudly on any violation of DESIGN §3 invariant 2 (an
+blocks record the content written into them — and fails loudly on any violation of docs/ARCHITECTURE.md §3 invariant 2 (an
 encoder input without its payload, a window without the encoder output of an item it covers), of the lazy rule (a
 payload received and evicted, or left over, without ever being consumed; a payload sent to a rank that already
 holds it), of the budgets, and of the step protocol (unknown requests, computed-token mismatches, prefix hits on
