@@ -45,6 +45,7 @@ VALUE_SETS = {
     "gpu-tp4": ((CI_VALUES / "gpu-tp4-values.yaml",), (), ()),
     "monitoring": ((CI_VALUES / "monitoring-values.yaml",), (MONITORING_API,), ()),
     "pod-replicas": ((CI_VALUES / "cpu-tiny-values.yaml",), (), ("replicaCount=3",)),
+    "scale-out": ((CI_VALUES / "scale-out-values.yaml",), (), ()),
     "multinode": ((MULTINODE,), (), ()),
     "multinode-lws": ((MULTINODE,), (LWS_API,), ("replicaCount=3",)),
     "cpu-tiny-multinode": ((CI_VALUES / "cpu-tiny-values.yaml",), (), ("topology=multinode",)),

@@ -228,7 +228,7 @@ affinity:
 {{- $root := index . 0 -}}
 {{- $c := index $root.Values (index . 1) -}}
 {{- $annotations := merge (dict) (default dict $c.podAnnotations) (include "mmcast.scrapeAnnotations" (dict "root" $root "port" (index . 2)) | fromYaml) }}
-{{- with $annotations }}
+{{- with $annotations -}}
 annotations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
