@@ -117,8 +117,9 @@ def test_group_pod_holds_its_scheduler_and_one_container_per_rank():
         assert (args["rank"], args["world-size"]) == (str(rank), "2")
         assert args["dist-init"] == "tcp://127.0.0.1:29500"
         assert args["listen"] == f"0.0.0.0:{50061 + rank}" and args["metrics-port"] == str(9401 + rank)
-        # Only rank 0 runs the rendezvous store, bound to the pod's loopback.
-        assert args.get("dist-bind-host") == ("127.0.0.1" if rank == 0 else None)
+        # Rank 0's rendezvous store binds the pod's loopback; every rank is told, so all of them build the same
+        # store (worker_svc/group.py: a rank without the flag would use torch's own, under other keys, and wait).
+        assert args["dist-bind-host"] == "127.0.0.1"
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         assert mounts["/dev/shm"] == "dshm" and mounts["/tmp"] == f"tmp-rank-{rank}"
         assert volumes[f"tmp-rank-{rank}"]["emptyDir"]["sizeLimit"] == "2Gi"

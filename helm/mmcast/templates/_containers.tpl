@@ -78,7 +78,7 @@ services the same flags.
 {{/*
 A rank container in a group pod or a LeaderWorkerSet pod.
 (dict "root" . "name" <container> "rank" <int, or -1: MMCAST_RANK from the LeaderWorkerSet worker-index label>
-      "offset" <added to every port of the rank> "distHost" <rank 0's host> "bindLocal" <rank 0's store on 127.0.0.1>
+      "offset" <added to every port of the rank> "distHost" <rank 0's host> "bindLocal" <rank 0's store on 127.0.0.1 only; given to every rank>
       "tmp" <its /tmp volume>)
 */}}
 {{- define "mmcast.rankContainer" -}}
