@@ -133,8 +133,13 @@ def test_group_pod_holds_its_scheduler_and_one_container_per_rank():
     # Port names are unique in the pod and fit Kubernetes' 15 characters.
     names = [p["name"] for c in spec["containers"] for p in c["ports"]]
     assert len(names) == len(set(names)) and max(map(len, names)) <= 15
-    # The pod outlives the scheduler's drain.
-    assert spec["terminationGracePeriodSeconds"] > int(flags(scheduler)["drain-seconds"])
+    # The kubelet signals every container at once: the ranks wait out the scheduler's drain before they stop
+    # (5 s after SIGTERM), and the pod's grace period covers both.
+    drain = int(flags(scheduler)["drain-seconds"])
+    for rank in range(2):
+        assert container(group, f"rank-{rank}")["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(drain)]
+    assert "lifecycle" not in scheduler
+    assert spec["terminationGracePeriodSeconds"] > drain + 5
 
 
 def test_a_name_set_in_extra_env_wins_over_the_loopback_default():
@@ -177,6 +182,10 @@ def test_multinode_renders_a_leaderworkerset_only_where_its_api_is_served():
     host = f"{RELEASE}-mmcast-group-$(MMCAST_GROUP_INDEX).{RELEASE}-mmcast-group.{NAMESPACE}.svc.cluster.local"
     assert flags(rank0)["dist-init"] == flags(worker[0])["dist-init"] == f"tcp://{host}:29500"
     assert flags(rank0)["rank"] == "0" and "rank" not in flags(worker[0])
+    drain = int(flags(scheduler)["drain-seconds"])
+    for template, rank in zip(pod_templates(lws), (rank0, worker[0]), strict=True):
+        assert rank["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(drain)]
+        assert template["spec"]["terminationGracePeriodSeconds"] > drain + 5
     rank_env = {e["name"]: e for e in worker[0]["env"]}
     assert rank_env["MMCAST_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{LWS_WORKER_INDEX}']"
     for c in (scheduler, rank0, worker[0]):

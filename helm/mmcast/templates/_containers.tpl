@@ -165,6 +165,12 @@ A rank container in a group pod or a LeaderWorkerSet pod.
       containerPort: {{ $v.worker.distPort }}
       protocol: TCP
     {{- end }}
+  lifecycle:
+    preStop:
+      exec:
+        # The kubelet signals every container of a pod (and, in a LeaderWorkerSet, every pod of a group) at once:
+        # a rank stays up through its scheduler's drain (--drain-seconds), then stops within 5 s of SIGTERM.
+        command: ["sleep", "{{ $v.scheduler.drainSeconds }}"]
   startupProbe:
     {{- include "mmcast.grpcProbe" (list $v.worker.probes.startup $probePort) | nindent 4 }}
   readinessProbe:

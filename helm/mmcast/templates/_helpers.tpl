@@ -145,6 +145,9 @@ StatefulSet, one group).
 {{- if and (not (kindIs "invalid" $grace)) (le (int $grace) (int .Values.scheduler.drainSeconds)) }}
 {{- fail (printf "scheduler.terminationGracePeriodSeconds=%v must exceed scheduler.drainSeconds=%v, or in-flight requests are killed mid-drain" $grace .Values.scheduler.drainSeconds) }}
 {{- end }}
+{{- if and (not (kindIs "invalid" $grace)) (ne (include "mmcast.layout" .) "statefulset") (le (int $grace) (add .Values.scheduler.drainSeconds 5)) }}
+{{- fail (printf "scheduler.terminationGracePeriodSeconds=%v must exceed scheduler.drainSeconds + 5 = %v with topology=%s: the ranks beside the scheduler wait out its drain, then take up to 5 s to stop" $grace (add .Values.scheduler.drainSeconds 5) .Values.topology) }}
+{{- end }}
 {{- range $component := list "group" "scheduler" "worker" }}
 {{- $pdb := index $.Values.podDisruptionBudget $component }}
 {{- if and (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) }}
