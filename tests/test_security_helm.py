@@ -23,8 +23,11 @@ SECRETS = {"client-tls": "mmcast-client-tls", "auth-tokens": "mmcast-tokens", "w
            "worker-token": "mmcast-worker-token"}  # volume -> the Secret secure-values.yaml names
 
 
+MULTINODE = ("topology=multinode",)  # a scheduler Deployment and a rank StatefulSet: one pod per process
+
+
 def _objects():
-    return render((SECURE,))
+    return render((SECURE,), MULTINODE)
 
 
 def test_secure_values_lint_and_validate(tmp_path):
@@ -32,7 +35,7 @@ def test_secure_values_lint_and_validate(tmp_path):
     import yaml
 
     manifest = tmp_path / "secure.yaml"
-    manifest.write_text(yaml.safe_dump_all(_objects()))
+    manifest.write_text(yaml.safe_dump_all(_objects() + render((SECURE,))))
     proc = run([tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBE_VERSION, str(manifest)], check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -69,7 +72,7 @@ def test_probes_use_the_plaintext_health_ports():
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == health, (name, probe)
     # Without TLS nothing changes: probes on the gRPC ports, no TLS flags; only the created worker token is mounted.
-    plain = render()
+    plain = render(sets=MULTINODE)
     c = container(find(plain, "Deployment", "-scheduler"), "scheduler")
     assert c["readinessProbe"]["grpc"]["port"] == 50051
     assert [k for k in flags(c) if k.startswith(("tls-", "auth-", "worker-t", "health"))] == ["worker-token-file"]
@@ -98,7 +101,7 @@ def test_services_accept_the_secure_arguments(tmp_path):
 
 
 def _token_objects(*sets):
-    objects = render((), sets)
+    objects = render((), sets + MULTINODE)
     sched = flags(container(find(objects, "Deployment", "-scheduler"), "scheduler"))
     worker = flags(container(find(objects, "StatefulSet", "-worker"), "worker"))
     secrets = [o for o in objects if o["kind"] == "Secret"]
@@ -120,7 +123,7 @@ def test_the_default_creates_a_worker_token_secret_and_wires_it_into_both():
     # Offline there is no Secret to read back (lookup is empty): every render draws a new token (docs/SECURITY.md).
     import yaml
 
-    rendered = yaml.safe_load_all(run(helm_template_args()).stdout)
+    rendered = yaml.safe_load_all(run(helm_template_args(sets=MULTINODE)).stdout)
     again = [o for o in rendered if o and o["kind"] == "Secret"][0]
     assert base64.b64decode(again["data"]["token"]).decode() != token
 
@@ -139,5 +142,36 @@ def test_without_a_token_the_ranks_need_mutual_tls_or_an_explicit_insecure():
     _, sched, worker, secrets = _token_objects("security.workerToken.create=false", "security.insecure=true")
     assert secrets == [] and "worker-token-file" not in sched and "shared-token-file" not in worker
     assert worker["insecure-allow-unauthenticated"] == "true"
+    proc = run(helm_template_args(sets=("security.workerToken.create=false",) + MULTINODE), check=False)
+    assert proc.returncode != 0 and "security.insecure=true" in proc.stderr
     proc = run(helm_template_args(sets=("security.workerToken.create=false",)), check=False)
     assert proc.returncode != 0 and "security.insecure=true" in proc.stderr
+
+
+def test_group_pod_wires_the_secrets_into_every_container():
+    """topology: pod: the scheduler container gets the client-side Secrets, every rank container its TLS and the
+    token; each rank's plaintext health port is its own (health port + rank), and the scheduler verifies the
+    configured name in the ranks' certificates, since it reaches them at 127.0.0.1."""
+    objects = render((SECURE,))
+    group = find(objects, "StatefulSet", "-group")
+    spec = pod_spec(group)
+    scheduler = container(group, "scheduler")
+    s = flags(scheduler)
+    assert s["worker-tls-server-name"] == "mmcast-worker" and s["workers"] == "127.0.0.1:50061"
+    assert s["worker-token-file"] == "/etc/mmcast/worker-token/token"
+    assert {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} == SECRETS
+    tp = render((SECURE,), ("tensorParallelSize=2",))
+    group = find(tp, "StatefulSet", "-group")
+    for rank in range(2):
+        c = container(group, f"rank-{rank}")
+        w = flags(c)
+        assert w["shared-token-file"] == "/etc/mmcast/worker-token/token"
+        assert w["tls-client-ca-file"] == "/etc/mmcast/worker-tls/ca.crt"
+        assert w["health-port"] == str(50062 + rank)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == 50062 + rank
+        mounts = {m["name"] for m in c["volumeMounts"] if m["mountPath"].startswith("/etc/mmcast/")}
+        assert mounts == {"worker-tls", "worker-token"}, "a rank never mounts the client-side Secrets"
+    # Without a server name the scheduler could verify nothing at 127.0.0.1: the chart refuses, naming the value.
+    proc = run(helm_template_args((str(SECURE),), ("security.workerTLS.serverName=",)), check=False)
+    assert proc.returncode != 0 and "security.workerTLS.serverName" in proc.stderr

@@ -26,6 +26,10 @@ DASHBOARD_FILE = CHART / "dashboards" / "mmcast.json"
 
 KUBE_VERSION = "1.30.0"  # what the rendered objects are validated against
 MONITORING_API = "monitoring.coreos.com/v1"
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+# Labels the LeaderWorkerSet controller adds to every pod it creates (not in the chart's templates).
+LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 RELEASE = "demo"
 NAMESPACE = "ml"
 
@@ -92,6 +96,16 @@ def find(objects: list[dict], kind: str, name_suffix: str = "") -> dict:
 
 def pod_spec(obj: dict) -> dict:
     return obj["spec"]["template"]["spec"]
+
+
+def pod_templates(obj: dict) -> list[dict]:
+    """The pod templates of a workload: one for a Deployment or StatefulSet, leader and worker for a LeaderWorkerSet."""
+    if obj["kind"] == "LeaderWorkerSet":
+        lwt = obj["spec"]["leaderWorkerTemplate"]
+        return [lwt["leaderTemplate"], lwt["workerTemplate"]]
+    if obj["kind"] in ("Deployment", "StatefulSet"):
+        return [obj["spec"]["template"]]
+    return []
 
 
 def container(obj: dict, name: str) -> dict:

@@ -18,6 +18,7 @@ from tests.deploy.deploy_tools import (
     CI_VALUES,
     DASHBOARD_FILE,
     KUBE_VERSION,
+    LWS_API,
     MONITORING_API,
     NAMESPACE,
     RELEASE,
@@ -29,22 +30,33 @@ from tests.deploy.deploy_tools import (
     find,
     flags,
     pod_spec,
+    pod_templates,
     render,
     run,
     tool,
 )
 
-# name -> (values files, extra --api-versions)
+MULTINODE = CI_VALUES / "multinode-values.yaml"
+# name -> (values files, extra --api-versions, --set values). `topology: pod` is the default; the multinode sets
+# render one pod per rank, as a LeaderWorkerSet where its API is served, else as a Deployment + StatefulSet.
 VALUE_SETS = {
-    "defaults": ((), ()),
-    "cpu-tiny": ((CI_VALUES / "cpu-tiny-values.yaml",), ()),
-    "gpu-tp4": ((CI_VALUES / "gpu-tp4-values.yaml",), ()),
-    "monitoring": ((CI_VALUES / "monitoring-values.yaml",), (MONITORING_API,)),
+    "defaults": ((), (), ()),
+    "cpu-tiny": ((CI_VALUES / "cpu-tiny-values.yaml",), (), ()),
+    "gpu-tp4": ((CI_VALUES / "gpu-tp4-values.yaml",), (), ()),
+    "monitoring": ((CI_VALUES / "monitoring-values.yaml",), (MONITORING_API,), ()),
+    "pod-replicas": ((CI_VALUES / "cpu-tiny-values.yaml",), (), ("replicaCount=3",)),
+    "scale-out": ((CI_VALUES / "scale-out-values.yaml",), (), ()),
+    "multinode": ((MULTINODE,), (), ()),
+    "multinode-lws": ((MULTINODE,), (LWS_API,), ("replicaCount=3",)),
+    "cpu-tiny-multinode": ((CI_VALUES / "cpu-tiny-values.yaml",), (), ("topology=multinode",)),
 }
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "servicemonitor.monitoring.coreos.com-v1.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): SCHEMAS / "prometheusrule.monitoring.coreos.com-v1.json",
+    (LWS_API, "LeaderWorkerSet"): SCHEMAS / "leaderworkerset.x-k8s.io-v1.json",
 }
+# The workload kinds of each layout.
+LAYOUT_KINDS = {"pod": {"StatefulSet"}, "statefulset": {"Deployment", "StatefulSet"}, "lws": {"LeaderWorkerSet"}}
 WORKER_FLAGS = {"world-size", "listen", "dist-init", "model", "device", "dtype", "kv-blocks", "metrics-port",
                 "payload-cache-bytes", "encoder-cache-tokens", "scheduler-id", "log-level"}
 SCHEDULER_FLAGS = {"listen", "metrics-port", "workers", "model", "transfer-mode", "max-num-batched-tokens",
@@ -53,16 +65,31 @@ SCHEDULER_FLAGS = {"listen", "metrics-port", "workers", "model", "transfer-mode"
 
 
 def _render_set(name: str, **kwargs) -> list[dict]:
-    values, apis = VALUE_SETS[name]
-    return render(values, api_versions=apis, **kwargs)
+    values, apis, sets = VALUE_SETS[name]
+    return render(values, sets=sets + tuple(kwargs.pop("sets", ())), api_versions=apis, **kwargs)
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+def _layout(name: str) -> str:
+    values, apis, sets = VALUE_SETS[name]
+    multinode = MULTINODE in values or "topology=multinode" in sets
+    return ("lws" if LWS_API in apis else "statefulset") if multinode else "pod"
+
+
+def _pod_object(obj: dict, template: dict) -> dict:
+    """A pod template as a Pod, for kubernetes-validate (a LeaderWorkerSet's templates are not checked otherwise)."""
+    name = f"{obj['metadata']['name']}-{template['metadata']['labels']['app.kubernetes.io/component']}"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {**template["metadata"], "name": name},
+            "spec": template["spec"]}
+
+
+@pytest.mark.parametrize("name", [n for n, (_, apis, _) in VALUE_SETS.items() if LWS_API not in apis])
 def test_helm_lint(name):
-    values, _ = VALUE_SETS[name]
+    values, _, sets = VALUE_SETS[name]
     args = [tool("helm"), "lint", str(CHART), "--strict", "--namespace", NAMESPACE]
     for v in values:
         args += ["-f", str(v)]
+    for v in sets:
+        args += ["--set", v]
     run(args)
 
 
@@ -76,18 +103,22 @@ def test_rendered_objects_validate(name, tmp_path):
         if key in CRD_SCHEMAS:
             schema = json.loads(CRD_SCHEMAS[key].read_text())
             jsonschema.validate(obj, schema)
+            # A CRD's pod templates are core PodSpecs: checked strictly as Pods.
+            core += [_pod_object(obj, t) for t in pod_templates(obj)]
         else:
             core.append(obj)
     manifest = tmp_path / "rendered.yaml"
     manifest.write_text(yaml.safe_dump_all(core))
     proc = run([tool("kubernetes-validate"), "--strict", "--quiet", "-k", KUBE_VERSION, str(manifest)], check=False)
     assert proc.returncode == 0, f"kubernetes-validate failed for {name}:\n{proc.stdout}\n{proc.stderr}"
-    kinds = sorted(o["kind"] for o in core)
-    assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "ServiceAccount"} <= set(kinds), kinds
+    kinds = {o["kind"] for o in objects}
+    assert {"Service", "ConfigMap", "ServiceAccount", "NetworkPolicy", "PodDisruptionBudget"} <= kinds, kinds
+    workloads = kinds & {"Deployment", "StatefulSet", "LeaderWorkerSet"}
+    assert workloads == LAYOUT_KINDS[_layout(name)], (name, workloads)
 
 
 def test_monitoring_objects_need_the_api_version():
-    values, _ = VALUE_SETS["monitoring"]
+    values, _, _ = VALUE_SETS["monitoring"]
     without = {o["kind"] for o in render(values)}
     assert "ServiceMonitor" not in without and "PrometheusRule" not in without
     with_api = {o["kind"] for o in render(values, api_versions=(MONITORING_API,))}
@@ -114,9 +145,10 @@ def test_schema_ships_in_the_package(tmp_path):
     assert {"mmcast/values.schema.json", "mmcast/dashboards/mmcast.json", "mmcast/rules/mmcast-rules.yaml"} <= names
 
 
-@pytest.mark.parametrize("name", ["defaults", "cpu-tiny", "gpu-tp4"])
+@pytest.mark.parametrize("name", ["defaults", "cpu-tiny"])
 def test_worker_group_contract(name):
-    objects = _render_set(name)
+    """topology: multinode without LeaderWorkerSet: a rank StatefulSet behind a headless Service, a scheduler Deployment."""
+    objects = _render_set(name, sets=("topology=multinode",))
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     for v in VALUE_SETS[name][0]:
         _merge(values, yaml.safe_load(Path(v).read_text()))
@@ -154,7 +186,7 @@ def test_worker_group_contract(name):
 
 
 def test_rank_from_hostname_before_pod_index_label():
-    objects = render(kube_version="1.27.0")
+    objects = render(sets=("topology=multinode",), kube_version="1.27.0")
     worker = container(find(objects, "StatefulSet", "-worker"), "worker")
     assert "MMCAST_RANK" not in env(worker)
     assert worker["command"][:2] == ["/bin/sh", "-c"]
@@ -164,7 +196,7 @@ def test_rank_from_hostname_before_pod_index_label():
 
 
 def test_scheduler_contract():
-    objects = render()
+    objects = render(sets=("topology=multinode",))
     deploy = find(objects, "Deployment", "-scheduler")
     svc = find(objects, "Service", "-scheduler")
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
@@ -182,7 +214,7 @@ def test_scheduler_contract():
 @pytest.mark.parametrize("component,service", [("scheduler", "mmcast.v1.Generation"),
                                                ("worker", "mmcast.v1.WorkerService")])
 def test_grpc_health_probes(component, service):
-    objects = render()
+    objects = render(sets=("topology=multinode",))
     kind = "Deployment" if component == "scheduler" else "StatefulSet"
     c = container(find(objects, kind, f"-{component}"), component)
     port = 50051 if component == "scheduler" else 50061
@@ -195,35 +227,41 @@ def test_grpc_health_probes(component, service):
 
 
 def test_gpu_resources():
+    """One GPU per rank container in a group pod; none for the scheduler container."""
     gpu = _render_set("gpu-tp4")
-    worker = container(find(gpu, "StatefulSet", "-worker"), "worker")
-    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert worker["resources"]["requests"]["nvidia.com/gpu"] == 1
-    assert worker["resources"]["limits"]["memory"] == "96Gi"
-    assert "nvidia.com/gpu" not in json.dumps(container(find(gpu, "Deployment", "-scheduler"), "scheduler")["resources"])
-    pvc = [v for v in pod_spec(find(gpu, "StatefulSet", "-worker"))["volumes"] if v["name"] == "model"][0]
+    group = find(gpu, "StatefulSet", "-group")
+    assert group["spec"]["replicas"] == 2
+    ranks = [c for c in pod_spec(group)["containers"] if c["name"].startswith("rank-")]
+    assert [c["name"] for c in ranks] == ["rank-0", "rank-1", "rank-2", "rank-3"]
+    for worker in ranks:
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert worker["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert worker["resources"]["limits"]["memory"] == "96Gi"
+        assert flags(worker)["model"] == "/models/Qwen2-VL-7B-Instruct"
+    assert "nvidia.com/gpu" not in json.dumps(container(group, "scheduler")["resources"])
+    pvc = [v for v in pod_spec(group)["volumes"] if v["name"] == "model"][0]
     assert pvc["persistentVolumeClaim"] == {"claimName": "qwen2-vl-7b", "readOnly": True}
-    assert flags(worker)["model"] == "/models/Qwen2-VL-7B-Instruct"
-    assert not pod_spec(find(gpu, "StatefulSet", "-worker")).get("initContainers")
+    assert not pod_spec(group).get("initContainers")
 
     cpu = _render_set("cpu-tiny")
     for obj in cpu:
-        if obj["kind"] in ("Deployment", "StatefulSet"):
-            assert "gpu" not in json.dumps(pod_spec(obj)["containers"][0]["resources"])
-    # Another vendor's resource name.
-    amd = render(sets=("worker.gpus=2", "gpu.resourceName=amd.com/gpu"))
+        for template in pod_templates(obj):
+            assert "gpu" not in json.dumps([c["resources"] for c in template["spec"]["containers"]])
+    # Another vendor's resource name, multinode: one GPU count per rank pod.
+    amd = render(sets=("worker.gpus=2", "gpu.resourceName=amd.com/gpu", "topology=multinode"))
     assert container(find(amd, "StatefulSet", "-worker"), "worker")["resources"]["limits"]["amd.com/gpu"] == 2
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_pods_run_unprivileged(name):
-    for obj in _render_set(name):
-        if obj["kind"] not in ("Deployment", "StatefulSet"):
-            continue
-        spec = pod_spec(obj)
+    templates = [t for obj in _render_set(name) for t in pod_templates(obj)]
+    assert templates
+    for template in templates:
+        spec = template["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["securityContext"]["runAsUser"] != 0
         assert spec["automountServiceAccountToken"] is False
+        assert not spec.get("hostIPC") and not spec.get("hostNetwork") and not spec.get("hostPID")
         for c in spec["containers"] + spec.get("initContainers", []):
             sc = c["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, c["name"]
@@ -231,18 +269,19 @@ def test_pods_run_unprivileged(name):
             assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}, f"{c['name']} needs a writable /tmp"
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and volumes["dshm"]["emptyDir"]["sizeLimit"]
-        mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
-        assert mounts["/dev/shm"] == "dshm"
+        for c in spec["containers"]:
+            if c["name"] in ("scheduler", "worker", "rank") or c["name"].startswith("rank-"):
+                mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+                assert mounts["/dev/shm"] == "dshm", c["name"]
 
 
 def test_tiny_model_init_container():
     for obj in render():
-        if obj["kind"] not in ("Deployment", "StatefulSet"):
-            continue
-        (init,) = pod_spec(obj)["initContainers"]
-        assert init["command"] == ["mmcast"] and init["args"][:2] == ["make-tiny-model", "/models/tiny"]
-        assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"]
-        assert [v for v in pod_spec(obj)["volumes"] if v["name"] == "model"][0] == {"name": "model", "emptyDir": {}}
+        for template in pod_templates(obj):
+            (init,) = template["spec"]["initContainers"]
+            assert init["command"] == ["mmcast"] and init["args"][:2] == ["make-tiny-model", "/models/tiny"]
+            assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"]
+            assert [v for v in template["spec"]["volumes"] if v["name"] == "model"][0] == {"name": "model", "emptyDir": {}}
 
 
 def test_dashboard_configmap_embeds_the_chart_file():
@@ -258,51 +297,78 @@ def test_prometheusrule_wraps_the_rules_file(tmp_path):
     source = yaml.safe_load(RULES_FILE.read_text())
     plain = find(render(sets=("prometheusRule.enabled=true",), api_versions=(MONITORING_API,)), "PrometheusRule")
     assert plain["spec"]["groups"] == source["groups"]
+    # One name for every release: a second release that installs the rules again is refused by Helm.
+    assert plain["metadata"]["name"] == "mmcast-rules"
 
-    values, apis = VALUE_SETS["monitoring"]
+    values, apis, _ = VALUE_SETS["monitoring"]
     rule = find(render(values, api_versions=apis), "PrometheusRule")
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
     assert "MmcastPreemptionStorm" not in alerts
     assert alerts["MmcastTimeToFirstTokenP99High"]["expr"].endswith("> 5")
     assert alerts["MmcastTimeToFirstTokenP99High"]["for"] == "15m"
-    assert alerts["MmcastWorkerGroupDown"] == next(r for g in source["groups"] for r in g["rules"]
-                                                   if r.get("alert") == "MmcastWorkerGroupDown")
+    original = next(r for g in source["groups"] for r in g["rules"] if r.get("alert") == "MmcastWorkerGroupDown")
+    down = alerts["MmcastWorkerGroupDown"]
+    assert {k: v for k, v in down.items() if k != "annotations"} == {k: v for k, v in original.items() if k != "annotations"}
+    # runbookBaseUrl prefixes the repository-relative runbook links.
+    assert down["annotations"]["runbook_url"] == ("https://git.example.com/mmcast/blob/v0.1.0/"
+                                                  + original["annotations"]["runbook_url"])
     rules_file = tmp_path / "rendered-rules.yaml"
     rules_file.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     run([tool("promtool"), "check", "rules", str(rules_file)])
 
 
-def test_servicemonitor_labels_targets():
-    values, apis = VALUE_SETS["monitoring"]
-    sm = find(render(values, api_versions=apis), "ServiceMonitor")
+def test_every_alert_links_a_runbook_section():
+    """Each alert's runbook_url names an anchor of docs/DEPLOYMENT.md that a heading there produces."""
+    doc = (CHART.parents[1] / "docs" / "DEPLOYMENT.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+               for line in doc.splitlines() if line.startswith("#")}
+    alerts = [r for g in yaml.safe_load(RULES_FILE.read_text())["groups"] for r in g["rules"] if "alert" in r]
+    assert alerts
+    for alert in alerts:
+        url = alert["annotations"]["runbook_url"]
+        page, anchor = url.split("#")
+        assert page == "docs/DEPLOYMENT.md" and anchor in anchors, (alert["alert"], url)
+
+
+def test_servicemonitor_scrapes_every_metrics_port():
+    values, apis, _ = VALUE_SETS["monitoring"]
+    objects = render(values, api_versions=apis)
+    sm = find(objects, "ServiceMonitor")
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    (endpoint,) = sm["spec"]["endpoints"]
-    assert endpoint["port"] == "metrics"
-    targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
-    assert targets["release"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"]
-    # The selector matches both Services that carry a `metrics` port.
-    objects = render(values, api_versions=apis)
+    ports = [e["port"] for e in sm["spec"]["endpoints"]]
+    assert ports == ["metrics", "rank0-metrics", "rank1-metrics"]
+    for endpoint in sm["spec"]["endpoints"]:
+        targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+        assert targets["release"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"]
+    # Of the Services it selects, only the metrics Service (every pod, ready or not) carries those ports, so each
+    # target is scraped once and a group that is down still reports mmcast_worker_group_up 0.
     selected = [o for o in objects if o["kind"] == "Service"
                 and sm["spec"]["selector"]["matchLabels"].items() <= o["metadata"]["labels"].items()]
-    assert sorted(o["metadata"]["name"] for o in selected) == [f"{RELEASE}-mmcast-scheduler", f"{RELEASE}-mmcast-worker"]
-    assert all("metrics" in {p["name"] for p in o["spec"]["ports"]} for o in selected)
-
-
-def test_pdbs():
-    values, apis = VALUE_SETS["monitoring"]
-    pdbs = {o["metadata"]["name"]: o["spec"] for o in render(values, api_versions=apis)
-            if o["kind"] == "PodDisruptionBudget"}
-    assert pdbs[f"{RELEASE}-mmcast-scheduler"]["maxUnavailable"] == 0
-    assert pdbs[f"{RELEASE}-mmcast-worker"]["minAvailable"] == "100%"
-    assert not [o for o in render() if o["kind"] == "PodDisruptionBudget"]
+    carrying = [o for o in selected if set(ports) & {p["name"] for p in o["spec"]["ports"]}]
+    (svc,) = carrying
+    assert svc["metadata"]["name"] == f"{RELEASE}-mmcast-metrics" and svc["spec"]["publishNotReadyAddresses"] is True
+    # Each Service port reaches a container port of that name in the group pod.
+    group = find(objects, "StatefulSet", "-group")
+    assert group["spec"]["template"]["metadata"]["labels"].items() >= svc["spec"]["selector"].items()
+    container_ports = {p["name"]: p["containerPort"] for c in pod_spec(group)["containers"] for p in c["ports"]}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {n: container_ports[n] for n in ports}
+    # Multinode without LeaderWorkerSet: the scheduler Service and the ranks' headless Service carry `metrics`.
+    multinode = render(values, sets=("topology=multinode", "replicaCount=1"), api_versions=apis)
+    sm = find(multinode, "ServiceMonitor")
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
+    carrying = sorted(o["metadata"]["name"] for o in multinode if o["kind"] == "Service"
+                      and "metrics" in {p["name"] for p in o["spec"]["ports"]})
+    assert carrying == [f"{RELEASE}-mmcast-scheduler", f"{RELEASE}-mmcast-worker"]
 
 
 def test_long_release_names_fit_kubernetes_limits():
-    objects = render(release="a-very-long-release-name-for-a-serving-deployment-x")
-    for obj in objects:
-        assert len(obj["metadata"]["name"]) <= 63
-    assert len(find(objects, "StatefulSet", "-worker")["metadata"]["name"]) <= 52
+    for sets, apis, workload in ((("topology=multinode",), (), ("StatefulSet", "-worker")), ((), (), ("StatefulSet", "-group")),
+                                 (("topology=multinode",), (LWS_API,), ("LeaderWorkerSet", "-group"))):
+        objects = render(sets=sets, api_versions=apis, release="a-very-long-release-name-for-a-serving-deployment-x")
+        for obj in objects:
+            assert len(obj["metadata"]["name"]) <= 63
+        assert len(find(objects, *workload)["metadata"]["name"]) <= 52
 
 
 def test_every_value_is_documented():
@@ -371,14 +437,16 @@ def test_chart_matches_the_project():
     assert chart["apiVersion"] == "v2"
     assert chart["appVersion"] == project["version"], "the image tag defaults to appVersion: keep it the package version"
     scripts = project["scripts"]
-    for obj in render(kube_version="1.27.0"):
-        if obj["kind"] not in ("Deployment", "StatefulSet"):
-            continue
-        spec = pod_spec(obj)
-        for c in spec["containers"] + spec.get("initContainers", []):
-            command = c["command"]
-            exe = command[3] if command[0] == "/bin/sh" else command[0]
-            assert exe in scripts, f"{c['name']} runs {exe}, not a console script of pyproject.toml"
+    for name in ("defaults", "multinode-lws"):
+        for obj in _render_set(name, kube_version="1.27.0") + render(sets=("topology=multinode",), kube_version="1.27.0"):
+            for template in pod_templates(obj):
+                spec = template["spec"]
+                for c in spec["containers"] + spec.get("initContainers", []):
+                    if c["name"] == "log-shipper":  # the example sidecar of multinode-values.yaml
+                        continue
+                    command = c["command"]
+                    exe = command[3] if command[0] == "/bin/sh" else command[0]
+                    assert exe in scripts, f"{c['name']} runs {exe}, not a console script of pyproject.toml"
 
 
 def _merge(base: dict, override: dict) -> None:
@@ -408,14 +476,41 @@ def test_services_accept_the_rendered_arguments(name, tmp_path):
         return out
 
     objects = _render_set(name)
-    scheduler = container(find(objects, "Deployment", "-scheduler"), "scheduler")
-    sconf = config_from(local(scheduler["args"]), environ={})
-    worker = container(find(objects, "StatefulSet", "-worker"), "worker")
-    tp = find(objects, "StatefulSet", "-worker")["spec"]["replicas"]
+    ranks = _ranks(objects, _layout(name))
+    (scheduler,) = [c for obj in objects for t in pod_templates(obj) for c in t["spec"]["containers"]
+                    if c["name"] == "scheduler"]
+    sconf = config_from(local(_group_index(scheduler["args"])), environ={})
+    tp = len(ranks)
     assert len(sconf.workers) == tp
-    for rank in range(tp):
-        wconf = load_config(local(worker["args"]), environ={"MMCAST_RANK": str(rank)})
+    dist = set()
+    for rank, (args, environ) in enumerate(ranks):
+        wconf = load_config(local(_group_index(args)), environ=environ)
         assert (wconf.rank, wconf.world_size) == (rank, tp)
         assert wconf.scheduler_id == sconf.scheduler_id
         assert wconf.model == sconf.model
+        dist.add(wconf.dist_init)
         assert sconf.workers[rank].endswith(":" + wconf.listen.rsplit(":", 1)[1])
+    assert len(dist) == 1, f"the ranks disagree on rank 0's rendezvous: {dist}"
+
+
+def _group_index(args: list[str], group: int = 1) -> list[str]:
+    """Kubernetes expands $(MMCAST_GROUP_INDEX) from the pod's LeaderWorkerSet group-index label."""
+    return [a.replace("$(MMCAST_GROUP_INDEX)", str(group)) for a in args]
+
+
+def _ranks(objects: list[dict], layout: str) -> list[tuple[list[str], dict]]:
+    """(arguments, environment) of each rank in rank order, as the layout starts them."""
+    if layout == "pod":
+        group = find(objects, "StatefulSet", "-group")
+        cs = [c for c in pod_spec(group)["containers"] if c["name"].startswith("rank-")]
+        assert [c["name"] for c in cs] == [f"rank-{i}" for i in range(len(cs))]
+        return [(c["args"], {}) for c in cs]
+    if layout == "lws":
+        lws = find(objects, "LeaderWorkerSet")
+        size = lws["spec"]["leaderWorkerTemplate"]["size"]
+        leader, worker = (container({"spec": {"template": t}, "kind": "", "metadata": lws["metadata"]}, "rank")
+                          for t in pod_templates(lws))
+        return [(leader["args"], {})] + [(worker["args"], {"MMCAST_RANK": str(r)}) for r in range(1, size)]
+    sts = find(objects, "StatefulSet", "-worker")
+    worker = container(sts, "worker")
+    return [(worker["args"], {"MMCAST_RANK": str(r)}) for r in range(sts["spec"]["replicas"])]

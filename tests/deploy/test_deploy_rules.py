@@ -45,4 +45,12 @@ def test_standalone_prometheus_config():
     # Debian's promtool is built without Kubernetes discovery, so the pod scrape job is checked for shape only.
     (job,) = yaml.safe_load((ROOT / "deploy" / "prometheus" / "kubernetes-pods-scrape.yaml").read_text())
     targets = {r.get("target_label") for r in job["relabel_configs"]}
-    assert {"namespace", "release", "__address__"} <= targets
+    assert {"namespace", "release", "pod", "container"} <= targets
+    # Every metrics port the chart declares is kept, in every layout; no other port.
+    (keep,) = [r for r in job["relabel_configs"] if r.get("source_labels") == ["__meta_kubernetes_pod_container_port_name"]]
+    import re
+
+    for name in ("metrics", "rank0-metrics", "rank15-metrics", "rank-metrics"):
+        assert re.fullmatch(keep["regex"], name), name
+    for name in ("grpc", "rank0-grpc", "rank-dist", "health"):
+        assert not re.fullmatch(keep["regex"], name), name

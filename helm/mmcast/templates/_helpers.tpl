@@ -49,7 +49,65 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{- define "mmcast.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "mmcast.groupName" -}}{{ include "mmcast.fullname" . }}-group{{- end }}
+{{- define "mmcast.headlessName" -}}{{ include "mmcast.fullname" . }}-headless{{- end }}
+
+{{/*
+How the release is laid out: `pod` (one pod per group), `lws` (multinode as a LeaderWorkerSet, when the cluster
+serves leaderworkerset.x-k8s.io/v1) or `statefulset` (multinode without it: a scheduler Deployment + a rank
+StatefulSet, one group).
+*/}}
+{{- define "mmcast.layout" -}}
+{{- if eq .Values.topology "pod" }}pod
+{{- else if .Capabilities.APIVersions.Has "leaderworkerset.x-k8s.io/v1" }}lws
+{{- else }}statefulset
+{{- end }}
+{{- end }}
+
+{{/* Component label of the pods that run a scheduler (and so take client traffic). */}}
+{{- define "mmcast.clientComponent" -}}
+{{- $layout := include "mmcast.layout" . }}
+{{- if eq $layout "pod" }}group{{ else if eq $layout "lws" }}leader{{ else }}scheduler{{ end }}
+{{- end }}
+
+{{/* Labels the LeaderWorkerSet controller puts on every pod of a group (leaderworkerset.x-k8s.io/v1). */}}
+{{- define "mmcast.lwsGroupIndexLabel" -}}leaderworkerset.sigs.k8s.io/group-index{{- end }}
+{{- define "mmcast.lwsWorkerIndexLabel" -}}leaderworkerset.sigs.k8s.io/worker-index{{- end }}
+
+{{/* DNS name of rank r of the LeaderWorkerSet group $(MMCAST_GROUP_INDEX): the leader is <lws>-<g>, the others
+<lws>-<g>-<r>, under the headless Service the controller names after the LeaderWorkerSet. (list root rank) */}}
+{{- define "mmcast.lwsHost" -}}
+{{- $root := index . 0 }}
+{{- $rank := int (index . 1) }}
+{{- $name := include "mmcast.groupName" $root }}
+{{- $pod := ternary (printf "%s-$(MMCAST_GROUP_INDEX)" $name) (printf "%s-$(MMCAST_GROUP_INDEX)-%d" $name $rank) (eq $rank 0) }}
+{{- printf "%s.%s.%s.svc.%s" $pod $name $root.Release.Namespace $root.Values.clusterDomain }}
+{{- end }}
+
+{{/* The scheduler's --workers for the layout: ranks in its own pod on 127.0.0.1 (rank i's port = grpcPort + i in
+`topology: pod`), the others by DNS name. */}}
+{{- define "mmcast.schedulerWorkers" -}}
+{{- $layout := include "mmcast.layout" . }}
+{{- $targets := list }}
+{{- range $rank := until (int .Values.tensorParallelSize) }}
+{{- if eq $layout "pod" }}
+{{- $targets = append $targets (printf "127.0.0.1:%d" (add $.Values.worker.grpcPort $rank)) }}
+{{- else if and (eq $layout "lws") (eq $rank 0) }}
+{{- $targets = append $targets (printf "127.0.0.1:%d" (int $.Values.worker.grpcPort)) }}
+{{- else if eq $layout "lws" }}
+{{- $targets = append $targets (printf "%s:%d" (include "mmcast.lwsHost" (list $ $rank)) (int $.Values.worker.grpcPort)) }}
+{{- else }}
+{{- $targets = append $targets (printf "%s:%d" (include "mmcast.workerHost" (list $ $rank)) (int $.Values.worker.grpcPort)) }}
+{{- end }}
+{{- end }}
+{{- join "," $targets }}
 {{- end }}
 
 {{/* DNS name of one rank: <statefulset>-<ordinal>.<headless service>.<namespace>.svc.<clusterDomain>. */}}
@@ -57,15 +115,6 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $root := index . 0 }}
 {{- $rank := index . 1 }}
 {{- printf "%s-%d.%s.%s.svc.%s" (include "mmcast.workerName" $root) (int $rank) (include "mmcast.workerName" $root) $root.Release.Namespace $root.Values.clusterDomain }}
-{{- end }}
-
-{{/* host:port of every rank in rank order, the scheduler's --workers. */}}
-{{- define "mmcast.workerTargets" -}}
-{{- $targets := list }}
-{{- range $rank := until (int .Values.tensorParallelSize) }}
-{{- $targets = append $targets (printf "%s:%d" (include "mmcast.workerHost" (list $ $rank)) (int $.Values.worker.grpcPort)) }}
-{{- end }}
-{{- join "," $targets }}
 {{- end }}
 
 {{- define "mmcast.schedulerId" -}}
@@ -96,11 +145,24 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and (not (kindIs "invalid" $grace)) (le (int $grace) (int .Values.scheduler.drainSeconds)) }}
 {{- fail (printf "scheduler.terminationGracePeriodSeconds=%v must exceed scheduler.drainSeconds=%v, or in-flight requests are killed mid-drain" $grace .Values.scheduler.drainSeconds) }}
 {{- end }}
-{{- range $component := list "scheduler" "worker" }}
+{{- if and (not (kindIs "invalid" $grace)) (ne (include "mmcast.layout" .) "statefulset") (le (int $grace) (add .Values.scheduler.drainSeconds 5)) }}
+{{- fail (printf "scheduler.terminationGracePeriodSeconds=%v must exceed scheduler.drainSeconds + 5 = %v with topology=%s: the ranks beside the scheduler wait out its drain, then take up to 5 s to stop" $grace (add .Values.scheduler.drainSeconds 5) .Values.topology) }}
+{{- end }}
+{{- range $component := list "group" "scheduler" "worker" }}
 {{- $pdb := index $.Values.podDisruptionBudget $component }}
 {{- if and (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) }}
 {{- fail (printf "podDisruptionBudget.%s: set minAvailable or maxUnavailable, not both (set the other to null)" $component) }}
 {{- end }}
+{{- if and $.Values.podDisruptionBudget.enabled (kindIs "invalid" $pdb.minAvailable) (kindIs "invalid" $pdb.maxUnavailable) }}
+{{- fail (printf "podDisruptionBudget.%s: set minAvailable or maxUnavailable (both null would mean maxUnavailable 0, which blocks kubectl drain); the default is maxUnavailable: 1" $component) }}
+{{- end }}
+{{- end }}
+{{- $layout := include "mmcast.layout" . }}
+{{- if and (eq $layout "statefulset") (gt (int .Values.replicaCount) 1) }}
+{{- fail (printf "replicaCount=%v with topology=multinode needs the LeaderWorkerSet API (leaderworkerset.x-k8s.io/v1), which this cluster does not serve: install LeaderWorkerSet, or install one release per group (docs/DEPLOYMENT.md section 4)" .Values.replicaCount) }}
+{{- end }}
+{{- if and (ne $layout "statefulset") $sec.workerTLS.secretName (not $sec.workerTLS.serverName) }}
+{{- fail (printf "security.workerTLS needs security.workerTLS.serverName with topology=%s: the scheduler reaches the ranks in its own pod at 127.0.0.1, so name the certificate's DNS name it must verify" .Values.topology) }}
 {{- end }}
 {{- end }}
 
@@ -123,16 +185,51 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   emptyDir:
     medium: Memory
     sizeLimit: {{ $values.shmSizeLimit }}
+{{- with $root.Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
+{{/* Mounts of an mmcast container: (list root [tmp volume name]). */}}
 {{- define "mmcast.volumeMounts" -}}
+{{- $root := index . 0 -}}
 - name: model
-  mountPath: {{ .Values.model.mountPath }}
+  mountPath: {{ $root.Values.model.mountPath }}
   readOnly: true
-- name: tmp
+- name: {{ if gt (len .) 1 }}{{ index . 1 }}{{ else }}tmp{{ end }}
   mountPath: /tmp
 - name: dshm
   mountPath: /dev/shm
+{{- with $root.Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes of a group pod (`topology: pod`): the model, /dev/shm shared by every container, a /tmp per container. */}}
+{{- define "mmcast.groupVolumes" -}}
+- name: model
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else }}
+  emptyDir: {}
+{{- end }}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.scheduler.tmpSizeLimit }}
+{{- range $rank := until (int .Values.tensorParallelSize) }}
+- name: tmp-rank-{{ $rank }}
+  emptyDir:
+    sizeLimit: {{ $.Values.worker.tmpSizeLimit }}
+{{- end }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.worker.shmSizeLimit }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Environment of every mmcast container: caches under the writable /tmp, offline model loading. */}}
@@ -293,9 +390,12 @@ prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
 
+{{/* (list root component [rank health port]) */}}
 {{- define "mmcast.securityArgs" -}}
 {{- $root := index . 0 }}
 {{- $sec := $root.Values.security }}
+{{- $workerHealth := $sec.workerTLS.healthPort }}
+{{- if gt (len .) 2 }}{{ $workerHealth = index . 2 }}{{ end }}
 {{- if eq (index . 1) "scheduler" }}
 {{- if $sec.clientTLS.secretName }}
 - --tls-cert-file=/etc/mmcast/client-tls/tls.crt
@@ -324,7 +424,7 @@ prometheus.io/path: /metrics
 - --tls-cert-file=/etc/mmcast/worker-tls/tls.crt
 - --tls-key-file=/etc/mmcast/worker-tls/tls.key
 - --tls-client-ca-file=/etc/mmcast/worker-tls/ca.crt
-- --health-port={{ $sec.workerTLS.healthPort }}
+- --health-port={{ $workerHealth }}
 {{- end }}
 {{- if include "mmcast.workerTokenSecret" $root }}
 - --shared-token-file=/etc/mmcast/worker-token/{{ $sec.workerToken.key }}
