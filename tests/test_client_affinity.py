@@ -151,7 +151,7 @@ def test_a_dead_replicas_conversations_move_on_and_come_back(replicas):
         # The replica returns at the same address: once gRPC reconnects, the ring gives its conversations back.
         replicas[victim] = FakeGenerationServer(port=port).start()
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not replicas[victim].requests:
+        while time.monotonic() < deadline and set(keys_seen(replicas[victim])) != set(moved):
             for n in range(len(streams)):
                 client.generate(f"conversation {n}", max_tokens=1)
             time.sleep(0.2)
