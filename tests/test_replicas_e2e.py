@@ -101,9 +101,11 @@ def test_ring_hash_keeps_each_conversation_on_the_replica_with_its_prefix(groups
 def test_round_robin_with_uploads_never_shows_not_found(groups, oracle):
     histories: dict = {}
     options = [("grpc.lb_policy_name", "round_robin")]
+    before = not_found_answers(groups)
     with Client(target(groups), timeout=300, options=options, upload_images=True) as client:
         results = run_all(client, range(100, 103), range(TURNS), histories)  # any NOT_FOUND would raise here
     check_answers(oracle, results, "round robin")
+    assert not_found_answers(groups) > before  # replicas did miss uploads made elsewhere; the SDK hid it
 
 
 def test_a_killed_replicas_conversations_complete_on_the_next(groups, oracle):
@@ -122,6 +124,14 @@ def test_a_killed_replicas_conversations_complete_on_the_next(groups, oracle):
     for n in conversations:  # the moved conversations paid one miss (turn 3); turn 4 is a hit again
         usage = [r.usage for _, r in first[n] + rest[n]]
         assert usage[3].cached_tokens >= 0.9 * usage[2].prompt_tokens, (n, usage)
+
+
+def not_found_answers(groups) -> float:
+    """Generate calls the replicas answered with NOT_FOUND (an uploaded image they do not hold)."""
+    return sum(
+        scrape(g.metrics_urls["scheduler"], "grpc_server_handled_total", grpc_method="Generate", grpc_code="NotFound")
+        for g in groups
+    )
 
 
 def query_tokens(group: LocalGroup) -> float:
