@@ -252,10 +252,7 @@ def affinity_key(prepared: Prepared, session_id: str | None) -> str:
     """The conversation's affinity key (mmcast_client/affinity.py): `session_id` when given, else a hash of the
     first user message (the first message when none is from the user)."""
     if session_id is not None:
-        try:
-            return affinity.session_key(session_id)
-        except ValueError as e:
-            raise InvalidArgument(message=str(e)) from None
+        return _session_key(session_id)
     first = next((parts for role, parts in prepared.messages if role == pb.ROLE_USER), prepared.messages[0][1])
     return affinity.conversation_key([p if isinstance(p, str) else ("image", p.sha256) for p in first])
 
@@ -263,11 +260,15 @@ def affinity_key(prepared: Prepared, session_id: str | None) -> str:
 def upload_key(ref: ImageRef, session_id: str | None) -> str:
     """The affinity key of a standalone upload: the session's, else that of a first message holding just the image."""
     if session_id is not None:
-        try:
-            return affinity.session_key(session_id)
-        except ValueError as e:
-            raise InvalidArgument(message=str(e)) from None
+        return _session_key(session_id)
     return affinity.conversation_key([("image", ref.sha256)])
+
+
+def _session_key(session_id: str) -> str:
+    try:
+        return affinity.session_key(session_id)
+    except ValueError as e:
+        raise InvalidArgument(message=str(e)) from None
 
 
 _SHA_IN_MESSAGE = re.compile(r"\b[0-9a-f]{64}\b")
