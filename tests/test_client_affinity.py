@@ -17,7 +17,7 @@ import grpc
 import pytest
 from PIL import Image
 
-from mmcast_client import AsyncClient, Backoff, Client, NotFound, ResourceExhausted, Unavailable
+from mmcast_client import AsyncClient, Backoff, Client, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from mmcast_client.affinity import AFFINITY_HEADER, RING_HASH_SERVICE_CONFIG, conversation_key, session_key
 from mmcast_client.local_group import free_ports
 from mmcast_client.testing import FakeGenerationServer
@@ -310,3 +310,18 @@ def _sha(data: bytes) -> str:
     import hashlib
 
     return hashlib.sha256(data).hexdigest()
+
+
+def test_bad_session_id_and_conflicting_channel_arguments_are_refused(replicas):
+    with Client(replicas[0].target) as client, pytest.raises(InvalidArgument, match="session_id"):
+        client.generate("x", max_tokens=1, session_id="")
+
+    async def run():
+        channel = grpc.aio.insecure_channel(replicas[0].target)
+        try:
+            with pytest.raises(ValueError, match="interceptors"):
+                AsyncClient(channel=channel, interceptors=[object()])
+        finally:
+            await channel.close()
+
+    asyncio.run(run())
