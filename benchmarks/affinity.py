@@ -11,7 +11,10 @@ the other's cache). Per policy:
 - image bytes the client sent (uploads plus images sent inline, counted by a client interceptor: the SDK's
   ``interceptors=``) and the replicas' scheduler→ranks payload bytes (``Usage.payload_bytes_broadcast``);
 - Generate calls per request (> 1: a replica missed an upload made on another and the SDK retried inline);
-- client TTFT p50/p95 (``Result.ttft_seconds``: uploads and retries included) and requests that failed.
+- client TTFT p50/p95 (``Result.ttft_seconds``: uploads and retries included) and requests that failed;
+- requests each replica finished (``mmcast_requests_finished_total``): ring hashing has no load bound.
+
+Before the first policy every replica serves a few warm-up requests, so neither policy pays the replicas' cold start.
 
 Both policies must return the same tokens for the same conversation (greedy, ``ignore_eos``) — they run different
 conversations, so this is checked by running the first conversation of each policy's set under both.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
+import urllib.request
 from collections.abc import Callable
 
 import grpc
@@ -90,15 +94,39 @@ def _conversation(client, images, plan: AffinityPlan, n: int) -> list[dict]:
     return rows
 
 
-def run_policy(target: str, policy: str, images, plan: AffinityPlan, first: int) -> dict:
+def _finished(groups) -> list[float]:
+    from benchmarks.scenarios import parse_metrics
+
+    out = []
+    for g in groups:
+        with urllib.request.urlopen(g.metrics_urls["scheduler"], timeout=10) as reply:
+            metrics = parse_metrics(reply.read().decode())
+        out.append(metrics.get(("mmcast_requests_finished_total", None, None), 0.0))  # summed over reasons
+    return out
+
+
+def _warm(groups, images, plan: AffinityPlan) -> None:
+    """Two one-turn requests on every replica (one client per replica), new images each."""
     from mmcast_client import Client
 
+    for i, g in enumerate(groups):
+        with Client(g.target, timeout=600) as client:
+            for k in range(2):
+                path = images.path(SEED - 100 - 10 * i - k, plan.size)
+                client.generate("Warm-up: describe it.", images=[path], max_tokens=plan.max_tokens, ignore_eos=True)
+
+
+def run_policy(target: str, policy: str, images, plan: AffinityPlan, first: int, groups=()) -> dict:
+    from mmcast_client import Client
+
+    before = _finished(groups)
     counter = _Bytes()
     t0 = time.monotonic()
     with Client(target, options=POLICIES[policy], interceptors=[counter], timeout=600) as client:
         with concurrent.futures.ThreadPoolExecutor(plan.concurrency) as pool:
             futures = [pool.submit(_conversation, client, images, plan, first + i) for i in range(plan.conversations)]
             rows = [row for f in futures for row in f.result()]
+    per_replica = [int(a - b) for a, b in zip(_finished(groups), before, strict=True)]
     ok = [r for r in rows if r["failed"] is None]
     later = [r for r in ok if r["turn"] > 0]
     ttft = [r["ttft_ms"] for r in ok]
@@ -116,6 +144,7 @@ def run_policy(target: str, policy: str, images, plan: AffinityPlan, first: int)
         "encoder_runs": sum(r["encoder_runs"] for r in ok),
         "ttft_p50_ms": stats.percentile(ttft, 50) if ttft else None,
         "ttft_p95_ms": stats.percentile(ttft, 95) if ttft else None,
+        "per_replica": per_replica,
         "rows": rows,
     }
 
@@ -129,14 +158,17 @@ def run(model_dir: str, images, plan: AffinityPlan, log: Callable[[str], None]) 
         for g in groups:
             g.wait_ready()
         target = "ipv4:" + ",".join(g.target for g in groups)
+        _warm(groups, images, plan)
         results = []
         for k, policy in enumerate(POLICIES):
-            results.append(run_policy(target, policy, images, plan, first=1000 * (k + 1)))
+            results.append(run_policy(target, policy, images, plan, first=1000 * (k + 1), groups=groups))
             r = results[-1]
             log(f"affinity {policy}: hit rate {r['hit_rate']:.1%}, {r['failed']} failed, "
                 f"{r['generate_calls']} Generate calls for {r['requests']} requests")  # fmt: skip
         # Token equality across policies: the first conversation of the ring-hash set again, round-robin.
-        again = run_policy(target, "round_robin", images, dataclasses.replace(plan, conversations=1), first=1000)
+        again = run_policy(
+            target, "round_robin", images, dataclasses.replace(plan, conversations=1), first=1000, groups=groups
+        )
         want = [r.get("tokens") for r in results[0]["rows"] if r["n"] == 1000]
         equal = want == [r.get("tokens") for r in again["rows"]]
     finally:
@@ -162,8 +194,8 @@ def markdown(result: dict | None) -> str:
         f"replica missed an upload. Same tokens under both policies: {'yes' if result['tokens_equal'] else 'NO'}.",
         "",
         "| policy | hit rate | client image bytes (upload + inline) | payload to ranks | encoder runs | Generate calls "
-        "/ requests | TTFT p50 ms | TTFT p95 ms | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "/ requests | requests per replica | TTFT p50 ms | TTFT p95 ms | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["policies"]:
         client_bytes = (
@@ -173,7 +205,8 @@ def markdown(result: dict | None) -> str:
         p95 = f"{r['ttft_p95_ms']:.1f}" if r["ttft_p95_ms"] is not None else "–"
         lines.append(
             f"| {r['policy']} | {r['hit_rate']:.1%} | {client_bytes} | {_mb(r['payload_bytes'])} | {r['encoder_runs']} "
-            f"| {r['generate_calls']} / {r['requests']} | {p50} | {p95} | {r['failed']} |"
+            f"| {r['generate_calls']} / {r['requests']} | {' / '.join(map(str, r['per_replica']))} | {p50} | {p95} "
+            f"| {r['failed']} |"
         )
     return "\n".join(lines)
 
