@@ -3,7 +3,7 @@ one SDK `Client` on a multi-address target, as docs/DEPLOYMENT.md's client-side 
 
 - ring hash (the SDK's default): each conversation's turns land on the replica holding its prefix, so every turn
   after the first is served mostly from the prefix cache; answers equal the oracle's;
-- a replica killed between two turns: its conversations continue on the ring's next replica, correctly;
+- a replica killed (SIGKILL) between two turns: its conversations continue on the ring's next replica, correctly;
 - round robin with uploads on: a turn's upload and its generate land on different replicas, and still no
   NOT_FOUND reaches the caller (the SDK retries with the images inline).
 """
@@ -11,6 +11,8 @@ one SDK `Client` on a multi-address target, as docs/DEPLOYMENT.md's client-side 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 
 import pytest
 
@@ -117,7 +119,10 @@ def test_a_killed_replicas_conversations_complete_on_the_next(groups, oracle):
         served = [query_tokens(g) - b for g, b in zip(groups, base, strict=True)]
         victim = max(range(REPLICAS), key=lambda i: served[i])  # the replica holding the most conversations
         assert served[victim] > 0
-        groups[victim].stop()
+        for pid in groups[victim].pids().values():  # a crash: no goodbye, the connections just reset
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+        groups[victim].stop()  # and it stays down (its supervisor would restart it)
         rest = run_all(client, conversations, range(2, TURNS), histories)
     check_answers(oracle, first, "before the kill")
     check_answers(oracle, rest, "after the kill")
