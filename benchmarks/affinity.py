@@ -16,8 +16,8 @@ the other's cache). Per policy:
 
 Before the first policy every replica serves a few warm-up requests, so neither policy pays the replicas' cold start.
 
-Both policies must return the same tokens for the same conversation (greedy, ``ignore_eos``) — they run different
-conversations, so this is checked by running the first conversation of each policy's set under both.
+Each policy runs its own conversations, so token equality (greedy, ``ignore_eos``) is checked by running the
+ring-hash set's first conversation once more under round robin: the tokens must not depend on the replica.
 """
 
 from __future__ import annotations
