@@ -325,3 +325,32 @@ def test_bad_session_id_and_conflicting_channel_arguments_are_refused(replicas):
             await channel.close()
 
     asyncio.run(run())
+
+
+def test_a_server_refusing_the_inline_retry_as_too_large_names_its_limit(replicas):
+    image = png(7)
+    with Client(replicas[0].target, backoff=FAST) as client:
+        client.upload_image(image)
+        replicas[0].fail("Generate", grpc.StatusCode.NOT_FOUND, f"uploaded_sha256={_sha(image)} is not in the store")
+        limit = "the request carries 9999999 bytes; the limit is 1000 (--max-request-bytes)"
+        replicas[0].fail("Generate", grpc.StatusCode.RESOURCE_EXHAUSTED, limit)
+        with pytest.raises(ResourceExhausted) as info:
+            client.generate("x", images=[image], max_tokens=1)
+    message = info.value.message
+    assert "lacked an uploaded image" in message and "--max-request-bytes" in message and _sha(image) in message
+
+
+def test_async_stream_failing_after_tokens_carries_them(replicas):
+    replicas[0].fail("Generate", grpc.StatusCode.UNAVAILABLE, "replica lost", after_tokens=3)
+
+    async def run():
+        async with AsyncClient(replicas[0].target, backoff=FAST) as client:
+            stream = await client.generate("x", max_tokens=6, stream=True)
+            got = []
+            with pytest.raises(Unavailable) as info:
+                async for delta in stream:
+                    got.extend(delta.token_ids)
+            return got, info.value
+
+    got, error = asyncio.run(run())
+    assert len(got) == 3 and list(error.token_ids) == got and len(replicas[0].requests) == 1
