@@ -4,7 +4,8 @@ In one run: the transport floors, the scheduler's step time against items held, 
 (tensor-parallel size × transfer mode) a fresh local group (real processes, the embedded tiny model, loopback)
 that is warmed and driven through the SDK scenarios of ``benchmarks.scenarios``, then for every tensor-parallel
 size × new-image variant (payload encoding + encoder placement) a fresh group driven through
-``benchmarks.new_images``. All modes, and all variants, must return the same tokens (greedy, ``ignore_eos``); a
+``benchmarks.new_images``, and (full plan) three replicas behind one client, ring hash against round robin
+(``benchmarks.affinity``). All modes, and all variants, must return the same tokens (greedy, ``ignore_eos``); a
 mismatch fails the run after the results are written. Output goes to
 ``benchmarks/results/<timestamp>-<plan>/``: ``results.json`` (machine, versions, commit, every record and figure),
 ``results.md`` (tables; every issue-7 target next to its measured value) and PNG plots (with matplotlib).
@@ -22,8 +23,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from benchmarks import affinity, new_images, plots, report, sched_steps
 from benchmarks import floors as floors_mod
-from benchmarks import new_images, plots, report, sched_steps
 from benchmarks.new_images import CANDIDATE, ImageSet
 from benchmarks.scenarios import Images, Record, Session, question, user
 from common.process import ensure_allocator_env
@@ -57,6 +58,7 @@ class Plan:
     rank_memory_tps: tuple[int, ...] = ()  # benchmarks/rank_memory.py: rank peak RSS vs plain transformers per TP
     new_image_groups: tuple[tuple[int, str], ...] = ()  # benchmarks/new_images.py: a fresh group per (TP, variant)
     new_image_sets: tuple[ImageSet, ...] = ()
+    affinity: affinity.AffinityPlan | None = None  # benchmarks/affinity.py: replicas, ring hash vs round robin
 
     def clients(self, mode: str) -> list[str]:
         return ["sdk", "resend"] if mode in self.resend_modes else ["sdk"]
@@ -87,7 +89,8 @@ PLANS = {
                  kv_blocks=16384, security=True, rank_memory_tps=(1, 2, 4),
                  new_image_groups=new_images.groups((1, 2)),
                  new_image_sets=(ImageSet(*_JPEG_448, (1, 4, 8), 3), ImageSet(*_PNG_448, (1, 4, 8), 3),
-                                 ImageSet(*_JPEG_720P, (1, 4, 8), 2), ImageSet(*_PNG_720P, (1, 4, 8), 2))),
+                                 ImageSet(*_JPEG_720P, (1, 4, 8), 2), ImageSet(*_PNG_720P, (1, 4, 8), 2)),
+                 affinity=affinity.AffinityPlan()),
 }  # fmt: skip
 
 
@@ -237,9 +240,14 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
 
         rank_memory = rank_memory_mod.measure(list(plan.rank_memory_tps), log=log)
         log("rank peak RSS, demo conversation, real-width checkpoint\n" + rank_memory_mod.write(out_dir, rank_memory))
+    affinity_result = None
+    if plan.affinity:
+        affinity_result = affinity.run(model_dir, images, plan.affinity, log)
+        log("replicas: ring hash against round robin\n" + affinity.markdown(affinity_result))
     meta["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     meta["wall_seconds"] = time.monotonic() - started
     analysis = report.analyze(records, floor_rows, steps, meta["image_size"])
+    analysis["affinity"] = affinity_result
     figures = plots.write_plots(out_dir, analysis)
     report.write_markdown(os.path.join(out_dir, "results.md"), meta, analysis, floors_md, figures)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
@@ -262,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     analysis = run(plan, out, args.model_dir)
     for t in analysis["targets"]:
         print(f"{t['status']:>12}  {t['name']}: {t['measured']} (target {t['target']})")
+    scale_out = analysis.get("affinity")
+    if scale_out and (not scale_out["tokens_equal"] or any(p["failed"] for p in scale_out["policies"])):
+        print("FAILED: the replicas under ring hash and round robin disagreed on tokens or failed requests",
+              file=sys.stderr)
+        return 1
     if not analysis["equality"]["ok"]:
         print(f"FAILED: the transfer modes or new-image variants returned different tokens: "
               f"{analysis['equality']['mismatches'][:3]}",

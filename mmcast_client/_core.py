@@ -4,19 +4,23 @@ the retry rules. Nothing here does I/O on the network."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 
 from mmcast.v1 import generation_pb2 as pb
+from mmcast_client import affinity
 from mmcast_client.errors import (
     DeadlineExceeded,
     Internal,
     InvalidArgument,
     MmcastError,
     NotFound,
+    ResourceExhausted,
     Unavailable,
     from_google_rpc_code,
 )
@@ -61,13 +65,27 @@ class ChannelSettings:
     credentials: grpc.ChannelCredentials | None  # None: plaintext
     metadata: tuple[tuple[str, str], ...]  # sent with every call (authorization, ...)
     upload_images: bool  # True: upload each image once, reference by hash; False: bytes inline every time
+    user_options: tuple[tuple[str, Any], ...] = ()  # the caller's channel options; they win over the SDK's
+    wait_for_ready: bool | None = None  # per call: queue while no replica is ready instead of failing (gRPC's flag)
+    interceptors: tuple[Any, ...] = ()  # the caller's client interceptors, applied to the SDK's channel
 
     @property
-    def options(self) -> list[tuple[str, int]]:
-        return [
+    def options(self) -> list[tuple[str, Any]]:
+        """The channel options: message limits, the affinity service config (unless the caller picked a policy),
+        then the caller's options (a key given twice: gRPC keeps the last)."""
+        sdk: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
         ]
+        if not affinity.chooses_policy(self.user_options):
+            sdk.append(("grpc.service_config", affinity.default_service_config()))
+        return sdk + list(self.user_options)
+
+    def call_metadata(self, key: str | None) -> tuple[tuple[str, str], ...]:
+        """Metadata for one call of a conversation: the caller's, plus its affinity key unless the caller sent one."""
+        if key is None or any(k == affinity.AFFINITY_HEADER for k, _ in self.metadata):
+            return self.metadata
+        return self.metadata + ((affinity.AFFINITY_HEADER, key),)
 
 
 def channel_settings(
@@ -84,9 +102,28 @@ def channel_settings(
     certificate_chain: bytes | None,
     token: str | None,
     metadata: Sequence[tuple[str, str]],
+    options: Sequence[tuple[str, Any]] = (),
+    wait_for_ready: bool | None = None,
+    interceptors: Sequence[Any] = (),
+    channel: Any = None,
 ) -> ChannelSettings:
-    if not target:
-        raise ValueError("target is empty; pass HOST:PORT of an mmcast scheduler")
+    if not target and channel is None:
+        raise ValueError("target is empty; pass HOST:PORT of an mmcast scheduler (or several: ipv4:h:p1,h:p2)")
+    if channel is not None:
+        conflicts = [
+            name
+            for name, given in (
+                ("options", bool(options)),
+                ("tls", tls is not None),
+                ("root_certificates", root_certificates is not None),
+                ("private_key", private_key is not None),
+                ("certificate_chain", certificate_chain is not None),
+            )
+            if given
+        ]
+        if conflicts:
+            raise ValueError(f"channel= is a channel already made; {', '.join(conflicts)} cannot change it")
+    options = tuple((str(k), v) for k, v in options)
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout={timeout} must be > 0 seconds or None")
     if max_message_bytes < 1 << 16:
@@ -104,7 +141,19 @@ def channel_settings(
     md = tuple(metadata)
     if token:
         md += (("authorization", f"Bearer {token}"),)
-    return ChannelSettings(target, timeout, max_message_bytes, retries, backoff, credentials, md, upload_images)
+    return ChannelSettings(
+        target,
+        timeout,
+        max_message_bytes,
+        retries,
+        backoff,
+        credentials,
+        md,
+        upload_images,
+        options,
+        wait_for_ready,
+        tuple(interceptors),
+    )
 
 
 class Deadline:
@@ -194,9 +243,65 @@ def request_messages(prepared: Prepared, store: ImageStore, upload_images: bool)
     return to_proto(prepared, by_hash=by_hash, load=store.load)
 
 
-def can_resend(prepared: Prepared, store: ImageStore) -> bool:
-    """On NOT_FOUND: whether re-uploading could help (some referenced image has bytes we could send)."""
+def can_inline(prepared: Prepared, store: ImageStore) -> bool:
+    """On NOT_FOUND: whether sending images inline could help (some referenced image has bytes we could send)."""
     return any(store.load(ref) is not None for ref in prepared.images)
+
+
+def affinity_key(prepared: Prepared, session_id: str | None) -> str:
+    """The conversation's affinity key (mmcast_client/affinity.py): `session_id` when given, else a hash of the
+    first user message (the first message when none is from the user)."""
+    if session_id is not None:
+        return _session_key(session_id)
+    first = next((parts for role, parts in prepared.messages if role == pb.ROLE_USER), prepared.messages[0][1])
+    return affinity.conversation_key([p if isinstance(p, str) else ("image", p.sha256) for p in first])
+
+
+def upload_key(ref: ImageRef, session_id: str | None) -> str:
+    """The affinity key of a standalone upload: the session's, else that of a first message holding just the image."""
+    if session_id is not None:
+        return _session_key(session_id)
+    return affinity.conversation_key([("image", ref.sha256)])
+
+
+def _session_key(session_id: str) -> str:
+    try:
+        return affinity.session_key(session_id)
+    except ValueError as e:
+        raise InvalidArgument(message=str(e)) from None
+
+
+_SHA_IN_MESSAGE = re.compile(r"\b[0-9a-f]{64}\b")
+
+
+def inline_retry_messages(
+    prepared: Prepared, store: ImageStore, not_found: NotFound, max_message_bytes: int
+) -> list[pb.ChatMessage]:
+    """The messages of the one retry after a replica missed an uploaded image: every image we hold bytes for goes
+    inline (the server names only the first hash it missed, and an upload RPC could land on another replica).
+    Raises ResourceExhausted, naming the limit, when they would not fit in one request."""
+    messages = request_messages(prepared, store, upload_images=False)
+    size = sum(m.ByteSize() for m in messages)
+    if size > max_message_bytes:
+        missed = _SHA_IN_MESSAGE.search(not_found.message)
+        raise ResourceExhausted(
+            message=f"the replica that served this request lacks image sha256:{missed.group(0) if missed else '?'} "
+            f"({not_found.message}); sending the request's images inline takes {size} bytes, over this client's "
+            f"max_message_bytes={max_message_bytes}. Raise max_message_bytes= (and the servers' --max-request-bytes), "
+            "or keep the conversation on one replica (the default ring-hash balancing, session_id=)"
+        )
+    return messages
+
+
+def inline_retry_error(error: MmcastError, not_found: NotFound) -> MmcastError:
+    """A server's refusal of the inline retry as too large, said with why the images were inline."""
+    if not isinstance(error, ResourceExhausted):
+        return error
+    return ResourceExhausted(
+        message=f"the replica that served this request lacked an uploaded image ({not_found.message}), and the retry "
+        f"with the images inline was refused: {error.message}. Raise the servers' --max-request-bytes, or keep the "
+        "conversation on one replica (the default ring-hash balancing, session_id=)"
+    )
 
 
 def upload_chunks(sha: str, data: bytes) -> Iterator[pb.UploadImageChunk]:
@@ -220,15 +325,15 @@ class RetryState:
         self.settings = settings
         self.deadline = deadline
         self.attempt = 0  # UNAVAILABLE retries so far
-        self.resent = False  # the NOT_FOUND re-upload is done at most once
+        self.not_found: NotFound | None = None  # set once a replica missed an uploaded image: retry inline, once
 
-    def on_error(self, error: MmcastError, tokens_seen: bool, resendable) -> str | float:
-        """'resend' (re-upload then retry), a delay in seconds before a retry, or 'raise'."""
+    def on_error(self, error: MmcastError, tokens_seen: bool, inlinable) -> str | float:
+        """'inline' (retry with the images inline), a delay in seconds before a retry, or 'raise'."""
         if tokens_seen:
             return "raise"  # the stream has produced output; a retry would repeat it
-        if isinstance(error, NotFound) and not self.resent and resendable():
-            self.resent = True
-            return "resend"
+        if isinstance(error, NotFound) and self.not_found is None and inlinable():
+            self.not_found = error
+            return "inline"
         if isinstance(error, Unavailable) and self.attempt < self.settings.retries:
             delay = self.settings.backoff.delay(self.attempt)
             if not self.deadline.allows_wait(delay):
@@ -262,6 +367,16 @@ class Accumulator:
         self.text.append(msg.text)
         self.logprobs.extend(lps)
         return Delta(ids, msg.text, lps)
+
+    def partial(self, error: MmcastError) -> MmcastError:
+        """`error` carrying the output received so far (a stream that failed after its first token)."""
+        error.token_ids = tuple(self.token_ids)
+        error.text = "".join(self.text)
+        error.logprobs = tuple(self.logprobs)
+        if self.token_ids:
+            error.message += f" (after {len(self.token_ids)} tokens; they are on this error's token_ids and text)"
+            error.args = (f"{error.code.name}: {error.message}",)
+        return error
 
     def final(self, msg: pb.GenerateFinal) -> Result:
         """The Result, or the typed exception of a final message with FINISH_REASON_ERROR."""

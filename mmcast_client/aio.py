@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ import grpc.aio
 
 from mmcast.v1 import generation_pb2 as pb
 from mmcast.v1 import generation_pb2_grpc as pb_grpc
-from mmcast_client import _core
+from mmcast_client import _core, affinity
 from mmcast_client.errors import NotFound, from_rpc_error
 from mmcast_client.images import SHA_PREFIX, ImageStore
 from mmcast_client.messages import Prepared, normalize, prepare
@@ -30,11 +31,13 @@ from mmcast_client.types import Backoff, Delta, Result
 
 
 class AsyncClient:
-    """A connection to one scheduler: `await generate(...)`, `upload_image`, `get_server_info`; `async with`."""
+    """A connection to one scheduler or several replicas: `await generate(...)`, `upload_image`,
+    `get_server_info`; `async with`. `options`, `channel` (a `grpc.aio` channel), `interceptors` (`grpc.aio`
+    client interceptors; not with `channel`) and `wait_for_ready` as for `Client`."""
 
     def __init__(
         self,
-        target: str,
+        target: str = "",
         *,
         timeout: float | None = None,
         max_message_bytes: int = _core.DEFAULT_MAX_MESSAGE_BYTES,
@@ -47,7 +50,13 @@ class AsyncClient:
         certificate_chain: bytes | None = None,
         token: str | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        options: Sequence[tuple[str, Any]] = (),
+        channel: grpc.aio.Channel | None = None,
+        interceptors: Sequence[Any] = (),
+        wait_for_ready: bool | None = None,
     ) -> None:
+        if channel is not None and interceptors:
+            raise ValueError("interceptors= cannot be added to a grpc.aio channel= already made; make it with them")
         self.settings = _core.channel_settings(
             target,
             timeout=timeout,
@@ -61,12 +70,29 @@ class AsyncClient:
             certificate_chain=certificate_chain,
             token=token,
             metadata=metadata,
+            options=options,
+            wait_for_ready=wait_for_ready,
+            interceptors=interceptors,
+            channel=channel,
         )
         s = self.settings
-        if s.credentials is None:
-            self._channel = grpc.aio.insecure_channel(s.target, options=s.options)
+        self._owns_channel = channel is None
+        interceptors_ = list(s.interceptors) or None
+        if channel is not None:
+            warnings.warn(
+                f"channel=: the SDK uses this channel as is, so its balancing is yours; for conversation affinity "
+                f"over several replicas give it a ring_hash service config on the {affinity.AFFINITY_HEADER} header "
+                "(mmcast_client.affinity.RING_HASH_SERVICE_CONFIG)",
+                UserWarning,
+                stacklevel=2,
+            )
+            self._channel = channel
+        elif s.credentials is None:
+            self._channel = grpc.aio.insecure_channel(s.target, options=s.options, interceptors=interceptors_)
         else:
-            self._channel = grpc.aio.secure_channel(s.target, s.credentials, options=s.options)
+            self._channel = grpc.aio.secure_channel(
+                s.target, s.credentials, options=s.options, interceptors=interceptors_
+            )
         self._stub = pb_grpc.GenerationStub(self._channel)
         self.images = ImageStore()
         self.closed = False
@@ -78,7 +104,8 @@ class AsyncClient:
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
-            await self._channel.close()
+            if self._owns_channel:
+                await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -88,21 +115,27 @@ class AsyncClient:
 
     async def get_server_info(self, *, timeout: float | None = None) -> _core.ServerInfo:
         deadline = _core.Deadline(self._timeout(timeout))
+        s = self.settings
         reply = await self._unary(
-            lambda t: self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=t, metadata=self.settings.metadata),
+            lambda t: self._stub.GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=t, metadata=s.metadata, wait_for_ready=s.wait_for_ready
+            ),
             deadline,
         )
         return _core.ServerInfo.from_proto(reply)
 
-    async def upload_image(self, image: Any, *, force: bool = False, timeout: float | None = None) -> str:
+    async def upload_image(
+        self, image: Any, *, force: bool = False, timeout: float | None = None, session_id: str | None = None
+    ) -> str:
         """As `Client.upload_image`: returns `"sha256:<hex>"`."""
         deadline = _core.Deadline(self._timeout(timeout))
         ref = await asyncio.to_thread(self.images.resolve, image, "image")
+        key = _core.upload_key(ref, session_id)
         if force or not self.images.is_held(ref.sha256):
             data = await asyncio.to_thread(self.images.load, ref)
             if data is None:
                 raise NotFound(message=f"sha256:{ref.sha256}: this client has no bytes for it to upload")
-            await self._upload(ref.sha256, data, deadline)
+            await self._upload(ref.sha256, data, deadline, key)
         return SHA_PREFIX + ref.sha256
 
     async def generate(
@@ -124,12 +157,14 @@ class AsyncClient:
         continue_final_message: bool = False,
         stream: bool = False,
         timeout: float | None = None,
+        session_id: str | None = None,
     ) -> Result | AsyncGenerationStream:
         """As `Client.generate`; stream=True returns an AsyncGenerationStream (`async for delta in stream`)."""
         started = time.monotonic()
         deadline = _core.Deadline(self._timeout(timeout))
         # Reading files and encoding PIL images can take tens of milliseconds: keep them off the event loop.
         prepared = await asyncio.to_thread(lambda: prepare(normalize(messages, images), self.images))
+        key = _core.affinity_key(prepared, session_id)
         request = pb.GenerateRequest(
             request_id=request_id or _core.new_request_id(),
             sampling=_core.sampling_params(
@@ -146,7 +181,7 @@ class AsyncClient:
             cache_salt=cache_salt or "",
             continue_final_message=continue_final_message,
         )
-        s = AsyncGenerationStream(self, prepared, request, deadline, started)
+        s = AsyncGenerationStream(self, prepared, request, deadline, started, key)
         if stream:
             return s
         async with s:
@@ -166,25 +201,29 @@ class AsyncClient:
                 return await call(deadline.remaining())
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
-                action = retry.on_error(error, tokens_seen=False, resendable=lambda: False)
+                action = retry.on_error(error, tokens_seen=False, inlinable=lambda: False)
                 if action == "raise":
                     raise error from None
                 await asyncio.sleep(action)
 
-    async def _upload(self, sha: str, data: bytes, deadline: _core.Deadline) -> None:
+    async def _upload(self, sha: str, data: bytes, deadline: _core.Deadline, key: str) -> None:
+        s = self.settings
         reply = await self._unary(
             lambda t: self._stub.UploadImage(
-                _core.upload_chunks(sha, data), timeout=t, metadata=self.settings.metadata
+                _core.upload_chunks(sha, data),
+                timeout=t,
+                metadata=s.call_metadata(key),
+                wait_for_ready=s.wait_for_ready,
             ),
             deadline,
         )
         _core.check_upload(sha, reply)
         self.images.mark_held(sha)
 
-    async def _upload_missing(self, prepared: Prepared, deadline: _core.Deadline) -> None:
+    async def _upload_missing(self, prepared: Prepared, deadline: _core.Deadline, key: str) -> None:
         plan = await asyncio.to_thread(_core.upload_plan, prepared, self.images)
         for sha, data in plan:
-            await self._upload(sha, data, deadline)
+            await self._upload(sha, data, deadline, key)
 
 
 class AsyncGenerationStream:
@@ -197,8 +236,10 @@ class AsyncGenerationStream:
         request: pb.GenerateRequest,
         deadline: _core.Deadline,
         started: float,
+        key: str,
     ) -> None:
         self.request_id = request.request_id
+        self.affinity_key = key  # the x-mmcast-affinity value its calls carry
         self.result: Result | None = None
         self.cancelled = False
         self._client = client
@@ -231,17 +272,27 @@ class AsyncGenerationStream:
     async def _run(self) -> AsyncIterator[Delta]:
         client, settings = self._client, self._client.settings
         retry = _core.RetryState(settings, self._deadline)
+        metadata = settings.call_metadata(self.affinity_key)
+        inline: list[pb.ChatMessage] | None = None  # the messages of the retry after a replica missed an upload
         while True:
-            if settings.upload_images:
-                await client._upload_missing(self._prepared, self._deadline)
-            messages = await asyncio.to_thread(
-                _core.request_messages, self._prepared, client.images, settings.upload_images
-            )
+            if inline is None:
+                if settings.upload_images:
+                    await client._upload_missing(self._prepared, self._deadline, self.affinity_key)
+                messages = await asyncio.to_thread(
+                    _core.request_messages, self._prepared, client.images, settings.upload_images
+                )
+            else:
+                messages = inline
             self._request.ClearField("messages")
             self._request.messages.extend(messages)
             if self.cancelled:
                 return
-            call = client._stub.Generate(self._request, timeout=self._deadline.remaining(), metadata=settings.metadata)
+            call = client._stub.Generate(
+                self._request,
+                timeout=self._deadline.remaining(),
+                metadata=metadata,
+                wait_for_ready=settings.wait_for_ready,
+            )
             self._call = call
             try:
                 async for response in call:
@@ -253,7 +304,7 @@ class AsyncGenerationStream:
                         return
                 if self.cancelled:
                     return
-                raise _core.no_final_error(self.request_id)
+                raise self._acc.partial(_core.no_final_error(self.request_id))
             except asyncio.CancelledError:
                 if self.cancelled:
                     return  # our own cancel(): grpc.aio ends the iteration this way
@@ -262,13 +313,22 @@ class AsyncGenerationStream:
                 if self.cancelled:
                     return
                 error = from_rpc_error(e)
+                if inline is not None and retry.not_found is not None:
+                    error = _core.inline_retry_error(error, retry.not_found)
                 action = retry.on_error(
-                    error, self._acc.tokens_seen, lambda: _core.can_resend(self._prepared, client.images)
+                    error, self._acc.tokens_seen, lambda: _core.can_inline(self._prepared, client.images)
                 )
                 if action == "raise":
-                    raise error from None
-                if action == "resend":
+                    raise self._acc.partial(error) from None
+                if action == "inline":  # as in GenerationStream._run
                     client.images.forget(ref.sha256 for ref in self._prepared.images)
+                    inline = await asyncio.to_thread(
+                        _core.inline_retry_messages,
+                        self._prepared,
+                        client.images,
+                        retry.not_found,
+                        settings.max_message_bytes,
+                    )
                     continue
                 await asyncio.sleep(action)
             finally:

@@ -3,6 +3,10 @@
 Catch `MmcastError` for everything, or a subclass (`NotFound`, `ResourceExhausted`, ...) for one status. Errors the
 SDK finds itself before sending anything (a malformed message, an unreadable image) are `InvalidArgument`, which is
 also a `ValueError`.
+
+A stream that fails after producing output is never retried (a retry would repeat it): its error, typically
+`Unavailable` when the replica serving it died, carries what arrived before the failure in `token_ids`, `text` and
+`logprobs`, so the caller can show it or continue from it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ class MmcastError(Exception):
     def __init__(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
         self.code = code if code is not None else self.default_code
         self.message = message
+        self.token_ids: tuple[int, ...] = ()  # tokens the stream delivered before it failed (empty when none)
+        self.text: str = ""  # their text, as the deltas carried it
+        self.logprobs: tuple = ()  # their TokenLogprobs, when return_logprobs=True
         super().__init__(f"{self.code.name}: {message}")
 
 

@@ -181,16 +181,16 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):
 
 
 class FakeGenerationServer:
-    """The fake servicer on a loopback port chosen by the OS; `with` starts and stops it."""
+    """The fake servicer on a loopback port (`port=0`: chosen by the OS); `with` starts and stops it."""
 
-    def __init__(self, token_delay: float = 0.0, max_workers: int = 16) -> None:
+    def __init__(self, token_delay: float = 0.0, max_workers: int = 16, port: int = 0) -> None:
         self.servicer = FakeGenerationServicer(token_delay)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.target = f"127.0.0.1:{self.port}"
 
     def __getattr__(self, name):  # requests, uploads, fail(), ... of the servicer

@@ -144,10 +144,17 @@ def test_unknown_hash_is_not_found_and_the_sdk_resends_transparently(group, orac
         client.images.mark_held(hashlib.sha256(img).hexdigest())
         uploads = []
         original = client._upload
-        monkeypatch.setattr(client, "_upload", lambda sha, data, d: (uploads.append(sha), original(sha, data, d)))
+        monkeypatch.setattr(client, "_upload", lambda sha, *rest: (uploads.append(sha), original(sha, *rest)))
         result = client.generate([user_turn(img, "What is this?")], **GENERATE)
+        # The retry carried the image inline (no upload RPC, which could reach another replica); the next request
+        # of the conversation uploads it again, since the client no longer counts it as held.
+        assert uploads == []
+        assert_matches(result, oracle([user_turn(img, "What is this?")]), "resent inline after NOT_FOUND")
+        history = [user_turn(img, "What is this?"), {"role": "assistant", "content": result.text},
+                   {"role": "user", "content": "And the colours?"}]  # fmt: skip
+        again = client.generate(history, **GENERATE)
     assert uploads == [hashlib.sha256(img).hexdigest()]
-    assert_matches(result, oracle([user_turn(img, "What is this?")]), "resent after NOT_FOUND")
+    assert_matches(again, oracle(history), "the next turn, uploaded again")
 
 
 # -- streaming, cancellation, concurrency -------------------------------------------------------------------------

@@ -222,14 +222,21 @@ def test_large_image_uploads_in_1mib_chunks(client, fake):
     assert [h for _, h in chunks] == [sha(big), "", ""]  # the expected hash rides on the first chunk only
 
 
-def test_not_found_triggers_one_reupload_and_retry(client, fake):
+def test_not_found_is_retried_once_with_the_images_inline(client, fake):
     image = png_bytes((1, 1, 1))
     client.generate("a", images=[image], max_tokens=2)
-    fake.stored.clear()  # the server lost it (eviction, restart)
+    fake.stored.clear()  # the server lost it (eviction, restart, or another replica served the request)
     result = client.generate("b", images=[image], max_tokens=2)
     assert result.finish_reason == "length"
-    assert fake.uploads == [sha(image), sha(image)]
+    # No separate upload RPC (it could land on another replica): the same Generate again, the bytes inline.
+    assert fake.uploads == [sha(image)]
     assert [r.messages[0].content[1].text for r in fake.requests] == ["a", "b", "b"]
+    assert parts(fake.requests[1])[0][1][0] == ("ref", sha(image))
+    assert parts(fake.requests[2])[0][1][0] == ("data", sha(image))
+    # The client no longer counts the image as held: the next request uploads it again first.
+    client.generate("c", images=[image], max_tokens=2)
+    assert fake.uploads == [sha(image), sha(image)]
+    assert parts(fake.requests[3])[0][1][0] == ("ref", sha(image))
 
 
 def test_unknown_hash_without_bytes_raises_not_found_with_server_message(client, fake):

@@ -402,17 +402,17 @@ def test_kill_9_of_the_scheduler_ranks_take_the_newer_epoch_and_clients_reconnec
         assert wait_until(lambda: all(c == (0.0, 0.0, 0.0) for c in env.rank_caches()), 10), env.rank_caches()
 
     # Clients reconnect through the SDK: retried while the scheduler restarts; the new one holds no uploads, so
-    # the upload-by-hash clients are told NOT_FOUND and upload again, transparently.
+    # the upload-by-hash clients are told NOT_FOUND and send the request again with the image inline, transparently.
     uploads = []
     original = keeper._upload
-    keeper._upload = lambda sha, data, d: (uploads.append(sha), original(sha, data, d))
+    keeper._upload = lambda sha, *rest: (uploads.append(sha), original(sha, *rest))
     try:
         kept = keeper.generate(fault_messages(3), max_tokens=8, ignore_eos=True, return_logprobs=True)
     finally:
         keeper.close()
     back = time.monotonic() - t_kill
     assert_matches(kept, env.oracle(fault_messages(3), 8), "same client across the scheduler restart")
-    assert len(uploads) == 1  # NOT_FOUND from the new scheduler, then the SDK uploaded the image again
+    assert uploads == []  # NOT_FOUND from the new scheduler, then the same Generate with the image inline
     again = Streams(env, [0, 1, 2, 3], retries=100, backoff=Backoff(initial=0.5, maximum=1.0)).start()
     again.join(180)
     again.check()

@@ -26,7 +26,18 @@ if _version_not_supported:
 
 
 class GenerationStub:
-    """Missing associated documentation comment in .proto file."""
+    """Request metadata (not a message field): `x-mmcast-affinity` names the conversation a call belongs to, so a client
+    balancing over several replicas (one scheduler and its worker group each; each keeps its own prefix cache and
+    upload store) sends every call of one conversation — its UploadImage and Generate calls alike — to the same
+    replica. The value is opaque to the server, which ignores it: any ASCII token up to 128 characters, equal for
+    every call of the conversation. The SDK sends 32 hex digits: a hash of the conversation's first user message
+    (texts as sent, images by the sha256 of their bytes), or of `session_id=` when given. Balancers hash it: gRPC's
+    `ring_hash_experimental` policy with `"requestHashHeader": "x-mmcast-affinity"` (gRFC A76), or a proxy's
+    consistent hash on the header (Envoy: `hash_policy: [{header: {header_name: x-mmcast-affinity}}]` with the
+    `RING_HASH` or `MAGLEV` load-balancing policy); see docs/DEPLOYMENT.md. Without the header a call may go to any
+    replica: an `uploaded_sha256` the serving replica lacks is NOT_FOUND, which the SDK answers by sending the
+    request again with the image bytes inline.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +63,18 @@ class GenerationStub:
 
 
 class GenerationServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Request metadata (not a message field): `x-mmcast-affinity` names the conversation a call belongs to, so a client
+    balancing over several replicas (one scheduler and its worker group each; each keeps its own prefix cache and
+    upload store) sends every call of one conversation — its UploadImage and Generate calls alike — to the same
+    replica. The value is opaque to the server, which ignores it: any ASCII token up to 128 characters, equal for
+    every call of the conversation. The SDK sends 32 hex digits: a hash of the conversation's first user message
+    (texts as sent, images by the sha256 of their bytes), or of `session_id=` when given. Balancers hash it: gRPC's
+    `ring_hash_experimental` policy with `"requestHashHeader": "x-mmcast-affinity"` (gRFC A76), or a proxy's
+    consistent hash on the header (Envoy: `hash_policy: [{header: {header_name: x-mmcast-affinity}}]` with the
+    `RING_HASH` or `MAGLEV` load-balancing policy); see docs/DEPLOYMENT.md. Without the header a call may go to any
+    replica: an `uploaded_sha256` the serving replica lacks is NOT_FOUND, which the SDK answers by sending the
+    request again with the image bytes inline.
+    """
 
     def Generate(self, request, context):
         """Streams the tokens of one chat completion, then one final message.
@@ -103,7 +125,18 @@ def add_GenerationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Generation:
-    """Missing associated documentation comment in .proto file."""
+    """Request metadata (not a message field): `x-mmcast-affinity` names the conversation a call belongs to, so a client
+    balancing over several replicas (one scheduler and its worker group each; each keeps its own prefix cache and
+    upload store) sends every call of one conversation — its UploadImage and Generate calls alike — to the same
+    replica. The value is opaque to the server, which ignores it: any ASCII token up to 128 characters, equal for
+    every call of the conversation. The SDK sends 32 hex digits: a hash of the conversation's first user message
+    (texts as sent, images by the sha256 of their bytes), or of `session_id=` when given. Balancers hash it: gRPC's
+    `ring_hash_experimental` policy with `"requestHashHeader": "x-mmcast-affinity"` (gRFC A76), or a proxy's
+    consistent hash on the header (Envoy: `hash_policy: [{header: {header_name: x-mmcast-affinity}}]` with the
+    `RING_HASH` or `MAGLEV` load-balancing policy); see docs/DEPLOYMENT.md. Without the header a call may go to any
+    replica: an `uploaded_sha256` the serving replica lacks is NOT_FOUND, which the SDK answers by sending the
+    request again with the image bytes inline.
+    """
 
     @staticmethod
     def Generate(request,
