@@ -36,6 +36,12 @@ RING_HASH_SERVICE_CONFIG = json.dumps(
     {"loadBalancingConfig": [{"ring_hash_experimental": {"requestHashHeader": AFFINITY_HEADER}}]}
 )
 ROUND_ROBIN_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+# What a client built on a caller's channel says: that channel's balancing, not the SDK's, decides where calls go.
+OWN_CHANNEL_WARNING = (
+    "channel=: the SDK uses this channel as is, so its balancing is yours; for conversation affinity over several "
+    f"replicas give it a ring_hash service config on the {AFFINITY_HEADER} header "
+    "(mmcast_client.affinity.RING_HASH_SERVICE_CONFIG)"
+)
 
 
 def conversation_key(first_user_message: Sequence[str | tuple[str, str]]) -> str:

@@ -79,13 +79,7 @@ class AsyncClient:
         self._owns_channel = channel is None
         interceptors_ = list(s.interceptors) or None
         if channel is not None:
-            warnings.warn(
-                f"channel=: the SDK uses this channel as is, so its balancing is yours; for conversation affinity "
-                f"over several replicas give it a ring_hash service config on the {affinity.AFFINITY_HEADER} header "
-                "(mmcast_client.affinity.RING_HASH_SERVICE_CONFIG)",
-                UserWarning,
-                stacklevel=2,
-            )
+            warnings.warn(affinity.OWN_CHANNEL_WARNING, UserWarning, stacklevel=2)
             self._channel = channel
         elif s.credentials is None:
             self._channel = grpc.aio.insecure_channel(s.target, options=s.options, interceptors=interceptors_)
