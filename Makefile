@@ -7,7 +7,7 @@ PYTEST_TIMEOUT ?= 300
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 PROTOS := $(wildcard proto/mmcast/v1/*.proto)
 
-.PHONY: install proto proto-check lint test test-fast demo bench bench-quick soak fuzz tools clean
+.PHONY: install proto proto-baseline proto-check lint test test-fast demo bench bench-quick soak fuzz tools clean
 
 install: $(STAMP)
 
@@ -34,8 +34,15 @@ proto-check: install
 	for f in mmcast/v1/*_pb2*.py*; do test -e $$tmp/$$f || { echo "generated file without a proto: $$f"; rm -rf $$tmp; exit 1; }; done; \
 	rm -rf $$tmp; echo "generated code is current"
 
-lint: install
+# The proto contract: buf's STANDARD lint rules, and no breaking change against the committed baseline image
+# (proto/baseline.json). A deliberate breaking change regenerates the baseline with `make proto-baseline`.
+lint: install tools
 	$(BIN)/ruff check .
+	.tools/bin/buf lint proto
+	.tools/bin/buf breaking proto --against proto/baseline.json
+
+proto-baseline: tools
+	.tools/bin/buf build proto --exclude-source-info -o proto/baseline.json
 
 # Tools the deployment and observability checks use (helm, promtool, prometheus, grpcurl, kubernetes-validate).
 tools: install

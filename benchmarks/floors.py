@@ -5,7 +5,7 @@ every process (sender and receivers):
 
 - ``grpc``: a bare bidirectional gRPC stream per receiver (grpc.aio on both ends, as the scheduler and workers
   use), the product's own codec: ``common.codec.iter_payload_frames`` (1 MiB chunks) on the sender, each frame
-  written to every stream; ``SchedulerFrame`` parsing and ``common.codec.TensorAssembler`` on the receiver,
+  written to every stream; ``StepRequest`` parsing and ``common.codec.TensorAssembler`` on the receiver,
   which answers once the tensor is built. This is the floor for the ``full`` mode's per-image broadcast.
 - ``tcp``: a raw loopback socket per receiver, 1 MiB ``sendall``s interleaved over the receivers; each receiver
   ``recv_into``s a preallocated, pre-faulted buffer and answers one byte.
@@ -69,7 +69,7 @@ def _serve_grpc() -> None:
         opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         server = grpc.aio.server(options=opts)
         handler = grpc.stream_stream_rpc_method_handler(
-            step, request_deserializer=worker_pb2.SchedulerFrame.FromString, response_serializer=None
+            step, request_deserializer=worker_pb2.StepRequest.FromString, response_serializer=None
         )
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("mmcast.bench.Floor", {"Step": handler}),)

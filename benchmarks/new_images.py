@@ -13,7 +13,7 @@ same seeds in every group, so every variant must return the same tokens). At TP1
 - the encoder output the owner rank shared over the group's collective (``Usage.encoder_output_bytes_shared``, and
   the ranks' ``mmcast_worker_encoder_collective_bytes_total``) and the collective's seconds;
 - CPU seconds of the scheduler process and of all ranks (``benchmarks.proc_memory.cpu_seconds`` around each
-  request), and the frontend's own image CPU (``Usage.image_cpu_seconds``);
+  request), and the frontend's own image CPU (``Usage.image_cpu_time``);
 - the TTFT slope: least-squares client TTFT against the number of new images.
 
 CPU and TTFT per new image are least-squares slopes against N (the request's fixed cost — tokenizing, decode

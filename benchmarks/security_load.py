@@ -153,7 +153,7 @@ def measure(model_dir: str, log=print) -> list[dict]:
     with LocalGroup(model_dir, 1, "lazy", kv_blocks=4096, scheduler_args=["--max-model-len", str(CONTEXT)]) as group:
         pid = group.pids()["scheduler"]
         channel = grpc.insecure_channel(group.target, options=[("grpc.max_send_message_length", 64 << 20)])
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         _small_request(stub)  # warm
         for name, what, build in [("baseline", "no attack", None), *cases()]:
             row = measure_case(stub, pid, name, what, build)

@@ -12,7 +12,7 @@ good table and logs why. Tokens are held only as sha256 digests; a presented tok
 known digest in constant time (``hmac.compare_digest``, no early exit), so a lookup's timing says nothing about
 how much of a guessed token was right, nor which entry matched.
 
-``BearerTokenInterceptor`` guards the methods under given prefixes (``/mmcast.v1.Generation/``): a call without
+``BearerTokenInterceptor`` guards the methods under given prefixes (``/mmcast.v1.GenerationService/``): a call without
 ``authorization: Bearer <token>`` metadata naming a known token ends with UNAUTHENTICATED before the servicer
 runs or the request is even parsed. Every other method (``grpc.health.v1``, server reflection) stays open, so
 probes and tooling work without secrets.

@@ -1,7 +1,7 @@
 """The tensor codec: a tensor becomes a header plus ordered chunks, and chunks become a tensor again.
 
 Sender: ``encode_tensor`` views the tensor's bytes without copying and slices them into ``chunk_size`` pieces;
-``payload_frames`` turns one field of one item into ready-to-write ``SchedulerFrame`` bytes, each chunk copied
+``payload_frames`` turns one field of one item into ready-to-write ``StepRequest`` bytes, each chunk copied
 exactly once (into its frame).
 
 Receiver: ``TensorAssembler`` validates the header — known dtype, ``prod(shape) * itemsize == byte_size``, the
@@ -181,7 +181,7 @@ def decode_tensor(
 
 
 # --- protobuf wire helpers for payload frames ---------------------------------------------------------------
-# A payload frame is SchedulerFrame{payload: PayloadFrame{item_identifier, field_name, header?, chunk}}. The
+# A payload frame is StepRequest{payload: PayloadFrame{item_identifier, field_name, header?, chunk}}. The
 # small parts are serialized by protobuf; the chunk bytes are appended by hand so they are copied exactly once
 # (into the frame) instead of into a message, then a serialization buffer.
 
@@ -211,7 +211,7 @@ def iter_payload_frames(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> Iterator[bytes]:
-    """Serialized ``SchedulerFrame`` messages carrying one field of one item: the header in the first frame,
+    """Serialized ``StepRequest`` messages carrying one field of one item: the header in the first frame,
     then one chunk per frame. Built one at a time, so a sender holds a single chunk-sized frame at once; the
     same bytes can be written to any number of rank streams."""
     from mmcast.v1 import worker_pb2  # local import: the codec itself does not depend on the step protocol
@@ -247,7 +247,7 @@ def payload_frames_size(item_identifier: str, field_name: str, tensor: torch.Ten
     header = tensor_pb2.TensorHeader(dtype=dtype_to_proto(tensor.dtype), shape=list(tensor.shape), byte_size=byte_size)
     if byte_size == 0:
         head = worker_pb2.PayloadFrame(item_identifier=item_identifier, field_name=field_name, header=header)
-        return worker_pb2.SchedulerFrame(payload=head).ByteSize()
+        return worker_pb2.StepRequest(payload=head).ByteSize()
     header.chunk_size = chunk_size
     header.num_chunks = math.ceil(byte_size / chunk_size)
     total = 0

@@ -1,4 +1,4 @@
-"""The mmcast client SDK: sync `Client` and asyncio `AsyncClient` for the `mmcast.v1.Generation` service.
+"""The mmcast client SDK: sync `Client` and asyncio `AsyncClient` for the `mmcast.v1.GenerationService` service.
 
 Needs only grpcio, protobuf, Pillow and numpy (never torch or transformers), so applications can import it cheaply.
 """

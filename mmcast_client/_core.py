@@ -26,11 +26,11 @@ from mmcast_client.errors import (
 )
 from mmcast_client.images import ImageRef, ImageStore
 from mmcast_client.messages import Prepared, to_proto
-from mmcast_client.types import FINISH_REASONS, Backoff, Delta, Result, TokenLogprob, Usage
+from mmcast_client.types import FINISH_REASONS, Backoff, Delta, Result, TokenLogprob, Usage, seconds
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 UPLOAD_CHUNK_BYTES = 1 << 20
-GENERATION_SERVICE = "mmcast.v1.Generation"
+GENERATION_SERVICE = "mmcast.v1.GenerationService"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +49,10 @@ class ServerInfo:
     group_ready: bool
 
     @classmethod
-    def from_proto(cls, msg: pb.ServerInfo) -> ServerInfo:
-        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+    def from_proto(cls, msg: pb.GetServerInfoResponse) -> ServerInfo:
+        fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name != "transfer_mode"}
+        mode = pb.TransferMode.Name(msg.transfer_mode) if msg.transfer_mode in pb.TransferMode.values() else "unknown"
+        return cls(**fields, transfer_mode=mode.removeprefix("TRANSFER_MODE_").lower())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,10 +306,10 @@ def inline_retry_error(error: MmcastError, not_found: NotFound) -> MmcastError:
     )
 
 
-def upload_chunks(sha: str, data: bytes) -> Iterator[pb.UploadImageChunk]:
+def upload_chunks(sha: str, data: bytes) -> Iterator[pb.UploadImageRequest]:
     view = memoryview(data)
     for start in range(0, max(len(data), 1), UPLOAD_CHUNK_BYTES):
-        chunk = pb.UploadImageChunk(data=bytes(view[start : start + UPLOAD_CHUNK_BYTES]))
+        chunk = pb.UploadImageRequest(data=bytes(view[start : start + UPLOAD_CHUNK_BYTES]))
         if start == 0:
             chunk.expected_sha256 = sha
         yield chunk
@@ -391,9 +393,9 @@ class Accumulator:
             finish_reason=FINISH_REASONS.get(msg.finish_reason, "unspecified"),
             usage=Usage.from_proto(msg.usage),
             stop_reason=msg.stop_reason,
-            server_ttft_seconds=msg.timings.time_to_first_token_seconds,
-            server_total_seconds=msg.timings.total_seconds,
-            queue_seconds=msg.timings.queue_seconds,
+            server_ttft_seconds=seconds(msg.timings.time_to_first_token),
+            server_total_seconds=seconds(msg.timings.total_time),
+            queue_seconds=seconds(msg.timings.queue_time),
             ttft_seconds=(self.first_token_at if self.first_token_at is not None else now) - self.started,
             total_seconds=now - self.started,
         )

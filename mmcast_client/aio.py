@@ -87,7 +87,7 @@ class AsyncClient:
             self._channel = grpc.aio.secure_channel(
                 s.target, s.credentials, options=s.options, interceptors=interceptors_
             )
-        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self.images = ImageStore()
         self.closed = False
 

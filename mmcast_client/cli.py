@@ -171,7 +171,7 @@ def cmd_serve_local(args: argparse.Namespace) -> int:
         group.start()
         group.wait_ready()
         print(f"ready in {time.monotonic() - started:.1f} s", file=sys.stderr)
-        print(f"scheduler  grpc://{group.target}  (mmcast.v1.Generation, transfer mode {args.transfer_mode})")
+        print(f"scheduler  grpc://{group.target}  (mmcast.v1.GenerationService, transfer mode {args.transfer_mode})")
         for r, target in enumerate(group.worker_targets):
             print(f"rank {r:<4}  grpc://{target}")
         for name, url in group.metrics_urls.items():

@@ -93,7 +93,7 @@ class Client:
         else:
             self._channel = grpc.secure_channel(s.target, s.credentials, options=s.options)
         calls = grpc.intercept_channel(self._channel, *s.interceptors) if s.interceptors else self._channel
-        self._stub = pb_grpc.GenerationStub(calls)
+        self._stub = pb_grpc.GenerationServiceStub(calls)
         self.images = ImageStore()
         self.closed = False
 

@@ -51,7 +51,7 @@ from common.process import ALLOCATOR_ENV, EXIT_STARTUP_FAILURE, startup_failure_
 log = logging.getLogger("mmcast.local_group")
 
 TRANSFER_MODES = ("full", "strip", "lazy")
-GENERATION_SERVICE = "mmcast.v1.Generation"
+GENERATION_SERVICE = "mmcast.v1.GenerationService"
 WORKER_SERVICE = "mmcast.v1.WorkerService"
 # Runs first in every child, then execs the real command. A preexec_fn would run Python between fork and exec in
 # a process whose gRPC threads (the supervisor's clients and health checks) did not survive the fork; gRPC's fork
@@ -249,7 +249,7 @@ class LocalGroup:
         return self
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Blocks until every rank's `mmcast.v1.WorkerService` and the scheduler's `mmcast.v1.Generation` health are
+        """Blocks until every rank's `mmcast.v1.WorkerService` and the scheduler's `mmcast.v1.GenerationService` health are
         SERVING: the ranks have loaded the model and formed their group, and the scheduler has handshaken them."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import hashlib
 import threading
 import time
@@ -34,7 +35,7 @@ class Fault:
     final_error: bool = False  # end with a final message of FINISH_REASON_ERROR instead of a status
 
 
-class FakeGenerationServicer(pb_grpc.GenerationServicer):
+class FakeGenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, token_delay: float = 0.0) -> None:
         self.lock = threading.Lock()
         self.token_delay = token_delay  # seconds between streamed tokens
@@ -121,8 +122,8 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):
                     payload_bytes_broadcast=1000 * images,
                 ),
                 timings=pb.Timings(
-                    time_to_first_token_seconds=(first or started) - started,
-                    total_seconds=time.monotonic() - started,
+                    time_to_first_token=datetime.timedelta(seconds=(first or started) - started),
+                    total_time=datetime.timedelta(seconds=time.monotonic() - started),
                 ),
             )
             if fault is not None and fault.final_error:
@@ -166,7 +167,7 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):
         fault = self._fault("GetServerInfo")
         if fault is not None:
             context.abort(fault.code, fault.message)
-        return pb.ServerInfo(
+        return pb.GetServerInfoResponse(
             model="fake",
             model_fingerprint="0" * 64,
             max_model_len=4096,
@@ -174,7 +175,7 @@ class FakeGenerationServicer(pb_grpc.GenerationServicer):
             max_image_pixels=1 << 22,
             max_request_bytes=64 << 20,
             max_upload_bytes=32 << 20,
-            transfer_mode="lazy",
+            transfer_mode=pb.TRANSFER_MODE_LAZY,
             tensor_parallel_size=1,
             group_ready=True,
         )
@@ -189,7 +190,7 @@ class FakeGenerationServer:
             futures.ThreadPoolExecutor(max_workers=max_workers),
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
-        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.target = f"127.0.0.1:{self.port}"
 

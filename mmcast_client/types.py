@@ -5,7 +5,14 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from google.protobuf import duration_pb2
+
 from mmcast.v1 import generation_pb2 as pb
+
+
+def seconds(duration: duration_pb2.Duration) -> float:
+    """A google.protobuf.Duration as float seconds (the SDK reports durations as seconds)."""
+    return duration.ToNanoseconds() / 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +67,8 @@ class Usage:
 
     @classmethod
     def from_proto(cls, msg: pb.Usage) -> Usage:
-        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+        fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name != "image_cpu_seconds"}
+        return cls(**fields, image_cpu_seconds=seconds(msg.image_cpu_time))
 
 
 FINISH_REASONS = {

@@ -155,7 +155,7 @@ class SchedulerConfig:
     )
     auth_tokens_file: str = _field(
         "", "bearer tokens: lines '<tenant> <token>' or a JSON object {token: tenant}; set = every "
-        "mmcast.v1.Generation call needs 'authorization: Bearer <token>' (health and reflection stay open); "
+        "mmcast.v1.GenerationService call needs 'authorization: Bearer <token>' (health and reflection stay open); "
         "uploads and caches are scoped per tenant; re-read when the file changes",
     )
     health_port: int = _field(

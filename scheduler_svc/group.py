@@ -118,7 +118,7 @@ class _RankStream:
 
     async def handshake(self, hs: worker_pb2.Handshake, timeout: float) -> worker_pb2.HandshakeAck:
         try:
-            await asyncio.wait_for(self.write(worker_pb2.SchedulerFrame(handshake=hs).SerializeToString()), timeout)
+            await asyncio.wait_for(self.write(worker_pb2.StepRequest(handshake=hs).SerializeToString()), timeout)
             raw = await asyncio.wait_for(self.call.read(), timeout)
         except TimeoutError:
             raise GroupDown(f"rank {self.rank} ({self.address}): no handshake answer within {timeout:.1f}s") from None
@@ -135,7 +135,7 @@ class _RankStream:
             raise GroupDown(
                 f"rank {self.rank} ({self.address}) refused the handshake: {code.name}: {details}" + _auth_hint(code)
             )
-        frame = worker_pb2.WorkerFrame.FromString(raw)
+        frame = worker_pb2.StepResponse.FromString(raw)
         if frame.WhichOneof("frame") != "handshake_ack":
             raise GroupDown(f"rank {self.rank} answered the handshake with {frame.WhichOneof('frame')}")
         self.ack = frame.handshake_ack
@@ -150,7 +150,7 @@ class _RankStream:
                     code = await self.call.code()
                     self._fail(f"stream ended: {code.name}: {await self.call.details()}")
                     return
-                frame = worker_pb2.WorkerFrame.FromString(raw)
+                frame = worker_pb2.StepResponse.FromString(raw)
                 self.last_heard = time.monotonic()
                 kind = frame.WhichOneof("frame")
                 if kind == "step_result":
@@ -340,7 +340,7 @@ class WorkerGroup:
             for name, tensor in send.fields:
                 for raw in codec.iter_payload_frames(ident, name, tensor, chunk_size=self.chunk_size):
                     await self._write(targets, raw, "payload")
-        raw_control = worker_pb2.SchedulerFrame(control=control).SerializeToString()
+        raw_control = worker_pb2.StepRequest(control=control).SerializeToString()
         metadata, rest = wire.control_byte_breakdown(control, len(raw_control))
         try:
             await asyncio.gather(*(s.call.write(raw_control) for s in self._streams))
@@ -384,7 +384,7 @@ class WorkerGroup:
         for s in self._streams:
             if now - s.last_heard > stale_after:
                 raise GroupDown(f"rank {s.rank} ({s.address}): silent for {now - s.last_heard:.1f}s (keepalives unanswered)")
-        raw = worker_pb2.SchedulerFrame(keepalive=worker_pb2.Keepalive(sent_unix_nanos=time.time_ns())).SerializeToString()
+        raw = worker_pb2.StepRequest(keepalive=worker_pb2.Keepalive(sent_unix_nanos=time.time_ns())).SerializeToString()
         await self._write(self._streams, raw, "control")
 
     async def close(self) -> None:

@@ -30,7 +30,7 @@ log = logging.getLogger("mmcast.scheduler")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmcast-scheduler",
-        description="mmcast scheduler: serves mmcast.v1.Generation and drives one tensor-parallel worker group.",
+        description="mmcast scheduler: serves mmcast.v1.GenerationService and drives one tensor-parallel worker group.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in dataclasses.fields(SchedulerConfig):

@@ -1,12 +1,12 @@
 """Assembles the scheduler process: frontend, scheduler core, worker group, engine, gRPC server, /metrics.
 
 Health has two levels: the server ("") is SERVING as soon as it listens (liveness); the service
-``mmcast.v1.Generation`` is SERVING only while every rank of the group has completed its handshake (readiness).
+``mmcast.v1.GenerationService`` is SERVING only while every rank of the group has completed its handshake (readiness).
 With TLS on the client port, ``--health-port`` serves the same health service in plaintext on its own port (and
 nothing else), for probes that cannot speak TLS (the kubelet's gRPC probes).
 
 Security (docs/SECURITY.md): ``--tls-*`` files put TLS (mutual with a client CA) on the client port;
-``--auth-tokens-file`` requires a bearer token on every ``mmcast.v1.Generation`` call and names the caller's
+``--auth-tokens-file`` requires a bearer token on every ``mmcast.v1.GenerationService`` call and names the caller's
 tenant; ``--worker-tls-*`` and ``--worker-token-file`` secure the rank streams.
 Shutdown: stop accepting new requests, let in-flight ones finish within ``drain_seconds``, cancel the rest,
 then close the rank streams.
@@ -35,12 +35,12 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.group import WorkerGroup
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.service import GenerationServicer
+from scheduler_svc.service import GenerationServiceServicer
 
 log = logging.getLogger("mmcast.scheduler")
 
-SERVICE_NAME = "mmcast.v1.Generation"
-GUARDED_METHODS = ("/mmcast.v1.Generation/",)  # what a bearer token is required for; health and reflection stay open
+SERVICE_NAME = "mmcast.v1.GenerationService"
+GUARDED_METHODS = ("/mmcast.v1.GenerationService/",)  # what a bearer token is required for; health and reflection stay open
 
 
 class SchedulerServer:
@@ -111,7 +111,7 @@ class SchedulerServer:
             reconnect_backoff=(config.reconnect_backoff_initial_seconds, config.reconnect_backoff_max_seconds),
             on_group_state=self._on_group_state,
         )
-        self.servicer = GenerationServicer(
+        self.servicer = GenerationServiceServicer(
             engine=self.engine,
             frontend=self.frontend,
             uploads=self.uploads,
@@ -160,9 +160,9 @@ class SchedulerServer:
             image_fields=processed.image_fields,
         )
 
-    def _server_info(self) -> generation_pb2.ServerInfo:
+    def _server_info(self) -> generation_pb2.GetServerInfoResponse:
         c = self.config
-        return generation_pb2.ServerInfo(
+        return generation_pb2.GetServerInfoResponse(
             model=Path(c.model).name,
             # model_fingerprint is left unset: it is what a rank checks in a handshake, and no client needs it.
             max_model_len=self.engine.max_model_len,
@@ -170,7 +170,7 @@ class SchedulerServer:
             max_image_pixels=c.max_image_pixels,
             max_request_bytes=c.max_request_bytes,
             max_upload_bytes=c.max_upload_bytes,
-            transfer_mode=c.transfer_mode,
+            transfer_mode=generation_pb2.TransferMode.Value(f"TRANSFER_MODE_{c.transfer_mode.upper()}"),
             tensor_parallel_size=len(c.workers),
             group_ready=self.engine.ready,
         )
@@ -185,7 +185,7 @@ class SchedulerServer:
         c = self.config
         # Outermost first: metrics see every status, the token check runs before the request is parsed, and the
         # decode guard turns unparsable bytes into INVALID_ARGUMENT.
-        generation_service = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+        generation_service = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
         interceptors = [AioServerMetricsInterceptor(self.metrics.registry, services=[generation_service])]
         if self.tokens is not None:
             interceptors.append(BearerTokenInterceptor(self.tokens, GUARDED_METHODS))
@@ -198,10 +198,10 @@ class SchedulerServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (
-            generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+            generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         )

@@ -1,4 +1,4 @@
-"""The client-facing ``mmcast.v1.Generation`` servicer. It only translates: proto → domain objects (api.py),
+"""The client-facing ``mmcast.v1.GenerationService`` servicer. It only translates: proto → domain objects (api.py),
 the frontend and the engine decide, events → proto. Status codes come from ``common.errors`` statuses.
 
 Any other exception is a bug of the server, not of the request: the client gets ``INTERNAL`` with the request id
@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import grpc
 
@@ -47,7 +48,7 @@ async def abort_internal(context, method: str, request_id: str) -> None:
     )
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(
         self, *, engine: Engine, frontend, uploads, config, tokenizer, make_request, server_info, tokens=None
     ) -> None:
@@ -57,7 +58,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.config = config
         self.tokenizer = tokenizer
         self.make_request = make_request  # (request_id, processed prompt, SamplingSpec, cache_salt) -> core Request
-        self.server_info = server_info  # () -> generation_pb2.ServerInfo
+        self.server_info = server_info  # () -> generation_pb2.GetServerInfoResponse
         self.tokens = tokens  # common.auth.TokenTable, or None when authentication is off (one tenant, "")
         # Every header check, decode and tokenization runs here, never on the event loop; the frontend bounds how
         # many decodes run at once (--max-concurrent-decodes) and gives each thread its own tokenizer.
@@ -196,13 +197,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 preemptions=u.preemptions,
                 encoder_runs=u.encoder_runs,
                 encoder_output_bytes_shared=u.encoder_output_bytes_shared,
-                image_cpu_seconds=processed.image_cpu_seconds,
+                image_cpu_time=timedelta(seconds=processed.image_cpu_seconds),
                 images_encoder_shared=u.items_encoder_shared,
             ),
             timings=generation_pb2.Timings(
-                time_to_first_token_seconds=ttft or 0.0,
-                total_seconds=time.monotonic() - handle.received_at,
-                queue_seconds=(handle.first_scheduled_at or time.monotonic()) - handle.received_at,
+                time_to_first_token=timedelta(seconds=ttft or 0.0),
+                total_time=timedelta(seconds=time.monotonic() - handle.received_at),
+                queue_time=timedelta(seconds=(handle.first_scheduled_at or time.monotonic()) - handle.received_at),
             ),
         )
         if finish.error is not None:
@@ -230,7 +231,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 digest.update(chunk.data)
                 parts.append(chunk.data)
             if size == 0:
-                raise InvalidArgument("upload is empty: send the encoded image bytes in UploadImageChunk.data")
+                raise InvalidArgument("upload is empty: send the encoded image bytes in UploadImageRequest.data")
             sha = digest.hexdigest()
             if expected and expected != sha:
                 raise InvalidArgument(f"expected_sha256={expected[:80]} does not match the received bytes' sha256 {sha}")

@@ -70,7 +70,7 @@ def step_control(plan) -> worker_pb2.StepControl:
 def iter_item_payload_frames(
     feature: MultiModalFeatureSpec, chunk_size: int = codec.DEFAULT_CHUNK_SIZE
 ) -> Iterator[bytes]:
-    """Serialized ``SchedulerFrame``s carrying every payload (non keep_on_cpu) field of an item, in field order,
+    """Serialized ``StepRequest``s carrying every payload (non keep_on_cpu) field of an item, in field order,
     one chunk-sized frame at a time. Write each frame to every rank whose ``rank_payloads`` lists the item."""
     if feature.data is None:
         raise ValueError(f"item {feature.identifier[:16]} has no data; the scheduler's copy must keep its payload")

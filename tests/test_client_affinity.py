@@ -217,7 +217,7 @@ def test_interceptors_see_every_call(replicas):
     with Client(replicas[0].target, interceptors=[recorder]) as client:
         client.get_server_info()
         client.generate("x", max_tokens=1)
-    assert recorder.methods == ["/mmcast.v1.Generation/GetServerInfo", "/mmcast.v1.Generation/Generate"]
+    assert recorder.methods == ["/mmcast.v1.GenerationService/GetServerInfo", "/mmcast.v1.GenerationService/Generate"]
 
 
 def test_a_callers_channel_is_used_as_is_and_left_open(replicas):
@@ -264,7 +264,7 @@ def test_async_client_has_the_same_knobs(replicas):
             return keys
 
     keys = asyncio.run(run())
-    assert recorded == ["/mmcast.v1.Generation/Generate"] * 12
+    assert recorded == ["/mmcast.v1.GenerationService/Generate"] * 12
     assert all(len(backends_of(replicas, k)) == 1 for k in keys)
 
 

@@ -153,7 +153,7 @@ def test_payload_frames_parse_as_scheduler_frames(numel):
     frames = codec.payload_frames("item-1", "pixel_values", t, chunk_size=1 << 20)
     asm = None
     for i, raw in enumerate(frames):
-        frame = worker_pb2.SchedulerFrame.FromString(raw)
+        frame = worker_pb2.StepRequest.FromString(raw)
         assert frame.WhichOneof("frame") == "payload"
         assert frame.payload.item_identifier == "item-1" and frame.payload.field_name == "pixel_values"
         assert frame.payload.HasField("header") == (i == 0)

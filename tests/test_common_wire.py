@@ -94,7 +94,7 @@ def test_control_byte_breakdown_sums_item_messages():
     req = ctrl.new_requests.add(request_id="r1", prompt_token_ids=list(range(20)))
     req.mm_items.append(wire.feature_to_proto(feature()))
     req.mm_items.append(wire.feature_to_proto(feature(), payload_state=PayloadState.DEFERRED))
-    raw = worker_pb2.SchedulerFrame(control=ctrl).SerializeToString()
+    raw = worker_pb2.StepRequest(control=ctrl).SerializeToString()
     metadata, control = wire.control_byte_breakdown(ctrl, len(raw))
     assert metadata == sum(i.ByteSize() for i in req.mm_items)
     assert metadata + control == len(raw)

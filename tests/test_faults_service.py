@@ -26,7 +26,7 @@ def stream_log(rank) -> list[tuple[str, object]]:
     """The rank's frames in arrival order: ("handshake", epoch) or ("control", StepControl)."""
     out = []
     for raw in rank.frames:
-        frame = worker_pb2.SchedulerFrame.FromString(raw)
+        frame = worker_pb2.StepRequest.FromString(raw)
         kind = frame.WhichOneof("frame")
         if kind == "handshake":
             out.append(("handshake", frame.handshake.scheduler_epoch))

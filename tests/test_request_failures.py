@@ -95,7 +95,7 @@ def test_a_request_that_fails_at_the_rank_fails_alone(service, tiny_model_dir, m
     def run(name, *args, **kw):
         with grpc.insecure_channel(target) as ch:
             try:
-                results[name] = generate(gg.GenerationStub(ch), *args, **kw)
+                results[name] = generate(gg.GenerationServiceStub(ch), *args, **kw)
             except grpc.RpcError as exc:
                 errors[name] = exc
 
@@ -131,6 +131,6 @@ def test_a_request_that_fails_at_the_rank_fails_alone(service, tiny_model_dir, m
     assert counter(server, "mmcast_requests_finished_total", reason="error") >= 2
     assert wait_until(lambda: not rank.worker.active.session.requests, 10), rank.worker.active.session.requests
     with grpc.insecure_channel(target) as ch:
-        tokens, logprobs, final = generate(gg.GenerationStub(ch), "after", later_prompt)
+        tokens, logprobs, final = generate(gg.GenerationServiceStub(ch), "after", later_prompt)
     assert tokens == expected_later[0] and final.finish_reason == g.FINISH_REASON_LENGTH
     assert counter(server, "mmcast_worker_group_recoveries_total") == recoveries

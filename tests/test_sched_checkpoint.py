@@ -107,7 +107,7 @@ def generate(stub, req) -> g.GenerateFinal:
 def prompt_sent(rank, request_id: str) -> list[int]:
     """The prompt token ids of ``request_id`` as the rank received them on its Step stream."""
     for raw in rank.frames:
-        frame = worker_pb2.SchedulerFrame.FromString(raw)
+        frame = worker_pb2.StepRequest.FromString(raw)
         if frame.WhichOneof("frame") == "control":
             for new in frame.control.new_requests:
                 if new.request_id == request_id:
@@ -135,7 +135,7 @@ def test_a_template_in_any_file_transformers_reads_serves_its_prompts(tiny_model
     h = FakeGroupScheduler(folder, n_ranks=1).start()
     try:
         with grpc.insecure_channel(h.target) as channel:
-            final = generate(gg.GenerationStub(channel), request("templated"))
+            final = generate(gg.GenerationServiceStub(channel), request("templated"))
         assert final.usage.prompt_tokens == len(want)
         assert prompt_sent(h.ranks[0], "templated") == want, layout
     finally:
@@ -207,7 +207,7 @@ def test_an_unexpected_exception_is_internal_with_the_request_id(harness, monkey
         raise RuntimeError("the bug text")
 
     with grpc.insecure_channel(h.target) as channel:
-        stub = gg.GenerationStub(channel)
+        stub = gg.GenerationServiceStub(channel)
         with monkeypatch.context() as patch:  # before admission: in the frontend
             patch.setattr(h.server.frontend, "process", broken)
             with pytest.raises(grpc.RpcError) as info:
@@ -230,7 +230,7 @@ def test_an_unexpected_exception_is_internal_with_the_request_id(harness, monkey
         with monkeypatch.context() as patch:
             patch.setattr(h.server.frontend, "check_image_header", broken)
             with pytest.raises(grpc.RpcError) as info:
-                stub.UploadImage(iter([g.UploadImageChunk(data=IMAGE)]), timeout=30)
+                stub.UploadImage(iter([g.UploadImageRequest(data=IMAGE)]), timeout=30)
         _assert_internal(info, info.value.details().split("request_id=")[1].split(")")[0])
         assert "request_id=upload-" in info.value.details()
 

@@ -277,7 +277,7 @@ def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_di
     assert [e.item_identifier for e in control.encoder_inputs] == [f.identifier for f in prompt.mm_features[:2]]
     assert [s.identifier for s in plan.rank_payloads[1]] == [f.identifier for f in prompt.mm_features[:2]]
     for send in plan.rank_payloads[0]:
-        frames = [worker_pb2.SchedulerFrame.FromString(b).payload for b in item_payload_frames(send.feature, 4096)]
+        frames = [worker_pb2.StepRequest.FromString(b).payload for b in item_payload_frames(send.feature, 4096)]
         assembler = codec.TensorAssembler(frames[0].header, max_bytes=1 << 30, name="pixel_values")
         for frame in frames:
             assembler.add_chunk(frame.chunk.index, frame.chunk.data)

@@ -129,7 +129,7 @@ def round_trip(dtype, shape, chunk_size, seed) -> None:
               else torch.randint(-100, 100, shape, generator=g)).to(dtype)
     assembler = PayloadAssembler(1 << 20)
     for raw in codec.payload_frames("item", "f", tensor, chunk_size=chunk_size):
-        assembler.add(worker_pb2.SchedulerFrame.FromString(raw).payload)
+        assembler.add(worker_pb2.StepRequest.FromString(raw).payload)
     out = assembler.take()["item"]["f"]
     assert out.dtype == tensor.dtype and out.shape == tensor.shape and torch.equal(out, tensor)
 
@@ -276,7 +276,7 @@ def new_requests(draw, vocab, rid):
 def payload(ident: str, rows: int, chunk_size: int) -> list[worker_pb2.PayloadFrame]:
     tensor = torch.randn((rows, PATCH_DIM), generator=torch.Generator().manual_seed(len(ident)))
     raws = codec.payload_frames(ident, "pixel_values", tensor, chunk_size=chunk_size)
-    return [worker_pb2.SchedulerFrame.FromString(r).payload for r in raws]
+    return [worker_pb2.StepRequest.FromString(r).payload for r in raws]
 
 
 @st.composite
@@ -333,7 +333,7 @@ def raw_frame_property(rank):
     @given(raw=st.binary(max_size=300))
     def check(raw):
         try:
-            frame = worker_pb2.SchedulerFrame.FromString(raw)
+            frame = worker_pb2.StepRequest.FromString(raw)
         except Exception:
             return  # the decode guard answers INVALID_ARGUMENT (tested through gRPC in the catalogue)
         kind = frame.WhichOneof("frame")

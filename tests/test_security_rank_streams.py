@@ -55,7 +55,7 @@ def new_request(rid: str, n: int, blocks: list[int], computed: int = 0) -> worke
                             num_scheduled_tokens=n - computed)
 
 
-def step(stream, step_id: int, *requests) -> tuple[str, str, worker_pb2.WorkerFrame | None]:
+def step(stream, step_id: int, *requests) -> tuple[str, str, worker_pb2.StepResponse | None]:
     return stream.send(cat.control(step_id, new_requests=list(requests))).answer()
 
 
@@ -172,7 +172,7 @@ def test_stray_desynchronised_streams_are_refused_and_the_group_keeps_serving(gr
                                   world_size=2, scheduler_epoch=MAX_EPOCH, scheduler_id="mmcast-scheduler",
                                   block_size=16)
         s = cat.Stream(target, ())
-        s.send(worker_pb2.SchedulerFrame(handshake=hs), cat.control(10 + r, new_requests=[cat.text_request()]))
+        s.send(worker_pb2.StepRequest(handshake=hs), cat.control(10 + r, new_requests=[cat.text_request()]))
         streams.append(s)
         answers.append(s.answer())
     for s in streams:
@@ -186,7 +186,7 @@ def test_stray_desynchronised_streams_are_refused_and_the_group_keeps_serving(gr
 
 def test_a_restarted_scheduler_connects_after_a_stray_max_epoch(group):
     stray = cat.Stream(group.worker_targets[0], ())
-    code = stray.send(worker_pb2.SchedulerFrame(handshake=worker_pb2.Handshake(scheduler_epoch=MAX_EPOCH))).answer()[0]
+    code = stray.send(worker_pb2.StepRequest(handshake=worker_pb2.Handshake(scheduler_epoch=MAX_EPOCH))).answer()[0]
     stray.close()
     assert code == "UNAUTHENTICATED"
     ranks_before = {k: v for k, v in group.pids().items() if k != "scheduler"}

@@ -86,7 +86,7 @@ def setup(tiny_model_dir, tmp_path_factory):
     try:
         s = Setup(group, pki, tokens, worker_token, token_files, health_port, worker_health_port)
         # Readiness through the TLS port itself (health needs no token), as a client would see it.
-        wait_for(lambda: group.failure or serving(group.target, "mmcast.v1.Generation", s.credentials()), 180,
+        wait_for(lambda: group.failure or serving(group.target, "mmcast.v1.GenerationService", s.credentials()), 180,
                  f"the TLS group is not ready:\n{group.log_tails()}", interval=0.2)
         assert group.failure is None, group.failure
         yield s
@@ -118,7 +118,7 @@ def generate_with(credentials: Callable | None, token: Callable | None = None, s
                    else grpc.insecure_channel(s.group.target))
         with channel:
             metadata = (("authorization", f"Bearer {token(s)}"),) if token else ()
-            list(pb_grpc.GenerationStub(channel).Generate(cat.good_request(), metadata=metadata, timeout=20))
+            list(pb_grpc.GenerationServiceStub(channel).Generate(cat.good_request(), metadata=metadata, timeout=20))
 
     return call
 
@@ -131,8 +131,8 @@ def step_with(credentials: Callable | None, token: Callable | None = None):
         channel = grpc.secure_channel(target, credentials(s)) if credentials else grpc.insecure_channel(target)
         with channel:
             step = channel.stream_stream("/mmcast.v1.WorkerService/Step", request_serializer=lambda b: b,
-                                         response_deserializer=worker_pb2.WorkerFrame.FromString)
-            frame = worker_pb2.SchedulerFrame(handshake=worker_pb2.Handshake(protocol_version=1, rank=0, world_size=1))
+                                         response_deserializer=worker_pb2.StepResponse.FromString)
+            frame = worker_pb2.StepRequest(handshake=worker_pb2.Handshake(protocol_version=1, rank=0, world_size=1))
             metadata = (("authorization", f"Bearer {token(s)}"),) if token else ()
             list(step(iter([frame.SerializeToString()]), metadata=metadata, timeout=20))
 
@@ -209,23 +209,23 @@ def test_health_and_reflection_need_no_token(setup):
     channel = grpc.secure_channel(setup.group.target, setup.credentials())
     with channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="mmcast.v1.Generation"), timeout=5)
+            health_pb2.HealthCheckRequest(service="mmcast.v1.GenerationService"), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     grpcurl = os.path.join(os.path.dirname(sys.executable), "grpcurl")
     if os.path.exists(grpcurl):
         listing = subprocess.run(
             [grpcurl, "-cacert", str(setup.pki.ca), "-cert", str(setup.pki.client.cert), "-key",
              str(setup.pki.client.key), setup.group.target, "list"], capture_output=True, text=True, timeout=30)
-        assert "mmcast.v1.Generation" in listing.stdout, listing.stderr
+        assert "mmcast.v1.GenerationService" in listing.stdout, listing.stderr
 
 
 def test_plaintext_health_ports_serve_health_only(setup):
     """For probes that cannot speak TLS (the kubelet): health in plaintext on its own port, nothing else there."""
-    assert serving(f"127.0.0.1:{setup.health_port}", "mmcast.v1.Generation")
+    assert serving(f"127.0.0.1:{setup.health_port}", "mmcast.v1.GenerationService")
     assert serving(f"127.0.0.1:{setup.worker_health_port}", "mmcast.v1.WorkerService")
     with grpc.insecure_channel(f"127.0.0.1:{setup.health_port}") as channel:
         with pytest.raises(grpc.RpcError) as caught:
-            list(pb_grpc.GenerationStub(channel).Generate(cat.good_request(), timeout=10))
+            list(pb_grpc.GenerationServiceStub(channel).Generate(cat.good_request(), timeout=10))
         assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
@@ -273,8 +273,8 @@ def test_another_tenants_upload_is_not_found_like_an_unknown_hash(setup):
     # Uploading the same bytes: beta learns nothing about alpha's copy.
     channel = grpc.secure_channel(setup.group.target, setup.credentials())
     with channel:
-        reply = pb_grpc.GenerationStub(channel).UploadImage(
-            iter([pb.UploadImageChunk(data=image)]), metadata=(("authorization", f"Bearer {setup.tokens['beta']}"),),
+        reply = pb_grpc.GenerationServiceStub(channel).UploadImage(
+            iter([pb.UploadImageRequest(data=image)]), metadata=(("authorization", f"Bearer {setup.tokens['beta']}"),),
             timeout=20)
     assert reply.sha256 == sha and not reply.already_present
 
@@ -309,7 +309,7 @@ def test_request_ids_are_per_tenant(setup):
     sees its own id back."""
     channel = grpc.secure_channel(setup.group.target, setup.credentials())
     with channel:
-        stub = pb_grpc.GenerationStub(channel)
+        stub = pb_grpc.GenerationServiceStub(channel)
 
         def auth(tenant):
             return (("authorization", f"Bearer {setup.tokens[tenant]}"),)

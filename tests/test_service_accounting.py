@@ -17,7 +17,7 @@ def received(rank) -> tuple[int, int]:
     """(item deliveries, payload tensor bytes) in the payload frames a rank received."""
     items = nbytes = 0
     for raw in rank.frames:
-        frame = worker_pb2.SchedulerFrame.FromString(raw)
+        frame = worker_pb2.StepRequest.FromString(raw)
         if frame.WhichOneof("frame") == "payload":
             items += frame.payload.HasField("header")  # a header starts one field of one delivery
             nbytes += len(frame.payload.chunk.data)
@@ -30,7 +30,7 @@ def test_usage_and_metrics_equal_the_payload_the_ranks_received(tiny_model_dir, 
     finals = {}
     try:
         with grpc.insecure_channel(h.target) as ch:
-            stub = gg.GenerationStub(ch)
+            stub = gg.GenerationServiceStub(ch)
             prompts = {
                 "twice": [user(image(IMG_A), text("and again"), image(IMG_A), text("same?"))],
                 "shared": [user(image(IMG_B), image(IMG_A), text("both"))],

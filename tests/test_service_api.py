@@ -53,7 +53,7 @@ def generate(stub, req, timeout=30):
 
 
 def frames_of(rank, kind):
-    return [f for f in rank.frames if worker_pb2.SchedulerFrame.FromString(f).WhichOneof("frame") == kind]
+    return [f for f in rank.frames if worker_pb2.StepRequest.FromString(f).WhichOneof("frame") == kind]
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_wire_bytes_match_the_core_decisions_in_every_mode(tiny_model_dir, mode)
     h = FakeGroupScheduler(tiny_model_dir, n_ranks=2, transfer_mode=mode, encoder_placement="replicated").start()
     try:
         with grpc.insecure_channel(h.target) as ch:
-            stub = gg.GenerationStub(ch)
+            stub = gg.GenerationServiceStub(ch)
             turn1, turn2 = conversation()
             _, final1 = generate(stub, request(turn1))
             plans_turn1 = len(h.plans)
@@ -111,7 +111,7 @@ def test_wire_bytes_match_the_core_decisions_in_every_mode(tiny_model_dir, mode)
 def prompt_of(h, request_id):
     for rank in h.ranks[:1]:
         for raw in frames_of(rank, "control"):
-            for req in worker_pb2.SchedulerFrame.FromString(raw).control.new_requests:
+            for req in worker_pb2.StepRequest.FromString(raw).control.new_requests:
                 if req.request_id == request_id and req.num_output_tokens == 0:
                     return list(req.prompt_token_ids)
     raise AssertionError(f"{request_id} never admitted")
@@ -122,7 +122,7 @@ def test_recovery_after_a_dropped_stream_continues_without_repeats(harness):
     h = harness
     h.ranks[1].cfg.drop_once_after_steps = h.ranks[1].steps_answered + 4
     with grpc.insecure_channel(h.target) as ch:
-        tokens, final = generate(gg.GenerationStub(ch), request([user(image(IMG_A), text("hi"))], 12, request_id="rec-1"))
+        tokens, final = generate(gg.GenerationServiceStub(ch), request([user(image(IMG_A), text("hi"))], 12, request_id="rec-1"))
     assert h.server.metrics.group_recoveries._value.get() == 1
     assert len(h.ranks[0].handshakes) == 2  # reconnected under a new epoch
     assert tokens == expected_tokens(prompt_of(h, "rec-1"), 12)
@@ -150,7 +150,7 @@ def wait_for(predicate, timeout=10.0):
 def test_cancellation_and_deadline_free_the_request(harness):
     h = harness
     with grpc.insecure_channel(h.target) as ch:
-        stub = gg.GenerationStub(ch)
+        stub = gg.GenerationServiceStub(ch)
         call = stub.Generate(request([user(image(IMG_A), text("long"))], 400))
         next(call)
         call.cancel()
@@ -171,7 +171,7 @@ def test_error_codes_while_others_are_served(harness):
     h = harness
     results = {}
     with grpc.insecure_channel(h.target) as ch:
-        stub = gg.GenerationStub(ch)
+        stub = gg.GenerationServiceStub(ch)
 
         def good(name, rid):
             results[name] = generate(stub, request([user(text("a good request"))], 30, request_id=rid))
@@ -217,14 +217,14 @@ def test_group_down_past_the_deadline_fails_requests_with_unavailable(harness):
         rank.cfg.refuse_handshake = "rank restarting"
     with grpc.insecure_channel(h.target) as ch:
         with pytest.raises(grpc.RpcError) as err:
-            generate(gg.GenerationStub(ch), request([user(text("anyone there?"))], 5))
+            generate(gg.GenerationServiceStub(ch), request([user(text("anyone there?"))], 5))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "group" in err.value.details()
     for rank in h.ranks:
         rank.cfg.refuse_handshake = None
     assert wait_for(lambda: h.server.engine.ready, 10)
     with grpc.insecure_channel(h.target) as ch:
-        tokens, final = generate(gg.GenerationStub(ch), request([user(text("back again"))], 5))
+        tokens, final = generate(gg.GenerationServiceStub(ch), request([user(text("back again"))], 5))
     assert len(tokens) == 5
 
 
@@ -237,8 +237,8 @@ def test_grpcurl_lists_services_by_reflection_and_health_is_serving(harness):
     assert grpcurl.exists(), "grpcurl missing: run scripts/install-tools.sh (make tools)"
     listed = subprocess.run([grpcurl, "-plaintext", harness.target, "list"], capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0, listed.stderr
-    assert {"mmcast.v1.Generation", "grpc.health.v1.Health"} <= set(listed.stdout.split())
-    for service in ("", "mmcast.v1.Generation"):
+    assert {"mmcast.v1.GenerationService", "grpc.health.v1.Health"} <= set(listed.stdout.split())
+    for service in ("", "mmcast.v1.GenerationService"):
         health = subprocess.run(
             [grpcurl, "-plaintext", "-d", f'{{"service": "{service}"}}', harness.target, "grpc.health.v1.Health/Check"],
             capture_output=True, text=True, timeout=60,
@@ -246,7 +246,7 @@ def test_grpcurl_lists_services_by_reflection_and_health_is_serving(harness):
         assert health.returncode == 0, health.stderr
         assert '"status": "SERVING"' in health.stdout
     described = subprocess.run(
-        [grpcurl, "-plaintext", harness.target, "describe", "mmcast.v1.Generation"], capture_output=True, text=True, timeout=60
+        [grpcurl, "-plaintext", harness.target, "describe", "mmcast.v1.GenerationService"], capture_output=True, text=True, timeout=60
     )
     assert "rpc Generate" in described.stdout and "rpc UploadImage" in described.stdout
 

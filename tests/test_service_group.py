@@ -52,11 +52,11 @@ def test_control_bytes_identical_across_ranks_and_payloads_only_where_needed():
         return ranks, group, a, b
 
     ranks, group, a, b = run(body())
-    controls = [[f for f in r.frames if worker_pb2.SchedulerFrame.FromString(f).WhichOneof("frame") == "control"] for r in ranks]
+    controls = [[f for f in r.frames if worker_pb2.StepRequest.FromString(f).WhichOneof("frame") == "control"] for r in ranks]
     assert controls[0] == controls[1] == controls[2]  # byte-identical control on every rank
     frames_a = codec.payload_frames("item-a", "pixel_values", a, chunk_size=1 << 16)
     frames_b = codec.payload_frames("item-b", "pixel_values", b, chunk_size=1 << 16)
-    payload = [[f for f in r.frames if worker_pb2.SchedulerFrame.FromString(f).WhichOneof("frame") == "payload"] for r in ranks]
+    payload = [[f for f in r.frames if worker_pb2.StepRequest.FromString(f).WhichOneof("frame") == "payload"] for r in ranks]
     assert payload[0] == frames_a + frames_b
     assert payload[1] == frames_b
     assert payload[2] == []

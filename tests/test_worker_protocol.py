@@ -29,7 +29,7 @@ def prompt(env):
 
 
 def control_frame(control: worker_pb2.StepControl) -> bytes:
-    return worker_pb2.SchedulerFrame(control=control).SerializeToString()
+    return worker_pb2.StepRequest(control=control).SerializeToString()
 
 
 def new_request(prompt, rid="r", *, state=PayloadState.DEFERRED, computed=0, scheduled=None, blocks=None):
@@ -152,13 +152,13 @@ def test_state_of_a_refused_stream_is_dropped(env, prompt):
 def test_malformed_payloads_are_bad_tensor(env, prompt, header, chunks, needle):
     stream = env.rank.stream(env.model_dir)
     frames = [
-        worker_pb2.SchedulerFrame(
+        worker_pb2.StepRequest(
             payload=worker_pb2.PayloadFrame(item_identifier="it", field_name="pixel_values", header=header)
         )
     ]
     for index, data in enumerate(chunks):
         frames.append(
-            worker_pb2.SchedulerFrame(
+            worker_pb2.StepRequest(
                 payload=worker_pb2.PayloadFrame(
                     item_identifier="it",
                     field_name="pixel_values",
@@ -231,7 +231,7 @@ def test_ack_keepalive_and_health(env):
     ack = stream.ack.handshake_ack
     assert (ack.kv_blocks, ack.world_size, ack.device) == (256, 1, "cpu")
     assert ack.max_tensor_bytes == 64 << 20 and ack.max_model_len > 0 and ack.model_fingerprint
-    stream.send(worker_pb2.SchedulerFrame(keepalive=worker_pb2.Keepalive(sent_unix_nanos=42)).SerializeToString())
+    stream.send(worker_pb2.StepRequest(keepalive=worker_pb2.Keepalive(sent_unix_nanos=42)).SerializeToString())
     assert stream.recv().keepalive.sent_unix_nanos == 42
     stream.close()
     with grpc.insecure_channel(env.rank.target) as channel:
@@ -258,9 +258,9 @@ def test_received_bytes_equal_sent_bytes_and_gauges_follow(env, prompt):
     sched = MiniScheduler([stream], mode="full", chunk_size=64 << 10)
     req = sched.add(prompt, "count", max_new_tokens=3)
     sched.run([req])
-    stream.send(worker_pb2.SchedulerFrame(keepalive=worker_pb2.Keepalive(sent_unix_nanos=1)).SerializeToString())
+    stream.send(worker_pb2.StepRequest(keepalive=worker_pb2.Keepalive(sent_unix_nanos=1)).SerializeToString())
     sched.sent_by_rank[0]["control"] += len(
-        worker_pb2.SchedulerFrame(keepalive=worker_pb2.Keepalive(sent_unix_nanos=1)).SerializeToString()
+        worker_pb2.StepRequest(keepalive=worker_pb2.Keepalive(sent_unix_nanos=1)).SerializeToString()
     )
     stream.recv()
     after = received()
@@ -371,7 +371,7 @@ def test_an_encoded_file_is_decoded_by_the_rank_and_a_corrupt_one_fails_its_item
     stream.close()
     assert [(s.request_id, s.token_id) for s in served.sampled] == [(s.request_id, s.token_id) for s in reference.sampled]
     assert abs(served.sampled[0].logprob - reference.sampled[0].logprob) < 1e-5
-    assert served.stats.encoder_runs == 1 and served.stats.preprocess_seconds > 0
+    assert served.stats.encoder_runs == 1 and served.stats.preprocess_time.ToNanoseconds() > 0
 
     stream = env.rank.stream(env.model_dir, **limits)
     for frame in encoded_step(prompt, encoded(prompt, 0, data[: len(data) // 2])):

@@ -160,7 +160,7 @@ def test_draws_repeat_per_seed_and_index_and_top_p_cuts_the_tail():
 
 def _frames(ident, name, tensor, chunk_size):
     return [
-        worker_pb2.SchedulerFrame.FromString(b).payload
+        worker_pb2.StepRequest.FromString(b).payload
         for b in codec.payload_frames(ident, name, tensor, chunk_size=chunk_size)
     ]
 

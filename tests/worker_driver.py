@@ -159,7 +159,7 @@ def handshake(model_dir, *, rank=0, world_size=1, epoch=None, block_size=16, sch
 
 
 class StreamClient:
-    """One Step stream that writes pre-serialized ``SchedulerFrame`` bytes, as the scheduler does. ``token``: the
+    """One Step stream that writes pre-serialized ``StepRequest`` bytes, as the scheduler does. ``token``: the
     bearer token it presents (default: the ranks' test token; None: no credentials)."""
 
     def __init__(self, target: str, hs: worker_pb2.Handshake, token: str | None = RANK_TOKEN) -> None:
@@ -170,17 +170,17 @@ class StreamClient:
         call = self.channel.stream_stream(
             "/mmcast.v1.WorkerService/Step",
             request_serializer=lambda b: b,
-            response_deserializer=worker_pb2.WorkerFrame.FromString,
+            response_deserializer=worker_pb2.StepResponse.FromString,
         )
         self._responses = call(iter(self._queue.get, None), metadata=bearer(token))
-        self.handshake_bytes = worker_pb2.SchedulerFrame(handshake=hs).SerializeToString()
+        self.handshake_bytes = worker_pb2.StepRequest(handshake=hs).SerializeToString()
         self.send(self.handshake_bytes)
         self.ack = self.recv()  # raises grpc.RpcError when the rank refuses the handshake
 
     def send(self, data: bytes) -> None:
         self._queue.put(data)
 
-    def recv(self, timeout: float = 60.0) -> worker_pb2.WorkerFrame:
+    def recv(self, timeout: float = 60.0) -> worker_pb2.StepResponse:
         box: list = []
         thread = threading.Thread(target=lambda: box.append(self._next()), daemon=True)
         thread.start()
@@ -249,7 +249,7 @@ class MiniScheduler:
         self.stripped_ids: list[str] = []  # identifiers sent as STRIPPED metadata
         # bytes written to each stream, by kind
         self.sent_by_rank = [{"payload": 0, "metadata": 0, "control": len(s.handshake_bytes)} for s in streams]
-        self.results: list[list[worker_pb2.WorkerFrame]] = []
+        self.results: list[list[worker_pb2.StepResponse]] = []
         self._evict_payload: list[str] = []  # evictions the next control carries
         self._evict_encoder: list[str] = []
 
@@ -369,7 +369,7 @@ class MiniScheduler:
         return payloads, control, plan
 
     def send(self, payloads: list[bytes], control: worker_pb2.StepControl, ranks=None) -> None:
-        control_bytes = worker_pb2.SchedulerFrame(control=control).SerializeToString()
+        control_bytes = worker_pb2.StepRequest(control=control).SerializeToString()
         metadata, rest = wire.control_byte_breakdown(control, len(control_bytes))
         for index, stream in enumerate(self.streams):
             if ranks is not None and index not in ranks:
@@ -382,7 +382,7 @@ class MiniScheduler:
             sent["metadata"] += metadata
             sent["control"] += rest
 
-    def step(self, reqs: list[Req], finished: list[str] = ()) -> list[worker_pb2.WorkerFrame]:
+    def step(self, reqs: list[Req], finished: list[str] = ()) -> list[worker_pb2.StepResponse]:
         payloads, control, plan = self.build_step(reqs, finished)
         self.send(payloads, control)
         frames = [s.recv() for s in self.streams]
@@ -416,7 +416,7 @@ class MiniScheduler:
 
 
 class StepRefused(AssertionError):
-    def __init__(self, frame: worker_pb2.WorkerFrame) -> None:
+    def __init__(self, frame: worker_pb2.StepResponse) -> None:
         super().__init__(f"rank answered {frame}")
         self.frame = frame
 

@@ -39,17 +39,17 @@ def step_result(step_id: int, rank: int, outcome: StepOutcome, handle: StreamHan
     for ident, message in outcome.item_failures:
         result.item_failures.add(item_identifier=ident, message=message)
     stats = result.stats
-    stats.encoder_seconds = outcome.encoder_seconds
+    stats.encoder_time.FromNanoseconds(int(outcome.encoder_seconds * 1e9))
     stats.encoder_items = outcome.encoder_items
     stats.encoder_runs = outcome.encoder_runs
     stats.collective_bytes = outcome.collective_bytes
-    stats.collective_seconds = outcome.collective_seconds
-    stats.preprocess_seconds = outcome.preprocess_seconds
+    stats.collective_time.FromNanoseconds(int(outcome.collective_seconds * 1e9))
+    stats.preprocess_time.FromNanoseconds(int(outcome.preprocess_seconds * 1e9))
     stats.payload_cache_bytes = session.payloads.nbytes
     stats.payload_cache_items = len(session.payloads)
     stats.encoder_cache_tokens = session.encoded.tokens
     stats.received_payload_bytes = payload_bytes
-    stats.step_seconds = time.perf_counter() - t0
+    stats.step_time.FromNanoseconds(int((time.perf_counter() - t0) * 1e9))
     return result
 
 
@@ -62,7 +62,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._report_readiness = report_readiness
         self._received = {k: metrics.received_bytes.labels(kind=k) for k in ("payload", "metadata", "control")}
 
-    def _count(self, frame: worker_pb2.SchedulerFrame) -> int:
+    def _count(self, frame: worker_pb2.StepRequest) -> int:
         """Counts the frame's bytes by kind; returns its payload bytes."""
         size = frame.ByteSize()
         kind = frame.WhichOneof("frame")
@@ -102,7 +102,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         await self._readiness()
         try:
-            await context.write(worker_pb2.WorkerFrame(handshake_ack=self.worker.ack()))
+            await context.write(worker_pb2.StepResponse(handshake_ack=self.worker.ack()))
             await self._serve(handle, context)
         finally:
             self.worker.close_stream(handle)
@@ -147,7 +147,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         except StepError as exc:
                             handle.pending_error = exc  # reported with the step, after the peers agree
                 elif kind == "keepalive":
-                    await context.write(worker_pb2.WorkerFrame(keepalive=frame.keepalive))
+                    await context.write(worker_pb2.StepResponse(keepalive=frame.keepalive))
                 elif kind == "control":
                     t0 = time.perf_counter()
                     control = frame.control
@@ -162,7 +162,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         continue  # the next read reports it
                     result = step_result(control.step_id, rank, outcome, handle, step_payload_bytes, t0)
                     step_payload_bytes = 0
-                    await context.write(worker_pb2.WorkerFrame(step_result=result))
+                    await context.write(worker_pb2.StepResponse(step_result=result))
                     self.metrics.step_seconds.observe(time.perf_counter() - t0)
                 else:
                     await context.abort(
@@ -184,4 +184,4 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 "request_id": exc.request_id,
             },
         )
-        await context.write(worker_pb2.WorkerFrame(error=exc.to_proto(step_id, rank)))
+        await context.write(worker_pb2.StepResponse(error=exc.to_proto(step_id, rank)))

@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
 from mmcast.v1 import logprob_pb2 as _logprob_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -22,6 +25,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class TransferMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_MODE_UNSPECIFIED: _ClassVar[TransferMode]
+    TRANSFER_MODE_FULL: _ClassVar[TransferMode]
+    TRANSFER_MODE_STRIP: _ClassVar[TransferMode]
+    TRANSFER_MODE_LAZY: _ClassVar[TransferMode]
 ROLE_UNSPECIFIED: Role
 ROLE_SYSTEM: Role
 ROLE_USER: Role
@@ -31,6 +41,10 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
+TRANSFER_MODE_UNSPECIFIED: TransferMode
+TRANSFER_MODE_FULL: TransferMode
+TRANSFER_MODE_STRIP: TransferMode
+TRANSFER_MODE_LAZY: TransferMode
 
 class ImageInput(_message.Message):
     __slots__ = ("data", "uploaded_sha256")
@@ -113,7 +127,7 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "images", "images_sent", "images_stripped", "images_rank_cached", "payload_bytes_broadcast", "payload_bytes_saved", "preemptions", "encoder_runs", "encoder_output_bytes_shared", "image_cpu_seconds", "images_encoder_shared")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "images", "images_sent", "images_stripped", "images_rank_cached", "payload_bytes_broadcast", "payload_bytes_saved", "preemptions", "encoder_runs", "encoder_output_bytes_shared", "image_cpu_time", "images_encoder_shared")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -126,7 +140,7 @@ class Usage(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_RUNS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_OUTPUT_BYTES_SHARED_FIELD_NUMBER: _ClassVar[int]
-    IMAGE_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CPU_TIME_FIELD_NUMBER: _ClassVar[int]
     IMAGES_ENCODER_SHARED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
@@ -140,19 +154,19 @@ class Usage(_message.Message):
     preemptions: int
     encoder_runs: int
     encoder_output_bytes_shared: int
-    image_cpu_seconds: float
+    image_cpu_time: _duration_pb2.Duration
     images_encoder_shared: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images: _Optional[int] = ..., images_sent: _Optional[int] = ..., images_stripped: _Optional[int] = ..., images_rank_cached: _Optional[int] = ..., payload_bytes_broadcast: _Optional[int] = ..., payload_bytes_saved: _Optional[int] = ..., preemptions: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., encoder_output_bytes_shared: _Optional[int] = ..., image_cpu_seconds: _Optional[float] = ..., images_encoder_shared: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images: _Optional[int] = ..., images_sent: _Optional[int] = ..., images_stripped: _Optional[int] = ..., images_rank_cached: _Optional[int] = ..., payload_bytes_broadcast: _Optional[int] = ..., payload_bytes_saved: _Optional[int] = ..., preemptions: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., encoder_output_bytes_shared: _Optional[int] = ..., image_cpu_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., images_encoder_shared: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("time_to_first_token_seconds", "total_seconds", "queue_seconds")
-    TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    time_to_first_token_seconds: float
-    total_seconds: float
-    queue_seconds: float
-    def __init__(self, time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    __slots__ = ("time_to_first_token", "total_time", "queue_time")
+    TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_FIELD_NUMBER: _ClassVar[int]
+    time_to_first_token: _duration_pb2.Duration
+    total_time: _duration_pb2.Duration
+    queue_time: _duration_pb2.Duration
+    def __init__(self, time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., total_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., queue_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GenerateError(_message.Message):
     __slots__ = ("grpc_code", "message")
@@ -186,7 +200,7 @@ class GenerateResponse(_message.Message):
     final: GenerateFinal
     def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., final: _Optional[_Union[GenerateFinal, _Mapping]] = ...) -> None: ...
 
-class UploadImageChunk(_message.Message):
+class UploadImageRequest(_message.Message):
     __slots__ = ("data", "expected_sha256")
     DATA_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -208,7 +222,7 @@ class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ServerInfo(_message.Message):
+class GetServerInfoResponse(_message.Message):
     __slots__ = ("model", "model_fingerprint", "max_model_len", "max_images_per_request", "max_image_pixels", "max_request_bytes", "max_upload_bytes", "transfer_mode", "tensor_parallel_size", "group_ready")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -227,7 +241,7 @@ class ServerInfo(_message.Message):
     max_image_pixels: int
     max_request_bytes: int
     max_upload_bytes: int
-    transfer_mode: str
+    transfer_mode: TransferMode
     tensor_parallel_size: int
     group_ready: bool
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., transfer_mode: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., group_ready: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., transfer_mode: _Optional[_Union[TransferMode, str]] = ..., tensor_parallel_size: _Optional[int] = ..., group_ready: _Optional[bool] = ...) -> None: ...

@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class GenerationStub:
+class GenerationServiceStub:
     """Request metadata (not a message field): `x-mmcast-affinity` names the conversation a call belongs to, so a client
     balancing over several replicas (one scheduler and its worker group each; each keeps its own prefix cache and
     upload store) sends every call of one conversation — its UploadImage and Generate calls alike — to the same
@@ -46,23 +46,23 @@ class GenerationStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/mmcast.v1.Generation/Generate',
+                '/mmcast.v1.GenerationService/Generate',
                 request_serializer=mmcast_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=mmcast_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.UploadImage = channel.stream_unary(
-                '/mmcast.v1.Generation/UploadImage',
-                request_serializer=mmcast_dot_v1_dot_generation__pb2.UploadImageChunk.SerializeToString,
+                '/mmcast.v1.GenerationService/UploadImage',
+                request_serializer=mmcast_dot_v1_dot_generation__pb2.UploadImageRequest.SerializeToString,
                 response_deserializer=mmcast_dot_v1_dot_generation__pb2.UploadImageResponse.FromString,
                 _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
-                '/mmcast.v1.Generation/GetServerInfo',
+                '/mmcast.v1.GenerationService/GetServerInfo',
                 request_serializer=mmcast_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
-                response_deserializer=mmcast_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+                response_deserializer=mmcast_dot_v1_dot_generation__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
 
 
-class GenerationServicer:
+class GenerationServiceServicer:
     """Request metadata (not a message field): `x-mmcast-affinity` names the conversation a call belongs to, so a client
     balancing over several replicas (one scheduler and its worker group each; each keeps its own prefix cache and
     upload store) sends every call of one conversation — its UploadImage and Generate calls alike — to the same
@@ -99,7 +99,7 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_GenerationServicer_to_server(servicer, server):
+def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -108,23 +108,23 @@ def add_GenerationServicer_to_server(servicer, server):
             ),
             'UploadImage': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadImage,
-                    request_deserializer=mmcast_dot_v1_dot_generation__pb2.UploadImageChunk.FromString,
+                    request_deserializer=mmcast_dot_v1_dot_generation__pb2.UploadImageRequest.FromString,
                     response_serializer=mmcast_dot_v1_dot_generation__pb2.UploadImageResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
                     request_deserializer=mmcast_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
-                    response_serializer=mmcast_dot_v1_dot_generation__pb2.ServerInfo.SerializeToString,
+                    response_serializer=mmcast_dot_v1_dot_generation__pb2.GetServerInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'mmcast.v1.Generation', rpc_method_handlers)
+            'mmcast.v1.GenerationService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('mmcast.v1.Generation', rpc_method_handlers)
+    server.add_registered_method_handlers('mmcast.v1.GenerationService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Generation:
+class GenerationService:
     """Request metadata (not a message field): `x-mmcast-affinity` names the conversation a call belongs to, so a client
     balancing over several replicas (one scheduler and its worker group each; each keeps its own prefix cache and
     upload store) sends every call of one conversation — its UploadImage and Generate calls alike — to the same
@@ -152,7 +152,7 @@ class Generation:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/mmcast.v1.Generation/Generate',
+            '/mmcast.v1.GenerationService/Generate',
             mmcast_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             mmcast_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
@@ -179,8 +179,8 @@ class Generation:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/mmcast.v1.Generation/UploadImage',
-            mmcast_dot_v1_dot_generation__pb2.UploadImageChunk.SerializeToString,
+            '/mmcast.v1.GenerationService/UploadImage',
+            mmcast_dot_v1_dot_generation__pb2.UploadImageRequest.SerializeToString,
             mmcast_dot_v1_dot_generation__pb2.UploadImageResponse.FromString,
             options,
             channel_credentials,
@@ -206,9 +206,9 @@ class Generation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/mmcast.v1.Generation/GetServerInfo',
+            '/mmcast.v1.GenerationService/GetServerInfo',
             mmcast_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
-            mmcast_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+            mmcast_dot_v1_dot_generation__pb2.GetServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

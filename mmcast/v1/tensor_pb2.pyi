@@ -7,24 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    DTYPE_UNSPECIFIED: _ClassVar[DType]
-    DTYPE_FLOAT32: _ClassVar[DType]
-    DTYPE_BFLOAT16: _ClassVar[DType]
-    DTYPE_FLOAT16: _ClassVar[DType]
-    DTYPE_INT64: _ClassVar[DType]
-    DTYPE_INT32: _ClassVar[DType]
-    DTYPE_UINT8: _ClassVar[DType]
-    DTYPE_BOOL: _ClassVar[DType]
-DTYPE_UNSPECIFIED: DType
-DTYPE_FLOAT32: DType
-DTYPE_BFLOAT16: DType
-DTYPE_FLOAT16: DType
-DTYPE_INT64: DType
-DTYPE_INT32: DType
-DTYPE_UINT8: DType
-DTYPE_BOOL: DType
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+    DTYPE_INT64: _ClassVar[Dtype]
+    DTYPE_INT32: _ClassVar[Dtype]
+    DTYPE_UINT8: _ClassVar[Dtype]
+    DTYPE_BOOL: _ClassVar[Dtype]
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_BFLOAT16: Dtype
+DTYPE_FLOAT16: Dtype
+DTYPE_INT64: Dtype
+DTYPE_INT32: Dtype
+DTYPE_UINT8: Dtype
+DTYPE_BOOL: Dtype
 
 class TensorHeader(_message.Message):
     __slots__ = ("dtype", "shape", "byte_size", "num_chunks", "chunk_size", "inline_data")
@@ -34,13 +34,13 @@ class TensorHeader(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
-    dtype: DType
+    dtype: Dtype
     shape: _containers.RepeatedScalarFieldContainer[int]
     byte_size: int
     num_chunks: int
     chunk_size: int
     inline_data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_size: _Optional[int] = ..., num_chunks: _Optional[int] = ..., chunk_size: _Optional[int] = ..., inline_data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_size: _Optional[int] = ..., num_chunks: _Optional[int] = ..., chunk_size: _Optional[int] = ..., inline_data: _Optional[bytes] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("index", "data")

@@ -22,56 +22,57 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from mmcast.v1 import logprob_pb2 as mmcast_dot_v1_dot_logprob__pb2
 from mmcast.v1 import multimodal_pb2 as mmcast_dot_v1_dot_multimodal__pb2
 from mmcast.v1 import tensor_pb2 as mmcast_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16mmcast/v1/worker.proto\x12\tmmcast.v1\x1a\x17mmcast/v1/logprob.proto\x1a\x1ammcast/v1/multimodal.proto\x1a\x16mmcast/v1/tensor.proto\"\xc6\x01\n\x0eSchedulerFrame\x12)\n\thandshake\x18\x01 \x01(\x0b\x32\x14.mmcast.v1.HandshakeH\x00\x12*\n\x07payload\x18\x02 \x01(\x0b\x32\x17.mmcast.v1.PayloadFrameH\x00\x12)\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x16.mmcast.v1.StepControlH\x00\x12)\n\tkeepalive\x18\x04 \x01(\x0b\x32\x14.mmcast.v1.KeepaliveH\x00\x42\x07\n\x05\x66rame\"\xcc\x01\n\x0bWorkerFrame\x12\x30\n\rhandshake_ack\x18\x01 \x01(\x0b\x32\x17.mmcast.v1.HandshakeAckH\x00\x12,\n\x0bstep_result\x18\x02 \x01(\x0b\x32\x15.mmcast.v1.StepResultH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.mmcast.v1.ProtocolErrorH\x00\x12)\n\tkeepalive\x18\x04 \x01(\x0b\x32\x14.mmcast.v1.KeepaliveH\x00\x42\x07\n\x05\x66rame\"$\n\tKeepalive\x12\x17\n\x0fsent_unix_nanos\x18\x01 \x01(\x04\"\xf2\x01\n\tHandshake\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.mmcast.v1.ProtocolVersion\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x17\n\x0fscheduler_epoch\x18\x05 \x01(\x04\x12\x14\n\x0cscheduler_id\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rimage_formats\x18\x08 \x03(\t\x12\x18\n\x10max_image_pixels\x18\t \x01(\x04\"\xb2\x02\n\x0cHandshakeAck\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.mmcast.v1.ProtocolVersion\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tkv_blocks\x18\x05 \x01(\r\x12\x1b\n\x13payload_cache_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14\x65ncoder_cache_tokens\x18\x07 \x01(\x04\x12\x18\n\x10max_tensor_bytes\x18\x08 \x01(\x04\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12 \n\x18\x65ncoder_output_row_bytes\x18\x0b \x01(\x04\"\x8b\x01\n\x0cPayloadFrame\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x12\n\nfield_name\x18\x02 \x01(\t\x12\'\n\x06header\x18\x03 \x01(\x0b\x32\x17.mmcast.v1.TensorHeader\x12%\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x16.mmcast.v1.TensorChunk\"m\n\x0eWorkerSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x10\n\x08logprobs\x18\x04 \x01(\r\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\"\xfd\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08mm_items\x18\x03 \x03(\x0b\x32\x19.mmcast.v1.MultiModalItem\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.mmcast.v1.WorkerSampling\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x08 \x01(\r\"\x8d\x01\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\"O\n\x0c\x45ncoderInput\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x12\n\nowner_rank\x18\x02 \x01(\r\x12\x12\n\nreplicated\x18\x03 \x01(\x08\"\x92\x02\n\x0bStepControl\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x15.mmcast.v1.NewRequest\x12*\n\x07running\x18\x03 \x03(\x0b\x32\x19.mmcast.v1.RunningRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x0e\x65ncoder_inputs\x18\x05 \x03(\x0b\x32\x17.mmcast.v1.EncoderInput\x12\x19\n\x11\x65vict_payload_ids\x18\x06 \x03(\t\x12\x19\n\x11\x65vict_encoder_ids\x18\x07 \x03(\t\x12\x14\n\x0creset_caches\x18\x08 \x01(\x08\"r\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.mmcast.v1.TopLogprob\"\xb7\x02\n\x0fWorkerStepStats\x12\x14\n\x0cstep_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x65ncoder_seconds\x18\x02 \x01(\x01\x12\x15\n\rencoder_items\x18\x03 \x01(\r\x12\x1b\n\x13payload_cache_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13payload_cache_items\x18\x05 \x01(\r\x12\x1c\n\x14\x65ncoder_cache_tokens\x18\x06 \x01(\x04\x12\x1e\n\x16received_payload_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x65ncoder_runs\x18\x08 \x01(\r\x12\x18\n\x10\x63ollective_bytes\x18\t \x01(\x04\x12\x1a\n\x12\x63ollective_seconds\x18\n \x01(\x01\x12\x1a\n\x12preprocess_seconds\x18\x0b \x01(\x01\"7\n\x0bItemFailure\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"5\n\x0eRequestFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xdc\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12(\n\x07sampled\x18\x03 \x03(\x0b\x32\x17.mmcast.v1.SampledToken\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.mmcast.v1.WorkerStepStats\x12+\n\x08\x66\x61ilures\x18\x05 \x03(\x0b\x32\x19.mmcast.v1.RequestFailure\x12-\n\ritem_failures\x18\x06 \x03(\x0b\x32\x16.mmcast.v1.ItemFailure\"\x98\x01\n\rProtocolError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x1c.mmcast.v1.ProtocolErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0fitem_identifier\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*\x9e\x02\n\x11ProtocolErrorCode\x12#\n\x1fPROTOCOL_ERROR_CODE_UNSPECIFIED\x10\x00\x12\'\n#PROTOCOL_ERROR_CODE_MISSING_PAYLOAD\x10\x01\x12\'\n#PROTOCOL_ERROR_CODE_UNKNOWN_REQUEST\x10\x02\x12\"\n\x1ePROTOCOL_ERROR_CODE_BAD_TENSOR\x10\x03\x12&\n\"PROTOCOL_ERROR_CODE_STATE_MISMATCH\x10\x04\x12$\n PROTOCOL_ERROR_CODE_OUT_OF_RANGE\x10\x05\x12 \n\x1cPROTOCOL_ERROR_CODE_INTERNAL\x10\x06\x32N\n\rWorkerService\x12=\n\x04Step\x12\x19.mmcast.v1.SchedulerFrame\x1a\x16.mmcast.v1.WorkerFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16mmcast/v1/worker.proto\x12\tmmcast.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x17mmcast/v1/logprob.proto\x1a\x1ammcast/v1/multimodal.proto\x1a\x16mmcast/v1/tensor.proto\"\xc3\x01\n\x0bStepRequest\x12)\n\thandshake\x18\x01 \x01(\x0b\x32\x14.mmcast.v1.HandshakeH\x00\x12*\n\x07payload\x18\x02 \x01(\x0b\x32\x17.mmcast.v1.PayloadFrameH\x00\x12)\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x16.mmcast.v1.StepControlH\x00\x12)\n\tkeepalive\x18\x04 \x01(\x0b\x32\x14.mmcast.v1.KeepaliveH\x00\x42\x07\n\x05\x66rame\"\xcd\x01\n\x0cStepResponse\x12\x30\n\rhandshake_ack\x18\x01 \x01(\x0b\x32\x17.mmcast.v1.HandshakeAckH\x00\x12,\n\x0bstep_result\x18\x02 \x01(\x0b\x32\x15.mmcast.v1.StepResultH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.mmcast.v1.ProtocolErrorH\x00\x12)\n\tkeepalive\x18\x04 \x01(\x0b\x32\x14.mmcast.v1.KeepaliveH\x00\x42\x07\n\x05\x66rame\"$\n\tKeepalive\x12\x17\n\x0fsent_unix_nanos\x18\x01 \x01(\x04\"\xf2\x01\n\tHandshake\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.mmcast.v1.ProtocolVersion\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x17\n\x0fscheduler_epoch\x18\x05 \x01(\x04\x12\x14\n\x0cscheduler_id\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rimage_formats\x18\x08 \x03(\t\x12\x18\n\x10max_image_pixels\x18\t \x01(\x04\"\xb2\x02\n\x0cHandshakeAck\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.mmcast.v1.ProtocolVersion\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tkv_blocks\x18\x05 \x01(\r\x12\x1b\n\x13payload_cache_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14\x65ncoder_cache_tokens\x18\x07 \x01(\x04\x12\x18\n\x10max_tensor_bytes\x18\x08 \x01(\x04\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12 \n\x18\x65ncoder_output_row_bytes\x18\x0b \x01(\x04\"\x8b\x01\n\x0cPayloadFrame\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x12\n\nfield_name\x18\x02 \x01(\t\x12\'\n\x06header\x18\x03 \x01(\x0b\x32\x17.mmcast.v1.TensorHeader\x12%\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x16.mmcast.v1.TensorChunk\"m\n\x0eWorkerSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x10\n\x08logprobs\x18\x04 \x01(\r\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\"\xfd\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08mm_items\x18\x03 \x03(\x0b\x32\x19.mmcast.v1.MultiModalItem\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.mmcast.v1.WorkerSampling\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x08 \x01(\r\"\x8d\x01\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\"O\n\x0c\x45ncoderInput\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x12\n\nowner_rank\x18\x02 \x01(\r\x12\x12\n\nreplicated\x18\x03 \x01(\x08\"\x92\x02\n\x0bStepControl\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x15.mmcast.v1.NewRequest\x12*\n\x07running\x18\x03 \x03(\x0b\x32\x19.mmcast.v1.RunningRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x0e\x65ncoder_inputs\x18\x05 \x03(\x0b\x32\x17.mmcast.v1.EncoderInput\x12\x19\n\x11\x65vict_payload_ids\x18\x06 \x03(\t\x12\x19\n\x11\x65vict_encoder_ids\x18\x07 \x03(\t\x12\x14\n\x0creset_caches\x18\x08 \x01(\x08\"r\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.mmcast.v1.TopLogprob\"\x97\x03\n\x0fWorkerStepStats\x12,\n\tstep_time\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0c\x65ncoder_time\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rencoder_items\x18\x03 \x01(\r\x12\x1b\n\x13payload_cache_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13payload_cache_items\x18\x05 \x01(\r\x12\x1c\n\x14\x65ncoder_cache_tokens\x18\x06 \x01(\x04\x12\x1e\n\x16received_payload_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x65ncoder_runs\x18\x08 \x01(\r\x12\x18\n\x10\x63ollective_bytes\x18\t \x01(\x04\x12\x32\n\x0f\x63ollective_time\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0fpreprocess_time\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\"7\n\x0bItemFailure\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"5\n\x0eRequestFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xdc\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12(\n\x07sampled\x18\x03 \x03(\x0b\x32\x17.mmcast.v1.SampledToken\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.mmcast.v1.WorkerStepStats\x12+\n\x08\x66\x61ilures\x18\x05 \x03(\x0b\x32\x19.mmcast.v1.RequestFailure\x12-\n\ritem_failures\x18\x06 \x03(\x0b\x32\x16.mmcast.v1.ItemFailure\"\x98\x01\n\rProtocolError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x1c.mmcast.v1.ProtocolErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0fitem_identifier\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*\x9e\x02\n\x11ProtocolErrorCode\x12#\n\x1fPROTOCOL_ERROR_CODE_UNSPECIFIED\x10\x00\x12\'\n#PROTOCOL_ERROR_CODE_MISSING_PAYLOAD\x10\x01\x12\'\n#PROTOCOL_ERROR_CODE_UNKNOWN_REQUEST\x10\x02\x12\"\n\x1ePROTOCOL_ERROR_CODE_BAD_TENSOR\x10\x03\x12&\n\"PROTOCOL_ERROR_CODE_STATE_MISMATCH\x10\x04\x12$\n PROTOCOL_ERROR_CODE_OUT_OF_RANGE\x10\x05\x12 \n\x1cPROTOCOL_ERROR_CODE_INTERNAL\x10\x06\x32L\n\rWorkerService\x12;\n\x04Step\x12\x16.mmcast.v1.StepRequest\x1a\x17.mmcast.v1.StepResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmcast.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=3045
-  _globals['_PROTOCOLVERSION']._serialized_end=3120
-  _globals['_PROTOCOLERRORCODE']._serialized_start=3123
-  _globals['_PROTOCOLERRORCODE']._serialized_end=3409
-  _globals['_SCHEDULERFRAME']._serialized_start=115
-  _globals['_SCHEDULERFRAME']._serialized_end=313
-  _globals['_WORKERFRAME']._serialized_start=316
-  _globals['_WORKERFRAME']._serialized_end=520
-  _globals['_KEEPALIVE']._serialized_start=522
-  _globals['_KEEPALIVE']._serialized_end=558
-  _globals['_HANDSHAKE']._serialized_start=561
-  _globals['_HANDSHAKE']._serialized_end=803
-  _globals['_HANDSHAKEACK']._serialized_start=806
-  _globals['_HANDSHAKEACK']._serialized_end=1112
-  _globals['_PAYLOADFRAME']._serialized_start=1115
-  _globals['_PAYLOADFRAME']._serialized_end=1254
-  _globals['_WORKERSAMPLING']._serialized_start=1256
-  _globals['_WORKERSAMPLING']._serialized_end=1365
-  _globals['_NEWREQUEST']._serialized_start=1368
-  _globals['_NEWREQUEST']._serialized_end=1621
-  _globals['_RUNNINGREQUEST']._serialized_start=1624
-  _globals['_RUNNINGREQUEST']._serialized_end=1765
-  _globals['_ENCODERINPUT']._serialized_start=1767
-  _globals['_ENCODERINPUT']._serialized_end=1846
-  _globals['_STEPCONTROL']._serialized_start=1849
-  _globals['_STEPCONTROL']._serialized_end=2123
-  _globals['_SAMPLEDTOKEN']._serialized_start=2125
-  _globals['_SAMPLEDTOKEN']._serialized_end=2239
-  _globals['_WORKERSTEPSTATS']._serialized_start=2242
-  _globals['_WORKERSTEPSTATS']._serialized_end=2553
-  _globals['_ITEMFAILURE']._serialized_start=2555
-  _globals['_ITEMFAILURE']._serialized_end=2610
-  _globals['_REQUESTFAILURE']._serialized_start=2612
-  _globals['_REQUESTFAILURE']._serialized_end=2665
-  _globals['_STEPRESULT']._serialized_start=2668
-  _globals['_STEPRESULT']._serialized_end=2888
-  _globals['_PROTOCOLERROR']._serialized_start=2891
-  _globals['_PROTOCOLERROR']._serialized_end=3043
-  _globals['_WORKERSERVICE']._serialized_start=3411
-  _globals['_WORKERSERVICE']._serialized_end=3489
+  _globals['_PROTOCOLVERSION']._serialized_start=3171
+  _globals['_PROTOCOLVERSION']._serialized_end=3246
+  _globals['_PROTOCOLERRORCODE']._serialized_start=3249
+  _globals['_PROTOCOLERRORCODE']._serialized_end=3535
+  _globals['_STEPREQUEST']._serialized_start=147
+  _globals['_STEPREQUEST']._serialized_end=342
+  _globals['_STEPRESPONSE']._serialized_start=345
+  _globals['_STEPRESPONSE']._serialized_end=550
+  _globals['_KEEPALIVE']._serialized_start=552
+  _globals['_KEEPALIVE']._serialized_end=588
+  _globals['_HANDSHAKE']._serialized_start=591
+  _globals['_HANDSHAKE']._serialized_end=833
+  _globals['_HANDSHAKEACK']._serialized_start=836
+  _globals['_HANDSHAKEACK']._serialized_end=1142
+  _globals['_PAYLOADFRAME']._serialized_start=1145
+  _globals['_PAYLOADFRAME']._serialized_end=1284
+  _globals['_WORKERSAMPLING']._serialized_start=1286
+  _globals['_WORKERSAMPLING']._serialized_end=1395
+  _globals['_NEWREQUEST']._serialized_start=1398
+  _globals['_NEWREQUEST']._serialized_end=1651
+  _globals['_RUNNINGREQUEST']._serialized_start=1654
+  _globals['_RUNNINGREQUEST']._serialized_end=1795
+  _globals['_ENCODERINPUT']._serialized_start=1797
+  _globals['_ENCODERINPUT']._serialized_end=1876
+  _globals['_STEPCONTROL']._serialized_start=1879
+  _globals['_STEPCONTROL']._serialized_end=2153
+  _globals['_SAMPLEDTOKEN']._serialized_start=2155
+  _globals['_SAMPLEDTOKEN']._serialized_end=2269
+  _globals['_WORKERSTEPSTATS']._serialized_start=2272
+  _globals['_WORKERSTEPSTATS']._serialized_end=2679
+  _globals['_ITEMFAILURE']._serialized_start=2681
+  _globals['_ITEMFAILURE']._serialized_end=2736
+  _globals['_REQUESTFAILURE']._serialized_start=2738
+  _globals['_REQUESTFAILURE']._serialized_end=2791
+  _globals['_STEPRESULT']._serialized_start=2794
+  _globals['_STEPRESULT']._serialized_end=3014
+  _globals['_PROTOCOLERROR']._serialized_start=3017
+  _globals['_PROTOCOLERROR']._serialized_end=3169
+  _globals['_WORKERSERVICE']._serialized_start=3537
+  _globals['_WORKERSERVICE']._serialized_end=3613
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
 from mmcast.v1 import logprob_pb2 as _logprob_pb2
 from mmcast.v1 import multimodal_pb2 as _multimodal_pb2
 from mmcast.v1 import tensor_pb2 as _tensor_pb2
@@ -34,7 +37,7 @@ PROTOCOL_ERROR_CODE_STATE_MISMATCH: ProtocolErrorCode
 PROTOCOL_ERROR_CODE_OUT_OF_RANGE: ProtocolErrorCode
 PROTOCOL_ERROR_CODE_INTERNAL: ProtocolErrorCode
 
-class SchedulerFrame(_message.Message):
+class StepRequest(_message.Message):
     __slots__ = ("handshake", "payload", "control", "keepalive")
     HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -46,7 +49,7 @@ class SchedulerFrame(_message.Message):
     keepalive: Keepalive
     def __init__(self, handshake: _Optional[_Union[Handshake, _Mapping]] = ..., payload: _Optional[_Union[PayloadFrame, _Mapping]] = ..., control: _Optional[_Union[StepControl, _Mapping]] = ..., keepalive: _Optional[_Union[Keepalive, _Mapping]] = ...) -> None: ...
 
-class WorkerFrame(_message.Message):
+class StepResponse(_message.Message):
     __slots__ = ("handshake_ack", "step_result", "error", "keepalive")
     HANDSHAKE_ACK_FIELD_NUMBER: _ClassVar[int]
     STEP_RESULT_FIELD_NUMBER: _ClassVar[int]
@@ -215,9 +218,9 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_logprob_pb2.TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerStepStats(_message.Message):
-    __slots__ = ("step_seconds", "encoder_seconds", "encoder_items", "payload_cache_bytes", "payload_cache_items", "encoder_cache_tokens", "received_payload_bytes", "encoder_runs", "collective_bytes", "collective_seconds", "preprocess_seconds")
-    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    ENCODER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("step_time", "encoder_time", "encoder_items", "payload_cache_bytes", "payload_cache_items", "encoder_cache_tokens", "received_payload_bytes", "encoder_runs", "collective_bytes", "collective_time", "preprocess_time")
+    STEP_TIME_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_TIME_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ITEMS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_CACHE_ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -225,10 +228,10 @@ class WorkerStepStats(_message.Message):
     RECEIVED_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENCODER_RUNS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    COLLECTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    PREPROCESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    step_seconds: float
-    encoder_seconds: float
+    COLLECTIVE_TIME_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_TIME_FIELD_NUMBER: _ClassVar[int]
+    step_time: _duration_pb2.Duration
+    encoder_time: _duration_pb2.Duration
     encoder_items: int
     payload_cache_bytes: int
     payload_cache_items: int
@@ -236,9 +239,9 @@ class WorkerStepStats(_message.Message):
     received_payload_bytes: int
     encoder_runs: int
     collective_bytes: int
-    collective_seconds: float
-    preprocess_seconds: float
-    def __init__(self, step_seconds: _Optional[float] = ..., encoder_seconds: _Optional[float] = ..., encoder_items: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., payload_cache_items: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., received_payload_bytes: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., collective_bytes: _Optional[int] = ..., collective_seconds: _Optional[float] = ..., preprocess_seconds: _Optional[float] = ...) -> None: ...
+    collective_time: _duration_pb2.Duration
+    preprocess_time: _duration_pb2.Duration
+    def __init__(self, step_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., encoder_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., encoder_items: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., payload_cache_items: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., received_payload_bytes: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., collective_bytes: _Optional[int] = ..., collective_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., preprocess_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ItemFailure(_message.Message):
     __slots__ = ("item_identifier", "message")

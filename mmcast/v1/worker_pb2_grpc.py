@@ -36,8 +36,8 @@ class WorkerServiceStub:
         """
         self.Step = channel.stream_stream(
                 '/mmcast.v1.WorkerService/Step',
-                request_serializer=mmcast_dot_v1_dot_worker__pb2.SchedulerFrame.SerializeToString,
-                response_deserializer=mmcast_dot_v1_dot_worker__pb2.WorkerFrame.FromString,
+                request_serializer=mmcast_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=mmcast_dot_v1_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
 
 
@@ -56,8 +56,8 @@ def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Step': grpc.stream_stream_rpc_method_handler(
                     servicer.Step,
-                    request_deserializer=mmcast_dot_v1_dot_worker__pb2.SchedulerFrame.FromString,
-                    response_serializer=mmcast_dot_v1_dot_worker__pb2.WorkerFrame.SerializeToString,
+                    request_deserializer=mmcast_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=mmcast_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -85,8 +85,8 @@ class WorkerService:
             request_iterator,
             target,
             '/mmcast.v1.WorkerService/Step',
-            mmcast_dot_v1_dot_worker__pb2.SchedulerFrame.SerializeToString,
-            mmcast_dot_v1_dot_worker__pb2.WorkerFrame.FromString,
+            mmcast_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            mmcast_dot_v1_dot_worker__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,

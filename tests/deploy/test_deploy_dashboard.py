@@ -180,8 +180,8 @@ def _series_like_a_bare_prometheus() -> list[dict]:
         for cache in ("payload", "encoder"):
             counter("mmcast_worker_cache_hits_total", f'{rank}, cache="{cache}"', 6)
         counter("mmcast_worker_protocol_errors_total", f'{rank}, code="BAD_TENSOR"', 0)
-    grpc = [(sched, "mmcast.v1.Generation", "Generate", "server_stream"),
-            (sched, "mmcast.v1.Generation", "GetServerInfo", "unary")]
+    grpc = [(sched, "mmcast.v1.GenerationService", "Generate", "server_stream"),
+            (sched, "mmcast.v1.GenerationService", "GetServerInfo", "unary")]
     grpc += [(rank, "mmcast.v1.WorkerService", "Step", "bidi_stream") for rank in ranks]
     for target, service, method, rpc_type in grpc:
         labels = f'{target}, grpc_service="{service}", grpc_method="{method}", grpc_type="{rpc_type}"'

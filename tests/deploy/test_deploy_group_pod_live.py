@@ -51,7 +51,7 @@ def _serving(port: int) -> bool:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="mmcast.v1.Generation"), timeout=2)
+                health_pb2.HealthCheckRequest(service="mmcast.v1.GenerationService"), timeout=2)
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

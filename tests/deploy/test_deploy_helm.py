@@ -211,7 +211,7 @@ def test_scheduler_contract():
     assert pod_spec(deploy)["terminationGracePeriodSeconds"] > int(args["drain-seconds"])
 
 
-@pytest.mark.parametrize("component,service", [("scheduler", "mmcast.v1.Generation"),
+@pytest.mark.parametrize("component,service", [("scheduler", "mmcast.v1.GenerationService"),
                                                ("worker", "mmcast.v1.WorkerService")])
 def test_grpc_health_probes(component, service):
     objects = render(sets=("topology=multinode",))
@@ -425,7 +425,7 @@ def test_notes_show_how_to_call_the_service():
     text = yaml.safe_load(out)["data"]["notes"]
     assert f"port-forward svc/{RELEASE}-mmcast-scheduler 50051:50051" in text
     assert "mmcast generate --target localhost:50051" in text
-    for rpc in ("mmcast.v1.Generation/Generate", "mmcast.v1.Generation/GetServerInfo", "grpc.health.v1.Health/Check"):
+    for rpc in ("mmcast.v1.GenerationService/Generate", "mmcast.v1.GenerationService/GetServerInfo", "grpc.health.v1.Health/Check"):
         assert "grpcurl -plaintext" in text and rpc in text
 
 

@@ -64,7 +64,7 @@ MUST_RISE = {
     ("Broadcast bytes/s by kind", "A"): [{"kind": "payload"}, {"kind": "metadata"}, {"kind": "control"}],
     ("Payload bytes saved/s by reason", "A"): [{"reason": "prefix_covered"}, {"reason": "rank_cached"}],
     ("Multimodal items/s by disposition", "A"): [{"disposition": d} for d in ("sent", "stripped", "rank_cached")],
-    ("gRPC error ratio by method", "A"): [{"grpc_service": "mmcast.v1.Generation", "grpc_method": "Generate"}],
+    ("gRPC error ratio by method", "A"): [{"grpc_service": "mmcast.v1.GenerationService", "grpc_method": "Generate"}],
     ("Worker cache hits/s", "A"): [{"cache": "encoder"}],
     ("Requests finished/s by reason", "A"): [{"reason": "length"}],
     ("gRPC unary latency p99 by method", "A"): [{"grpc_method": "GetServerInfo"}],
