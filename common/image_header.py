@@ -6,7 +6,7 @@
 - **Pixels.** ``width * height`` against ``--max-image-pixels`` (decompression bombs).
 - **Tokens.** The placeholder count follows from the header size and the processor's own resize rule
   (``get_number_of_image_patches``: transformers' ``smart_resize`` with the processor's patch size, merge size and
-  min/max pixels) divided by ``merge_size**2``; ``tests/test_sched_image_header.py`` compares it with the
+  min/max pixels) divided by ``merge_size**2``; ``tests/scheduler/test_image_header.py`` compares it with the
   processor's output. A GIF, APNG or animated WebP counts its first frame, the only one decoded.
 - **Orientation.** The frontend turns an image upright as transformers' ``load_image`` does
   (``ImageOps.exif_transpose``), so an EXIF orientation of 5-8 (a quarter turn, with or without a mirror) swaps the

@@ -5,7 +5,7 @@
 exactly as the client sent it; the rank that encodes the item runs ``process`` here on the same bytes, with an image
 processor loaded from the same model folder (``common.processor.load_processor``; the handshake's model fingerprint
 covers the processor files), so both paths give identical ``pixel_values`` and ``image_grid_thw``
-(tests/test_image_input.py compares them with the processor fed the file as sent, bit for bit).
+(tests/common/test_image_input.py compares them with the processor fed the file as sent, bit for bit).
 
 - ``open``: the header checks of ``common.image_header`` (format whitelist, pixels, tokens; nothing decoded).
 - ``grid``: the ``image_grid_thw`` the processor will produce, from the header's upright size and the processor's

@@ -7,7 +7,7 @@ the start) and works with any Qwen2-VL-family processor (an image token the proc
 
 Images enter as the model's processor takes a decoded file: upright (the EXIF orientation applied, as transformers'
 ``load_image`` does), then handed over in their own mode, so the processor's ``convert_to_rgb`` composites
-transparency onto white and converts palette, CMYK and 16-bit images itself (tests/test_sched_image_modes.py compares
+transparency onto white and converts palette, CMYK and 16-bit images itself (tests/scheduler/test_image_modes.py compares
 ``pixel_values`` and served tokens with the processor fed the file as sent).
 
 Every check whose input is at hand runs before the work it protects (docs/SECURITY.md section 5):

@@ -2,7 +2,7 @@
 on this machine got.
 
     mkdir -p /tmp/sec && MMCAST_SECURITY_REPORT_DIR=/tmp/sec .venv/bin/python -m pytest -q \
-        tests/test_security_catalogue.py tests/test_security_transport.py
+        tests/security/test_catalogue.py tests/security/test_transport.py
     .venv/bin/python scripts/security_doc.py /tmp/sec
 
 The tables replace what stands between the ``<!-- cases:begin -->`` / ``<!-- cases:end -->`` and
@@ -38,7 +38,7 @@ def _replace(doc: str, name: str, body: str) -> str:
 
 
 def cases_table(report: dict[str, dict]) -> str:
-    from tests.security_catalogue import CASES
+    from tests.support.security_catalogue import CASES
 
     rows = ["| # | endpoint | case | input | expected | got (message) | ms | reproduce |",
             "|---|---|---|---|---|---|---|---|"]
@@ -49,7 +49,7 @@ def cases_table(report: dict[str, dict]) -> str:
             outcome = "**UNEXPECTED** " + outcome
         ms = "" if got is None else f"{got['seconds'] * 1000:.0f}"
         test = "test_client_case" if case.endpoint == "client" else "test_step_case"
-        command = f"`pytest 'tests/test_security_catalogue.py::{test}[{case.id}]'`"
+        command = f"`pytest 'tests/security/test_catalogue.py::{test}[{case.id}]'`"
         where = "GenerationService" if case.endpoint == "client" else "WorkerService/Step"
         rows.append(f"| {n} | {where} | `{case.id}` | {_cell(case.what)} | {case.code} | {outcome} | {ms} | {command} |")
     return "\n".join(rows)
@@ -59,7 +59,7 @@ def transport_table(report: list[dict]) -> str:
     rows = ["| # | port | attempt | expected | got (message) | ms | reproduce |", "|---|---|---|---|---|---|---|"]
     for n, got in enumerate(report, 1):
         outcome = f"**{got['code']}**: {_cell(got['message'], 100)}"
-        command = f"`pytest 'tests/test_security_transport.py::test_refused_while_a_correct_client_is_served[{got['id']}]'`"
+        command = f"`pytest 'tests/security/test_transport.py::test_refused_while_a_correct_client_is_served[{got['id']}]'`"
         rows.append(f"| {n} | {got['endpoint']} | {_cell(got['what'])} | {got['expected']} | {outcome} | "
                     f"{got['seconds'] * 1000:.0f} | {command} |")
     return "\n".join(rows)

@@ -51,7 +51,7 @@ class WorkerEnv:
         from transformers import AutoModelForImageTextToText
 
         from common.processor import load_processor
-        from tests.worker_driver import InProcessWorker, rank_token_file
+        from tests.support.worker_driver import InProcessWorker, rank_token_file
         from worker_svc.config import WorkerConfig
 
         self.model_dir = model_dir
@@ -69,7 +69,7 @@ class WorkerEnv:
         self.rank = InProcessWorker(self.config)
 
     def prompt(self, segments):
-        from tests.worker_driver import process_prompt
+        from tests.support.worker_driver import process_prompt
 
         return process_prompt(self.processor, segments, self.image_token_id)
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import yaml
 
-from tests.deploy.dashboard import (
+from tests.support.dashboard import (
     BUILTIN_VARIABLES,
     dashboard_expressions,
     load_dashboard,
@@ -15,7 +15,7 @@ from tests.deploy.dashboard import (
     substitute_variables,
     variables_used,
 )
-from tests.deploy.deploy_tools import run, tool
+from tests.support.deploy_tools import run, tool
 
 # Every metric the services export (docs/ARCHITECTURE.md §2.7), histograms by their base name.
 SCHEDULER_METRICS = {

@@ -7,7 +7,7 @@ import re
 import shlex
 import tomllib
 
-from tests.deploy.deploy_tools import ROOT, run, tool
+from tests.support.deploy_tools import ROOT, run, tool
 
 DOCKERFILE = ROOT / "Dockerfile"
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296",

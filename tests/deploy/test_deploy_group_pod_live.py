@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.deploy.deploy_tools import CI_VALUES, find, pod_spec, render
+from tests.support.deploy_tools import CI_VALUES, find, pod_spec, render
 
 # It starts a real TP=2 group: 40-100 s on the 2-core reference machine, more than `make test` can spend on it.
 pytestmark = [

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.deploy.deploy_tools import (
+from tests.support.deploy_tools import (
     CHART,
     CI_VALUES,
     DASHBOARD_FILE,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.deploy.deploy_tools import (
+from tests.support.deploy_tools import (
     CHART,
     CI_VALUES,
     LWS_API,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from tests.deploy.deploy_tools import ROOT, RULES_FILE, RULES_TEST_FILE, run, tool
+from tests.support.deploy_tools import ROOT, RULES_FILE, RULES_TEST_FILE, run, tool
 
 ALERTS = {"MmcastWorkerGroupDown", "MmcastGrpcErrorRatioHigh", "MmcastTimeToFirstTokenP99High", "MmcastPreemptionStorm"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tests.deploy.deploy_tools import ROOT, run, tool
+from tests.support.deploy_tools import ROOT, run, tool
 
 
 def test_install_tools_second_run_is_quick():

@@ -11,7 +11,7 @@ workload through the SDK chosen so that every panel has something to show:
   the machine is;
 - one prompt larger than the KV pool: RESOURCE_EXHAUSTED, a server-side gRPC error for the error-ratio panel;
 - GetServerInfo: a unary RPC for the unary-latency panel.
-With MMCAST_RENDER_DASHBOARD=1 the run also renders docs/img/dashboard.png (tests/deploy/render_dashboard.py).
+With MMCAST_RENDER_DASHBOARD=1 the run also renders docs/img/dashboard.png (tests/support/render_dashboard.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import yaml
 from mmcast_client import Client, ResourceExhausted
 from mmcast_client.local_group import LocalGroup
 from mmcast_client.synthetic import synthetic_jpeg
-from tests.deploy.dashboard import panels, substitute_variables
-from tests.deploy.deploy_tools import ROOT, RULES_FILE, tool
-from tests.deploy.prometheus_server import PrometheusServer
+from tests.support.dashboard import panels, substitute_variables
+from tests.support.deploy_tools import ROOT, RULES_FILE, tool
+from tests.support.prometheus_server import PrometheusServer
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ ZERO_ALLOWED = {
     ("Worker protocol errors/s by code", "A"): (
         "a protocol error needs a malformed step frame from the scheduler, which no SDK request can cause, and the "
         "refusal makes the scheduler recover the whole group; the series are the counter's pre-created codes at 0 "
-        "(tests/test_worker_protocol.py checks the counting)"
+        "(tests/worker/test_protocol.py checks the counting)"
     ),
 }
 # Series the workload is built to move, by panel and refId: each must rise above 0 during the run.
@@ -228,7 +228,7 @@ def test_render_dashboard_picture(live):
     """Opt-in (MMCAST_RENDER_DASHBOARD=1): CI checks the data; the picture in docs/ is refreshed on purpose."""
     if os.environ.get(RENDER_ENV) != "1":
         pytest.skip(f"set {RENDER_ENV}=1 to render {PICTURE.relative_to(ROOT)}")
-    from tests.deploy.render_dashboard import render_dashboard
+    from tests.support.render_dashboard import render_dashboard
 
     live.prom.wait_scraped_after(time.time() + 8, 1 + TP, timeout=20)  # let the rates fall back after the run
     out = Path(os.environ.get("MMCAST_DASHBOARD_PNG", PICTURE))

@@ -1,0 +1,154 @@
+"""Served tokens equal plain transformers ``generate`` on the same checkpoint (tokens exact, log-probabilities within
+1e-3) for both tiny variants, driving an in-process rank over real Step streams: no prefix hit, a hit whose covered
+images travel stripped, an image straddling the computed boundary, chunked prefill across an image, two requests
+with different hits in one batch; and a negative control proving the comparison can fail."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmcast.v1 import worker_pb2
+from tests.support.worker_driver import MiniScheduler, noise_image, oracle, with_pixels_replaced
+
+TOL = 1e-3
+
+
+def assert_matches(req, reference) -> None:
+    tokens, logprobs = reference
+    assert req.outputs == tokens
+    diffs = [abs(a - b) for a, b in zip(req.logprobs, logprobs, strict=True)]
+    assert max(diffs) <= TOL, diffs
+
+
+def two_image_prompt(env, seed=0, text="What is in this picture and"):
+    # image 1: 112x84 -> grid (1, 6, 8) -> 12 tokens at [28, 40); image 2: 56x56 -> 4 tokens at [49, 53)
+    return env.prompt([noise_image(seed + 1, 112, 84), text, noise_image(seed + 2, 56, 56), "that one?"])
+
+
+@pytest.fixture
+def sched(worker_env):
+    stream = worker_env.rank.stream(worker_env.model_dir)
+    yield MiniScheduler([stream])
+    stream.close()
+
+
+def test_no_prefix_hit(worker_env, sched):
+    prompt = two_image_prompt(worker_env)
+    assert [(f.mm_position.offset, f.mm_position.length) for f in prompt.features] == [(28, 12), (49, 4)]
+    req = sched.add(prompt, "a")
+    sched.run([req])
+    assert_matches(req, oracle(worker_env.model, prompt))
+
+
+def test_prefix_hit_covering_stripped_images_sends_no_payload(worker_env, sched):
+    # both images end before token 48: a 3-block hit covers them
+    prompt = worker_env.prompt([noise_image(7, 112, 84), noise_image(8, 56, 56), "Describe both images in detail."])
+    assert max(f.mm_position.end for f in prompt.features) <= 48 < len(prompt.token_ids)
+    first = sched.add(prompt, "fill")
+    sched.run([first])  # fills the KV blocks
+    sched.evict_everything()  # the rank now holds neither payloads nor encoder outputs
+    payload_bytes = sched.sent["payload"]
+    second = sched.add(prompt, "hit", hit_from=first, hit_blocks=3)
+    sched.run([second])
+    assert sched.sent["payload"] == payload_bytes, "a covered image's payload was sent"
+    assert set(sched.stripped_ids) == {f.identifier for f in prompt.features}
+    reference = oracle(worker_env.model, prompt)
+    assert_matches(first, reference)
+    assert_matches(second, reference)
+
+
+def test_image_straddling_the_computed_boundary(worker_env, sched):
+    prompt = two_image_prompt(worker_env, seed=10)
+    first = sched.add(prompt, "fill")
+    sched.run([first])
+    sched.evict_everything()
+    sent_before = len(sched.sent_payload_ids)
+    second = sched.add(prompt, "straddle", hit_from=first, hit_blocks=2)  # 32 computed; image 1 is [28, 40)
+    sched.run([second])
+    # image 1 is encoded whole again (its tail rows are used), so its payload travels; image 2 too
+    assert sched.sent_payload_ids[sent_before:] == [f.identifier for f in prompt.features]
+    assert sched.stripped_ids == []
+    assert_matches(second, oracle(worker_env.model, prompt))
+
+
+def test_chunked_prefill_across_an_image(worker_env, sched):
+    prompt = two_image_prompt(worker_env, seed=20)
+    req = sched.add(prompt, "chunked", chunk=10)  # windows [20, 30) and [30, 40) split image 1
+    sched.run([req])
+    prefill_steps = -(-len(prompt.token_ids) // 10)
+    assert len(sched.results) == prefill_steps + 7 + 1  # prefill, 7 decode steps, the finish
+    assert_matches(req, oracle(worker_env.model, prompt))
+
+
+def test_two_requests_batched_with_different_hits(worker_env, sched, monkeypatch):
+    runner = worker_env.rank.worker.runner
+    batches = []
+    original = runner._forward_batch
+    monkeypatch.setattr(runner, "_forward_batch", lambda items: batches.append(len(items)) or original(items))
+    shared = two_image_prompt(worker_env, seed=30)
+    other = two_image_prompt(worker_env, seed=40, text="Compare the colours of this picture and")
+    first = sched.add(shared, "fill")
+    sched.run([first])
+    a = sched.add(shared, "hit2", hit_from=first, hit_blocks=2)
+    b = sched.add(other, "cold", chunk=24)
+    sched.run([a, b])  # prefill windows then batched single-token decode steps with caches of unequal length
+    assert batches and set(batches) == {2}
+    assert_matches(a, oracle(worker_env.model, shared))
+    assert_matches(b, oracle(worker_env.model, other))
+
+
+def test_negative_control_changed_pixels_change_logprobs(worker_env, sched):
+    prompt = two_image_prompt(worker_env, seed=50)
+    changed = with_pixels_replaced(prompt, 0, seed=99)
+    req = sched.add(changed, "changed")
+    sched.run([req])
+    _, logprobs = oracle(worker_env.model, prompt)
+    assert max(abs(a - b) for a, b in zip(req.logprobs, logprobs, strict=True)) > TOL
+
+
+def test_resumed_request_continues_identically(worker_env, sched):
+    """Preempted after 16 tokens, resumed as a new request (outputs appended to its prompt, a prefix hit that
+    reaches into them): greedy tokens still equal the oracle, and seeded sampling repeats its draws."""
+    prompt = two_image_prompt(worker_env, seed=60)
+    reference = oracle(worker_env.model, prompt, max_new_tokens=20)
+    for sampling in (None, worker_pb2.WorkerSampling(temperature=1.0, top_p=0.95, seed=11, return_logprobs=True)):
+        whole = sched.add(prompt, f"whole-{bool(sampling)}", max_new_tokens=20, sampling=sampling)
+        sched.run([whole])
+        first = sched.add(prompt, f"first-{bool(sampling)}", max_new_tokens=16, sampling=sampling)
+        sched.run([first])  # then preempted: the ranks drop it
+        sched.evict_everything()
+        hit = (len(prompt.token_ids) + 15) // 16  # full blocks of the 66 + 15 computed tokens: into the outputs
+        assert hit * 16 > len(prompt.token_ids)
+        resumed = sched.add(
+            prompt,
+            f"resumed-{bool(sampling)}",
+            max_new_tokens=20,
+            sampling=sampling,
+            outputs=first.outputs,
+            hit_from=first,
+            hit_blocks=hit,
+        )
+        sched.run([resumed])
+        assert resumed.outputs == whole.outputs
+        assert first.outputs == whole.outputs[:16]
+        if sampling is None:
+            assert_matches(whole, reference)
+            assert resumed.outputs == reference[0]
+            diffs = [abs(a - b) for a, b in zip(resumed.logprobs, reference[1][16:], strict=True)]
+            assert max(diffs) <= TOL
+
+
+def test_encoder_rows_the_rank_keeps_carry_no_autograd_graph(worker_env, sched, monkeypatch):
+    # Rows kept in the encoder cache with a grad_fn would pin the vision tower's saved activations until eviction:
+    # at Qwen2-VL-2B's widths ~1.5 GB per 1280x720 image (benchmarks/rank_memory.py measures the rank's peak).
+    runner = worker_env.rank.worker.runner
+    kept = []
+    encode = runner.encode
+    monkeypatch.setattr(runner, "encode", lambda feature: kept.append(encode(feature)) or kept[-1])
+    prompt = two_image_prompt(worker_env, seed=40)
+    req = sched.add(prompt, "graph")
+    sched.run([req])
+    assert len(kept) == 2
+    assert all(rows.grad_fn is None and not rows.requires_grad for rows in kept)
+    assert not [name for name, p in runner.model.named_parameters() if p.requires_grad]
+    assert_matches(req, oracle(worker_env.model, prompt))
