@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -187,9 +188,20 @@ def package_version(distribution: str = "mmcast") -> str:
         return "unknown"
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's layout, without breaking a flag named in a help text at its hyphens."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
+
+
 def build_parser(cls: type, *, prog: str, description: str) -> argparse.ArgumentParser:
     """The command line of ``cls``: one flag per field in its section, plus ``--version`` and ``--print-config``."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=EPILOG)
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=EPILOG, formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"{prog} {package_version()}")
     parser.add_argument(
         "--print-config", action="store_true",
