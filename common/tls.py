@@ -11,8 +11,9 @@ Rotation without a restart (cert-manager renews a Secret in place; the kubelet s
 - **Servers** use ``grpc.dynamic_ssl_server_credentials``: gRPC asks ``ServerCertificateFiles.fetch`` before the
   TLS handshake of every new connection. It reads the files (through any symlinks) and compares their bytes with
   those last seen; only on a change does it check them (the key belongs to the certificate, the CA bundle holds a
-  certificate) and hand gRPC the new key, certificate and client CA bundle, which that handshake already uses. Connections open before keep the session they negotiated (TLS does
-  not re-handshake an HTTP/2 connection; an expired certificate does not end one) until they close.
+  certificate) and hand gRPC the new key, certificate and client CA bundle, which that handshake already uses.
+  Connections open before keep the session they negotiated (TLS does not re-handshake an HTTP/2 connection; an
+  expired certificate does not end one) until they close.
 - **The scheduler's channels to the ranks** (``ChannelCertificateFiles``) re-read the CA, client certificate and
   key when the files changed each time a channel is made, i.e. when the scheduler (re)connects the group; the rank
   streams already open keep theirs.
@@ -58,12 +59,17 @@ class _PemFiles:
     """A certificate, its key and a CA bundle (each optional) read together and checked to fit each other."""
 
     def __init__(self, cert: tuple[str, str], key: tuple[str, str], ca: tuple[str, str]) -> None:
-        self._flags = {path: flag for path, flag in (ca, key, cert) if path}  # cert first when one file holds both
+        self._flags = {path: flag for path, flag in (ca, key, cert) if path}  # one file for both: the cert's flag
         self.cert_file, self.key_file, self.ca_file = cert[0], key[0], ca[0]
         self._lock = threading.Lock()
         self.seen = self._snapshot()  # the bytes last judged, good or bad
-        self.cert, self.key, self.ca = self._check(self.seen)  # TlsConfigError at start: the process does not start
+        # (cert, key, ca) in use, replaced as one tuple so a reader never mixes two rotations.
+        self.current = self._check(self.seen)  # TlsConfigError at start: the process does not start
         self.reloads = 0  # how many times changed files were taken into use
+
+    cert = property(lambda self: self.current[0])
+    key = property(lambda self: self.current[1])
+    ca = property(lambda self: self.current[2])
 
     def _snapshot(self) -> tuple[bytes | None, bytes | None, bytes | None]:
         """The files' bytes now. Bytes rather than mtimes: a rewrite within one timestamp tick keeps the mtime
@@ -79,7 +85,8 @@ class _PemFiles:
             try:  # from the paths, as OpenSSL reads files; a change meanwhile shows as different bytes below
                 context.load_cert_chain(self.cert_file, self.key_file, password=lambda: "")
             except (ssl.SSLError, OSError) as exc:
-                names = f"{self._flags[self.cert_file]}={self.cert_file} and {self._flags[self.key_file]}={self.key_file}"
+                flags = self._flags
+                names = f"{flags[self.cert_file]}={self.cert_file} and {flags[self.key_file]}={self.key_file}"
                 raise TlsConfigError(f"{names}: not a certificate and its unencrypted private key ({exc})") from None
             if self._snapshot()[:2] != (cert, key):
                 raise TlsConfigError(f"{self._flags[self.cert_file]}={self.cert_file}: changed while being read")
@@ -87,11 +94,12 @@ class _PemFiles:
             try:
                 context.load_verify_locations(cadata=ca.decode("ascii", "replace"))
             except ssl.SSLError as exc:
-                raise TlsConfigError(f"{self._flags[self.ca_file]}={self.ca_file}: no CA certificate in it ({exc})") from None
+                flag = self._flags[self.ca_file]
+                raise TlsConfigError(f"{flag}={self.ca_file}: no CA certificate in it ({exc})") from None
         return snapshot
 
-    def refresh(self) -> bool:
-        """Re-read the files; True when changed contents were checked and taken into use.
+    def refresh(self) -> tuple | None:
+        """Re-read the files; the new (cert, key, ca) when changed contents were checked and taken into use.
 
         Never raises: files that cannot be used (mid-rotation, missing for a moment) are logged once per content
         and the previous contents stay.
@@ -99,24 +107,24 @@ class _PemFiles:
         try:
             snapshot = self._snapshot()
         except TlsConfigError:  # missing or cut short while being replaced: look again on the next connection
-            return False
+            return None
         if snapshot == self.seen:
-            return False
+            return None
         with self._lock:
             if snapshot == self.seen:  # another thread judged it meanwhile
-                return False
+                return None
             self.seen = snapshot
             try:
                 self._check(snapshot)
             except TlsConfigError as exc:
                 log.warning("TLS files changed but cannot be used; the previous ones stay in use: %s", exc)
-                return False
-            if snapshot == (self.cert, self.key, self.ca):  # back to what is in use
-                return False
-            self.cert, self.key, self.ca = snapshot
+                return None
+            if snapshot == self.current:  # back to what is in use
+                return None
+            self.current = snapshot
             self.reloads += 1
         log.info("TLS files reloaded", extra={"files": ",".join(self._flags), "reloads": self.reloads})
-        return True
+        return snapshot
 
 
 class ServerCertificateFiles:
@@ -128,16 +136,18 @@ class ServerCertificateFiles:
                                (client_ca_file, f"{prefix}tls-client-ca-file"))
         self.mutual = bool(client_ca_file)
 
-    def configuration(self) -> grpc.ServerCertificateConfiguration:
-        f = self.files
-        return grpc.ssl_server_certificate_configuration([(f.key, f.cert)], root_certificates=f.ca)
+    @staticmethod
+    def configuration(files: tuple) -> grpc.ServerCertificateConfiguration:
+        cert, key, ca = files
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC calls this before every new connection's handshake: new files, or None for "keep the current"."""
-        return self.configuration() if self.files.refresh() else None
+        changed = self.files.refresh()
+        return None if changed is None else self.configuration(changed)
 
     def credentials(self) -> grpc.ServerCredentials:
-        return grpc.dynamic_ssl_server_credentials(self.configuration(), self.fetch,
+        return grpc.dynamic_ssl_server_credentials(self.configuration(self.files.current), self.fetch,
                                                    require_client_authentication=self.mutual)
 
 
@@ -164,16 +174,18 @@ class ChannelCertificateFiles:
     def __init__(self, ca_file: str, cert_file: str = "", key_file: str = "", *, prefix: str = "--") -> None:
         self.files = _PemFiles((cert_file, f"{prefix}tls-cert-file"), (key_file, f"{prefix}tls-key-file"),
                                (ca_file, f"{prefix}tls-ca-file"))
-        self._credentials = self._build()
+        self._credentials = self._build(self.files.current)
 
-    def _build(self) -> grpc.ChannelCredentials:
-        f = self.files
-        return grpc.ssl_channel_credentials(root_certificates=f.ca, private_key=f.key, certificate_chain=f.cert)
+    @staticmethod
+    def _build(files: tuple) -> grpc.ChannelCredentials:
+        cert, key, ca = files
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
     def credentials(self) -> grpc.ChannelCredentials:
-        """Credentials from the files as they are now (re-read only when they changed)."""
-        if self.files.refresh():
-            self._credentials = self._build()
+        """Credentials from the files as they are now (rebuilt only when they changed)."""
+        changed = self.files.refresh()
+        if changed is not None:
+            self._credentials = self._build(changed)
         return self._credentials
 
 

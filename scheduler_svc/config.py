@@ -182,7 +182,8 @@ class SchedulerConfig:
         min=0, max=65535, section=_SECURITY,
     )
     worker_tls_ca_file: str = setting(
-        "", "PEM CA bundle that signed the ranks' certificates; set = TLS to the ranks", section=_SECURITY, metavar="PEM"
+        "", "PEM CA bundle that signed the ranks' certificates; set = TLS to the ranks", section=_SECURITY,
+        metavar="PEM",
     )
     worker_tls_cert_file: str = setting(
         "", "PEM client certificate presented to the ranks (mutual TLS); with --worker-tls-key-file",

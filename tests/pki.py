@@ -146,7 +146,8 @@ class Issuer:
     def server(self, folder: Path, stem: str) -> Leaf:
         """A new server certificate (fresh key and serial) for localhost / 127.0.0.1 / ::1."""
         folder.mkdir(parents=True, exist_ok=True)
-        return _leaf(folder, stem, f"mmcast-test-{stem}", (self.cert, self.key), hosts=("localhost", "127.0.0.1", "::1"))
+        local = ("localhost", "127.0.0.1", "::1")
+        return _leaf(folder, stem, f"mmcast-test-{stem}", (self.cert, self.key), hosts=local)
 
     def client(self, folder: Path, stem: str) -> Leaf:
         folder.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ def test_a_file_missing_for_a_moment_changes_nothing(tmp_path, pki):
 
 def test_a_key_of_another_certificate_stops_the_start_naming_both_flags(pki):
     _, a, b = pki
-    with pytest.raises(tls.TlsConfigError, match=r"--tls-cert-file=.* and --tls-key-file=.*: not a certificate and its"):
+    with pytest.raises(tls.TlsConfigError, match=r"--tls-cert-file=.* and --tls-key-file=.*: not a certificate and"):
         tls.server_credentials(str(a.cert), str(b.key))
     with pytest.raises(tls.TlsConfigError, match=r"--worker-tls-cert-file=.*--worker-tls-key-file"):
         tls.channel_credentials(str(a.cert), str(a.cert), str(b.key), prefix="--worker-")
