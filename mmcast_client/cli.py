@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mmcast",
         description="mmcast: multimodal LLM serving that never re-broadcasts image tensors the prefix cache covers.",
     )
+    from common.settings import package_version  # light: argparse, json, importlib.metadata
+
+    parser.add_argument("--version", action="version", version=f"mmcast {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("make-tiny-model", help="build the embedded tiny Qwen2-VL model folder")

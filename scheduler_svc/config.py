@@ -1,16 +1,22 @@
-"""Configuration of the scheduler process: one dataclass, validated on construction.
+"""Configuration of the scheduler process: one dataclass, validated on construction, and its command line.
 
-Every field carries ``metadata={"help": ...}`` (and, where a range applies, ``"min"``/``"max"``), so the command
-line (``--kv-blocks``, ...) and the environment (``MMCAST_KV_BLOCKS``, ...) can be generated from the fields alone.
-A value of 0 for a cache budget means "take it from the ranks' handshake" (the minimum over the group); see
-``SchedulerConfig.effective`` for how configured and handshake values combine.
+Every field is a ``common.settings.setting`` (help text, ``--help`` section, range, choices), from which
+``build_parser``/``load_config`` generate the flags (``--kv-blocks``) and environment variables
+(``MMCAST_KV_BLOCKS``): a flag wins over its variable, a variable over the default, choices in any case — the same
+mechanism as the worker's (worker_svc/config.py). A value of 0 for a cache budget means "take it from the ranks'
+handshake" (the minimum over the group); see ``SchedulerConfig.effective`` for how configured and handshake values
+combine.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
-from typing import Any
+from collections.abc import Mapping, Sequence
+
+from common import settings
+from common.settings import LOG_LEVELS, setting
 
 TRANSFER_MODES = ("full", "strip", "lazy")
 PAYLOAD_ENCODINGS = ("encoded", "pixels")
@@ -23,19 +29,11 @@ DEFAULT_IMAGE_FORMATS = ["JPEG", "PNG", "WEBP", "GIF", "BMP"]
 # bytes/token, random CJK, emoji, printable ASCII and random bytes 1.0; subword tokenizers of real checkpoints
 # reach ~4-5 on English and ~4.5 on CJK (1.5 characters of 3 bytes per token). 8 leaves room above all of them.
 PROMPT_BYTES_PER_TOKEN = 8
-
-
-def _field(default: Any, help: str, *, min: float | None = None, max: float | None = None, choices=None) -> Any:
-    meta: dict[str, Any] = {"help": help}
-    if min is not None:
-        meta["min"] = min
-    if max is not None:
-        meta["max"] = max
-    if choices is not None:
-        meta["choices"] = tuple(choices)
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+# --help sections
+_LIMITS, _CACHES, _BATCHING = "model and request limits", "caches", "batching"
+_WIRE, _SERVICE, _SECURITY = "transfer to the ranks", "service", "security (docs/SECURITY.md; secrets are files)"
+PROG = "mmcast-scheduler"
+DESCRIPTION = "mmcast scheduler: serves mmcast.v1.GenerationService and drives one tensor-parallel worker group."
 
 
 @dataclasses.dataclass
@@ -43,171 +41,184 @@ class SchedulerConfig:
     """Settings of the scheduler core (frontend, prefix cache, step builder) and of the service around it."""
 
     # --- model and limits on requests -------------------------------------------------------------------------
-    model: str = _field("", "model folder (config, weights, tokenizer, processor); the ranks must load the same one")
-    max_model_len: int = _field(
-        0, "context length: prompt + max_tokens must fit (0 = the model config's, capped by the ranks')", min=0
+    model: str = setting("", "model folder (config, weights, tokenizer, processor); the ranks must load the same one",
+                         section=_LIMITS, metavar="DIR")
+    max_model_len: int = setting(
+        0, "context length: prompt + max_tokens must fit (0 = the model config's, capped by the ranks')", min=0,
+        section=_LIMITS,
     )
-    max_tokens_limit: int = _field(4096, "largest sampling.max_tokens a request may ask for (the context still caps it)",
-                                   min=1, max=2**31 - 1)
-    max_logprobs: int = _field(20, "largest sampling.logprobs (top alternatives per token) a request may ask for",
-                               min=0, max=1024)
-    max_images_per_request: int = _field(64, "images one request may contain", min=0, max=100_000)
-    max_image_pixels: int = _field(
+    max_tokens_limit: int = setting(
+        4096, "largest sampling.max_tokens a request may ask for (the context still caps it)", min=1, max=2**31 - 1,
+        section=_LIMITS,
+    )
+    max_logprobs: int = setting(20, "largest sampling.logprobs (top alternatives per token) a request may ask for",
+                                min=0, max=1024, section=_LIMITS)
+    max_images_per_request: int = setting(64, "images one request may contain", min=0, max=100_000, section=_LIMITS)
+    max_image_pixels: int = setting(
         33_554_432, "width * height of one image, checked on the header before decoding (decompression bombs)",
-        min=1, max=2**40,
+        min=1, max=2**40, section=_LIMITS,
     )
-    max_upload_bytes: int = _field(32 << 20, "bytes of one encoded image (inline or uploaded)", min=1, max=_INT_MAX)
-    max_request_bytes: int = _field(
-        64 << 20, "bytes of one serialized GenerateRequest (also the gRPC receive limit)", min=1024, max=2**31 - 1
+    max_upload_bytes: int = setting(32 << 20, "bytes of one encoded image (inline or uploaded)", min=1, max=_INT_MAX,
+                                    section=_LIMITS)
+    max_request_bytes: int = setting(
+        64 << 20, "bytes of one serialized GenerateRequest (also the gRPC receive limit)", min=1024, max=2**31 - 1,
+        section=_LIMITS,
     )
-    max_prompt_bytes: int = _field(
+    max_prompt_bytes: int = setting(
         0, f"UTF-8 bytes of all text parts of one request, checked before tokenizing (0 = the context length x "
-        f"{PROMPT_BYTES_PER_TOKEN})", min=0, max=2**31 - 1,
+        f"{PROMPT_BYTES_PER_TOKEN})", min=0, max=2**31 - 1, section=_LIMITS,
     )
-    image_formats: list = _field(
+    image_formats: list = setting(
         DEFAULT_IMAGE_FORMATS, "image formats the frontend opens (Pillow names, comma separated on the CLI); no other "
-        "decoder ever runs",
+        "decoder ever runs", section=_LIMITS,
     )
-    max_concurrent_decodes: int = _field(
+    max_concurrent_decodes: int = setting(
         2, "images decoded and preprocessed at once (each may hold ~1.4 GiB at the default limits: docs/SECURITY.md)",
-        min=1, max=1024,
+        min=1, max=1024, section=_LIMITS,
     )
-    frontend_threads: int = _field(
+    frontend_threads: int = setting(
         4, "threads that check, decode and tokenize requests off the event loop (each has its own tokenizer)",
-        min=1, max=1024,
+        min=1, max=1024, section=_LIMITS,
     )
-    max_pending_upload_bytes: int = _field(
+    max_pending_upload_bytes: int = setting(
         128 << 20, "bytes held by unfinished uploads, all tenants together; more get RESOURCE_EXHAUSTED",
-        min=1, max=_INT_MAX,
+        min=1, max=_INT_MAX, section=_LIMITS,
     )
-    max_pending_upload_bytes_per_tenant: int = _field(
+    max_pending_upload_bytes_per_tenant: int = setting(
         64 << 20, "bytes held by one tenant's unfinished uploads; more get RESOURCE_EXHAUSTED", min=1, max=_INT_MAX,
+        section=_LIMITS,
     )
 
     # --- caches -------------------------------------------------------------------------------------------------
-    processor_cache_bytes: int = _field(
+    processor_cache_bytes: int = setting(
         1 << 30, "bytes of processed images kept so an image seen before is neither decoded, processed nor hashed",
-        min=0, max=_INT_MAX,
+        min=0, max=_INT_MAX, section=_CACHES,
     )
-    upload_store_bytes: int = _field(256 << 20, "bytes of uploaded encoded images kept for reference by hash",
-                                     min=0, max=_INT_MAX)
-    block_size: int = _field(16, "tokens per KV block (prefix-cache granularity); must equal the ranks'",
-                             min=1, max=1024)
-    kv_blocks: int = _field(0, "KV blocks to use (0 = the ranks' pool size; never more than it)", min=0, max=2**31 - 1)
-    encoder_cache_tokens: int = _field(
+    upload_store_bytes: int = setting(256 << 20, "bytes of uploaded encoded images kept for reference by hash",
+                                      min=0, max=_INT_MAX, section=_CACHES)
+    block_size: int = setting(16, "tokens per KV block (prefix-cache granularity); must equal the ranks'",
+                              min=1, max=1024, section=_CACHES)
+    kv_blocks: int = setting(0, "KV blocks to use (0 = the ranks' pool size; never more than it)", min=0,
+                             max=2**31 - 1, section=_CACHES)
+    encoder_cache_tokens: int = setting(
         0, "encoder-output rows the ranks hold and one step may encode (0 = the ranks' budget; never more)",
-        min=0, max=_INT_MAX,
+        min=0, max=_INT_MAX, section=_CACHES,
     )
-    payload_cache_bytes: int = _field(
-        0, "payload bytes each rank holds (0 = the ranks' budget; never more)", min=0, max=_INT_MAX
+    payload_cache_bytes: int = setting(
+        0, "payload bytes each rank holds (0 = the ranks' budget; never more)", min=0, max=_INT_MAX, section=_CACHES
     )
 
     # --- batching ---------------------------------------------------------------------------------------------
-    max_num_batched_tokens: int = _field(8192, "tokens computed in one step over all requests (chunked prefill)",
-                                         min=1, max=2**31 - 1)
-    max_num_seqs: int = _field(64, "requests running at once", min=1, max=65536)
-    max_waiting: int = _field(256, "requests queued before admission; more get RESOURCE_EXHAUSTED", min=0,
-                              max=1_000_000)
+    max_num_batched_tokens: int = setting(8192, "tokens computed in one step over all requests (chunked prefill)",
+                                          min=1, max=2**31 - 1, section=_BATCHING)
+    max_num_seqs: int = setting(64, "requests running at once", min=1, max=65536, section=_BATCHING)
+    max_waiting: int = setting(256, "requests queued before admission; more get RESOURCE_EXHAUSTED", min=0,
+                               max=1_000_000, section=_BATCHING)
 
     # --- wire ---------------------------------------------------------------------------------------------------
-    transfer_mode: str = _field(
+    transfer_mode: str = setting(
         "lazy", "which payloads go to the ranks: full (all at admission), strip (uncovered at admission), "
-        "lazy (in the step that encodes them, only to ranks lacking them)", choices=TRANSFER_MODES,
+        "lazy (in the step that encodes them, only to ranks lacking them)", choices=TRANSFER_MODES, section=_WIRE,
     )
-    payload_encoding: str = _field(
+    payload_encoding: str = setting(
         "encoded", "what an image's payload is on the way to the ranks: encoded (the file as the client sent it; the "
         "rank that encodes it decodes and preprocesses it) or pixels (the frontend's float32 pixel_values)",
-        choices=PAYLOAD_ENCODINGS,
+        choices=PAYLOAD_ENCODINGS, section=_WIRE,
     )
-    encoder_placement: str = _field(
+    encoder_placement: str = setting(
         "sharded", "which ranks run the vision encoder on an item: sharded (one owner per item, its output shared over "
         "the group's collective) or replicated (every rank, each with its own copy of the payload)",
-        choices=ENCODER_PLACEMENTS,
+        choices=ENCODER_PLACEMENTS, section=_WIRE,
     )
-    chunk_size_bytes: int = _field(1 << 20, "bytes per payload chunk on the step streams", min=1, max=64 << 20)
+    chunk_size_bytes: int = setting(1 << 20, "bytes per payload chunk on the step streams", min=1, max=64 << 20,
+                                    section=_WIRE)
 
     # --- service --------------------------------------------------------------------------------------------------
-    listen: str = _field("[::]:50051", "address the client API listens on (HOST:PORT; port 0 picks one)")
-    metrics_port: int = _field(9400, "port of the Prometheus /metrics endpoint (0 = disabled)", min=0, max=65535)
-    metrics_host: str = _field("0.0.0.0", "address the /metrics endpoint binds (127.0.0.1 keeps it local)")
-    workers: list = _field([], "worker rank addresses HOST:PORT, ordered by rank (comma separated on the CLI)")
-    scheduler_id: str = _field("mmcast-scheduler", "name sent in the handshake; ranks may accept only this name")
-    group_deadline_seconds: float = _field(
+    listen: str = setting("[::]:50051", "address the client API listens on (HOST:PORT; port 0 picks one)",
+                          section=_SERVICE, metavar="HOST:PORT")
+    metrics_port: int = setting(9400, "port of the Prometheus /metrics endpoint (0 = disabled)", min=0, max=65535,
+                                section=_SERVICE)
+    metrics_host: str = setting("0.0.0.0", "address the /metrics endpoint binds (127.0.0.1 keeps it local)",
+                                section=_SERVICE, metavar="HOST")
+    workers: list = setting([], "worker rank addresses HOST:PORT, ordered by rank (comma separated on the CLI)",
+                            section=_SERVICE, metavar="HOST:PORT,...")
+    scheduler_id: str = setting("mmcast-scheduler", "name sent in the handshake; ranks may accept only this name",
+                                section=_SERVICE)
+    group_deadline_seconds: float = setting(
         60.0, "how long requests wait for a lost worker group to return before failing with UNAVAILABLE",
-        min=0.0, max=86400.0,
+        min=0.0, max=86400.0, section=_SERVICE,
     )
-    step_timeout_seconds: float = _field(120.0, "how long a step may take on the ranks before the group counts as lost",
-                                         min=0.1, max=86400.0)
-    drain_seconds: float = _field(30.0, "grace period for in-flight requests on shutdown", min=0.0, max=86400.0)
-    keepalive_seconds: float = _field(10.0, "idle time before a keepalive on a rank stream; two missed = lost",
-                                      min=0.1, max=3600.0)
-    reconnect_backoff_initial_seconds: float = _field(0.2, "first delay between reconnect attempts to a rank",
-                                                      min=0.001, max=3600.0)
-    reconnect_backoff_max_seconds: float = _field(2.0, "largest delay between reconnect attempts (doubling)",
-                                                  min=0.001, max=3600.0)
-    log_level: str = _field("INFO", "log level of the JSON logs", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    step_timeout_seconds: float = setting(
+        120.0, "how long a step may take on the ranks before the group counts as lost", min=0.1, max=86400.0,
+        section=_SERVICE,
+    )
+    drain_seconds: float = setting(30.0, "grace period for in-flight requests on shutdown", min=0.0, max=86400.0,
+                                   section=_SERVICE)
+    keepalive_seconds: float = setting(10.0, "idle time before a keepalive on a rank stream; two missed = lost",
+                                       min=0.1, max=3600.0, section=_SERVICE)
+    reconnect_backoff_initial_seconds: float = setting(0.2, "first delay between reconnect attempts to a rank",
+                                                       min=0.001, max=3600.0, section=_SERVICE)
+    reconnect_backoff_max_seconds: float = setting(2.0, "largest delay between reconnect attempts (doubling)",
+                                                   min=0.001, max=3600.0, section=_SERVICE)
+    log_level: str = setting("info", "level of the JSON logs", choices=LOG_LEVELS, section=_SERVICE)
 
     # --- security (docs/SECURITY.md); secrets are file paths, as Kubernetes mounts Secrets --------------------------
-    tls_cert_file: str = _field("", "PEM certificate (chain) of the client port; set with --tls-key-file to serve TLS")
-    tls_key_file: str = _field("", "PEM private key of --tls-cert-file")
-    tls_client_ca_file: str = _field(
-        "", "PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs --tls-cert-file"
+    tls_cert_file: str = setting(
+        "", "PEM certificate (chain) of the client port; set with --tls-key-file to serve TLS; re-read when it changes",
+        section=_SECURITY, metavar="PEM",
     )
-    auth_tokens_file: str = _field(
+    tls_key_file: str = setting("", "PEM private key of --tls-cert-file", section=_SECURITY, metavar="PEM")
+    tls_client_ca_file: str = setting(
+        "", "PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs --tls-cert-file",
+        section=_SECURITY, metavar="PEM",
+    )
+    auth_tokens_file: str = setting(
         "", "bearer tokens: lines '<tenant> <token>' or a JSON object {token: tenant}; set = every "
         "mmcast.v1.GenerationService call needs 'authorization: Bearer <token>' (health and reflection stay open); "
-        "uploads and caches are scoped per tenant; re-read when the file changes",
+        "uploads and caches are scoped per tenant; re-read when the file changes", section=_SECURITY, metavar="FILE",
     )
-    health_port: int = _field(
+    health_port: int = setting(
         0, "also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot speak TLS; 0 = off)",
-        min=0, max=65535,
+        min=0, max=65535, section=_SECURITY,
     )
-    worker_tls_ca_file: str = _field("", "PEM CA bundle that signed the ranks' certificates; set = TLS to the ranks")
-    worker_tls_cert_file: str = _field(
-        "", "PEM client certificate presented to the ranks (mutual TLS); with --worker-tls-key-file"
+    worker_tls_ca_file: str = setting(
+        "", "PEM CA bundle that signed the ranks' certificates; set = TLS to the ranks", section=_SECURITY,
+        metavar="PEM",
     )
-    worker_tls_key_file: str = _field("", "PEM private key of --worker-tls-cert-file")
-    worker_tls_server_name: str = _field(
-        "", "name to verify in the ranks' certificates instead of the host of each --workers address"
+    worker_tls_cert_file: str = setting(
+        "", "PEM client certificate presented to the ranks (mutual TLS); with --worker-tls-key-file",
+        section=_SECURITY, metavar="PEM",
     )
-    worker_token_file: str = _field("", "file holding the token sent on every Step stream (the ranks' --shared-token-file)")
+    worker_tls_key_file: str = setting("", "PEM private key of --worker-tls-cert-file", section=_SECURITY,
+                                       metavar="PEM")
+    worker_tls_server_name: str = setting(
+        "", "name to verify in the ranks' certificates instead of the host of each --workers address",
+        section=_SECURITY, metavar="NAME",
+    )
+    worker_token_file: str = setting(
+        "", "file holding the token sent on every Step stream (the ranks' --shared-token-file)", section=_SECURITY,
+        metavar="FILE",
+    )
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            meta = f.metadata
-            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{f.name}={value!r} must be an integer")
-            if f.type in ("float", float):
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise ValueError(f"{f.name}={value!r} must be a number")
-                value = float(value)
-                setattr(self, f.name, value)
-            lo, hi = meta.get("min"), meta.get("max")
-            if (lo is not None and value < lo) or (hi is not None and value > hi):
-                raise ValueError(f"{f.name}={value!r} is out of range; allowed [{lo}, {hi if hi is not None else 'inf'}]")
-            if "choices" in meta and value not in meta["choices"]:
-                raise ValueError(f"{f.name}={value!r} is not allowed; choose one of {', '.join(meta['choices'])}")
-        if isinstance(self.workers, str):
-            self.workers = [w.strip() for w in self.workers.split(",") if w.strip()]
+        settings.check_fields(self)  # types, ranges, choices (any case), comma-separated lists
         self._check_image_formats()
         for i, address in enumerate(self.workers):
             if not isinstance(address, str) or ":" not in address or not address.rsplit(":", 1)[1].isdigit():
-                raise ValueError(f"workers[{i}]={address!r} must be HOST:PORT")
+                raise ValueError(f"workers[{i}]={address!r} (--workers): must be HOST:PORT")
         if not self.metrics_host or not all(c.isalnum() or c in ".-_:" for c in self.metrics_host):
             raise ValueError(f"metrics_host={self.metrics_host!r} must be a host name or IP address without a port "
                              "(--metrics-host)")
         self._check_secret_files()
         if self.reconnect_backoff_max_seconds < self.reconnect_backoff_initial_seconds:
             raise ValueError(
-                f"reconnect_backoff_max_seconds={self.reconnect_backoff_max_seconds} must be >= "
+                f"reconnect_backoff_max_seconds={self.reconnect_backoff_max_seconds} (--reconnect-backoff-max-seconds) "
+                f"must be >= "
                 f"reconnect_backoff_initial_seconds={self.reconnect_backoff_initial_seconds}"
             )
 
     def _check_image_formats(self) -> None:
         """Names Pillow can open (upper case); the list is never empty."""
-        if isinstance(self.image_formats, str):
-            self.image_formats = [f.strip() for f in self.image_formats.split(",") if f.strip()]
         self.image_formats = [str(f).upper() for f in self.image_formats]
         if not self.image_formats:
             raise ValueError("image_formats is empty: allow at least one format (--image-formats JPEG,PNG)")
@@ -229,7 +240,7 @@ class SchedulerConfig:
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file: mutual TLS is TLS first")
         for f in dataclasses.fields(self):
             if f.name.endswith("_file") and getattr(self, f.name) and not os.path.isfile(getattr(self, f.name)):
-                raise ValueError(f"{f.name}={getattr(self, f.name)!r}: no such file (--{f.name.replace('_', '-')})")
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r}: no such file ({settings.flag_of(f)})")
 
     @staticmethod
     def effective(configured: int, from_ranks: int, name: str) -> int:
@@ -248,3 +259,14 @@ class SchedulerConfig:
     def help_texts(cls) -> dict[str, str]:
         """Field name -> one-line help, for generated command lines."""
         return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``mmcast-scheduler``'s command line: a flag per ``SchedulerConfig`` field, ``--version``, ``--print-config``."""
+    return settings.build_parser(SchedulerConfig, prog=PROG, description=DESCRIPTION)
+
+
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> SchedulerConfig:
+    """Flags over environment over defaults. A bad flag exits 2 (argparse); anything else raises ValueError naming
+    the setting or variable."""
+    return settings.load(SchedulerConfig, build_parser(), argv, environ)

@@ -58,7 +58,7 @@ class SchedulerServer:
             config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
         )
         self.tokens = TokenTable(config.auth_tokens_file) if config.auth_tokens_file else None
-        worker_credentials = tls.channel_credentials(
+        worker_tls = tls.channel_files(
             config.worker_tls_ca_file, config.worker_tls_cert_file, config.worker_tls_key_file, prefix="--worker-"
         )
         worker_metadata = ()
@@ -92,7 +92,7 @@ class SchedulerServer:
             chunk_size=config.chunk_size_bytes,
             step_timeout=config.step_timeout_seconds,
             on_bytes=lambda kind, n: self.metrics.broadcast_bytes.labels(kind).inc(n),
-            channel_factory=self._worker_channel_factory(worker_credentials),
+            channel_factory=self._worker_channel_factory(worker_tls),
             call_metadata=worker_metadata,
             image_formats=config.image_formats,
             max_image_pixels=config.max_image_pixels,
@@ -127,14 +127,15 @@ class SchedulerServer:
         self.port = 0
         self._health_state: dict[str, int] = {}
 
-    def _worker_channel_factory(self, credentials):
-        if credentials is None:
+    def _worker_channel_factory(self, files: tls.ChannelCertificateFiles | None):
+        if files is None:
             return None  # the group's default: plaintext
         override = self.config.worker_tls_server_name
 
         def factory(address: str, options: list) -> grpc.aio.Channel:
+            # Called on every group (re)connect: rotated CA/client-certificate files are taken then (common/tls.py).
             opts = list(options) + ([("grpc.ssl_target_name_override", override)] if override else [])
-            return grpc.aio.secure_channel(address, credentials, options=opts)
+            return grpc.aio.secure_channel(address, files.credentials(), options=opts)
 
         return factory
 

@@ -164,12 +164,12 @@ async def serve(config: WorkerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ensure_allocator_env()
-    try:
+    try:  # before the re-exec, so --help, --version and --print-config answer at once
         config = load_config(argv)
-    except ValueError as exc:
+    except ValueError as exc:  # the scheduler reports it the same way (scheduler_svc/main.py)
         setup_logging("worker")
         return startup_failure(log, f"bad configuration: {exc}")
+    ensure_allocator_env()
     setup_logging("worker", config.log_level)
     try:  # config.json alone, before any port or weight
         check_checkpoint(config.model, config.world_size, "--world-size")

@@ -133,3 +133,35 @@ def make_pki(folder: Path) -> Pki:
         rogue_client=_leaf(folder, "rogue-client", "mmcast-rogue-client", (rogue_cert, rogue_key), client=True),
         wrong_name=_leaf(folder, "wrong-name", "not-this-host", (ca_cert, ca_key), hosts=("not-this-host.example",)),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Issuer:
+    """A CA that can sign more leaves (certificate rotation tests)."""
+
+    path: Path  # its certificate, PEM
+    cert: x509.Certificate
+    key: ec.EllipticCurvePrivateKey
+
+    def server(self, folder: Path, stem: str) -> Leaf:
+        """A new server certificate (fresh key and serial) for localhost / 127.0.0.1 / ::1."""
+        folder.mkdir(parents=True, exist_ok=True)
+        local = ("localhost", "127.0.0.1", "::1")
+        return _leaf(folder, stem, f"mmcast-test-{stem}", (self.cert, self.key), hosts=local)
+
+    def client(self, folder: Path, stem: str) -> Leaf:
+        folder.mkdir(parents=True, exist_ok=True)
+        return _leaf(folder, stem, f"mmcast-test-{stem}", (self.cert, self.key), client=True)
+
+
+def new_ca(folder: Path, stem: str, common_name: str | None = None) -> Issuer:
+    folder.mkdir(parents=True, exist_ok=True)
+    cert, key, path = _ca(common_name or f"mmcast test {stem}", folder, stem)
+    return Issuer(path, cert, key)
+
+
+def serial_of(pem_or_der: bytes) -> int:
+    """The serial number of the first certificate in a PEM chain or of a DER certificate."""
+    if pem_or_der.lstrip().startswith(b"-----BEGIN"):
+        return x509.load_pem_x509_certificate(pem_or_der).serial_number
+    return x509.load_der_x509_certificate(pem_or_der).serial_number
