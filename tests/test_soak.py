@@ -22,8 +22,8 @@ import time
 import pytest
 
 from mmcast_client import Client
-from mmcast_client.local_group import LocalGroup
-from mmcast_client.synthetic import synthetic_jpeg
+from mmcast_local.supervisor import LocalGroup
+from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.oracle import Oracle, mismatch, scrape, user_turn
 
 MiB = 1 << 20
