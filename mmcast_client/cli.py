@@ -16,7 +16,9 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
 from importlib.metadata import entry_points
+from pathlib import Path
 
 COMMAND_GROUP = "mmcast.commands"
 
@@ -75,6 +77,22 @@ def discover_commands() -> dict[str, Command]:
     return commands
 
 
+def client_version() -> str:
+    """The installed mmcast-client's version; from client/pyproject.toml in a source checkout that is not installed.
+    (The SDK cannot ask the server side: an SDK-only install has none.)"""
+    try:
+        return metadata.version("mmcast-client")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+
+        with open(Path(__file__).resolve().parents[1] / "client" / "pyproject.toml", "rb") as fh:
+            return str(tomllib.load(fh)["project"]["version"]) + "+source"
+    except (OSError, KeyError, ValueError):
+        return "unknown"
+
+
 def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmcast",
@@ -83,6 +101,7 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
         if len(commands) > 1
         else "Installing the mmcast server distribution adds serve-local, demo and make-tiny-model.",
     )
+    parser.add_argument("--version", action="version", version=f"mmcast {client_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in sorted(commands, key=lambda n: (n != GENERATE.name, n)):
         command = commands[name]

@@ -46,6 +46,16 @@ def test_generate_keeps_double_dash_as_argparse_s_end_of_options():
     assert command.name == "generate" and args.prompt == "--a prompt that starts with dashes" and args.extra == []
 
 
+def test_version_is_the_client_distribution_s(capsys):
+    import tomllib
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    version = tomllib.loads((pathlib.Path(cli.__file__).parents[1] / "client" / "pyproject.toml").read_text())
+    assert capsys.readouterr().out.strip() == f"mmcast {version['project']['version']}"
+
+
 def test_generate_requires_a_prompt(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["generate"])

@@ -15,6 +15,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -99,6 +100,9 @@ def test_the_mmcast_command_offers_generate_and_says_where_the_rest_comes_from(c
     commands = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("    ")}
     assert commands == {"generate"}, done.stdout
     assert "Installing the mmcast server distribution adds serve-local" in " ".join(done.stdout.split())
+    version = run_in(client_venv, "mmcast", "--version", cwd=tmp_path)
+    expected = tomllib.loads((ROOT / "client" / "pyproject.toml").read_text())["project"]["version"]
+    assert version.returncode == 0 and version.stdout.split() == ["mmcast", expected], version
     refused = run_in(client_venv, "mmcast", "serve-local", "--model", "x", cwd=tmp_path)
     assert refused.returncode == 2 and "invalid choice: 'serve-local'" in refused.stderr
 
