@@ -11,10 +11,11 @@ ARG BUILDER_IMAGE=python:3.11-slim
 
 FROM ${BUILDER_IMAGE} AS builder
 WORKDIR /src
-# .dockerignore keeps only pyproject.toml, README.md and the Python packages: the generated protobuf code is
-# committed under mmcast/v1, so the build needs no protoc.
+# .dockerignore keeps only the two distributions' files (pyproject.toml, client/, README.md, LICENSE and the Python
+# packages): the generated protobuf code is committed under mmcast/v1, so the build needs no protoc.
+# Two wheels: mmcast-client (the SDK, mmcast/v1, the mmcast command) and mmcast (the services), which requires it.
 COPY . .
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ./client .
 
 FROM ${BASE_IMAGE} AS runtime
 ARG TORCH_INDEX_URL=""
@@ -31,12 +32,12 @@ RUN if ! command -v python3.11 >/dev/null 2>&1; then \
 ENV PATH=/opt/mmcast/bin:$PATH \
     VIRTUAL_ENV=/opt/mmcast
 COPY --from=builder /wheels /tmp/wheels
-# torch first, pinned like the `serve` extra, so the wheel's dependency resolution keeps it. DL3013: the other
-# install is this project's own wheel, built above; its dependencies are pinned in pyproject.toml.
+# torch first, pinned as the server distribution pins it, so the wheels' dependency resolution keeps it. DL3013: the
+# other install is this project's own two wheels, built above, in one call so that the server's mmcast-client
+# requirement is the wheel beside it; their dependencies are pinned in pyproject.toml and client/pyproject.toml.
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0" \
-    && wheel="$(ls /tmp/wheels/mmcast-*.whl)" \
-    && pip install --no-cache-dir "${wheel}[serve]" \
+    && pip install --no-cache-dir /tmp/wheels/mmcast_client-*.whl /tmp/wheels/mmcast-*.whl \
     && rm -rf /tmp/wheels
 
 # glibc reads these at start-up: large protobuf buffers are then reused instead of mmap'd and page-faulted anew

@@ -4,20 +4,21 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_TIMEOUT ?= 300
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml client/pyproject.toml | sha256sum | cut -c1-12)
 PROTOS := $(wildcard proto/mmcast/v1/*.proto)
 
 .PHONY: install proto proto-baseline proto-check lint test test-fast demo bench bench-quick soak fuzz tools clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: the CPU build of 2.13.0 comes from local disk; anything else pulls CUDA builds.
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[serve,dev]"
+	# Both distributions, editable, in one pip call so the server's mmcast-client requirement is this checkout.
+	$(BIN)/pip install -q -e ./client -e ".[dev]"
 	rm -f $(VENV)/.installed-* && touch $@
 
 # Generated code lives in mmcast/v1 (committed). One target produces it from proto/.
@@ -70,4 +71,4 @@ fuzz: install
 	$(BIN)/python -m pytest -q --timeout=3600 -m fuzz tests --run-fuzz
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info client/build client/*.egg-info

@@ -151,7 +151,7 @@ def run_policy(target: str, policy: str, images, plan: AffinityPlan, first: int,
 
 def run(model_dir: str, images, plan: AffinityPlan, log: Callable[[str], None]) -> dict:
     """Starts the replicas, runs every policy, and checks that the policies agree on one conversation's tokens."""
-    from mmcast_client.local_group import LocalGroup
+    from mmcast_local.supervisor import LocalGroup
 
     groups = [LocalGroup(model_dir, 1, "lazy").start() for _ in range(plan.replicas)]
     try:

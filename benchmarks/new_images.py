@@ -110,7 +110,7 @@ def run_variant(model_dir: str, tp: int, variant: str, sets: Sequence[ImageSet],
     """One fresh group of ``variant`` at ``tp``: warm-up, then every request of ``plan_requests``; returns what the
     group cost to start."""
     from benchmarks.scenarios import Session, question, user
-    from mmcast_client.local_group import LocalGroup
+    from mmcast_local.supervisor import LocalGroup
 
     def paths(k: int, r: int, j: int, n: int) -> list[str]:
         return [images.path(seed, sets[k].size, sets[k].fmt) for seed in seeds(k, r, j, n)]

@@ -3,7 +3,7 @@
 
 The model is the real-width 2-layer Qwen2-VL checkpoint (``common.tiny_model``, ``width="real"``: Qwen2-VL-2B's
 widths, random weights, float32, built once under ``benchmarks/results/.model``). The conversation is ``mmcast
-demo``'s (``mmcast_client/demo.py``: 8 turns, one new 1280x720 JPEG per turn, the whole history resent, 16 greedy
+demo``'s (``mmcast_local/demo.py``: 8 turns, one new 1280x720 JPEG per turn, the whole history resent, 16 greedy
 tokens a turn). For each TP size a local group (default ``--kv-blocks``, transfer mode ``lazy`` as the demo) serves
 it; afterwards every rank's ``VmHWM`` (peak RSS) and ``VmRSS`` are read from ``/proc/<pid>/status``. The reference is
 one process that loads the same folder with ``AutoModelForImageTextToText.from_pretrained`` and runs
@@ -30,7 +30,7 @@ TURNS, MAX_TOKENS, SEED = 8, 16, 0  # mmcast demo's defaults
 
 def demo_images(directory: str) -> list[str]:
     """The demo conversation's JPEGs, written to ``directory``."""
-    from mmcast_client.demo import conversation_turns
+    from mmcast_local.demo import conversation_turns
 
     paths = []
     for i, (_, jpeg) in enumerate(conversation_turns(TURNS, SEED)):
@@ -44,8 +44,8 @@ def demo_images(directory: str) -> list[str]:
 def serve(model_dir: str, tp: int, images: list[str]) -> dict:
     """Runs the demo conversation on a fresh local group; returns the answers, tokens and every process's memory."""
     from mmcast_client.client import Client
-    from mmcast_client.demo import QUESTIONS
-    from mmcast_client.local_group import LocalGroup
+    from mmcast_local.demo import QUESTIONS
+    from mmcast_local.supervisor import LocalGroup
 
     history: list[dict] = []
     answers, tokens = [], []
@@ -78,7 +78,7 @@ def _plain_main(spec: dict) -> None:
     from transformers.image_utils import load_image
 
     from common.processor import load_processor
-    from mmcast_client.demo import QUESTIONS
+    from mmcast_local.demo import QUESTIONS
 
     processor = load_processor(spec["model_dir"])
     model = AutoModelForImageTextToText.from_pretrained(spec["model_dir"]).eval()

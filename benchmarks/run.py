@@ -110,7 +110,7 @@ def planned_requests(plan: Plan, mode: str) -> int:
 def run_config(plan: Plan, model_dir: str, tp: int, mode: str, images: Images, on_record: Callable[[Record], None],
                correctness_only: bool = False) -> dict:
     """Start a group, warm it, run the plan's scenarios; returns what the group cost to start."""
-    from mmcast_client.local_group import LocalGroup
+    from mmcast_local.supervisor import LocalGroup
 
     t0 = time.monotonic()
     load = [round(x, 2) for x in os.getloadavg()]

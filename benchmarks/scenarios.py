@@ -139,7 +139,7 @@ class Images:
         os.makedirs(directory, exist_ok=True)
 
     def path(self, seed: int, size: tuple[int, int] | None = None, fmt: str = "jpeg") -> str:
-        from mmcast_client.synthetic import synthetic_jpeg, synthetic_scene
+        from mmcast_local.synthetic_images import synthetic_jpeg, synthetic_scene
 
         if fmt not in self.FORMATS:
             raise ValueError(f"image format {fmt!r}; choose one of {sorted(self.FORMATS)}")

@@ -37,7 +37,7 @@ def cases() -> list[tuple[str, str, object]]:
     """(name, what, request builder) for every case; builders return a GenerateRequest."""
     from benchmarks import hostile_inputs as hostile
     from mmcast.v1 import generation_pb2 as pb
-    from mmcast_client.synthetic import synthetic_jpeg
+    from mmcast_local.synthetic_images import synthetic_jpeg
 
     def req(*parts, max_tokens=1):
         return pb.GenerateRequest(messages=[pb.ChatMessage(role=pb.ROLE_USER, content=list(parts))],
@@ -147,7 +147,7 @@ def measure(model_dir: str, log=print) -> list[dict]:
     import grpc
 
     from mmcast.v1 import generation_pb2_grpc
-    from mmcast_client.local_group import LocalGroup
+    from mmcast_local.supervisor import LocalGroup
 
     rows = []
     with LocalGroup(model_dir, 1, "lazy", kv_blocks=4096, scheduler_args=["--max-model-len", str(CONTEXT)]) as group:

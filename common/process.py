@@ -42,7 +42,7 @@ def ensure_allocator_env() -> None:
 # Exit status of a scheduler or worker that refused to start for a reason a restart cannot cure: a bad flag, a
 # checkpoint the configuration rules reject (common/model_checks.py), a model folder without a chat template or image
 # processor (common/processor.py), a port it cannot bind. argparse exits with
-# the same status on a bad flag. Supervisors (mmcast_client/local_group.py) stop at once on it and show its cause;
+# the same status on a bad flag. Supervisors (mmcast_local/supervisor.py) stop at once on it and show its cause;
 # any other non-zero status is a crash, worth a restart. The process logs the cause first, as one line (a JSON log
 # record with "startup_failure": true, see startup_failure()).
 EXIT_STARTUP_FAILURE = 2

@@ -1,83 +1,143 @@
-"""`mmcast`: the command line of mmcast (make-tiny-model, serve-local, generate, demo).
+"""`mmcast`: the command line of mmcast.
 
-Heavy modules (torch, transformers, the services) are imported inside the sub-command that needs them, so
-`mmcast generate` and `--help` start fast and need only the SDK's dependencies.
+The client distribution owns the command and its `generate` sub-command. Other installed distributions add
+sub-commands through the `mmcast.commands` entry-point group: each entry point, named after its sub-command, points
+at a `Command`. The `mmcast` server distribution adds `serve-local`, `demo` and `make-tiny-model` this way, so an
+application that installs only `mmcast-client` gets `mmcast generate` and nothing that needs torch.
+
+Sub-commands import what they need inside `run`, so `mmcast --help` and `mmcast generate` start fast and load only
+the SDK's dependencies.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import signal
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
+from importlib.metadata import entry_points
+from pathlib import Path
 
-DEFAULT_TINY_MODEL_DIR = "~/.cache/mmcast/tiny-qwen2-vl"
-TRANSFER_MODES = ("full", "strip", "lazy")
-
-
-class _Terminated(Exception):
-    """Raised in the main thread by the SIGTERM handler so `finally` blocks stop the group."""
+COMMAND_GROUP = "mmcast.commands"
 
 
-def _raise_terminated(signum, frame):
-    raise _Terminated(signal.Signals(signum).name)
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One `mmcast` sub-command: what --help shows, its flags, and the function that runs it."""
+
+    name: str  # the sub-command word; an entry point of COMMAND_GROUP carries the same name
+    help: str  # its one line in `mmcast --help`
+    description: str  # the text of `mmcast NAME --help`
+    add_arguments: Callable[[argparse.ArgumentParser], None]  # declares its flags and positionals
+    run: Callable[[argparse.Namespace], int | None]  # runs it; the return value is the exit status (None: 0)
+    # Set for a command that hands arguments on to another program: everything after the first `--` is kept out of
+    # parsing and lands in `args.extra`. Unset, `--` keeps argparse's meaning (what follows is positional).
+    passes_extra_args: bool = False
+    # Set when the entry point failed to load (the exception, one line): the command then takes any arguments and
+    # running it reports this instead of argparse's 'invalid choice'.
+    load_error: str | None = None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _unavailable(name: str, origin: str, error: BaseException) -> Command:
+    """Stands in for a sub-command whose entry point failed to load, so that `mmcast --help` and the other
+    sub-commands still work and running this one says what broke."""
+    reason = f"{type(error).__name__}: {error}"
+
+    def run(args: argparse.Namespace) -> int:
+        print(f"error: mmcast {name} (from {origin}) could not be loaded: {reason}", file=sys.stderr)
+        return 1
+
+    return Command(
+        name=name,
+        help=f"unavailable ({reason})",
+        description=f"This sub-command comes from {origin} and failed to load: {reason}",
+        add_arguments=lambda p: None,
+        run=run,
+        load_error=reason,
+    )
+
+
+def discover_commands() -> dict[str, Command]:
+    """`generate`, then every installed distribution's COMMAND_GROUP entry points. A name already taken keeps its
+    first owner (the client's own `generate` cannot be replaced); distributions are met in sys.path order."""
+    commands = {GENERATE.name: GENERATE}
+    for point in entry_points(group=COMMAND_GROUP):
+        if point.name in commands:
+            continue
+        origin = f"{point.dist.name} {point.dist.version}" if point.dist is not None else point.value
+        try:
+            command = point.load()
+            if not isinstance(command, Command) or command.name != point.name:
+                raise TypeError(f"{point.value} is not an mmcast_client.cli.Command named {point.name!r}")
+        except Exception as e:  # a broken plug-in must not take `mmcast generate` down with it
+            command = _unavailable(point.name, origin, e)
+        commands[point.name] = command
+    return commands
+
+
+def client_version() -> str:
+    """The installed mmcast-client's version; from client/pyproject.toml in a source checkout that is not installed.
+    (The SDK cannot ask the server side: an SDK-only install has none.)"""
+    try:
+        return metadata.version("mmcast-client")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+
+        with open(Path(__file__).resolve().parents[1] / "client" / "pyproject.toml", "rb") as fh:
+            return str(tomllib.load(fh)["project"]["version"]) + "+source"
+    except (OSError, KeyError, ValueError):
+        return "unknown"
+
+
+def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmcast",
         description="mmcast: multimodal LLM serving that never re-broadcasts image tensors the prefix cache covers.",
+        epilog=None
+        if len(commands) > 1
+        else "Installing the mmcast server distribution adds serve-local, demo and make-tiny-model.",
     )
-    from common.settings import package_version  # light: argparse, json, importlib.metadata
-
-    parser.add_argument("--version", action="version", version=f"mmcast {package_version()}")
+    parser.add_argument("--version", action="version", version=f"mmcast {client_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in sorted(commands, key=lambda n: (n != GENERATE.name, n)):
+        command = commands[name]
+        p = sub.add_parser(name, help=command.help, description=command.description)
+        command.add_arguments(p)
+    return parser
 
-    p = sub.add_parser("make-tiny-model", help="build the embedded tiny Qwen2-VL model folder")
-    p.description = "Build the embedded tiny, randomly initialised model into DIR (nothing is downloaded)."
-    p.add_argument("dir", metavar="DIR", help="output folder (created; left alone if it already holds the model)")
-    p.add_argument("--variant", choices=("qwen2_vl", "qwen2_5_vl"), default="qwen2_vl", help="architecture")
-    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
-    p.add_argument(
-        "--kv-heads",
-        type=int,
-        choices=(1, 2, 4, 8),
-        default=4,
-        help="KV heads of the 8 query heads (default 4; 2 is Qwen2-VL-2B's grouping: --tp 4 then replicates them)",
-    )
-    p.set_defaults(handler="cmd_make_tiny_model")
 
-    p = sub.add_parser(
-        "serve-local",
-        help="run a scheduler and an N-rank worker group on loopback",
-        description="Start N mmcast-worker ranks and one mmcast-scheduler on 127.0.0.1, supervise them (a dead "
-        "rank restarts the whole group), print the addresses and a machine-readable 'READY {json}' line once "
-        "ready, and stop everything on Ctrl-C / SIGTERM. Arguments after '--' go to mmcast-scheduler.",
-    )
-    p.add_argument("--model", required=True, metavar="DIR", help="model folder (e.g. from make-tiny-model)")
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size = worker ranks (default 1)")
-    p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="lazy", help="payload transfer (default lazy)")
-    p.add_argument("--port", type=int, default=50051, metavar="P", help="scheduler gRPC port (0: a free one)")
-    p.add_argument(
-        "--metrics-port-base",
-        type=int,
-        default=None,
-        metavar="Q",
-        help="scheduler /metrics on Q, rank r on Q+1+r (default: free ports)",
-    )
-    p.add_argument("--kv-blocks", type=int, default=None, metavar="K", help="KV pool blocks per rank")
-    p.add_argument("--log-dir", default=None, help="where the processes' logs go (default: a new temp folder)")
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
-    p.set_defaults(handler="cmd_serve_local")
+def parse(argv: Sequence[str], commands: Mapping[str, Command] | None = None) -> tuple[Command, argparse.Namespace]:
+    """The sub-command named by `argv` and its parsed arguments (`args.extra`: what followed `--`, for a command
+    that passes extra arguments on; otherwise empty)."""
+    commands = discover_commands() if commands is None else commands
+    argv, extra = list(argv), []
+    first = commands.get(argv[0]) if argv else None
+    if first is not None and first.passes_extra_args and "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = build_parser(commands)
+    args, unknown = parser.parse_known_args(argv)
+    command = commands[args.command]
+    if unknown and command.load_error is None:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # what parse_args would say
+    args.extra = extra
+    return command, args
 
-    p = sub.add_parser(
-        "generate",
-        help="stream one answer from a running scheduler",
-        description="Send one user turn (images first, then the prompt) and stream the answer to stdout; a usage "
-        "line goes to stderr.",
-    )
+
+def main(argv: Sequence[str] | None = None) -> int:
+    command, args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        return int(command.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+# -- generate ----------------------------------------------------------------------------------------------------
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the text of the user turn")
     p.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT", help="scheduler address")
     p.add_argument("--image", action="append", default=[], metavar="FILE", help="an image file (repeatable)")
@@ -99,111 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="file holding the bearer token (default: $MMCAST_TOKEN when set)",
     )
-    p.set_defaults(handler="cmd_generate")
-
-    p = sub.add_parser(
-        "demo",
-        help="a growing multi-image conversation on a local group, with per-turn transfer savings",
-        description="Build the tiny model if absent, start a local group and hold a conversation that adds one "
-        "synthetic 1280x720 JPEG per turn; print per turn the images in context, cached tokens, TTFT, payload "
-        "bytes broadcast and what the 'full' transfer mode would have broadcast.",
-    )
-    p.add_argument("--tp", type=int, default=2, metavar="N", help="tensor-parallel size (default 2)")
-    p.add_argument("--turns", type=int, default=8, help="conversation turns, one new image each (default 8)")
-    p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="lazy", help="payload transfer (default lazy)")
-    p.add_argument(
-        "--model-dir", default=DEFAULT_TINY_MODEL_DIR, help=f"model folder (default {DEFAULT_TINY_MODEL_DIR})"
-    )
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic images (default 0)")
-    p.add_argument("--target", default=None, metavar="HOST:PORT", help="use a running scheduler instead")
-    p.set_defaults(handler="cmd_demo")
-    return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if argv[:1] == ["serve-local"] and "--" in argv:  # the rest goes to mmcast-scheduler
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
-    args.extra = extra
-    try:
-        return int(globals()[args.handler](args) or 0)  # looked up late so tests can replace a handler
-    except KeyboardInterrupt:
-        return 130
-
-
-# -- make-tiny-model ---------------------------------------------------------------------------------------------
-def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from common.tiny_model import ensure_tiny_model  # torch + transformers: only here
-
-    path = ensure_tiny_model(os.path.expanduser(args.dir), variant=args.variant, seed=args.seed, kv_heads=args.kv_heads)
-    print(path)
-    return 0
-
-
-# -- serve-local -------------------------------------------------------------------------------------------------
-def cmd_serve_local(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from common.process import EXIT_STARTUP_FAILURE
-    from mmcast_client.local_group import LocalGroup, StartupFailure, ready_line
-
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="mmcast-serve-local-")
-    try:  # checks the flags and, from config.json alone, that the checkpoint shards over --tp ranks
-        group = LocalGroup(
-            args.model,
-            args.tp,
-            args.transfer_mode,
-            port=args.port,
-            metrics_port_base=args.metrics_port_base,
-            kv_blocks=args.kv_blocks,
-            scheduler_args=args.extra,
-            log_dir=log_dir,
-            ready_timeout=args.ready_timeout,
-        )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_STARTUP_FAILURE
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        print(f"starting 1 scheduler + {args.tp} worker rank(s); logs in {log_dir}", file=sys.stderr, flush=True)
-        started = time.monotonic()
-        group.start()
-        group.wait_ready()
-        print(f"ready in {time.monotonic() - started:.1f} s", file=sys.stderr)
-        print(f"scheduler  grpc://{group.target}  (mmcast.v1.GenerationService, transfer mode {args.transfer_mode})")
-        for r, target in enumerate(group.worker_targets):
-            print(f"rank {r:<4}  grpc://{target}")
-        for name, url in group.metrics_urls.items():
-            print(f"metrics    {name:<9} {url}")
-        print(ready_line(group), flush=True)
-        while group.failure is None:
-            time.sleep(0.5)
-        print(f"error: {group.failure}", file=sys.stderr)
-        return EXIT_STARTUP_FAILURE if group.startup_failed else 1
-    except (KeyboardInterrupt, _Terminated):
-        print("stopping", file=sys.stderr, flush=True)
-        return 0
-    except StartupFailure as e:  # one line: the cause; no restarts were attempted
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_STARTUP_FAILURE
-    except (RuntimeError, TimeoutError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        # A second Ctrl-C during the grace period must not leave processes behind: ignore it while stopping.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            group.stop()
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-# -- generate ----------------------------------------------------------------------------------------------------
 def format_usage(result) -> str:
     u = result.usage
     return (
@@ -273,20 +230,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- demo --------------------------------------------------------------------------------------------------------
-def cmd_demo(args: argparse.Namespace) -> int:
-    from mmcast_client.demo import run_demo
-
-    return run_demo(
-        tp=args.tp,
-        turns=args.turns,
-        transfer_mode=args.transfer_mode,
-        model_dir=os.path.expanduser(args.model_dir),
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        target=args.target,
-    )
+GENERATE = Command(
+    name="generate",
+    help="stream one answer from a running scheduler",
+    description="Send one user turn (images first, then the prompt) and stream the answer to stdout; a usage line "
+    "goes to stderr.",
+    add_arguments=add_generate_arguments,
+    run=cmd_generate,
+)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m mmcast_client.cli`: run the imported module, whose Command class the entry points' objects are
+    # instances of (this file, run as __main__, defines a second, distinct one).
+    from mmcast_client.cli import main as _main
+
+    sys.exit(_main())

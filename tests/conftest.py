@@ -105,7 +105,7 @@ def worker_env_for(request: pytest.FixtureRequest):
 def serve_local_tp2(tiny_model_dir):
     """One ``serve-local --tp 2`` group (lazy, the defaults) for the modules that only talk to it: starting a
     group costs tens of seconds on a loaded 2-core machine, so they share one."""
-    from mmcast_client.local_group import LocalGroup
+    from mmcast_local.supervisor import LocalGroup
 
     with LocalGroup(tiny_model_dir, 2, "lazy", ready_timeout=180) as group:
         yield group

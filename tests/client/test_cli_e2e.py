@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from mmcast_client import Client, NotFound
-from mmcast_client.local_group import LocalGroup
-from mmcast_client.synthetic import synthetic_jpeg
+from mmcast_local.supervisor import LocalGroup
+from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.oracle import GENERATE, LOGPROB_TOLERANCE, Oracle, assert_matches, scrape, user_turn, wait_until
 
 pytestmark = pytest.mark.slow

@@ -22,22 +22,38 @@ def test_help_exits_zero(argv, capsys):
     assert "usage: mmcast" in capsys.readouterr().out
 
 
-def test_console_script_help_without_torch():
-    # `mmcast --help` and `mmcast generate --help` must not import torch (fast start, SDK-only installs).
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"]])
+def test_console_script_help_without_torch(argv):
+    # `mmcast --help` loads every installed sub-command (the server's through entry points) and `mmcast generate`
+    # runs on SDK-only installs: neither may import torch or a service package (fast start).
     code = (
-        "import sys\nfrom mmcast_client import cli\n"
-        "try:\n    cli.main(['generate', '--help'])\nexcept SystemExit:\n    pass\n"
-        "print('TORCH' if 'torch' in sys.modules else 'OK')"
+        f"import sys\nfrom mmcast_client import cli\ntry:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "heavy = ('torch', 'transformers', 'common', 'scheduler_svc', 'worker_svc')\n"
+        "print(','.join(m for m in heavy if m in sys.modules) or 'OK')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().endswith("OK")
+    assert out.stdout.strip().endswith("OK"), out.stdout
 
 
-def test_serve_local_passes_arguments_after_double_dash_to_the_scheduler(monkeypatch):
-    seen = {}
-    monkeypatch.setattr(cli, "cmd_serve_local", lambda args: seen.update(vars(args)) or 0)
-    assert cli.main(["serve-local", "--model", "m", "--tp", "2", "--", "--max-num-seqs", "4"]) == 0
-    assert seen["extra"] == ["--max-num-seqs", "4"] and seen["tp"] == 2 and seen["transfer_mode"] == "lazy"
+def test_serve_local_passes_arguments_after_double_dash_to_the_scheduler():
+    command, args = cli.parse(["serve-local", "--model", "m", "--tp", "2", "--", "--max-num-seqs", "4"])
+    assert command.name == "serve-local"
+    assert args.extra == ["--max-num-seqs", "4"] and args.tp == 2 and args.transfer_mode == "lazy"
+
+
+def test_generate_keeps_double_dash_as_argparse_s_end_of_options():
+    command, args = cli.parse(["generate", "--max-tokens", "3", "--", "--a prompt that starts with dashes"])
+    assert command.name == "generate" and args.prompt == "--a prompt that starts with dashes" and args.extra == []
+
+
+def test_version_is_the_client_distribution_s(capsys):
+    import tomllib
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    version = tomllib.loads((pathlib.Path(cli.__file__).parents[1] / "client" / "pyproject.toml").read_text())
+    assert capsys.readouterr().out.strip() == f"mmcast {version['project']['version']}"
 
 
 def test_generate_requires_a_prompt(capsys):

@@ -20,7 +20,7 @@ import pytest
 
 from common.process import EXIT_STARTUP_FAILURE
 from mmcast_client import Client
-from mmcast_client.local_group import LocalGroup, StartupFailure, ready_line
+from mmcast_local.supervisor import LocalGroup, StartupFailure, ready_line
 
 FAKE_SCHEDULER = textwrap.dedent(
     """
@@ -283,7 +283,7 @@ def test_real_processes_refusing_a_folder_without_config_json_stop_the_group(tmp
 SUPERVISOR = textwrap.dedent(
     """
     import json, sys, time
-    from mmcast_client.local_group import LocalGroup
+    from mmcast_local.supervisor import LocalGroup
     g = LocalGroup(sys.argv[1], 2, "lazy", scheduler_command=[sys.executable, sys.argv[2]],
                    worker_command=[sys.executable, sys.argv[3]], log_dir=sys.argv[4])
     g.start()

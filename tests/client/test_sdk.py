@@ -479,11 +479,15 @@ def test_async_deadline_and_cancel():
 
 # -- packaging --------------------------------------------------------------------------------------------------------
 def test_sdk_import_does_not_pull_torch_or_transformers():
+    # Every module of the SDK, imported in a fresh interpreter of the dev environment (where all of these are
+    # installed): none may reach the heavy or server-side packages, directly or through a helper. The clean-venv
+    # test (tests/client/test_distribution.py) shows the same with nothing but the client distribution installed.
     code = (
-        "import sys, mmcast_client, mmcast_client.client, mmcast_client.aio, mmcast_client.synthetic, "
-        "mmcast_client.testing\n"
-        "bad = sorted(m for m in ('torch', 'transformers', 'accelerate', 'common.tiny_model') if m in sys.modules)\n"
-        "print(','.join(bad))"
+        "import importlib, pkgutil, sys, mmcast_client\n"
+        "for m in pkgutil.iter_modules(mmcast_client.__path__):\n"
+        "    importlib.import_module('mmcast_client.' + m.name)\n"
+        "heavy = ('torch', 'transformers', 'accelerate', 'common', 'scheduler_svc', 'worker_svc', 'mmcast_local')\n"
+        "print(','.join(sorted(m for m in heavy if m in sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"imported by the SDK: {out.stdout}"

@@ -7,7 +7,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from mmcast_client.synthetic import synthetic_jpeg, synthetic_jpegs, synthetic_scene
+from mmcast_local.synthetic_images import synthetic_jpeg, synthetic_jpegs, synthetic_scene
 
 
 def test_jpeg_size_format_and_dimensions():

@@ -45,8 +45,13 @@ def _env(args: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in shlex.split(args))
 
 
-def _project() -> dict:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+def _pyproject(folder: str = ".") -> dict:
+    return tomllib.loads((ROOT / folder / "pyproject.toml").read_text())
+
+
+def _project(folder: str = ".") -> dict:
+    """The [project] table of the server distribution (the root) or of the client's (folder "client")."""
+    return _pyproject(folder)["project"]
 
 
 def test_hadolint():
@@ -56,14 +61,19 @@ def test_hadolint():
 def test_multi_stage_builds_the_wheel_and_installs_it():
     builder, runtime = _stages()
     assert "AS builder" in builder[0][1]
-    assert any(i == "RUN" and "pip wheel" in a for i, a in builder)
+    wheel_builds = [shlex.split(a) for i, a in builder if i == "RUN" and "pip wheel" in a]
+    assert len(wheel_builds) == 1 and {"./client", "."} <= set(wheel_builds[0]), "both distributions' wheels"
     assert runtime[0][1].startswith("${BASE_IMAGE}")
     args = {a.split("=", 1)[0]: a.split("=", 1)[1] for i, a in _instructions() if i == "ARG" and "=" in a}
     assert args["BASE_IMAGE"] == "python:3.11-slim"
     run_lines = " ".join(a for i, a in runtime if i == "RUN")
-    assert "[serve]" in run_lines
-    serve_torch = [d for d in _project()["optional-dependencies"]["serve"] if d.startswith("torch")]
+    # one pip call installs both wheels, so the server's mmcast-client requirement is met by the wheel beside it
+    assert re.search(r"pip install [^&]*/tmp/wheels/mmcast_client-\*\.whl /tmp/wheels/mmcast-\*\.whl", run_lines)
+    serve_torch = [d for d in _project()["dependencies"] if d.startswith("torch")]
     assert serve_torch == ["torch==2.13.0"] and '"torch==2.13.0"' in run_lines
+    # the server and the client are released together: same version, and the server pins the client to it
+    assert _project()["version"] == _project("client")["version"]
+    assert f"mmcast-client=={_project()['version']}" in _project()["dependencies"]
     assert any(i == "COPY" and a.startswith("--from=builder") for i, a in runtime)
 
 
@@ -87,7 +97,7 @@ def test_allocator_environment():
 
 
 def test_entry_points_exist_in_pyproject():
-    scripts = _project()["scripts"]
+    scripts = _project()["scripts"] | _project("client")["scripts"]
     assert {"mmcast", "mmcast-scheduler", "mmcast-worker"} <= scripts.keys()
     runtime = _stages()[-1]
     entrypoint = [a for i, a in runtime if i == "ENTRYPOINT"]
@@ -121,14 +131,18 @@ def test_copy_sources_exist_and_reach_the_build():
         *sources, _dest = [a for a in shlex.split(args) if not a.startswith("--")]
         for source in sources:
             assert (ROOT / source).exists(), f"COPY source {source} does not exist"
-    # `COPY . .` sends what .dockerignore keeps: it must keep pyproject.toml and every package of the wheel.
-    assert not _dockerignore_excludes("pyproject.toml")
-    includes = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = [p.name for p in ROOT.iterdir() if p.is_dir() and any(fnmatch.fnmatch(p.name, i) for i in includes)
-                and not p.name.endswith(".egg-info")]
-    assert packages
-    for pkg in packages:
-        assert not _dockerignore_excludes(f"{pkg}/__init__.py"), f".dockerignore drops package {pkg}"
+    # `COPY . .` sends what .dockerignore keeps: both pyproject files and every package of both wheels (the client's
+    # folders are links into the repository root, whose targets must travel too).
+    for folder in (".", "client"):
+        assert not _dockerignore_excludes(f"{folder}/pyproject.toml".removeprefix("./")), folder
+        includes = _pyproject(folder)["tool"]["setuptools"]["packages"]["find"]["include"]
+        top = [i for i in includes if "*" not in i and "." not in i]
+        assert top, folder
+        for pkg in top:
+            path = ROOT / folder / pkg
+            assert path.is_dir(), f"{folder}: no package folder {pkg}"
+            for name in {f"{folder}/{pkg}/main.py".removeprefix("./"), f"{path.resolve().relative_to(ROOT)}/main.py"}:
+                assert not _dockerignore_excludes(name), f".dockerignore drops {name}"
     for heavy in (".venv/bin/python", ".git/HEAD", "tests/deploy/test_deploy_dockerfile.py", ".tools/bin/helm",
                   "mmcast/__pycache__/x.pyc"):
         assert _dockerignore_excludes(heavy), f"{heavy} would be sent to the docker build"

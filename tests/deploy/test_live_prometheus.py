@@ -29,8 +29,8 @@ import pytest
 import yaml
 
 from mmcast_client import Client, ResourceExhausted
-from mmcast_client.local_group import LocalGroup
-from mmcast_client.synthetic import synthetic_jpeg
+from mmcast_local.supervisor import LocalGroup
+from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.dashboard import panels, substitute_variables
 from tests.support.deploy_tools import ROOT, RULES_FILE, tool
 from tests.support.prometheus_server import PrometheusServer

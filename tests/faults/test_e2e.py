@@ -22,8 +22,8 @@ import psutil
 import pytest
 
 from mmcast_client import Backoff, Client, DeadlineExceeded, Unavailable
-from mmcast_client.local_group import LocalGroup
-from mmcast_client.synthetic import synthetic_jpeg
+from mmcast_local.supervisor import LocalGroup
+from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.load import Budgets, MiB, Workload, check_load, rss_of, run_load, write_report
 from tests.support.oracle import Oracle, assert_matches, mismatch, scrape, user_turn, wait_until
 

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from mmcast_client.local_group import LocalGroup
+from mmcast_local.supervisor import LocalGroup
 from tests.support.load import (
     Budgets,
     MiB,

@@ -25,7 +25,7 @@ import pytest
 
 from benchmarks.proc_memory import peak_mib
 from mmcast.v1 import generation_pb2 as pb
-from mmcast_client.local_group import LocalGroup
+from mmcast_local.supervisor import LocalGroup
 from tests.support import security_catalogue as cat
 from tests.support.security_support import WorkerProcess, new_token, scrape, secret_file, wait_for
 

@@ -5,7 +5,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ["common", "scheduler_svc", "worker_svc", "mmcast_client", "mmcast", "benchmarks", "tests"]
+PACKAGES = ["common", "scheduler_svc", "worker_svc", "mmcast_client", "mmcast_local", "mmcast", "benchmarks", "tests"]
 FORBIDDEN = [
     (re.compile(r"\bimport\s+(c?pickle|dill|shelve|marshal|jsonpickle|cloudpickle)\b"), "a pickle-family module"),
     (re.compile(r"\bfrom\s+(c?pickle|dill|shelve|marshal|jsonpickle|cloudpickle)\s+import\b"), "a pickle-family module"),

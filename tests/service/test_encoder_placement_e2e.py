@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from mmcast_client import Client, InvalidArgument
-from mmcast_client.synthetic import synthetic_jpeg
+from mmcast_local.synthetic_images import synthetic_jpeg
 from scheduler_svc.config import SchedulerConfig
 from tests.support.oracle import GENERATE, Oracle, assert_matches, scrape, user_turn
 from tests.support.rank_group import Group

@@ -17,8 +17,8 @@ import signal
 import pytest
 
 from mmcast_client import Client
-from mmcast_client.local_group import LocalGroup
-from mmcast_client.synthetic import synthetic_jpeg
+from mmcast_local.supervisor import LocalGroup
+from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.oracle import GENERATE, Oracle, assert_matches, scrape, user_turn
 
 pytestmark = pytest.mark.slow

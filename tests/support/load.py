@@ -17,8 +17,8 @@ import threading
 import time
 
 from mmcast_client import Client
-from mmcast_client.local_group import LocalGroup
-from mmcast_client.synthetic import synthetic_jpeg
+from mmcast_local.supervisor import LocalGroup
+from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.oracle import Oracle, mismatch, user_turn
 
 MiB = 1 << 20

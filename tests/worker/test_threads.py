@@ -7,7 +7,7 @@ import os
 import pytest
 
 from common.process import available_cpus, default_threads
-from mmcast_client.local_group import LocalGroup
+from mmcast_local.supervisor import LocalGroup
 from worker_svc.config import WorkerConfig, load_config
 
 EIGHT = set(range(8))

@@ -14,8 +14,8 @@ import json
 import pytest
 
 from mmcast_client import Client
-from mmcast_client.local_group import LocalGroup
-from mmcast_client.synthetic import synthetic_jpeg
+from mmcast_local.supervisor import LocalGroup
+from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.oracle import GENERATE, LOGPROB_TOLERANCE, Oracle, assert_matches, user_turn
 from worker_svc.config import WorkerConfig
 

@@ -114,7 +114,7 @@ def format_row(turn: int, result) -> str:
 
 def conversation_turns(turns: int, seed: int):
     """(question, jpeg bytes) per turn; the images are deterministic from `seed`."""
-    from mmcast_client.synthetic import synthetic_jpeg
+    from mmcast_local.synthetic_images import synthetic_jpeg
 
     for i in range(turns):
         yield QUESTIONS[i % len(QUESTIONS)], synthetic_jpeg(seed * 100003 + i)
@@ -160,7 +160,7 @@ def run_demo(
             from common.tiny_model import ensure_tiny_model
 
             model_dir = str(ensure_tiny_model(model_dir))
-            from mmcast_client.local_group import LocalGroup
+            from mmcast_local.supervisor import LocalGroup
 
             progress.update(0, f"starting a local group: 1 scheduler + {tp} rank(s), transfer mode {transfer_mode}")
             started = time.monotonic()

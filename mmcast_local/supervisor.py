@@ -21,7 +21,8 @@ command line): the scheduler sends it on every rank stream (`--worker-token-file
 (`--shared-token-file`). Every port — client, ranks, /metrics, the torch.distributed rendezvous and the ranks' gloo
 sockets — binds `host` (default 127.0.0.1) alone. Flags in `scheduler_args`/`worker_args` come last and win.
 
-Needs the `serve` extra (the services and grpcio-health-checking); the SDK itself does not import this module.
+Part of the server distribution (it starts the services and polls them with grpcio-health-checking); the SDK never
+imports it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from collections.abc import Sequence
 from common.model_checks import check_checkpoint
 from common.process import ALLOCATOR_ENV, EXIT_STARTUP_FAILURE, startup_failure_cause
 
-log = logging.getLogger("mmcast.local_group")
+log = logging.getLogger("mmcast_local.supervisor")
 
 TRANSFER_MODES = ("full", "strip", "lazy")
 GENERATION_SERVICE = "mmcast.v1.GenerationService"
