@@ -41,8 +41,11 @@ class RequestHandle:
     def __init__(self, request_id: RequestId, received_at: float) -> None:
         self.request_id = request_id
         self.received_at = received_at
-        self.first_scheduled_at: float | None = None
+        self.first_scheduled_at: float | None = None  # when the first step that schedules it was planned
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None  # for the inter-token latency
+        self.generated_tokens = 0  # tokens delivered to ``events``
+        self.finished_at: float | None = None
         self.events: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
         self.usage = RequestUsage()  # the core's cumulative accounting, refreshed every step
         self.finished = False
@@ -126,6 +129,7 @@ class Engine:
         handle = RequestHandle(request.request_id, time.monotonic() if received_at is None else received_at)
         self.handles[request.request_id] = handle
         self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+        self.metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
         self._update_gauges()
         self._wake.set()
         return handle
@@ -147,8 +151,12 @@ class Engine:
         if handle.finished:
             return
         handle.finished = True
+        handle.finished_at = time.monotonic()
         handle.events.put_nowait(event)
-        self.metrics.requests_finished.labels(event.reason).inc()
+        m = self.metrics
+        m.requests_finished.labels(event.reason).inc()
+        m.e2e_seconds.observe(handle.finished_at - handle.received_at)
+        m.request_generation_tokens.observe(handle.generated_tokens)
         self.handles.pop(handle.request_id, None)
 
     # --- the loop ---------------------------------------------------------------------------------------------
@@ -182,6 +190,8 @@ class Engine:
             t0 = time.perf_counter()
             plan = self.core.schedule()
             self.metrics.schedule_seconds.observe(time.perf_counter() - t0)
+            if plan is not None:
+                self._mark_scheduled(plan, time.monotonic())
             if plan is None:
                 self._wake.clear()
                 woke = asyncio.ensure_future(self._wake.wait())
@@ -295,10 +305,6 @@ class Engine:
         failed = {f.request_id: f.message for f in rank0.failures}
         for request_id, message in failed.items():
             log.warning("request failed at the worker", extra={"request_id": request_id, "reason": message})
-        for request_id in plan.num_scheduled_tokens:
-            handle = self.handles.get(request_id)
-            if handle is not None and handle.first_scheduled_at is None:
-                handle.first_scheduled_at = now
         # Items an owner rank could not decode (encoded payloads): every rank skipped the windows reaching them.
         item_failures = {f.item_identifier: f.message for r in results for f in r.item_failures}
         for ident, message in item_failures.items():
@@ -312,6 +318,15 @@ class Engine:
                     handle.usage = request.usage
         self._update_gauges()
 
+    def _mark_scheduled(self, plan, now: float) -> None:
+        """Ends the queue time of the requests this step schedules for the first time (a resumed one keeps its
+        first)."""
+        for request_id in plan.num_scheduled_tokens:
+            handle = self.handles.get(request_id)
+            if handle is not None and handle.first_scheduled_at is None:
+                handle.first_scheduled_at = now
+                self.metrics.queue_seconds.observe(now - handle.received_at)
+
     def _deliver(self, update, now: float) -> None:
         handle = self.handles.get(update.request_id)
         if handle is None:
@@ -322,6 +337,10 @@ class Engine:
             if handle.first_token_at is None:
                 handle.first_token_at = now
                 self.metrics.ttft.observe(now - handle.received_at)
+            else:
+                self.metrics.inter_token_seconds.observe(now - handle.last_token_at)
+            handle.last_token_at = now
+            handle.generated_tokens += len(update.new_token_ids)
             self.metrics.generation_tokens.inc(len(update.new_token_ids))
             handle.events.put_nowait(TokenEvent(list(update.new_token_ids), list(update.logprobs or [])))
         if update.finished is not None:
@@ -360,3 +379,5 @@ class Engine:
         self.metrics.requests_running.set(stats.num_running)
         self.metrics.requests_waiting.set(stats.num_waiting)
         self.metrics.kv_blocks_used.set(stats.kv_blocks_used)
+        if stats.kv_blocks_total:
+            self.metrics.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)

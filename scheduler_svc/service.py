@@ -22,6 +22,7 @@ from mmcast.v1 import generation_pb2, generation_pb2_grpc, logprob_pb2
 from scheduler_svc import api
 from scheduler_svc.detok import TextStream
 from scheduler_svc.engine import Engine, FinishEvent, RequestHandle, TokenEvent
+from scheduler_svc.request_log import RequestSummary
 from scheduler_svc.tenancy import scoped_cache_salt, scoped_request_id
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,32 @@ async def abort_internal(context, method: str, request_id: str) -> None:
     await context.abort(
         grpc.StatusCode.INTERNAL,
         f"internal server error in {method} (request_id={request_id}); the server log records the cause under this id",
+    )
+
+
+def _summary(handle: RequestHandle, finish: FinishEvent, processed, completion_tokens: int, ttft: float | None,
+              tenant: str) -> RequestSummary:
+    """What the final message and the finished-request log line report, taken once."""
+    u = handle.usage
+    now = time.monotonic()
+    error = finish.error
+    return RequestSummary(
+        request_id=handle.request_id,
+        tenant=tenant,
+        finish_reason=finish.reason,
+        prompt_tokens=len(processed.token_ids),
+        completion_tokens=completion_tokens,
+        cached_tokens=u.cached_tokens,
+        images=len(processed.mm_features),
+        payload_bytes_broadcast=u.payload_bytes_sent,
+        payload_bytes_saved=(u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached
+                             + u.payload_bytes_saved_encoder_shared),
+        preemptions=u.preemptions,
+        time_to_first_token_seconds=ttft,
+        total_seconds=now - handle.received_at,
+        queue_seconds=(handle.first_scheduled_at or now) - handle.received_at,
+        error_code=error.status.value if error is not None else "",
+        error=error.message if error is not None else "",
     )
 
 
@@ -122,7 +149,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return
         log.info("request admitted", extra={**log_extra, "prompt_tokens": len(processed.token_ids)})
         try:
-            async for response in self._stream(handle, processed, sampling, received, context, client_id):
+            async for response in self._stream(handle, processed, sampling, received, context, client_id, tenant):
                 yield response
         except grpc.aio.AbortError:  # a status the stream set on purpose
             raise
@@ -130,12 +157,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await abort_internal(context, "Generate", client_id)
 
     async def _stream(
-        self, handle: RequestHandle, processed, sampling: api.SamplingSpec, received: float, context, client_id: str
+        self, handle: RequestHandle, processed, sampling: api.SamplingSpec, received: float, context, client_id: str,
+        tenant: str,
     ):
         text = TextStream(self.tokenizer, sampling.stop)
         completion_tokens = 0
         finish: FinishEvent | None = None
         ttft = None
+        summary: RequestSummary | None = None
         try:
             while finish is None:
                 event = await handle.events.get()
@@ -168,41 +197,47 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             tail = text.flush()
             if tail:
                 yield generation_pb2.GenerateResponse(delta=generation_pb2.TokenDelta(text=tail))
-            final = self._final(handle, finish, processed, completion_tokens, ttft, text)
+            summary = _summary(handle, finish, processed, completion_tokens, ttft, tenant)
+            final = self._final(handle, finish, summary, processed, text)
             final.request_id = client_id
             yield generation_pb2.GenerateResponse(final=final)
         finally:
             if not handle.finished:
                 self.engine.finish(handle.request_id, "cancelled")
                 log.info("request cancelled by the client", extra={"request_id": handle.request_id})
+                finish = FinishEvent("cancelled")
+            if summary is None:  # no final message went out: the client left, or the request failed first
+                summary = _summary(handle, finish or FinishEvent("cancelled"), processed, completion_tokens, ttft,
+                                   tenant)
+            summary.log(log)
 
-    def _final(self, handle, finish: FinishEvent, processed, completion_tokens, ttft, text) -> generation_pb2.GenerateFinal:
+    def _final(self, handle, finish: FinishEvent, summary: RequestSummary, processed, text) -> generation_pb2.GenerateFinal:
+        """The final message; what the finished-request log line also carries comes from ``summary``."""
         u = handle.usage
         final = generation_pb2.GenerateFinal(
             finish_reason=_FINISH.get(finish.reason, generation_pb2.FINISH_REASON_ERROR),
             request_id=handle.request_id,
             stop_reason=text.stopped_by or "",
             usage=generation_pb2.Usage(
-                prompt_tokens=len(processed.token_ids),
-                completion_tokens=completion_tokens,
-                cached_tokens=u.cached_tokens,
-                images=len(processed.mm_features),
+                prompt_tokens=summary.prompt_tokens,
+                completion_tokens=summary.completion_tokens,
+                cached_tokens=summary.cached_tokens,
+                images=summary.images,
                 images_sent=u.items_sent,
                 images_stripped=u.items_stripped,
                 images_rank_cached=u.items_rank_cached,
-                payload_bytes_broadcast=u.payload_bytes_sent,
-                payload_bytes_saved=(u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached
-                                     + u.payload_bytes_saved_encoder_shared),
-                preemptions=u.preemptions,
+                payload_bytes_broadcast=summary.payload_bytes_broadcast,
+                payload_bytes_saved=summary.payload_bytes_saved,
+                preemptions=summary.preemptions,
                 encoder_runs=u.encoder_runs,
                 encoder_output_bytes_shared=u.encoder_output_bytes_shared,
                 image_cpu_seconds=processed.image_cpu_seconds,
                 images_encoder_shared=u.items_encoder_shared,
             ),
             timings=generation_pb2.Timings(
-                time_to_first_token_seconds=ttft or 0.0,
-                total_seconds=time.monotonic() - handle.received_at,
-                queue_seconds=(handle.first_scheduled_at or time.monotonic()) - handle.received_at,
+                time_to_first_token_seconds=summary.time_to_first_token_seconds or 0.0,
+                total_seconds=summary.total_seconds,
+                queue_seconds=summary.queue_seconds,
             ),
         )
         if finish.error is not None:

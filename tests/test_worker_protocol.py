@@ -277,7 +277,7 @@ def test_received_bytes_equal_sent_bytes_and_gauges_follow(env, prompt):
         in text
     )
     assert 'grpc_server_handled_total{grpc_code="OK",grpc_method="Step"' in text
-    assert "mmcast_encoder_seconds_count" in text and "mmcast_worker_step_seconds_bucket" in text
+    assert "mmcast_worker_encoder_seconds_count" in text and "mmcast_worker_step_seconds_bucket" in text
 
 
 def test_sampling_is_reproducible_per_seed_and_index(env, prompt):
