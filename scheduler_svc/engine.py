@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from common import tracing
 from common.errors import MmcastError, Status, Unavailable
 from common.ids import RequestId
 from scheduler_svc.group import GroupBudget, GroupDown, PayloadSend, WorkerGroup
@@ -49,6 +50,24 @@ class RequestHandle:
         self.events: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
         self.usage = RequestUsage()  # the core's cumulative accounting, refreshed every step
         self.finished = False
+
+
+def _plan_attributes(plan) -> dict[str, object]:
+    return {
+        "step_id": plan.step_id,
+        "requests": len(plan.num_scheduled_tokens),
+        "new_requests": len(plan.new_requests),
+        "tokens": plan.total_num_scheduled_tokens,
+        "encoder_inputs": len(plan.encoder_inputs),
+    }
+
+
+def _step_span(plan):
+    """The span of one step (broadcast, every rank's answer); the ranks' spans of it carry the same ids."""
+    if not tracing.enabled():
+        return tracing.span("mmcast.step")
+    return tracing.span("mmcast.step", request_ids=[str(r) for r in plan.num_scheduled_tokens],
+                        **_plan_attributes(plan))
 
 
 class Engine:
@@ -187,11 +206,13 @@ class Engine:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self.backoff[1])
                 continue
-            t0 = time.perf_counter()
+            t0, t0_ns = time.perf_counter(), time.time_ns()
             plan = self.core.schedule()
             self.metrics.schedule_seconds.observe(time.perf_counter() - t0)
             if plan is not None:
                 self._mark_scheduled(plan, time.monotonic())
+                if tracing.enabled():
+                    tracing.record_span("mmcast.schedule", t0_ns, time.time_ns(), **_plan_attributes(plan))
             if plan is None:
                 self._wake.clear()
                 woke = asyncio.ensure_future(self._wake.wait())
@@ -207,7 +228,8 @@ class Engine:
                         await self._group_lost(str(exc))
                 continue
             try:
-                results = await self.group.run_step(plan.step_id, plan.control, self._payloads(plan))
+                with _step_span(plan):
+                    results = await self.group.run_step(plan.step_id, plan.control, self._payloads(plan))
             except GroupDown as exc:
                 await self._group_lost(str(exc))
                 continue

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 
+from common import tracing
 from common.model_checks import ModelConfigError, check_checkpoint
 from common.process import StartupError, ensure_allocator_env, setup_logging, startup_failure
 from scheduler_svc.config import SchedulerConfig
@@ -97,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     config = config_from(argv)
     ensure_allocator_env()
     setup_logging("scheduler", config.log_level)
+    try:
+        tracing.configure("scheduler")
+    except tracing.TracingError as exc:
+        sys.exit(startup_failure(log, str(exc)))
     if not config.model:
         sys.exit(startup_failure(log, "no model folder: pass --model DIR (or MMCAST_MODEL)"))
     if not config.workers:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from common import tracing
 from common.errors import InvalidArgument, MmcastError, ResourceExhausted, Status, Unavailable
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, logprob_pb2
 from scheduler_svc import api
@@ -124,11 +125,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             turns = api.parse_messages(request.messages, max_images=self.config.max_images_per_request)
             loop = asyncio.get_running_loop()
             add_gen = not request.continue_final_message
-            processed = await loop.run_in_executor(
-                self.executor,
-                functools.partial(self.frontend.process, turns, add_generation_prompt=add_gen, tenant=tenant,
-                                  reserve_tokens=sampling.max_tokens, context=self.engine.max_model_len),
-            )
+            with tracing.span("mmcast.frontend", request_id=request_id) as current:  # decode, preprocess, tokenize
+                processed = await loop.run_in_executor(
+                    self.executor,
+                    functools.partial(self.frontend.process, turns, add_generation_prompt=add_gen, tenant=tenant,
+                                      reserve_tokens=sampling.max_tokens, context=self.engine.max_model_len),
+                )
+                tracing.set_attributes(current, prompt_tokens=len(processed.token_ids),
+                                       images=len(processed.mm_features))
             limit = self.engine.max_model_len
             if len(processed.token_ids) + sampling.max_tokens > limit:
                 raise InvalidArgument(
