@@ -46,7 +46,6 @@ class RequestHandle:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None  # for the inter-token latency
         self.generated_tokens = 0  # tokens delivered to ``events``
-        self.finished_at: float | None = None
         self.events: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
         self.usage = RequestUsage()  # the core's cumulative accounting, refreshed every step
         self.finished = False
@@ -170,11 +169,10 @@ class Engine:
         if handle.finished:
             return
         handle.finished = True
-        handle.finished_at = time.monotonic()
         handle.events.put_nowait(event)
         m = self.metrics
         m.requests_finished.labels(event.reason).inc()
-        m.e2e_seconds.observe(handle.finished_at - handle.received_at)
+        m.e2e_seconds.observe(time.monotonic() - handle.received_at)
         m.request_generation_tokens.observe(handle.generated_tokens)
         self.handles.pop(handle.request_id, None)
 
