@@ -89,3 +89,23 @@ def test_iso_time_has_milliseconds_and_truncates():
     assert iso_time(0.0) == "1970-01-01T00:00:00.000Z"
     assert iso_time(1764622328.1239) == "2025-12-01T20:52:08.123Z"
     assert iso_time(59.9999) == "1970-01-01T00:00:59.999Z"  # never rounds up into the next second
+
+
+def test_with_authentication_the_line_names_the_tenant(tiny_model_dir, tmp_path, caplog):
+    from tests.security_support import new_token, secret_file
+
+    token = new_token()
+    tokens = secret_file(tmp_path / "tokens.json", json.dumps({token: "acme"}))
+    h = FakeGroupScheduler(tiny_model_dir, n_ranks=1, auth_tokens_file=str(tokens)).start()
+    try:
+        caplog.set_level(logging.INFO, logger="scheduler_svc.service")
+        with grpc.insecure_channel(h.target) as ch:
+            responses = list(gg.GenerationStub(ch).Generate(
+                request([user(text("hello"))], max_tokens=2, request_id="t-1"),
+                metadata=(("authorization", f"Bearer {token}"),), timeout=30))
+    finally:
+        h.stop()
+    (record,) = wait_for_records(caplog, 1)
+    assert record.tenant == "acme" and record.request_id == "acme/t-1"  # scoped, as every line of the request
+    assert responses[-1].final.request_id == "t-1"
+    assert record.completion_tokens == responses[-1].final.usage.completion_tokens == 2
