@@ -51,7 +51,7 @@ _WORKER = {
     ("mmcast_worker_encoder_collective_bytes_total", None, None): "worker_collective_bytes",  # sent + received
     ("mmcast_worker_encoder_collective_seconds_sum", None, None): "worker_collective_seconds_sum",
     ("mmcast_worker_preprocess_seconds_sum", None, None): "worker_preprocess_seconds_sum",
-    ("mmcast_encoder_seconds_sum", None, None): "worker_encoder_seconds_sum",
+    ("mmcast_worker_encoder_seconds_sum", None, None): "worker_encoder_seconds_sum",
 }
 
 

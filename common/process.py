@@ -92,6 +92,13 @@ def default_threads(local_ranks: int, cgroup_root: str | None = None) -> int:
     return max(1, available_cpus(cgroup_root) // max(1, local_ranks))
 
 
+def iso_time(unix_seconds: float) -> str:
+    """RFC 3339 UTC time with milliseconds, e.g. ``2026-12-01T20:52:08.123Z``: steps are milliseconds apart."""
+    whole = int(unix_seconds)
+    millis = int((unix_seconds - whole) * 1000)  # truncated, like the seconds
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{millis:03d}Z"
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object a line; extra attributes such as ``request_id`` become keys."""
 
@@ -104,7 +111,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
             "ts": round(record.created, 6),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
+            "time": iso_time(record.created),
             "level": record.levelname.lower(),
             "component": self.component,
             "logger": record.name,

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from common import tracing
 from common.errors import MmcastError, Status, Unavailable
 from common.ids import RequestId
 from scheduler_svc.group import GroupBudget, GroupDown, PayloadSend, WorkerGroup
@@ -41,11 +42,31 @@ class RequestHandle:
     def __init__(self, request_id: RequestId, received_at: float) -> None:
         self.request_id = request_id
         self.received_at = received_at
-        self.first_scheduled_at: float | None = None
+        self.first_scheduled_at: float | None = None  # when the first step that schedules it was planned
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None  # for the inter-token latency
+        self.generated_tokens = 0  # tokens delivered to ``events``
         self.events: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
         self.usage = RequestUsage()  # the core's cumulative accounting, refreshed every step
         self.finished = False
+
+
+def _plan_attributes(plan) -> dict[str, object]:
+    return {
+        "step_id": plan.step_id,
+        "requests": len(plan.num_scheduled_tokens),
+        "new_requests": len(plan.new_requests),
+        "tokens": plan.total_num_scheduled_tokens,
+        "encoder_inputs": len(plan.encoder_inputs),
+    }
+
+
+def _step_span(plan):
+    """The span of one step (broadcast, every rank's answer); the ranks' spans of it carry the same ids."""
+    if not tracing.enabled():
+        return tracing.span("mmcast.step")
+    return tracing.span("mmcast.step", request_ids=[str(r) for r in plan.num_scheduled_tokens],
+                        **_plan_attributes(plan))
 
 
 class Engine:
@@ -126,6 +147,7 @@ class Engine:
         handle = RequestHandle(request.request_id, time.monotonic() if received_at is None else received_at)
         self.handles[request.request_id] = handle
         self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+        self.metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
         self._update_gauges()
         self._wake.set()
         return handle
@@ -148,7 +170,10 @@ class Engine:
             return
         handle.finished = True
         handle.events.put_nowait(event)
-        self.metrics.requests_finished.labels(event.reason).inc()
+        m = self.metrics
+        m.requests_finished.labels(event.reason).inc()
+        m.e2e_seconds.observe(time.monotonic() - handle.received_at)
+        m.request_generation_tokens.observe(handle.generated_tokens)
         self.handles.pop(handle.request_id, None)
 
     # --- the loop ---------------------------------------------------------------------------------------------
@@ -179,9 +204,13 @@ class Engine:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self.backoff[1])
                 continue
-            t0 = time.perf_counter()
+            t0, t0_ns = time.perf_counter(), time.time_ns()
             plan = self.core.schedule()
             self.metrics.schedule_seconds.observe(time.perf_counter() - t0)
+            if plan is not None:
+                self._mark_scheduled(plan, time.monotonic())
+                if tracing.enabled():
+                    tracing.record_span("mmcast.schedule", t0_ns, time.time_ns(), **_plan_attributes(plan))
             if plan is None:
                 self._wake.clear()
                 woke = asyncio.ensure_future(self._wake.wait())
@@ -197,7 +226,8 @@ class Engine:
                         await self._group_lost(str(exc))
                 continue
             try:
-                results = await self.group.run_step(plan.step_id, plan.control, self._payloads(plan))
+                with _step_span(plan):
+                    results = await self.group.run_step(plan.step_id, plan.control, self._payloads(plan))
             except GroupDown as exc:
                 await self._group_lost(str(exc))
                 continue
@@ -295,10 +325,6 @@ class Engine:
         failed = {f.request_id: f.message for f in rank0.failures}
         for request_id, message in failed.items():
             log.warning("request failed at the worker", extra={"request_id": request_id, "reason": message})
-        for request_id in plan.num_scheduled_tokens:
-            handle = self.handles.get(request_id)
-            if handle is not None and handle.first_scheduled_at is None:
-                handle.first_scheduled_at = now
         # Items an owner rank could not decode (encoded payloads): every rank skipped the windows reaching them.
         item_failures = {f.item_identifier: f.message for r in results for f in r.item_failures}
         for ident, message in item_failures.items():
@@ -312,6 +338,15 @@ class Engine:
                     handle.usage = request.usage
         self._update_gauges()
 
+    def _mark_scheduled(self, plan, now: float) -> None:
+        """Ends the queue time of the requests this step schedules for the first time (a resumed one keeps its
+        first)."""
+        for request_id in plan.num_scheduled_tokens:
+            handle = self.handles.get(request_id)
+            if handle is not None and handle.first_scheduled_at is None:
+                handle.first_scheduled_at = now
+                self.metrics.queue_seconds.observe(now - handle.received_at)
+
     def _deliver(self, update, now: float) -> None:
         handle = self.handles.get(update.request_id)
         if handle is None:
@@ -322,6 +357,10 @@ class Engine:
             if handle.first_token_at is None:
                 handle.first_token_at = now
                 self.metrics.ttft.observe(now - handle.received_at)
+            else:
+                self.metrics.inter_token_seconds.observe(now - handle.last_token_at)
+            handle.last_token_at = now
+            handle.generated_tokens += len(update.new_token_ids)
             self.metrics.generation_tokens.inc(len(update.new_token_ids))
             handle.events.put_nowait(TokenEvent(list(update.new_token_ids), list(update.logprobs or [])))
         if update.finished is not None:
@@ -360,3 +399,5 @@ class Engine:
         self.metrics.requests_running.set(stats.num_running)
         self.metrics.requests_waiting.set(stats.num_waiting)
         self.metrics.kv_blocks_used.set(stats.kv_blocks_used)
+        if stats.kv_blocks_total:
+            self.metrics.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)

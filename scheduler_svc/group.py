@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from common import codec, wire
+from common import codec, tracing, wire
 from common.ids import ItemId
 from mmcast.v1 import worker_pb2
 
@@ -328,6 +328,13 @@ class WorkerGroup:
         self._check_up()
         if len(rank_payloads) != self.world_size:
             raise ValueError(f"rank_payloads has {len(rank_payloads)} entries for {self.world_size} ranks")
+        with tracing.span("mmcast.broadcast", step_id=step_id, ranks=self.world_size) as current:
+            await self._broadcast(control, rank_payloads, current)
+        return await self._await_results(step_id)
+
+    async def _broadcast(self, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadSend]],
+                         current) -> None:
+        """Writes the payload frames each rank needs, then the one serialized control to every rank."""
         # Every item once, in first-seen order; each rank receives its own subsequence of it.
         order: dict[ItemId, PayloadSend] = {}
         needed_by: dict[ItemId, list[_RankStream]] = {}
@@ -349,7 +356,7 @@ class WorkerGroup:
         for _ in self._streams:
             self._count("metadata", metadata)
             self._count("control", rest)
-        return await self._await_results(step_id)
+        tracing.set_attributes(current, payload_items=len(order), control_bytes=len(raw_control))
 
     async def _await_results(self, step_id: int) -> list[worker_pb2.StepResult]:
         deadline = time.monotonic() + self.step_timeout

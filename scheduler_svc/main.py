@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 
+from common import tracing
 from common.model_checks import ModelConfigError, check_checkpoint
 from common.process import StartupError, ensure_allocator_env, setup_logging, startup_failure
 from scheduler_svc.config import SchedulerConfig, load_config
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(startup_failure(log, f"bad configuration: {exc}"))
     ensure_allocator_env()
     setup_logging("scheduler", config.log_level)
+    try:
+        tracing.configure("scheduler")
+    except tracing.TracingError as exc:
+        sys.exit(startup_failure(log, str(exc)))
     if not config.model:
         sys.exit(startup_failure(log, "no model folder: pass --model DIR (or MMCAST_MODEL)"))
     if not config.workers:

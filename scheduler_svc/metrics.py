@@ -7,6 +7,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _IMAGE_CPU_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 20.0)
+# A whole request: from a few steps to minutes of generation.
+_REQUEST_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Between two tokens of one request: about one step, longer when the step carries prefills or encoder work.
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+# Tokens per request, prompt or generated: powers of two up to long contexts.
+_TOKEN_BUCKETS = tuple(float(2**k) for k in range(0, 18))
 
 
 class SchedulerMetrics:
@@ -45,6 +52,37 @@ class SchedulerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+        self.e2e_seconds = Histogram(
+            "mmcast_e2e_request_latency_seconds",
+            "Request received to finished (any finish reason), on the server.",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "mmcast_request_queue_time_seconds",
+            "Request received to the first step that schedules it (frontend work included), once per request.",
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_seconds = Histogram(
+            "mmcast_inter_token_latency_seconds",
+            "Time between two consecutive tokens of one request, on the server (one sample per token after the "
+            "first).",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "mmcast_request_prompt_tokens",
+            "Prompt tokens per admitted request (image placeholders included).",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "mmcast_request_generation_tokens",
+            "Tokens generated per finished request.",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.step_seconds = Histogram(
             "mmcast_step_seconds", "Wall time of one step: schedule, broadcast, all ranks' answers.", buckets=_STEP_BUCKETS, registry=r
         )
@@ -55,6 +93,11 @@ class SchedulerMetrics:
         self.requests_waiting = Gauge("mmcast_requests_waiting", "Requests queued for admission.", registry=r)
         self.kv_blocks_used = Gauge("mmcast_kv_blocks_used", "KV blocks referenced by running requests.", registry=r)
         self.kv_blocks_total = Gauge("mmcast_kv_blocks_capacity", "KV blocks in the group's pool (the prefix-cache size).", registry=r)
+        self.kv_usage = Gauge(
+            "mmcast_kv_cache_usage_ratio",
+            "KV blocks used / KV blocks in the pool, 0 to 1 (mmcast_kv_blocks_used / mmcast_kv_blocks_capacity).",
+            registry=r,
+        )
         self.upload_store_bytes = Gauge(
             "mmcast_upload_store_bytes", "Encoded image bytes held for reference by hash (all tenants).", registry=r
         )

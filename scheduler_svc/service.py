@@ -18,11 +18,13 @@ from datetime import timedelta
 
 import grpc
 
+from common import tracing
 from common.errors import InvalidArgument, MmcastError, ResourceExhausted, Status, Unavailable
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, logprob_pb2
 from scheduler_svc import api
 from scheduler_svc.detok import TextStream
 from scheduler_svc.engine import Engine, FinishEvent, RequestHandle, TokenEvent
+from scheduler_svc.request_log import RequestSummary
 from scheduler_svc.tenancy import scoped_cache_salt, scoped_request_id
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,32 @@ async def abort_internal(context, method: str, request_id: str) -> None:
     await context.abort(
         grpc.StatusCode.INTERNAL,
         f"internal server error in {method} (request_id={request_id}); the server log records the cause under this id",
+    )
+
+
+def _summary(handle: RequestHandle, finish: FinishEvent, processed, completion_tokens: int, ttft: float | None,
+              tenant: str) -> RequestSummary:
+    """What the final message and the finished-request log line report, taken once."""
+    u = handle.usage
+    now = time.monotonic()
+    error = finish.error
+    return RequestSummary(
+        request_id=handle.request_id,
+        tenant=tenant,
+        finish_reason=finish.reason,
+        prompt_tokens=len(processed.token_ids),
+        completion_tokens=completion_tokens,
+        cached_tokens=u.cached_tokens,
+        images=len(processed.mm_features),
+        payload_bytes_broadcast=u.payload_bytes_sent,
+        payload_bytes_saved=(u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached
+                             + u.payload_bytes_saved_encoder_shared),
+        preemptions=u.preemptions,
+        time_to_first_token_seconds=ttft,
+        total_seconds=now - handle.received_at,
+        queue_seconds=(handle.first_scheduled_at or now) - handle.received_at,
+        error_code=error.status.value if error is not None else "",
+        error=error.message if error is not None else "",
     )
 
 
@@ -98,11 +126,14 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             turns = api.parse_messages(request.messages, max_images=self.config.max_images_per_request)
             loop = asyncio.get_running_loop()
             add_gen = not request.continue_final_message
-            processed = await loop.run_in_executor(
-                self.executor,
-                functools.partial(self.frontend.process, turns, add_generation_prompt=add_gen, tenant=tenant,
-                                  reserve_tokens=sampling.max_tokens, context=self.engine.max_model_len),
-            )
+            with tracing.span("mmcast.frontend", request_id=request_id) as current:  # decode, preprocess, tokenize
+                processed = await loop.run_in_executor(
+                    self.executor,
+                    functools.partial(self.frontend.process, turns, add_generation_prompt=add_gen, tenant=tenant,
+                                      reserve_tokens=sampling.max_tokens, context=self.engine.max_model_len),
+                )
+                tracing.set_attributes(current, prompt_tokens=len(processed.token_ids),
+                                       images=len(processed.mm_features))
             limit = self.engine.max_model_len
             if len(processed.token_ids) + sampling.max_tokens > limit:
                 raise InvalidArgument(
@@ -123,7 +154,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             return
         log.info("request admitted", extra={**log_extra, "prompt_tokens": len(processed.token_ids)})
         try:
-            async for response in self._stream(handle, processed, sampling, received, context, client_id):
+            async for response in self._stream(handle, processed, sampling, received, context, client_id, tenant):
                 yield response
         except grpc.aio.AbortError:  # a status the stream set on purpose
             raise
@@ -131,12 +162,14 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             await abort_internal(context, "Generate", client_id)
 
     async def _stream(
-        self, handle: RequestHandle, processed, sampling: api.SamplingSpec, received: float, context, client_id: str
+        self, handle: RequestHandle, processed, sampling: api.SamplingSpec, received: float, context, client_id: str,
+        tenant: str,
     ):
         text = TextStream(self.tokenizer, sampling.stop)
         completion_tokens = 0
         finish: FinishEvent | None = None
         ttft = None
+        summary: RequestSummary | None = None
         try:
             while finish is None:
                 event = await handle.events.get()
@@ -169,41 +202,47 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             tail = text.flush()
             if tail:
                 yield generation_pb2.GenerateResponse(delta=generation_pb2.TokenDelta(text=tail))
-            final = self._final(handle, finish, processed, completion_tokens, ttft, text)
+            summary = _summary(handle, finish, processed, completion_tokens, ttft, tenant)
+            final = self._final(handle, finish, summary, processed, text)
             final.request_id = client_id
             yield generation_pb2.GenerateResponse(final=final)
         finally:
             if not handle.finished:
                 self.engine.finish(handle.request_id, "cancelled")
                 log.info("request cancelled by the client", extra={"request_id": handle.request_id})
+                finish = FinishEvent("cancelled")
+            if summary is None:  # no final message went out: the client left, or the request failed first
+                summary = _summary(handle, finish or FinishEvent("cancelled"), processed, completion_tokens, ttft,
+                                   tenant)
+            summary.log(log)
 
-    def _final(self, handle, finish: FinishEvent, processed, completion_tokens, ttft, text) -> generation_pb2.GenerateFinal:
+    def _final(self, handle, finish: FinishEvent, summary: RequestSummary, processed, text) -> generation_pb2.GenerateFinal:
+        """The final message; what the finished-request log line also carries comes from ``summary``."""
         u = handle.usage
         final = generation_pb2.GenerateFinal(
             finish_reason=_FINISH.get(finish.reason, generation_pb2.FINISH_REASON_ERROR),
             request_id=handle.request_id,
             stop_reason=text.stopped_by or "",
             usage=generation_pb2.Usage(
-                prompt_tokens=len(processed.token_ids),
-                completion_tokens=completion_tokens,
-                cached_tokens=u.cached_tokens,
-                images=len(processed.mm_features),
+                prompt_tokens=summary.prompt_tokens,
+                completion_tokens=summary.completion_tokens,
+                cached_tokens=summary.cached_tokens,
+                images=summary.images,
                 images_sent=u.items_sent,
                 images_stripped=u.items_stripped,
                 images_rank_cached=u.items_rank_cached,
-                payload_bytes_broadcast=u.payload_bytes_sent,
-                payload_bytes_saved=(u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached
-                                     + u.payload_bytes_saved_encoder_shared),
-                preemptions=u.preemptions,
+                payload_bytes_broadcast=summary.payload_bytes_broadcast,
+                payload_bytes_saved=summary.payload_bytes_saved,
+                preemptions=summary.preemptions,
                 encoder_runs=u.encoder_runs,
                 encoder_output_bytes_shared=u.encoder_output_bytes_shared,
                 image_cpu_time=timedelta(seconds=processed.image_cpu_seconds),
                 images_encoder_shared=u.items_encoder_shared,
             ),
             timings=generation_pb2.Timings(
-                time_to_first_token=timedelta(seconds=ttft or 0.0),
-                total_time=timedelta(seconds=time.monotonic() - handle.received_at),
-                queue_time=timedelta(seconds=(handle.first_scheduled_at or time.monotonic()) - handle.received_at),
+                time_to_first_token=timedelta(seconds=summary.time_to_first_token_seconds or 0.0),
+                total_time=timedelta(seconds=summary.total_seconds),
+                queue_time=timedelta(seconds=summary.queue_seconds),
             ),
         )
         if finish.error is not None:

@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common import tls
+from common import tls, tracing
 from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
 from common.decode_guard import DecodeGuardInterceptor
 from common.grpc_metrics import AioServerMetricsInterceptor
@@ -171,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return startup_failure(log, f"bad configuration: {exc}")
     ensure_allocator_env()
     setup_logging("worker", config.log_level)
+    try:
+        tracing.configure("worker", rank=config.rank)
+    except tracing.TracingError as exc:
+        return startup_failure(log, str(exc), rank=config.rank)
     try:  # config.json alone, before any port or weight
         check_checkpoint(config.model, config.world_size, "--world-size")
     except ModelConfigError as exc:

@@ -16,79 +16,88 @@ class WorkerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.received_bytes = Counter(
-            "mmcast_worker_received_bytes",
-            "Serialized step-stream bytes received, by kind (payload frames, item metadata, other control)",
+            "mmcast_worker_received_bytes_total",
+            "Serialized step-stream bytes received, by kind (payload frames, item metadata, other control).",
             ["kind"],
             registry=r,
         )
         self.encoder_seconds = Histogram(
-            "mmcast_encoder_seconds",
-            "Vision-encoder time per step with encoder work",
+            "mmcast_worker_encoder_seconds",
+            "Vision-encoder time per step with encoder work.",
             buckets=_STEP_BUCKETS,
             registry=r,
         )
         self.encoder_runs = Counter(
-            "mmcast_worker_encoder_runs",
-            "Items this rank ran through the vision encoder (sharded placement: the items it owns)",
+            "mmcast_worker_encoder_runs_total",
+            "Items this rank ran through the vision encoder (sharded placement: the items it owns).",
             registry=r,
         )
         self.preprocess_seconds = Histogram(
             "mmcast_worker_preprocess_seconds",
-            "Decoding and preprocessing of one encoded image payload on its owner rank",
+            "Decoding and preprocessing of one encoded image payload on its owner rank.",
             buckets=_STEP_BUCKETS,
             registry=r,
         )
         self.encoder_collective_bytes = Counter(
-            "mmcast_worker_encoder_collective_bytes",
-            "Encoder-output bytes this rank sent (as an item's owner) or received over the group's collective",
+            "mmcast_worker_encoder_collective_bytes_total",
+            "Encoder-output bytes this rank sent (as an item's owner) or received over the group's collective.",
             registry=r,
         )
         self.encoder_collective_seconds = Histogram(
             "mmcast_worker_encoder_collective_seconds",
-            "Time per step in the encoder status exchange and the encoder-output broadcasts (sharded placement)",
+            "Time per step in the encoder status exchange and the encoder-output broadcasts (sharded placement).",
             buckets=_STEP_BUCKETS,
             registry=r,
         )
         self.image_failures = Counter(
-            "mmcast_worker_image_failures",
-            "Encoded image payloads this rank owned that failed to decode or preprocess (the request failed alone)",
+            "mmcast_worker_image_failures_total",
+            "Encoded image payloads this rank owned that failed to decode or preprocess (the request failed alone).",
             registry=r,
         )
         self.step_seconds = Histogram(
             "mmcast_worker_step_seconds",
-            "Time from a step control received to its result sent",
+            "Time from a step control received to its result sent.",
             buckets=_STEP_BUCKETS,
             registry=r,
         )
         self.payload_cache_bytes = Gauge(
-            "mmcast_worker_payload_cache_bytes", "Bytes held in the payload cache", registry=r
+            "mmcast_worker_payload_cache_bytes", "Bytes held in the payload cache.", registry=r
         )
         self.payload_cache_items = Gauge(
-            "mmcast_worker_payload_cache_items", "Items held in the payload cache", registry=r
+            "mmcast_worker_payload_cache_items", "Items held in the payload cache.", registry=r
         )
         self.encoder_cache_tokens = Gauge(
             "mmcast_worker_encoder_cache_tokens",
-            "Encoder-output rows (LLM tokens) held in the encoder cache",
+            "Encoder-output rows (LLM tokens) held in the encoder cache.",
+            registry=r,
+        )
+        # Hit ratio = hits / queries, per cache.
+        self.cache_queries = Counter(
+            "mmcast_worker_cache_queries_total",
+            "Lookups: payload = an item this rank encodes (its payload is needed), encoder = an item's encoder output "
+            "used by a request's tokens in a step (once per request window).",
+            ["cache"],
             registry=r,
         )
         self.cache_hits = Counter(
-            "mmcast_worker_cache_hits",
-            "Uses of an entry held before the step: payload = encoder work on a payload received in an earlier step, "
-            "encoder = a forward using an encoder output computed in an earlier step",
+            "mmcast_worker_cache_hits_total",
+            "Lookups answered by an entry held before the step: payload = received in an earlier step, encoder = "
+            "computed in an earlier step.",
             ["cache"],
             registry=r,
         )
         self.protocol_errors = Counter(
-            "mmcast_worker_protocol_errors", "Protocol errors reported to the scheduler, by code", ["code"], registry=r
+            "mmcast_worker_protocol_errors_total", "Protocol errors reported to the scheduler, by code.", ["code"], registry=r
         )
         self.handshakes_refused = Counter(
-            "mmcast_worker_handshakes_refused",
-            "Handshakes of authenticated peers refused (mismatching model, rank, scheduler id or a stale epoch)",
+            "mmcast_worker_handshakes_refused_total",
+            "Handshakes of authenticated peers refused (mismatching model, rank, scheduler id or a stale epoch).",
             registry=r,
         )
         for kind in ("payload", "metadata", "control"):
             self.received_bytes.labels(kind=kind)
         for cache in ("payload", "encoder"):
+            self.cache_queries.labels(cache=cache)
             self.cache_hits.labels(cache=cache)
         # Every code from the start, so a dashboard shows a 0 rate rather than no data before the first error.
         for value in worker_pb2.ProtocolErrorCode.values():

@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from common import tracing
 from common.decode_guard import Undecodable
 from common.wire import control_byte_breakdown
 from mmcast.v1 import worker_pb2, worker_pb2_grpc
@@ -51,6 +52,16 @@ def step_result(step_id: int, rank: int, outcome: StepOutcome, handle: StreamHan
     stats.received_payload_bytes = payload_bytes
     stats.step_time.FromNanoseconds(int((time.perf_counter() - t0) * 1e9))
     return result
+
+
+def _rank_step_span(control: worker_pb2.StepControl, rank: int):
+    """This rank's span of one step: a trace of its own, matched to the scheduler's ``mmcast.step`` span by the
+    step id and request ids (common/tracing.py says why no context crosses the stream)."""
+    if not tracing.enabled():
+        return tracing.span("mmcast.rank_step")
+    ids = [r.request_id for r in control.new_requests] + [r.request_id for r in control.running]
+    return tracing.span("mmcast.rank_step", rank=rank, step_id=control.step_id, request_ids=ids,
+                        new_requests=len(control.new_requests), encoder_inputs=len(control.encoder_inputs))
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -151,18 +162,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 elif kind == "control":
                     t0 = time.perf_counter()
                     control = frame.control
-                    try:
-                        outcome = await loop.run_in_executor(
-                            self.worker.executor, self.worker.apply_step, handle, control
-                        )
-                    except StepError as exc:
-                        await self._refuse(handle, context, exc, control.step_id, rank)
-                        return
-                    if handle.superseded.is_set():
-                        continue  # the next read reports it
-                    result = step_result(control.step_id, rank, outcome, handle, step_payload_bytes, t0)
-                    step_payload_bytes = 0
-                    await context.write(worker_pb2.StepResponse(step_result=result))
+                    with _rank_step_span(control, rank):
+                        try:
+                            outcome = await loop.run_in_executor(
+                                self.worker.executor, self.worker.apply_step, handle, control
+                            )
+                        except StepError as exc:
+                            await self._refuse(handle, context, exc, control.step_id, rank)
+                            return
+                        if handle.superseded.is_set():
+                            continue  # the next read reports it
+                        result = step_result(control.step_id, rank, outcome, handle, step_payload_bytes, t0)
+                        step_payload_bytes = 0
+                        await context.write(worker_pb2.StepResponse(step_result=result))
                     self.metrics.step_seconds.observe(time.perf_counter() - t0)
                 else:
                     await context.abort(

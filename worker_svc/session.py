@@ -46,6 +46,8 @@ class _Plan:
     windows: list[tuple[RequestState, int, int]]  # (request, start, end) in control order
     payload_hits: int = 0
     encoder_hits: int = 0
+    payload_queries: int = 0  # items this rank encodes: each needs its payload (hit: held from an earlier step)
+    encoder_queries: int = 0  # (window, item) uses of an encoder output (hit: computed in an earlier step)
 
 
 @dataclasses.dataclass
@@ -230,7 +232,7 @@ class Session:
             - sum(self.encoded.entries[i].shape[0] for i in gone_encoded if i in self.encoded.entries)
         )
         encode: list[tuple[ItemId, object, int | None]] = []
-        plan_hits = 0
+        plan_hits = payload_queries = 0
         world = getattr(self.group, "world_size", 1)
         for enc in control.encoder_inputs:
             ident = ItemId(enc.item_identifier)
@@ -259,6 +261,7 @@ class Session:
             fields = dict(
                 {} if reset or ident in gone_payloads else (self.payloads.get(ident) or {}), **incoming.get(ident, {})
             )
+            payload_queries += 1
             if ident not in incoming and fields:
                 plan_hits += 1
             try:
@@ -291,7 +294,7 @@ class Session:
                 f"{self.encoded.budget_tokens} (--encoder-cache-tokens)",
             )
         scheduled = {ident for ident, _, _ in encode}
-        encoder_hits = 0
+        encoder_hits = encoder_queries = 0
         for state, start, end in windows:
             for index in state.overlapping(start, end):
                 ident = state.features[index].identifier
@@ -305,6 +308,7 @@ class Session:
                         state.request_id,
                         ident,
                     )
+                encoder_queries += 1
                 encoder_hits += ident not in scheduled
         payload_bytes = self.payloads.bytes_after(gone_payloads, incoming, reset)
         if payload_bytes > self.payloads.budget_bytes:
@@ -313,7 +317,8 @@ class Session:
                 f"payload cache would hold {payload_bytes} bytes after this step, over the budget of "
                 f"{self.payloads.budget_bytes} (--payload-cache-bytes)",
             )
-        return _Plan(control, finished, new, running, incoming, encode, windows, plan_hits, encoder_hits)
+        return _Plan(control, finished, new, running, incoming, encode, windows, plan_hits, encoder_hits,
+                     payload_queries, encoder_queries)
 
     # --- phase 2: bookkeeping --------------------------------------------------------------------------------
 
@@ -353,8 +358,11 @@ class Session:
             state.num_output_tokens += len(delta.new_token_ids)
             state.block_ids.extend(delta.new_block_ids)
         if self.metrics is not None:
-            self.metrics.cache_hits.labels(cache="payload").inc(plan.payload_hits)
-            self.metrics.cache_hits.labels(cache="encoder").inc(plan.encoder_hits)
+            m = self.metrics
+            m.cache_queries.labels(cache="payload").inc(plan.payload_queries)
+            m.cache_hits.labels(cache="payload").inc(plan.payload_hits)
+            m.cache_queries.labels(cache="encoder").inc(plan.encoder_queries)
+            m.cache_hits.labels(cache="encoder").inc(plan.encoder_hits)
 
     # --- phase 3: compute ------------------------------------------------------------------------------------
 

@@ -25,15 +25,19 @@ SCHEDULER_METRICS = {
     "mmcast_time_to_first_token_seconds", "mmcast_step_seconds", "mmcast_requests_running", "mmcast_requests_waiting",
     "mmcast_kv_blocks_used", "mmcast_kv_blocks_capacity", "mmcast_preemptions_total", "mmcast_worker_group_up",
     "mmcast_prompt_tokens_total", "mmcast_generation_tokens_total", "mmcast_requests_finished_total",
+    "mmcast_e2e_request_latency_seconds", "mmcast_request_queue_time_seconds", "mmcast_inter_token_latency_seconds",
+    "mmcast_request_prompt_tokens", "mmcast_request_generation_tokens", "mmcast_kv_cache_usage_ratio",
 }
 WORKER_METRICS = {
-    "mmcast_worker_received_bytes_total", "mmcast_encoder_seconds", "mmcast_worker_step_seconds",
+    "mmcast_worker_received_bytes_total", "mmcast_worker_encoder_seconds", "mmcast_worker_step_seconds",
     "mmcast_worker_payload_cache_bytes", "mmcast_worker_encoder_cache_tokens", "mmcast_worker_cache_hits_total",
-    "mmcast_worker_protocol_errors_total",
+    "mmcast_worker_cache_queries_total", "mmcast_worker_protocol_errors_total",
 }
 GRPC_METRICS = {"grpc_server_started_total", "grpc_server_handled_total", "grpc_server_handling_seconds"}
-HISTOGRAMS = {"mmcast_time_to_first_token_seconds", "mmcast_step_seconds", "mmcast_encoder_seconds",
-              "mmcast_worker_step_seconds", "grpc_server_handling_seconds"}
+HISTOGRAMS = {"mmcast_time_to_first_token_seconds", "mmcast_step_seconds", "mmcast_worker_encoder_seconds",
+              "mmcast_worker_step_seconds", "grpc_server_handling_seconds", "mmcast_e2e_request_latency_seconds",
+              "mmcast_request_queue_time_seconds", "mmcast_inter_token_latency_seconds", "mmcast_request_prompt_tokens",
+              "mmcast_request_generation_tokens"}
 KNOWN = SCHEDULER_METRICS | WORKER_METRICS | GRPC_METRICS
 PROMQL_WORDS = {"sum", "min", "max", "avg", "count", "by", "without", "rate", "irate", "increase", "histogram_quantile",
                 "or", "and", "unless", "on", "ignoring", "group_left", "group_right", "bool", "offset", "vector",
@@ -121,6 +125,16 @@ def test_expressions_use_known_metrics_and_cover_them_all():
     assert KNOWN - used == set(), f"metrics without a panel: {KNOWN - used}"
 
 
+def test_known_metrics_are_exported():
+    """The names above are the services' own: a renamed or removed metric fails here, not only on a live dashboard."""
+    from scripts.metrics_doc import exported_families
+
+    exported = {f.name for f in exported_families()}
+    assert KNOWN - exported == set(), f"not exported by any service: {KNOWN - exported}"
+    histograms = {f.name for f in exported_families() if f.type == "histogram"}
+    assert HISTOGRAMS == KNOWN & histograms
+
+
 def test_expressions_parse(tmp_path):
     """promtool has no offline query parser; a rule file with one recording rule per expression is the next best."""
     rules = [{"record": f"dashboard:expr_{i}", "expr": expr} for i, (_, expr) in enumerate(dashboard_expressions())]
@@ -160,6 +174,10 @@ def _series_like_a_bare_prometheus() -> list[dict]:
     counter("mmcast_prefix_cache_hit_tokens_total", sched, 300)
     histogram("mmcast_time_to_first_token_seconds", sched)
     histogram("mmcast_step_seconds", sched)
+    for name in ("mmcast_e2e_request_latency_seconds", "mmcast_request_queue_time_seconds",
+                 "mmcast_inter_token_latency_seconds", "mmcast_request_prompt_tokens", "mmcast_request_generation_tokens"):
+        histogram(name, sched)
+    gauge("mmcast_kv_cache_usage_ratio", sched, 0.2)
     gauge("mmcast_requests_running", sched, 3)
     gauge("mmcast_requests_waiting", sched, 1)
     gauge("mmcast_kv_blocks_used", sched, 100)
@@ -173,11 +191,12 @@ def _series_like_a_bare_prometheus() -> list[dict]:
     for rank in ranks:
         for kind in ("payload", "metadata", "control"):
             counter("mmcast_worker_received_bytes_total", f'{rank}, kind="{kind}"', 3000)
-        histogram("mmcast_encoder_seconds", rank)
+        histogram("mmcast_worker_encoder_seconds", rank)
         histogram("mmcast_worker_step_seconds", rank)
         gauge("mmcast_worker_payload_cache_bytes", rank, 1 << 20)
         gauge("mmcast_worker_encoder_cache_tokens", rank, 1196)
         for cache in ("payload", "encoder"):
+            counter("mmcast_worker_cache_queries_total", f'{rank}, cache="{cache}"', 10)
             counter("mmcast_worker_cache_hits_total", f'{rank}, cache="{cache}"', 6)
         counter("mmcast_worker_protocol_errors_total", f'{rank}, code="BAD_TENSOR"', 0)
     grpc = [(sched, "mmcast.v1.GenerationService", "Generate", "server_stream"),

@@ -6,7 +6,8 @@ import yaml
 
 from tests.support.deploy_tools import ROOT, RULES_FILE, RULES_TEST_FILE, run, tool
 
-ALERTS = {"MmcastWorkerGroupDown", "MmcastGrpcErrorRatioHigh", "MmcastTimeToFirstTokenP99High", "MmcastPreemptionStorm"}
+ALERTS = {"MmcastWorkerGroupDown", "MmcastGrpcErrorRatioHigh", "MmcastTimeToFirstTokenP99High", "MmcastPreemptionStorm",
+          "MmcastInterTokenLatencyP99High"}
 
 
 def test_promtool_check_rules():

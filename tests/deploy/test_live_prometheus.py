@@ -11,12 +11,15 @@ workload through the SDK chosen so that every panel has something to show:
   the machine is;
 - one prompt larger than the KV pool: RESOURCE_EXHAUSTED, a server-side gRPC error for the error-ratio panel;
 - GetServerInfo: a unary RPC for the unary-latency panel.
+The same run checks that every metric added with the per-request histograms has data that adds up (their sums
+equal the older counters), and that the scheduler's `request finished` log lines carry what each client received.
 With MMCAST_RENDER_DASHBOARD=1 the run also renders docs/img/dashboard.png (tests/support/render_dashboard.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import subprocess
@@ -65,11 +68,15 @@ MUST_RISE = {
     ("Payload bytes saved/s by reason", "A"): [{"reason": "prefix_covered"}, {"reason": "rank_cached"}],
     ("Multimodal items/s by disposition", "A"): [{"disposition": d} for d in ("sent", "stripped", "rank_cached")],
     ("gRPC error ratio by method", "A"): [{"grpc_service": "mmcast.v1.GenerationService", "grpc_method": "Generate"}],
-    ("Worker cache hits/s", "A"): [{"cache": "encoder"}],
+    ("Worker cache hit ratio", "A"): [{"cache": "encoder"}],
     ("Requests finished/s by reason", "A"): [{"reason": "length"}],
     ("gRPC unary latency p99 by method", "A"): [{"grpc_method": "GetServerInfo"}],
     ("Worker received bytes/s by kind", "A"): [{"kind": "payload"}, {"kind": "metadata"}, {"kind": "control"}],
 }
+# Series added with the per-request metrics (CHANGELOG.md, "Metrics"): each must have data from this run.
+NEW_HISTOGRAMS = ("mmcast_e2e_request_latency_seconds", "mmcast_request_queue_time_seconds",
+                  "mmcast_inter_token_latency_seconds", "mmcast_request_prompt_tokens",
+                  "mmcast_request_generation_tokens", "mmcast_worker_encoder_seconds")
 # promtool lints that a service still has, each with what removes it; anything else fails the check.
 KNOWN_METRIC_LINTS: dict[str, str] = {}
 
@@ -86,6 +93,7 @@ class LiveRun:
         self.group, self.prom = group, prom
         self.start = self.end = 0.0  # unix times: every target scraped once / the workload done
         self.preemptions = 0
+        self.results: list = []  # every Result the workload received
 
     def checkpoint(self) -> None:
         """Waits for a successful scrape of every target, so that what happened before it and what happens after
@@ -102,6 +110,7 @@ class LiveRun:
             for turn in range(3):
                 history.append(user_turn(images[turn], QUESTIONS[turn]))
                 result = client.generate(history, max_tokens=8, ignore_eos=True)
+                self.results.append(result)
                 history.append({"role": "assistant", "content": result.text})
             assert result.usage.cached_tokens > 0 and result.usage.images_stripped > 0, result.usage
             self.checkpoint()
@@ -116,6 +125,7 @@ class LiveRun:
                     start_together.wait(timeout=60)
                     r = client.generate(messages, max_tokens=CONCURRENT_MAX_TOKENS, ignore_eos=True)
                     usages.append(r.usage)
+                    self.results.append(r)
                 except Exception as e:  # noqa: BLE001 - reported below
                     errors.append(e)
 
@@ -236,3 +246,66 @@ def test_render_dashboard_picture(live):
              "every 1 s; $__rate_interval=5s")
     render_dashboard(live.prom, live.start - 2, time.time(), out, step=1.0, rate_interval="5s", title=title)
     assert out.stat().st_size > 10_000
+
+
+def _scalar(prom, expr: str) -> float:
+    (series,) = prom.query(expr)
+    return float(series["value"][1])
+
+
+def test_new_series_have_data_that_adds_up(live):
+    """Every new series has samples from this run, and the per-request histograms agree with the older counters."""
+    prom = live.prom
+    for name in NEW_HISTOGRAMS:
+        assert _scalar(prom, f"sum({name}_count)") > 0, f"{name}: no observation"
+    requests = len(live.results)
+    assert _scalar(prom, "sum(mmcast_e2e_request_latency_seconds_count)") == requests
+    assert _scalar(prom, "sum(mmcast_request_queue_time_seconds_count)") == requests
+    assert _scalar(prom, "sum(mmcast_request_generation_tokens_count)") == requests
+    generated = _scalar(prom, "sum(mmcast_generation_tokens_total)")
+    assert generated == sum(r.usage.completion_tokens for r in live.results)
+    assert _scalar(prom, "sum(mmcast_request_generation_tokens_sum)") == generated
+    # Every request streamed tokens: one gap per token after each request's first.
+    assert _scalar(prom, "sum(mmcast_inter_token_latency_seconds_count)") == generated - requests
+    # The refused prompt was never admitted: the histogram holds the admitted prompts, like the counter.
+    assert _scalar(prom, "sum(mmcast_request_prompt_tokens_sum)") == _scalar(prom, "sum(mmcast_prompt_tokens_total)")
+    # The server's e2e histogram holds each request's total as its client got it (buckets bound them).
+    slowest = max(r.server_total_seconds for r in live.results)
+    assert _scalar(prom, "sum(mmcast_e2e_request_latency_seconds_sum)") <= requests * slowest + 1e-6
+    # KV usage: above 0 while the concurrent requests ran (the pool filled up to preemption), at most 1.
+    usage = prom.query_range("max(mmcast_kv_cache_usage_ratio)", live.start, live.end, step=0.5)
+    values = _values(usage)
+    assert values and max(values) > 0.5 and max(values) <= 1, values
+    # Ranks: both caches were looked up; encoder lookups hit (the concurrent requests re-use the images).
+    for cache in ("payload", "encoder"):
+        assert _scalar(prom, f'sum(mmcast_worker_cache_queries_total{{cache="{cache}"}})') > 0, cache
+    hits = _scalar(prom, 'sum(mmcast_worker_cache_hits_total{cache="encoder"})')
+    assert 0 < hits <= _scalar(prom, 'sum(mmcast_worker_cache_queries_total{cache="encoder"})')
+
+
+def test_finished_request_log_lines_match_what_clients_received(live):
+    """One `request finished` JSON line per request, with the numbers of the Usage and Timings its client got."""
+    records = {}
+    for line in (live.group.log_dir / "scheduler.log").read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        record = json.loads(line)
+        if record.get("msg") == "request finished":
+            assert record["request_id"] not in records, f"two finished lines for {record['request_id']}"
+            records[record["request_id"]] = record
+    assert set(records) == {r.request_id for r in live.results}
+    for r in live.results:
+        rec = records[r.request_id]
+        assert rec["level"] == "info" and rec["component"] == "scheduler"
+        assert rec["time"].endswith("Z") and len(rec["time"].rpartition(".")[2]) == 4, rec["time"]  # ".mmmZ"
+        assert rec["finish_reason"] == r.finish_reason == "length"
+        for key in ("prompt_tokens", "completion_tokens", "cached_tokens", "images", "payload_bytes_broadcast",
+                    "payload_bytes_saved", "preemptions"):
+            assert rec[key] == getattr(r.usage, key), (key, rec, r.usage)
+        assert rec["time_to_first_token_seconds"] == pytest.approx(r.server_ttft_seconds, abs=1e-5)
+        assert rec["total_seconds"] == pytest.approx(r.server_total_seconds, abs=1e-5)
+        assert rec["queue_seconds"] == pytest.approx(r.queue_seconds, abs=1e-5)
+        assert 0 < rec["queue_seconds"] <= rec["time_to_first_token_seconds"] <= rec["total_seconds"]
+        assert "tenant" not in rec  # authentication is off
+    assert any(rec["cached_tokens"] > 0 and rec["payload_bytes_saved"] > 0 for rec in records.values())
+    assert any(rec["preemptions"] > 0 for rec in records.values())

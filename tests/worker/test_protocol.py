@@ -277,7 +277,7 @@ def test_received_bytes_equal_sent_bytes_and_gauges_follow(env, prompt):
         in text
     )
     assert 'grpc_server_handled_total{grpc_code="OK",grpc_method="Step"' in text
-    assert "mmcast_encoder_seconds_count" in text and "mmcast_worker_step_seconds_bucket" in text
+    assert "mmcast_worker_encoder_seconds_count" in text and "mmcast_worker_step_seconds_bucket" in text
 
 
 def test_sampling_is_reproducible_per_seed_and_index(env, prompt):
@@ -384,3 +384,38 @@ def test_an_encoded_file_is_decoded_by_the_rank_and_a_corrupt_one_fails_its_item
     assert failure.item_identifier == prompt.features[0].identifier and "could not be decoded" in failure.message
     stream.close()
     serves_a_request(env, prompt)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "full"])
+def test_cache_lookups_and_hits_follow_the_windows(env, mode):
+    """Encoder cache: one lookup per (window, item it overlaps), a hit when the output was computed in an earlier
+    step. Payload cache: one lookup per item encoded, a hit when the payload arrived in an earlier step (full
+    mode sends it at admission; lazy with the encode step). Expected values come from the windows alone."""
+    prompt = env.prompt([noise_image(41, 112, 84), "then this one", noise_image(42, 56, 56), "what changed?"])
+    chunk = 10
+    windows = [(s, min(s + chunk, len(prompt.token_ids))) for s in range(0, len(prompt.token_ids), chunk)]
+    spans = [(f.mm_position.offset, f.mm_position.end) for f in prompt.features]
+    overlaps = [[(a < e and s < b) for a, b in spans] for s, e in windows]
+    queries = sum(map(sum, overlaps))
+    first_windows = len(spans)  # each item's first overlapping window encodes it: the miss
+    assert queries > first_windows, "the chunking must reuse at least one encoder output"
+
+    def counts():
+        m = env.rank.metrics
+        return {(c, kind): getattr(m, f"cache_{kind}").labels(cache=c)._value.get()
+                for c in ("payload", "encoder") for kind in ("queries", "hits")}
+
+    before = counts()
+    stream = env.rank.stream(env.model_dir)
+    sched = MiniScheduler([stream], mode=mode)
+    req = sched.add(prompt, f"lookups-{mode}", chunk=chunk, max_new_tokens=2)
+    sched.run([req])
+    stream.close()
+    after = counts()
+    encoded_later = sum(1 for a, _ in spans if a >= chunk)  # items whose encode step is not the admission step
+    assert {k: after[k] - before[k] for k in after} == {
+        ("encoder", "queries"): queries,
+        ("encoder", "hits"): queries - first_windows,
+        ("payload", "queries"): len(spans),
+        ("payload", "hits"): encoded_later if mode == "full" else 0,
+    }
