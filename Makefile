@@ -36,6 +36,7 @@ proto-check: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy tests/typing_checks
 
 # Tools the deployment and observability checks use (helm, promtool, prometheus, grpcurl, kubernetes-validate).
 tools: install

@@ -110,12 +110,12 @@ class ChannelSettings:
     @property
     def unary_timeout(self) -> float | None:
         """The deadline of a unary call: the caller's `timeout`, else DEFAULT_TIMEOUT."""
-        return DEFAULT_TIMEOUT if self.timeout is NOT_GIVEN else self.timeout  # type: ignore[return-value]
+        return DEFAULT_TIMEOUT if self.timeout is NOT_GIVEN else self.timeout
 
     @property
     def generate_timeout(self) -> float | None:
         """The deadline of a whole generation: the caller's `timeout`, else none (the first token has its own)."""
-        return None if self.timeout is NOT_GIVEN else self.timeout  # type: ignore[return-value]
+        return None if self.timeout is NOT_GIVEN else self.timeout
 
     def service_config(self) -> dict[str, Any]:
         """The SDK's service config: balancing (mmcast_client/affinity.py; left out when the caller's options pick a
@@ -209,7 +209,7 @@ def channel_settings(
             raise ValueError(f"channel= is a channel already made; {', '.join(conflicts)} cannot change it")
     options = tuple((str(k), v) for k, v in options)
     if timeout is not NOT_GIVEN:
-        _check_timeout("timeout", timeout)  # type: ignore[arg-type]
+        _check_timeout("timeout", timeout)
     _check_timeout("first_token_timeout", first_token_timeout)
     if max_message_bytes < 1 << 16:
         raise ValueError(f"max_message_bytes={max_message_bytes} must be >= 65536")
@@ -406,7 +406,7 @@ class ClientCore:
 
     # -- unary calls -------------------------------------------------------------------------------------------------
     def unary_deadline(self, timeout: float | None | NotGiven) -> Deadline:
-        return Deadline(self.settings.unary_timeout if timeout is NOT_GIVEN else timeout)  # type: ignore[arg-type]
+        return Deadline(self.settings.unary_timeout if timeout is NOT_GIVEN else timeout)
 
     def server_info_request(self) -> pb.GetServerInfoRequest:
         return pb.GetServerInfoRequest()
@@ -458,11 +458,11 @@ class ClientCore:
         if timeout is NOT_GIVEN:
             timeout = self.settings.generate_timeout
         else:
-            _check_timeout("timeout", timeout)  # type: ignore[arg-type]
+            _check_timeout("timeout", timeout)
         if first_token_timeout is NOT_GIVEN:
             first_token_timeout = self.settings.first_token_timeout
         else:
-            _check_timeout("first_token_timeout", first_token_timeout)  # type: ignore[arg-type]
+            _check_timeout("first_token_timeout", first_token_timeout)
         request = pb.GenerateRequest(
             request_id=request_id or new_request_id(),
             sampling=sampling_params(
@@ -478,7 +478,7 @@ class ClientCore:
             cache_salt=cache_salt or "",
             continue_final_message=continue_final_message,
         )
-        deadline = Deadline(timeout, first_token_timeout, start=started)  # type: ignore[arg-type]
+        deadline = Deadline(timeout, first_token_timeout, start=started)
         return GenerateState(self, prepared, request, deadline, started, affinity_key(prepared, session_id))
 
     def error(self, rpc_error: grpc.RpcError) -> MmcastError:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Literal, overload
 
 import grpc
@@ -307,7 +307,7 @@ class AsyncGenerationStream:
         if self._state.first_token_overdue():
             call.cancel()
 
-    async def _run(self) -> AsyncIterator[Delta]:
+    async def _run(self) -> AsyncGenerator[Delta, None]:
         client, state = self._client, self._state
         while True:
             plan = await asyncio.to_thread(state.uploads)

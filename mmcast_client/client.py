@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, Literal, overload
 
 import grpc
@@ -348,7 +348,7 @@ class GenerationStream:
         if overdue:
             call.cancel()
 
-    def _run(self) -> Iterator[Delta]:
+    def _run(self) -> Generator[Delta, None, None]:
         client, state = self._client, self._state
         while True:
             for sha, data in state.uploads():

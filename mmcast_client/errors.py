@@ -133,8 +133,8 @@ def error_for(code: grpc.StatusCode, message: str) -> MmcastError:
 def from_rpc_error(error: grpc.RpcError) -> MmcastError:
     """Translates a gRPC error (sync or asyncio) into the typed exception with the server's message and the
     google.rpc details it carried."""
-    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
-    details = error.details() if hasattr(error, "details") else str(error)  # type: ignore[attr-defined]
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
     result = error_for(code or grpc.StatusCode.UNKNOWN, details or "")
     add_details(result, _rich_details(error))
     return result

@@ -56,7 +56,7 @@ class _LRU(collections.OrderedDict):
         super().__init__()
         self.limit = limit
 
-    def get(self, key, default=None):  # type: ignore[override]
+    def get(self, key, default=None):
         if key not in self:
             return default
         self.move_to_end(key)
