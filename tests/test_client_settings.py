@@ -187,8 +187,9 @@ def test_loopback_targets(target, loopback):
 
 
 def test_a_token_over_plaintext_to_another_host_warns():
-    with pytest.warns(InsecureTokenWarning, match="plaintext channel.*tls=True"):
+    with pytest.warns(InsecureTokenWarning, match="plaintext channel.*tls=True") as caught:
         Client("10.0.0.5:50051", token="s3cret").close()
+    assert caught[0].filename == __file__  # the warning points at the caller's line
     with pytest.warns(InsecureTokenWarning):
         Client("dns:///mmcast.example.com:443", metadata=[("Authorization", "Bearer x")]).close()
     with warnings.catch_warnings():
