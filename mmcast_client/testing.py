@@ -5,6 +5,7 @@
         with Client(fake.target) as client:
             client.generate("hi", max_tokens=4)
         fake.requests[-1]  # the GenerateRequest it received
+        fake.health.set("mmcast.v1.Generation", NOT_SERVING)  # act as a scheduler whose worker group is down
 
 Tokens are a deterministic function of the request (so equal requests get equal answers), one delta per token.
 Uploaded images are kept in memory; an unknown `uploaded_sha256` is answered with NOT_FOUND, as the real server does.
