@@ -85,11 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, metavar="S")
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens regardless of EOS")
     p.add_argument("--no-upload", action="store_true", help="send image bytes inline instead of uploading by hash")
-    p.add_argument("--timeout", type=float, default=None, help="deadline of the whole request in seconds (default: the SDK's, 60 s per upload and 120 s to the first token)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of the whole request in seconds (default: "
+                   "the SDK's, 60 s per upload and 120 s to the first token)")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle that signed the server's certificate (TLS)")
-    p.add_argument(
-        "--tls-cert", default=None, metavar="PEM", help="client certificate, for a server requiring mutual TLS"
-    )
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate, for a server requiring mutual TLS")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
     p.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")
     p.add_argument(
@@ -234,11 +233,7 @@ def connection_options(args: argparse.Namespace) -> dict:
         token = (_read(args.token_file, "--token-file") or b"").decode().strip()
         if not token:
             raise SystemExit(f"error: --token-file {args.token_file} is empty")
-    roots, key, chain = (
-        _read(args.tls_ca, "--tls-ca"),
-        _read(args.tls_key, "--tls-key"),
-        _read(args.tls_cert, "--tls-cert"),
-    )
+    roots, key, chain = _read(args.tls_ca, "--tls-ca"), _read(args.tls_key, "--tls-key"), _read(args.tls_cert, "--tls-cert")
     tls = True if args.tls or roots or chain else None
     return {"tls": tls, "root_certificates": roots, "private_key": key, "certificate_chain": chain, "token": token}
 
