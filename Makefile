@@ -39,6 +39,7 @@ proto-check: install
 # (proto/baseline.json). A deliberate breaking change regenerates the baseline with `make proto-baseline`.
 lint: install tools
 	$(BIN)/ruff check .
+	$(BIN)/mypy tests/typing_checks
 	.tools/bin/buf lint proto
 	.tools/bin/buf breaking proto --against proto/baseline.json
 

@@ -32,10 +32,11 @@ RING_HASH_ENV = "GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY"
 _POLICY_OPTIONS = ("grpc.service_config", "grpc.lb_policy_name")
 _FALSE = ("0", "false", "no", "off")
 
-RING_HASH_SERVICE_CONFIG = json.dumps(
-    {"loadBalancingConfig": [{"ring_hash_experimental": {"requestHashHeader": AFFINITY_HEADER}}]}
-)
-ROUND_ROBIN_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+RING_HASH_BALANCING: list[dict] = [{"ring_hash_experimental": {"requestHashHeader": AFFINITY_HEADER}}]
+ROUND_ROBIN_BALANCING: list[dict] = [{"round_robin": {}}]
+# The balancing alone, for a caller's own channel (the SDK's channel adds its retry policy: mmcast_client/_core/).
+RING_HASH_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": RING_HASH_BALANCING})
+ROUND_ROBIN_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": ROUND_ROBIN_BALANCING})
 # What a client built on a caller's channel says: that channel's balancing, not the SDK's, decides where calls go.
 OWN_CHANNEL_WARNING = (
     "channel=: the SDK uses this channel as is, so its balancing is yours; for conversation affinity over several "
@@ -70,23 +71,29 @@ def ring_hash_enabled() -> bool:
     return value.strip().lower() not in _FALSE
 
 
-def default_service_config() -> str:
-    """Ring hash on the affinity header, or round robin (with a warning) when the process turned the header off."""
+def default_balancing() -> list[dict]:
+    """The `loadBalancingConfig` of the SDK's service config: ring hash on the affinity header, or round robin (with
+    a warning) when the process turned the header off."""
     if ring_hash_enabled():
-        return RING_HASH_SERVICE_CONFIG
+        return RING_HASH_BALANCING
     warnings.warn(
         f"{RING_HASH_ENV}={os.environ.get(RING_HASH_ENV)!r}: gRPC would ignore the {AFFINITY_HEADER} header, so the "
         "SDK balances round-robin and conversations lose their prefix cache across replicas; unset it or set it to "
         "true before creating the client",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
-    return ROUND_ROBIN_SERVICE_CONFIG
+    return ROUND_ROBIN_BALANCING
 
 
 def chooses_policy(options: Sequence[tuple[str, object]]) -> bool:
     """Whether the caller's channel options pick a balancing policy themselves."""
     return any(key in _POLICY_OPTIONS for key, _ in options)
+
+
+def gives_service_config(options: Sequence[tuple[str, object]]) -> bool:
+    """Whether the caller's channel options carry a whole service config (which then replaces the SDK's)."""
+    return any(key == "grpc.service_config" for key, _ in options)
 
 
 # Set it when the SDK is imported too: a process that creates its own channels later sees the same setting.

@@ -148,7 +148,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S")
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens regardless of EOS")
     p.add_argument("--no-upload", action="store_true", help="send image bytes inline instead of uploading by hash")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of the whole request in seconds (default: "
+                   "the SDK's, 60 s per upload and 120 s to the first token)")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle that signed the server's certificate (TLS)")
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate, for a server requiring mutual TLS")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
@@ -207,7 +208,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     messages.append({"role": "user", "content": content})
     try:
         options = connection_options(args)
-        with Client(args.target, upload_images=not args.no_upload, timeout=args.timeout, **options) as client:
+        if args.timeout is not None:  # not given: the SDK's default deadlines
+            options["timeout"] = args.timeout
+        with Client(args.target, upload_images=not args.no_upload, **options) as client:
             stream = client.generate(
                 messages,
                 max_tokens=args.max_tokens,

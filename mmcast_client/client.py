@@ -13,24 +13,30 @@ A Client is thread-safe; share one per process so its record of uploaded images 
 Several replicas: give every address (`Client("ipv4:10.0.0.5:50051,10.0.0.6:50051")`, or a DNS name that resolves
 to all of them, `Client("dns:///mmcast-clients.ns.svc.cluster.local:50051")`); each conversation then stays on
 one replica (gRPC's ring_hash on the `x-mmcast-affinity` header; see mmcast_client/affinity.py).
+
+Deadlines (seconds; None: no limit), set on the client and overridable per call:
+- `timeout`: the deadline of every call, a whole generation included. Not given: 60 s (`DEFAULT_TIMEOUT`) for
+  each unary call (`get_server_info`, `upload_image`, each upload inside `generate`) and none for a generation as a
+  whole, whose length is the caller's choice;
+- `first_token_timeout` (default 120 s, `DEFAULT_FIRST_TOKEN_TIMEOUT`): `generate` called -> first token, uploads,
+  retries and queueing included; a stream past it is cancelled and raises `DeadlineExceeded`.
+Retries: UNAVAILABLE before the server answers is retried by gRPC (`retries`, `backoff`; mmcast_client/_core/);
+`wait_for_ready=True` waits for a serving replica instead of failing while none is.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any, Literal, overload
 
 import grpc
 
-from mmcast.v1 import generation_pb2 as pb
 from mmcast.v1 import generation_pb2_grpc as pb_grpc
-from mmcast_client import _core, affinity
-from mmcast_client.errors import NotFound, from_rpc_error
-from mmcast_client.images import SHA_PREFIX, ImageStore
-from mmcast_client.messages import Prepared, normalize, prepare
+from mmcast_client import _core
+from mmcast_client._core import NOT_GIVEN, NotGiven
+from mmcast_client.images import ImageStore
 from mmcast_client.types import Backoff, Delta, Result
 
 
@@ -38,18 +44,23 @@ class Client:
     """A connection to one scheduler or several replicas: `generate`, `upload_image`, `get_server_info`; `close()`
     or `with`.
 
-    `options`: extra gRPC channel options (they win over the SDK's; one that picks a balancing policy,
-    `grpc.service_config` or `grpc.lb_policy_name`, replaces the SDK's ring-hash default). `channel`: a channel
-    made by the caller, used as is (its balancing is then the caller's; the client does not close it).
-    `interceptors`: gRPC client interceptors wrapped around the channel. `wait_for_ready`: passed on every call
-    (True queues a call while no replica is reachable, until its deadline, instead of failing at once).
+    `timeout`, `first_token_timeout`: default deadlines (module docstring). `retries` (0-4) and `backoff`: gRPC's
+    retries of UNAVAILABLE. `token`: sent as `authorization: Bearer ...` (an `InsecureTokenWarning` when it would
+    cross the network in plaintext). `options`: extra gRPC channel options (they win over the SDK's; a
+    `grpc.service_config` replaces the SDK's balancing, retries and health checking, `grpc.lb_policy_name` its
+    balancing). `channel`: a channel made by the caller, used as is (its balancing and retries are then the
+    caller's; the client does not close it). `interceptors`: gRPC client interceptors wrapped around the channel.
+    `wait_for_ready`: passed on every call (True queues a call while no replica is serving, until its deadline,
+    instead of failing at once). `image_store`: the bounded record of images (mmcast_client/images.py), to size it
+    or share it between clients.
     """
 
     def __init__(
         self,
         target: str = "",
         *,
-        timeout: float | None = None,
+        timeout: float | None | NotGiven = NOT_GIVEN,
+        first_token_timeout: float | None = _core.DEFAULT_FIRST_TOKEN_TIMEOUT,
         max_message_bytes: int = _core.DEFAULT_MAX_MESSAGE_BYTES,
         retries: int = 3,
         backoff: Backoff | float = Backoff(),
@@ -64,10 +75,12 @@ class Client:
         channel: grpc.Channel | None = None,
         interceptors: Sequence[Any] = (),
         wait_for_ready: bool | None = None,
+        image_store: ImageStore | None = None,
     ) -> None:
-        self.settings = _core.channel_settings(
+        self._core = _core.ClientCore(
             target,
             timeout=timeout,
+            first_token_timeout=first_token_timeout,
             max_message_bytes=max_message_bytes,
             retries=retries,
             backoff=backoff,
@@ -79,14 +92,15 @@ class Client:
             token=token,
             metadata=metadata,
             options=options,
-            wait_for_ready=wait_for_ready,
-            interceptors=interceptors,
             channel=channel,
+            interceptors=interceptors,
+            wait_for_ready=wait_for_ready,
+            image_store=image_store,
         )
-        s = self.settings
+        s = self.settings = self._core.settings
+        self.images = self._core.images
         self._owns_channel = channel is None
         if channel is not None:
-            warnings.warn(affinity.OWN_CHANNEL_WARNING, UserWarning, stacklevel=2)
             self._channel = channel
         elif s.credentials is None:
             self._channel = grpc.insecure_channel(s.target, options=s.options)
@@ -94,7 +108,6 @@ class Client:
             self._channel = grpc.secure_channel(s.target, s.credentials, options=s.options)
         calls = grpc.intercept_channel(self._channel, *s.interceptors) if s.interceptors else self._channel
         self._stub = pb_grpc.GenerationServiceStub(calls)
-        self.images = ImageStore()
         self.closed = False
 
     @property
@@ -115,32 +128,102 @@ class Client:
         self.close()
 
     # -- calls -----------------------------------------------------------------------------------------------------
-    def get_server_info(self, *, timeout: float | None = None) -> _core.ServerInfo:
-        deadline = _core.Deadline(self._timeout(timeout))
-        s = self.settings
+    def get_server_info(self, *, timeout: float | None | NotGiven = NOT_GIVEN) -> _core.ServerInfo:
+        deadline = self._core.unary_deadline(timeout)
         reply = self._unary(
-            lambda t: self._stub.GetServerInfo(
-                pb.GetServerInfoRequest(), timeout=t, metadata=s.metadata, wait_for_ready=s.wait_for_ready
-            ),
-            deadline,
+            self._stub.GetServerInfo, self._core.server_info_request(), deadline, self.settings.metadata
         )
         return _core.ServerInfo.from_proto(reply)
 
     def upload_image(
-        self, image: Any, *, force: bool = False, timeout: float | None = None, session_id: str | None = None
+        self,
+        image: Any,
+        *,
+        force: bool = False,
+        timeout: float | None | NotGiven = NOT_GIVEN,
+        session_id: str | None = None,
     ) -> str:
         """Uploads one image (path, bytes, PIL image, ...) unless the server holds it per this client's record;
         returns its reference `"sha256:<hex>"` for use in messages. With several replicas, pass the `session_id`
         the conversation's `generate` calls use, so the upload lands on the replica that will need it."""
-        deadline = _core.Deadline(self._timeout(timeout))
+        deadline = self._core.unary_deadline(timeout)
         ref = self.images.resolve(image, "image")
-        key = _core.upload_key(ref, session_id)
-        if force or not self.images.is_held(ref.sha256):
-            data = self.images.load(ref)
-            if data is None:
-                raise NotFound(message=f"sha256:{ref.sha256}: this client has no bytes for it to upload")
-            self._upload(ref.sha256, data, deadline, key)
-        return SHA_PREFIX + ref.sha256
+        data = self._core.upload_target(ref, force)
+        if data is not None:
+            self._upload(ref.sha256, data, deadline, _core.upload_key(ref, session_id))
+        return self._core.reference(ref)
+
+    @overload
+    def generate(
+        self,
+        messages: str | Sequence[dict],
+        *,
+        max_tokens: int,
+        images: Sequence[Any] | None = ...,
+        temperature: float = ...,
+        top_p: float | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool = ...,
+        logprobs: int | None = ...,
+        return_logprobs: bool | None = ...,
+        request_id: str | None = ...,
+        cache_salt: str | None = ...,
+        continue_final_message: bool = ...,
+        stream: Literal[False] = ...,
+        timeout: float | None | NotGiven = ...,
+        first_token_timeout: float | None | NotGiven = ...,
+        session_id: str | None = ...,
+    ) -> Result: ...
+
+    @overload
+    def generate(
+        self,
+        messages: str | Sequence[dict],
+        *,
+        max_tokens: int,
+        images: Sequence[Any] | None = ...,
+        temperature: float = ...,
+        top_p: float | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool = ...,
+        logprobs: int | None = ...,
+        return_logprobs: bool | None = ...,
+        request_id: str | None = ...,
+        cache_salt: str | None = ...,
+        continue_final_message: bool = ...,
+        stream: Literal[True],
+        timeout: float | None | NotGiven = ...,
+        first_token_timeout: float | None | NotGiven = ...,
+        session_id: str | None = ...,
+    ) -> GenerationStream: ...
+
+    @overload
+    def generate(
+        self,
+        messages: str | Sequence[dict],
+        *,
+        max_tokens: int,
+        images: Sequence[Any] | None = ...,
+        temperature: float = ...,
+        top_p: float | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool = ...,
+        logprobs: int | None = ...,
+        return_logprobs: bool | None = ...,
+        request_id: str | None = ...,
+        cache_salt: str | None = ...,
+        continue_final_message: bool = ...,
+        stream: bool,
+        timeout: float | None | NotGiven = ...,
+        first_token_timeout: float | None | NotGiven = ...,
+        session_id: str | None = ...,
+    ) -> Result | GenerationStream: ...
 
     def generate(
         self,
@@ -154,43 +237,47 @@ class Client:
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
-        logprobs: int = 0,
-        return_logprobs: bool = False,
+        logprobs: int | None = None,
+        return_logprobs: bool | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
         continue_final_message: bool = False,
         stream: bool = False,
-        timeout: float | None = None,
+        timeout: float | None | NotGiven = NOT_GIVEN,
+        first_token_timeout: float | None | NotGiven = NOT_GIVEN,
         session_id: str | None = None,
     ) -> Result | GenerationStream:
         """Generates one chat completion. `messages`: chat dicts, or a prompt string (with `images=` shown first).
 
         stream=False returns the Result; stream=True a GenerationStream yielding Deltas whose `.result` is set once
-        the stream is exhausted. Failures raise `MmcastError` subclasses; one raised after the first token carries
-        the tokens received (`token_ids`, `text`). `session_id`: the conversation's name for replica affinity
-        (default: a hash of its first user message); give one where many conversations open alike.
+        the stream is exhausted. `logprobs`: None (default) none, 0 the sampled tokens' log-probabilities, k also
+        the k most likely alternatives (`return_logprobs` is deprecated). `timeout`: the whole generation's
+        deadline, `first_token_timeout` the first token's (defaults: the client's; module docstring). Failures raise
+        `MmcastError` subclasses; one raised after the first token carries the tokens received (`token_ids`,
+        `text`). `session_id`: the conversation's name for replica affinity (default: a hash of its first user
+        message); give one where many conversations open alike.
         """
         started = time.monotonic()
-        deadline = _core.Deadline(self._timeout(timeout))
-        prepared = prepare(normalize(messages, images), self.images)
-        key = _core.affinity_key(prepared, session_id)
-        request = pb.GenerateRequest(
-            request_id=request_id or _core.new_request_id(),
-            sampling=_core.sampling_params(
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-                stop=stop,
-                stop_token_ids=stop_token_ids,
-                ignore_eos=ignore_eos,
-                logprobs=logprobs,
-                return_logprobs=return_logprobs,
-            ),
-            cache_salt=cache_salt or "",
+        state = self._core.start_generate(
+            self._core.prepare_messages(messages, images),
+            started=started,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            return_logprobs=return_logprobs,
+            request_id=request_id,
+            cache_salt=cache_salt,
             continue_final_message=continue_final_message,
+            timeout=timeout,
+            first_token_timeout=first_token_timeout,
+            session_id=session_id,
         )
-        s = GenerationStream(self, prepared, request, deadline, started, key)
+        s = GenerationStream(self, state)
         if stream:
             return s
         with s:
@@ -201,39 +288,19 @@ class Client:
         return s.result
 
     # -- internals -------------------------------------------------------------------------------------------------
-    def _timeout(self, timeout: float | None) -> float | None:
-        return timeout if timeout is not None else self.settings.timeout
-
-    def _unary(self, call, deadline: _core.Deadline):
-        """A unary call retried on UNAVAILABLE with backoff (these calls are idempotent)."""
-        retry = _core.RetryState(self.settings, deadline)
-        while True:
-            try:
-                return call(deadline.remaining())
-            except grpc.RpcError as e:
-                error = from_rpc_error(e)
-                action = retry.on_error(error, tokens_seen=False, inlinable=lambda: False)
-                if action == "raise":
-                    raise error from None
-                time.sleep(action)
+    def _unary(self, method: Any, request: Any, deadline: _core.Deadline, metadata: Any) -> Any:
+        """One unary (or client-streaming) call; gRPC retries UNAVAILABLE per the channel's retry policy."""
+        try:
+            return method(
+                request, timeout=deadline.remaining(), metadata=metadata, wait_for_ready=self.settings.wait_for_ready
+            )
+        except grpc.RpcError as e:
+            raise self._core.error(e) from None
 
     def _upload(self, sha: str, data: bytes, deadline: _core.Deadline, key: str) -> None:
-        s = self.settings
-        reply = self._unary(
-            lambda t: self._stub.UploadImage(
-                _core.upload_chunks(sha, data),
-                timeout=t,
-                metadata=s.call_metadata(key),
-                wait_for_ready=s.wait_for_ready,
-            ),
-            deadline,
-        )
-        _core.check_upload(sha, reply)
-        self.images.mark_held(sha)
-
-    def _upload_missing(self, prepared: Prepared, deadline: _core.Deadline, key: str) -> None:
-        for sha, data in _core.upload_plan(prepared, self.images):
-            self._upload(sha, data, deadline, key)
+        metadata = self.settings.call_metadata(key)
+        reply = self._unary(self._stub.UploadImage, _core.upload_chunks(sha, data), deadline, metadata)
+        self._core.uploaded(sha, reply)
 
 
 class GenerationStream:
@@ -242,25 +309,14 @@ class GenerationStream:
     Use it as a context manager (or exhaust it) so an abandoned stream is cancelled on the server.
     """
 
-    def __init__(
-        self,
-        client: Client,
-        prepared: Prepared,
-        request: pb.GenerateRequest,
-        deadline: _core.Deadline,
-        started: float,
-        key: str,
-    ) -> None:
-        self.request_id = request.request_id
-        self.affinity_key = key  # the x-mmcast-affinity value its calls carry
+    def __init__(self, client: Client, state: _core.GenerateState) -> None:
+        self.request_id = state.request_id
+        self.affinity_key = state.key  # the x-mmcast-affinity value its calls carry
         self.result: Result | None = None
         self.cancelled = False
         self._client = client
-        self._prepared = prepared
-        self._request = request
-        self._deadline = deadline
-        self._acc = _core.Accumulator(request.request_id, started)
-        self._call: grpc.Call | None = None
+        self._state = state
+        self._call: Any = None
         self._lock = threading.Lock()
         self._iter = self._run()
 
@@ -286,60 +342,51 @@ class GenerationStream:
         if call is not None:
             call.cancel()
 
-    def _run(self) -> Iterator[Delta]:
-        client, settings = self._client, self._client.settings
-        retry = _core.RetryState(settings, self._deadline)
-        metadata = settings.call_metadata(self.affinity_key)
-        inline: list[pb.ChatMessage] | None = None  # the messages of the retry after a replica missed an upload
+    def _first_token_overdue(self, call: Any) -> None:
+        with self._lock:
+            overdue = self._state.first_token_overdue()
+        if overdue:
+            call.cancel()
+
+    def _run(self) -> Generator[Delta, None, None]:
+        client, state = self._client, self._state
         while True:
-            if inline is None:
-                if settings.upload_images:
-                    client._upload_missing(self._prepared, self._deadline, self.affinity_key)
-                messages = _core.request_messages(self._prepared, client.images, settings.upload_images)
-            else:
-                messages = inline
-            self._request.ClearField("messages")
-            self._request.messages.extend(messages)
+            for sha, data in state.uploads():
+                client._upload(sha, data, state.upload_deadline(), state.key)
+            request = state.attempt_request()
             with self._lock:
                 if self.cancelled:
                     return
                 call = client._stub.Generate(
-                    self._request,
-                    timeout=self._deadline.remaining(),
-                    metadata=metadata,
-                    wait_for_ready=settings.wait_for_ready,
+                    request,
+                    timeout=state.call_timeout(),
+                    metadata=state.metadata,
+                    wait_for_ready=client.settings.wait_for_ready,
                 )
                 self._call = call
+            wait = state.first_token_wait()
+            timer = None if wait is None else threading.Timer(wait, self._first_token_overdue, (call,))
+            if timer is not None:
+                timer.daemon = True
+                timer.start()
             try:
                 for response in call:
-                    if response.HasField("delta"):
-                        yield self._acc.delta(response.delta)
-                    elif response.HasField("final"):
-                        self.result = self._acc.final(response.final)
+                    with self._lock:  # ordered against the first-token timer
+                        out = state.on_response(response)
+                    if isinstance(out, Delta):
+                        yield out
+                    elif isinstance(out, Result):
+                        self.result = out
                         for _ in call:  # the server ends the stream right after the final message: read its
                             pass  # OK status, so the RPC completes normally instead of being cancelled
                         return
-                raise self._acc.partial(_core.no_final_error(self.request_id))
+                raise state.ended_without_final()
             except grpc.RpcError as e:
                 if self.cancelled:
                     return
-                error = from_rpc_error(e)
-                if inline is not None and retry.not_found is not None:
-                    error = _core.inline_retry_error(error, retry.not_found)
-                action = retry.on_error(
-                    error, self._acc.tokens_seen, lambda: _core.can_inline(self._prepared, client.images)
-                )
-                if action == "raise":
-                    raise self._acc.partial(error) from None
-                if action == "inline":
-                    # This replica lacks uploads (another replica holds them, or it evicted them): forget them so
-                    # the conversation's next turn uploads them again, and retry now with the bytes in the request.
-                    client.images.forget(ref.sha256 for ref in self._prepared.images)
-                    inline = _core.inline_retry_messages(
-                        self._prepared, client.images, retry.not_found, settings.max_message_bytes
-                    )
-                    continue
-                time.sleep(action)
+                state.on_error(e)  # raises, unless the request goes again with its images inline
             finally:
+                if timer is not None:
+                    timer.cancel()
                 if self.result is None and not call.done():
                     call.cancel()

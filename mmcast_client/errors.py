@@ -7,11 +7,37 @@ also a `ValueError`.
 A stream that fails after producing output is never retried (a retry would repeat it): its error, typically
 `Unavailable` when the replica serving it died, carries what arrived before the failure in `token_ids`, `text` and
 `logprobs`, so the caller can show it or continue from it.
+
+The server's google.rpc error details (gRPC's rich error model) are parsed onto every exception:
+`field_violations` (google.rpc.BadRequest: which request field is wrong, e.g. `messages[0].content[1].image`),
+`retry_delay` (google.rpc.RetryInfo: seconds the server asks to wait before trying again) and `resource_info`
+(google.rpc.ResourceInfo: the resource concerned, e.g. an image by its sha256).
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+
+class FieldViolation(NamedTuple):
+    """One google.rpc.BadRequest.FieldViolation: the request field (a path such as `messages[0].content[1].image`)
+    and what is wrong with it."""
+
+    field: str
+    description: str
+
+
+class ResourceInfo(NamedTuple):
+    """google.rpc.ResourceInfo: the resource an error concerns (e.g. `resource_type="image"`, `resource_name`
+    its sha256)."""
+
+    resource_type: str
+    resource_name: str
+    description: str
 
 
 class MmcastError(Exception):
@@ -24,7 +50,10 @@ class MmcastError(Exception):
         self.message = message
         self.token_ids: tuple[int, ...] = ()  # tokens the stream delivered before it failed (empty when none)
         self.text: str = ""  # their text, as the deltas carried it
-        self.logprobs: tuple = ()  # their TokenLogprobs, when return_logprobs=True
+        self.logprobs: tuple = ()  # their TokenLogprobs, when logprobs were asked for
+        self.field_violations: list[FieldViolation] = []  # google.rpc.BadRequest, in the server's order
+        self.retry_delay: float | None = None  # google.rpc.RetryInfo: seconds to wait before a retry; None: no advice
+        self.resource_info: ResourceInfo | None = None  # google.rpc.ResourceInfo: the resource concerned
         super().__init__(f"{self.code.name}: {message}")
 
 
@@ -102,10 +131,42 @@ def error_for(code: grpc.StatusCode, message: str) -> MmcastError:
 
 
 def from_rpc_error(error: grpc.RpcError) -> MmcastError:
-    """Translates a gRPC error (sync or asyncio) into the typed exception with the server's message."""
+    """Translates a gRPC error (sync or asyncio) into the typed exception with the server's message and the
+    google.rpc details it carried."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
-    return error_for(code or grpc.StatusCode.UNKNOWN, details or "")
+    result = error_for(code or grpc.StatusCode.UNKNOWN, details or "")
+    add_details(result, _rich_details(error))
+    return result
+
+
+def _rich_details(error: Any) -> list[Any]:
+    """The google.protobuf.Any details of the status in the error's `grpc-status-details-bin` trailer ([] without
+    one, or when it contradicts the call's code and message: gRPC's own checks, which then raise ValueError)."""
+    if not hasattr(error, "trailing_metadata"):
+        return []
+    try:
+        status = rpc_status.from_call(error)
+    except ValueError:
+        return []
+    return list(status.details) if status is not None else []
+
+
+def add_details(error: MmcastError, details: list[Any]) -> None:
+    """Unpacks the google.rpc detail messages the SDK knows onto `error`; others are ignored."""
+    for any_msg in details:
+        if any_msg.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            any_msg.Unpack(bad)
+            error.field_violations.extend(FieldViolation(v.field, v.description) for v in bad.field_violations)
+        elif any_msg.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            any_msg.Unpack(info)
+            error.retry_delay = info.retry_delay.ToTimedelta().total_seconds()
+        elif any_msg.Is(error_details_pb2.ResourceInfo.DESCRIPTOR):
+            res = error_details_pb2.ResourceInfo()
+            any_msg.Unpack(res)
+            error.resource_info = ResourceInfo(res.resource_type, res.resource_name, res.description)
 
 
 def from_google_rpc_code(value: int, message: str) -> MmcastError:

@@ -17,6 +17,7 @@ import os
 import re
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 from mmcast_client.errors import InvalidArgument
@@ -48,38 +49,88 @@ class ImageRef:
     path: str | None = None  # a file holding them, read only when the bytes are needed
 
 
-class ImageStore:
-    """A client's image bookkeeping; thread-safe.
+class _LRU(collections.OrderedDict):
+    """A dict that keeps its `limit` most recently used keys (a `get` counts as a use)."""
 
-    - which hashes the server holds (uploaded or found present by this client; forgotten on NOT_FOUND);
-    - the hash of each file (keyed by path, size and mtime) and of each live PIL image, so neither is re-read,
-      re-encoded or re-hashed;
-    - the bytes behind recent hashes (`resend_cache_bytes` at most, files by path), so an image the server
-      evicted can be uploaded again even when the caller passed only its reference.
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def get(self, key, default=None):
+        if key not in self:
+            return default
+        self.move_to_end(key)
+        return self[key]
+
+    def put(self, key, value) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+DEFAULT_MAX_IMAGES = 8192
+DEFAULT_RESEND_CACHE_BYTES = 256 << 20
+
+
+class ImageStore:
+    """A client's image bookkeeping; thread-safe, and bounded so a long-running client does not grow.
+
+    - which hashes the server holds (uploaded or found present by this client; forgotten on NOT_FOUND): the
+      `max_images` most recently used; an image that fell out is uploaded again on its next use (the server
+      answers `already_present` when it still has it);
+    - the hash of each file (keyed by path, size and mtime; `max_images` most recent) and of each live PIL image
+      (an entry lives as long as the image), so neither is re-read, re-encoded or re-hashed;
+    - where to find the bytes behind recent hashes: in memory (`resend_cache_bytes` at most) or in a file (the
+      `max_images` most recent paths), so an image the server evicted can be uploaded again even when the caller
+      passed only its reference. A reference whose bytes fell out of both is sent as is, and the server's
+      NOT_FOUND reaches the caller.
+    Each entry costs a few hundred bytes: the default bound keeps the maps under ~10 MB.
     """
 
-    def __init__(self, resend_cache_bytes: int = 256 << 20) -> None:
+    def __init__(self, resend_cache_bytes: int = DEFAULT_RESEND_CACHE_BYTES, max_images: int = DEFAULT_MAX_IMAGES):
+        if resend_cache_bytes < 0:
+            raise ValueError(f"resend_cache_bytes={resend_cache_bytes} must be >= 0")
+        if max_images < 1:
+            raise ValueError(f"max_images={max_images} must be >= 1")
         self._lock = threading.Lock()
-        self._held: set[str] = set()
-        self._file_sha: dict[tuple[str, int, int], str] = {}
-        self._pil: dict[int, tuple[weakref.ref, ImageRef]] = {}
-        self._paths: dict[str, str] = {}  # sha -> a file with those bytes
+        self._held: _LRU = _LRU(max_images)  # sha -> None: the server holds it (a set in LRU order)
+        self._file_sha: _LRU = _LRU(max_images)  # (realpath, size, mtime_ns) -> sha
+        self._pil: dict[int, tuple[weakref.ref, ImageRef]] = {}  # id(image) -> ref; dropped when the image dies
+        self._paths: _LRU = _LRU(max_images)  # sha -> a file with those bytes
         self._blobs: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # sha -> bytes, LRU
         self._blob_bytes = 0
         self._blob_limit = resend_cache_bytes
+        self.max_images = max_images
+
+    def sizes(self) -> dict[str, int]:
+        """Entries per map (for monitoring; each map is bounded as the class docstring says)."""
+        with self._lock:
+            return {
+                "held": len(self._held),
+                "file_sha": len(self._file_sha),
+                "pil": len(self._pil),
+                "paths": len(self._paths),
+                "blobs": len(self._blobs),
+                "blob_bytes": self._blob_bytes,
+            }
 
     # -- what the server holds -----------------------------------------------------------------------------------
     def is_held(self, sha: str) -> bool:
         with self._lock:
-            return sha in self._held
+            if sha not in self._held:
+                return False
+            self._held.move_to_end(sha)
+            return True
 
     def mark_held(self, sha: str) -> None:
         with self._lock:
-            self._held.add(sha)
+            self._held.put(sha, None)
 
-    def forget(self, shas) -> None:
+    def forget(self, shas: Iterable[str]) -> None:
         with self._lock:
-            self._held.difference_update(shas)
+            for sha in shas:
+                self._held.pop(sha, None)
 
     # -- inputs -> references ------------------------------------------------------------------------------------
     def resolve(self, image: Any, where: str) -> ImageRef:
@@ -152,8 +203,8 @@ class ImageStore:
             raise InvalidArgument(message=f"{where}: image file {path!r} is empty")
         sha = sha256_hex(data)
         with self._lock:
-            self._file_sha[key] = sha
-            self._paths[sha] = path
+            self._file_sha.put(key, sha)
+            self._paths.put(sha, path)
         return ImageRef(sha, data=data, path=path)
 
     def _resolve_pil(self, image) -> ImageRef:

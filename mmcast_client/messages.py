@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from mmcast.v1 import generation_pb2 as pb
 from mmcast_client.errors import InvalidArgument, NotFound
@@ -29,7 +29,7 @@ Part = str | ImageRef
 class Prepared:
     """Messages with every image resolved; `images` lists each distinct image once, in first-use order."""
 
-    messages: list[tuple[int, list[Part]]]  # (pb.Role, parts in order)
+    messages: list[tuple[pb.Role, list[Part]]]  # (role, parts in order)
     images: list[ImageRef]
 
 
@@ -45,13 +45,13 @@ def normalize(messages: str | Sequence[dict], images: Sequence[Any] | None) -> S
         raise InvalidArgument(
             message=f"messages must be a list of dicts or a prompt string, not {type(messages).__name__}"
         )
-    return messages
+    return cast(Sequence[dict], messages)
 
 
 def prepare(messages: Sequence[dict], store: ImageStore) -> Prepared:
     if not messages:
         raise InvalidArgument(message="messages is empty; give at least one message")
-    out: list[tuple[int, list[Part]]] = []
+    out: list[tuple[pb.Role, list[Part]]] = []
     seen: dict[str, ImageRef] = {}
     for i, message in enumerate(messages):
         where = f"messages[{i}]"

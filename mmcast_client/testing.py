@@ -5,6 +5,7 @@
         with Client(fake.target) as client:
             client.generate("hi", max_tokens=4)
         fake.requests[-1]  # the GenerateRequest it received
+        fake.health.set("mmcast.v1.GenerationService", NOT_SERVING)  # act as a scheduler whose worker group is down
 
 Tokens are a deterministic function of the request (so equal requests get equal answers), one delta per token.
 Uploaded images are kept in memory; an unknown `uploaded_sha256` is answered with NOT_FOUND, as the real server does.
@@ -181,6 +182,21 @@ class FakeGenerationServicer(pb_grpc.GenerationServiceServicer):
         )
 
 
+def _serving_health(server: grpc.Server):
+    """grpc.health.v1 reporting the generation service SERVING, as a ready scheduler does: the SDK's channel
+    checks it (mmcast_client/_core/). None where grpcio-health-checking is not installed: the SDK's channel then
+    treats the server as healthy (gRPC logs that the health service is unimplemented)."""
+    try:
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    except ImportError:
+        return None
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    service = next(iter(pb.DESCRIPTOR.services_by_name.values())).full_name
+    servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
 class FakeGenerationServer:
     """The fake servicer on a loopback port (`port=0`: chosen by the OS); `with` starts and stops it."""
 
@@ -191,6 +207,7 @@ class FakeGenerationServer:
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
+        self.health = _serving_health(self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.target = f"127.0.0.1:{self.port}"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import random
+import warnings
 
 from google.protobuf import duration_pb2
 
@@ -38,7 +38,7 @@ class Delta:
 
     token_ids: tuple[int, ...]
     text: str  # may lag a token at multi-byte boundaries; the deltas' texts concatenate to Result.text
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when return_logprobs=True
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when logprobs= was set (not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Result:
     request_id: str
     token_ids: tuple[int, ...]
     text: str
-    logprobs: tuple[TokenLogprob, ...]  # empty unless return_logprobs=True
+    logprobs: tuple[TokenLogprob, ...]  # one per token when logprobs= was set (not None), else empty
     finish_reason: str  # "stop" | "length" | "cancelled" (the server aborted it); errors raise instead
     usage: Usage
     stop_reason: str = ""  # the stop string or token that ended generation, if any
@@ -100,21 +100,23 @@ class Result:
 
 @dataclasses.dataclass(frozen=True)
 class Backoff:
-    """Exponential backoff with jitter between retries: attempt n (0-based) waits about initial * multiplier**n."""
+    """The waits between gRPC's retries of UNAVAILABLE (the channel's `retryPolicy`): before retry n (1-based) gRPC
+    waits a uniformly random time in [0, min(initial * multiplier**(n-1), maximum)] (its own jitter)."""
 
-    initial: float = 0.1  # seconds before the first retry
-    maximum: float = 2.0  # cap on one wait, seconds
-    multiplier: float = 2.0
-    jitter: float = 0.2  # each wait is scaled by a uniform factor in [1 - jitter, 1 + jitter]
+    initial: float = 0.1  # seconds, > 0
+    maximum: float = 2.0  # cap on one wait, seconds, > 0
+    multiplier: float = 2.0  # >= 1
+    jitter: float | None = None  # deprecated and ignored: gRPC applies its own jitter
 
     def __post_init__(self) -> None:
-        if self.initial < 0 or self.maximum < 0:
-            raise ValueError(f"backoff initial={self.initial} and maximum={self.maximum} must be >= 0 seconds")
+        if self.initial <= 0 or self.maximum <= 0:
+            raise ValueError(f"backoff initial={self.initial} and maximum={self.maximum} must be > 0 seconds")
         if self.multiplier < 1:
             raise ValueError(f"backoff multiplier={self.multiplier} must be >= 1")
-        if not 0 <= self.jitter <= 1:
-            raise ValueError(f"backoff jitter={self.jitter} must be in [0, 1]")
-
-    def delay(self, attempt: int) -> float:
-        base = min(self.maximum, self.initial * self.multiplier**attempt)
-        return base * random.uniform(1 - self.jitter, 1 + self.jitter)  # noqa: S311 - jitter, not crypto
+        if self.jitter is not None:
+            warnings.warn(
+                "Backoff(jitter=) is deprecated and ignored: retries are gRPC's, which waits a uniformly random "
+                "time up to each backoff step",
+                DeprecationWarning,
+                stacklevel=3,
+            )

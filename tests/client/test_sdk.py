@@ -30,7 +30,7 @@ from mmcast_client import (
 )
 from mmcast_client.testing import FakeGenerationServer
 
-FAST = Backoff(initial=0.01, maximum=0.05, jitter=0.0)
+FAST = Backoff(initial=0.01, maximum=0.05)
 
 
 @pytest.fixture
@@ -258,16 +258,13 @@ def test_not_found_twice_is_raised(client, fake):
 
 
 # -- retries, errors, deadlines ---------------------------------------------------------------------------------------
-def test_unavailable_is_retried_with_backoff_before_the_first_token(fake):
+def test_unavailable_is_retried_before_the_first_token(fake):
     fake.fail("Generate", grpc.StatusCode.UNAVAILABLE, "warming up")
     fake.fail("Generate", grpc.StatusCode.UNAVAILABLE, "warming up")
-    backoff = Backoff(initial=0.05, multiplier=2.0, jitter=0.0)
-    with Client(fake.target, backoff=backoff) as c:
-        started = time.monotonic()
+    with Client(fake.target, backoff=Backoff(initial=0.05, multiplier=2.0)) as c:
         result = c.generate("x", max_tokens=3)
-        elapsed = time.monotonic() - started
-    assert len(result.token_ids) == 3 and len(fake.requests) == 3
-    assert elapsed >= 0.05 + 0.10  # two waits: 0.05, then 0.10
+    assert len(result.token_ids) == 3 and len(fake.requests) == 3  # gRPC's retries, one request id throughout
+    assert len({r.request_id for r in fake.requests}) == 1
 
 
 def test_unavailable_retries_are_bounded(fake):
@@ -326,8 +323,12 @@ def test_deadline_exceeded():
             c.generate("x", max_tokens=20, timeout=0.3)
         assert time.monotonic() - started < 2.0
         assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        with pytest.raises(DeadlineExceeded):  # the client-wide default applies too
+        with pytest.raises(DeadlineExceeded):  # the client-wide setting applies too
             Client(slow.target, timeout=0.3).generate("x", max_tokens=20)
+        # Not given, the client bounds unary calls (DEFAULT_TIMEOUT) and the first token, not a whole generation.
+        started = time.monotonic()
+        assert len(Client(slow.target, first_token_timeout=0.5).generate("x", max_tokens=5).token_ids) == 5
+        assert time.monotonic() - started >= 0.9
 
 
 def test_message_size_limit_is_enforced_on_send(fake):
@@ -357,7 +358,7 @@ def test_get_server_info(client):
 # -- results and streaming --------------------------------------------------------------------------------------------
 def test_streaming_and_non_streaming_give_the_same_result(client, fake):
     image = png_bytes((3, 3, 3))
-    kwargs = dict(images=[image], max_tokens=6, return_logprobs=True, logprobs=1, seed=3)
+    kwargs = dict(images=[image], max_tokens=6, logprobs=1, seed=3)
     whole = client.generate("same", **kwargs)
     stream = client.generate("same", stream=True, **kwargs)
     deltas = list(stream)
@@ -431,8 +432,8 @@ def test_async_client_parity(fake):
 
     async def run():
         async with AsyncClient(fake.target, backoff=FAST) as c:
-            whole = await c.generate("same", images=[image], max_tokens=4, return_logprobs=True)
-            stream = await c.generate("same", images=[image], max_tokens=4, return_logprobs=True, stream=True)
+            whole = await c.generate("same", images=[image], max_tokens=4, logprobs=0)
+            stream = await c.generate("same", images=[image], max_tokens=4, logprobs=0, stream=True)
             deltas = [d async for d in stream]
             fake.stored.clear()
             resent = await c.generate("again", images=[image], max_tokens=2)

@@ -21,7 +21,7 @@ import time
 import psutil
 import pytest
 
-from mmcast_client import Backoff, Client, DeadlineExceeded, Unavailable
+from mmcast_client import Client, DeadlineExceeded, Unavailable
 from mmcast_local.supervisor import LocalGroup
 from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.load import Budgets, MiB, Workload, check_load, rss_of, run_load, write_report
@@ -137,7 +137,7 @@ class Streams:
         self.env = env
         self.prompts = prompts
         self.max_tokens = max_tokens
-        self.client_kw = {"timeout": 300, **client_kw}
+        self.client_kw = {"timeout": 300, "first_token_timeout": None, **client_kw}  # bounded by the whole call
         self.seen = [0] * len(prompts)  # tokens received so far
         self.outcomes: list = [None] * len(prompts)  # Result or exception
         self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(len(prompts))]
@@ -147,7 +147,7 @@ class Streams:
             with Client(self.env.group.target, upload_images=i % 2 == 0, **self.client_kw) as c:
                 stream = c.generate(
                     fault_messages(self.prompts[i]), max_tokens=self.max_tokens, ignore_eos=True,
-                    return_logprobs=True, stream=True,
+                    logprobs=0, stream=True,
                 )
                 for delta in stream:
                     self.seen[i] += len(delta.token_ids)
@@ -252,7 +252,7 @@ def test_disconnects_and_expired_deadlines_free_everything(env):
     with Client(g.target, timeout=120) as c:
         for img in images:
             messages = [user_turn(img, "Describe the picture.")]
-            result = c.generate(messages, max_tokens=8, ignore_eos=True, return_logprobs=True)
+            result = c.generate(messages, max_tokens=8, ignore_eos=True, logprobs=0)
             assert_matches(result, env.oracle(messages, 8), "after the disconnects")
             rank_cached += result.usage.images_rank_cached // TP
     assert rank_cached == grew_items
@@ -344,14 +344,15 @@ def test_group_down_past_the_deadline_fails_with_unavailable_and_the_sdk_retry_s
             assert "--group-deadline-seconds" in outcome.message
         assert DEADLINE - 1 <= failed_after <= DEADLINE + 5, failed_after
 
-        # A new request now is refused at once with UNAVAILABLE; the SDK retries with backoff until the group is
-        # back. Release the ranks a moment after it started.
+        # A new request now would be refused at once with UNAVAILABLE; the scheduler reports its generation service
+        # NOT_SERVING, so an SDK call with wait_for_ready=True waits on the channel until the group is back.
+        # Release the ranks a moment after it started.
         retried: dict = {}
 
         def late_request() -> None:
-            with Client(g.target, timeout=180, retries=100, backoff=Backoff(initial=0.5, maximum=1.0)) as c:
+            with Client(g.target, timeout=180, first_token_timeout=None, wait_for_ready=True) as c:
                 t = time.monotonic()
-                retried["result"] = c.generate(fault_messages(4), max_tokens=8, ignore_eos=True, return_logprobs=True)
+                retried["result"] = c.generate(fault_messages(4), max_tokens=8, ignore_eos=True, logprobs=0)
                 retried["seconds"] = time.monotonic() - t
 
         thread = threading.Thread(target=late_request)
@@ -384,7 +385,7 @@ def test_kill_9_of_the_scheduler_ranks_take_the_newer_epoch_and_clients_reconnec
     ranks_before = {n: p for n, p in g.pids().items() if n != "scheduler"}
     epochs_before = [env.rank_epochs(r)[-1] for r in range(TP)]
     # A client that uploaded an image to the old scheduler, and keeps its record of it across the restart.
-    keeper = Client(g.target, timeout=180, retries=100, backoff=Backoff(initial=0.5, maximum=1.0))
+    keeper = Client(g.target, timeout=180, first_token_timeout=None, wait_for_ready=True)
     keeper.generate(fault_messages(3), max_tokens=2, ignore_eos=True)
     streams = Streams(env, [0, 1, 2, 3], retries=0).start()
     streams.wait_tokens(2)
@@ -401,19 +402,20 @@ def test_kill_9_of_the_scheduler_ranks_take_the_newer_epoch_and_clients_reconnec
     if not restarted:
         assert wait_until(lambda: all(c == (0.0, 0.0, 0.0) for c in env.rank_caches()), 10), env.rank_caches()
 
-    # Clients reconnect through the SDK: retried while the scheduler restarts; the new one holds no uploads, so
+    # Clients reconnect through the SDK (wait_for_ready: the call waits while the scheduler restarts and until it
+    # reports its group serving); the new scheduler holds no uploads, so
     # the upload-by-hash clients are told NOT_FOUND and send the request again with the image inline, transparently.
     uploads = []
     original = keeper._upload
     keeper._upload = lambda sha, *rest: (uploads.append(sha), original(sha, *rest))
     try:
-        kept = keeper.generate(fault_messages(3), max_tokens=8, ignore_eos=True, return_logprobs=True)
+        kept = keeper.generate(fault_messages(3), max_tokens=8, ignore_eos=True, logprobs=0)
     finally:
         keeper.close()
     back = time.monotonic() - t_kill
     assert_matches(kept, env.oracle(fault_messages(3), 8), "same client across the scheduler restart")
     assert uploads == []  # NOT_FOUND from the new scheduler, then the same Generate with the image inline
-    again = Streams(env, [0, 1, 2, 3], retries=100, backoff=Backoff(initial=0.5, maximum=1.0)).start()
+    again = Streams(env, [0, 1, 2, 3], wait_for_ready=True).start()
     again.join(180)
     again.check()
     epochs_after = [env.rank_epochs(r)[-1] for r in range(TP)]
@@ -434,9 +436,9 @@ def test_sigterm_drains_in_flight_requests_within_the_grace_period(env):
     os.kill(pid, signal.SIGTERM)
     refused: dict = {}
 
-    def during_drain() -> None:  # refused while draining; the SDK retries until the restarted scheduler serves
-        with Client(g.target, timeout=180, retries=100, backoff=Backoff(initial=0.5, maximum=1.0)) as c:
-            refused["result"] = c.generate(fault_messages(2), max_tokens=8, ignore_eos=True, return_logprobs=True)
+    def during_drain() -> None:  # NOT_SERVING while draining; wait_for_ready waits for the restarted scheduler
+        with Client(g.target, timeout=180, first_token_timeout=None, wait_for_ready=True) as c:
+            refused["result"] = c.generate(fault_messages(2), max_tokens=8, ignore_eos=True, logprobs=0)
 
     late = threading.Thread(target=during_drain)
     time.sleep(0.2)

@@ -17,7 +17,7 @@ import urllib.request
 N_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-3
 # What every oracle-checked request asks for: greedy, a fixed length, log-probabilities returned.
-GENERATE = dict(max_tokens=N_TOKENS, ignore_eos=True, return_logprobs=True, temperature=0.0)
+GENERATE = dict(max_tokens=N_TOKENS, ignore_eos=True, logprobs=0, temperature=0.0)
 
 
 def user_turn(img: bytes | str, question: str) -> dict:
