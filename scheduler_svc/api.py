@@ -143,7 +143,7 @@ def parse_messages(messages, *, max_images: int) -> list[Turn]:
                 if images > max_images:
                     raise InvalidArgument(
                         f"{where}: more than {max_images} images in one request (--max-images-per-request)",
-                        field=f"{where}.image",
+                        field=where,
                     )
             else:
                 raise InvalidArgument(f"{where} has no text or image (unknown or empty content part)", field=where)

@@ -52,13 +52,15 @@ def retry_seconds(err) -> float | None:
 
 def field_resolves(descriptor: Descriptor, path: str) -> bool:
     """Whether ``path`` (``messages[0].content[1].image``, ``sampling.temperature``) names a field of ``descriptor``:
-    every segment a field of the message before it, ``[i]`` only on repeated fields."""
-    for segment in path.split("."):
+    every segment a field of the message before it, ``[i]`` only on repeated fields and needed to go inside one."""
+    segments = path.split(".")
+    for k, segment in enumerate(segments):
         match = _SEGMENT.fullmatch(segment)
         if descriptor is None or match is None or match.group(1) not in descriptor.fields_by_name:
             return False
         field = descriptor.fields_by_name[match.group(1)]
-        if match.group(2) is not None and not field.is_repeated:
+        indexed = match.group(2) is not None
+        if indexed != field.is_repeated and (indexed or k + 1 < len(segments)):
             return False
         descriptor = field.message_type if field.type == FieldDescriptor.TYPE_MESSAGE else None
     return True
