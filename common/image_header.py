@@ -81,9 +81,9 @@ class ImageHeaderReader:
         allowed = ", ".join(self.formats)
         if detected is not None:
             raise InvalidArgument(f"{field}: {detected} images are not accepted; allowed formats: {allowed} "
-                                  "(--image-formats)") from None
+                                  "(--image-formats)", field=field) from None
         raise InvalidArgument(f"{field}: {len(data)} bytes are not a decodable image of an allowed format ({allowed}, "
-                              f"--image-formats): {reason(exc)}") from None
+                              f"--image-formats): {reason(exc)}", field=field) from None
 
     def open(self, data: bytes, field: str):
         """``(image, header)``: the image opened lazily (nothing decoded), its header checked against every limit
@@ -98,23 +98,24 @@ class ImageHeaderReader:
             pixels = re.search(r"\((\d+) pixels\)", str(exc))
             claimed = f"{pixels.group(1)} pixels" if pixels else f"over {2 * Image.MAX_IMAGE_PIXELS} pixels"
             raise InvalidArgument(f"{field}: image header claims {claimed}; the limit is "
-                                  f"{self.max_pixels} (--max-image-pixels)") from None
+                                  f"{self.max_pixels} (--max-image-pixels)", field=field) from None
         except Exception as exc:  # PIL raises many types for bad input
             self._refuse_format(data, field, exc)
         width, height = image.size
         if orientation(image, data) in _QUARTER_TURNS:
             width, height = height, width
         if width < 1 or height < 1:
-            raise InvalidArgument(f"{field}: image is {width}x{height}; both sides must be >= 1 pixel")
+            raise InvalidArgument(f"{field}: image is {width}x{height}; both sides must be >= 1 pixel", field=field)
         if width * height > self.max_pixels:
             raise InvalidArgument(
                 f"{field}: image is {width}x{height} = {width * height} pixels; the limit is "
-                f"{self.max_pixels} (--max-image-pixels)"
+                f"{self.max_pixels} (--max-image-pixels)", field=field,
             )
         try:
             tokens = self.tokens(width, height)
         except ValueError as exc:  # e.g. an aspect ratio the resize rule refuses
-            raise InvalidArgument(f"{field}: the {width}x{height} image cannot be preprocessed ({reason(exc)})") from None
+            raise InvalidArgument(f"{field}: the {width}x{height} image cannot be preprocessed ({reason(exc)})",
+                                  field=field) from None
         return image, ImageHeader(image.format or "", width, height, tokens)
 
 

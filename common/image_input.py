@@ -59,7 +59,8 @@ class ImageInput:
             ImageOps.exif_transpose(image, in_place=True)
             out = self.image_processor(images=[image], return_tensors="pt")
         except Exception as exc:  # noqa: BLE001 - PIL and the processor raise many types for bad input
-            raise InvalidArgument(f"{field}: the image could not be decoded or preprocessed ({reason(exc)})") from None
+            raise InvalidArgument(f"{field}: the image could not be decoded or preprocessed ({reason(exc)})",
+                                  field=field) from None
         finally:
             image.close()
         return out["pixel_values"], out["image_grid_thw"].reshape(1, 3)
@@ -76,6 +77,6 @@ class ImageInput:
             raise InvalidArgument(
                 f"{field}: the decoded image has a {grid[0, 1]}x{grid[0, 2]} patch grid but its header gave "
                 f"{predicted[0, 1]}x{predicted[0, 2]} (its metadata disagrees with its pixels); re-save it with the "
-                "orientation applied"
+                "orientation applied", field=field,
             )
         return pixel_values, grid

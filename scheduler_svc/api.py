@@ -1,7 +1,8 @@
 """Translation of client-API messages into domain objects, with every limit checked.
 
 Pure functions: no gRPC here. Errors are ``common.errors`` exceptions whose message names the field, the value,
-the limit and the flag that moves it; the servicer maps them to status codes.
+the limit and the flag that moves it, and whose ``fields`` give the field's path in the request (the same path the
+message starts with); the servicer maps them to status codes and details.
 """
 
 from __future__ import annotations
@@ -64,26 +65,31 @@ def parse_sampling(
     p: generation_pb2.SamplingParams, *, max_tokens_limit: int, max_logprobs: int, vocab_size: int
 ) -> SamplingSpec:
     if p.max_tokens < 1:
-        raise InvalidArgument("sampling.max_tokens must be >= 1 (got 0 or unset)")
+        raise InvalidArgument("sampling.max_tokens must be >= 1 (got 0 or unset)", field="sampling.max_tokens")
     if p.max_tokens > max_tokens_limit:
-        raise InvalidArgument(f"sampling.max_tokens={p.max_tokens} exceeds the limit {max_tokens_limit} (--max-tokens-limit)")
+        raise InvalidArgument(f"sampling.max_tokens={p.max_tokens} exceeds the limit {max_tokens_limit} (--max-tokens-limit)",
+                              field="sampling.max_tokens")
     if not math.isfinite(p.temperature) or not 0.0 <= p.temperature <= 2.0:
-        raise InvalidArgument(f"sampling.temperature={p.temperature} must be in [0, 2]")
+        raise InvalidArgument(f"sampling.temperature={p.temperature} must be in [0, 2]", field="sampling.temperature")
     top_p = p.top_p if p.HasField("top_p") else 1.0
     if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
-        raise InvalidArgument(f"sampling.top_p={top_p} must be in (0, 1]")
+        raise InvalidArgument(f"sampling.top_p={top_p} must be in (0, 1]", field="sampling.top_p")
     if p.logprobs > max_logprobs:
-        raise InvalidArgument(f"sampling.logprobs={p.logprobs} exceeds the limit {max_logprobs} (--max-logprobs)")
+        raise InvalidArgument(f"sampling.logprobs={p.logprobs} exceeds the limit {max_logprobs} (--max-logprobs)",
+                              field="sampling.logprobs")
     if len(p.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(f"sampling.stop has {len(p.stop)} strings; the limit is {MAX_STOP_STRINGS}")
+        raise InvalidArgument(f"sampling.stop has {len(p.stop)} strings; the limit is {MAX_STOP_STRINGS}",
+                              field="sampling.stop")
     for i, s in enumerate(p.stop):
         if not s:
-            raise InvalidArgument(f"sampling.stop[{i}] is empty")
+            raise InvalidArgument(f"sampling.stop[{i}] is empty", field=f"sampling.stop[{i}]")
         if len(s) > MAX_STOP_STRING_CHARS:
-            raise InvalidArgument(f"sampling.stop[{i}] has {len(s)} characters; the limit is {MAX_STOP_STRING_CHARS}")
+            raise InvalidArgument(f"sampling.stop[{i}] has {len(s)} characters; the limit is {MAX_STOP_STRING_CHARS}",
+                                  field=f"sampling.stop[{i}]")
     for i, t in enumerate(p.stop_token_ids):
         if not 0 <= t < vocab_size:
-            raise InvalidArgument(f"sampling.stop_token_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})")
+            raise InvalidArgument(f"sampling.stop_token_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})",
+                                  field=f"sampling.stop_token_ids[{i}]")
     return SamplingSpec(
         max_tokens=p.max_tokens,
         temperature=float(p.temperature),
@@ -99,14 +105,15 @@ def parse_sampling(
 
 def parse_messages(messages, *, max_images: int) -> list[Turn]:
     if not messages:
-        raise InvalidArgument("messages is empty: at least one message with content is required")
+        raise InvalidArgument("messages is empty: at least one message with content is required", field="messages")
     turns: list[Turn] = []
     images = 0
     has_content = False
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise InvalidArgument(
-                f"messages[{i}].role={m.role} is not a known role (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT)"
+                f"messages[{i}].role={m.role} is not a known role (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT)",
+                field=f"messages[{i}].role",
             )
         parts: list[TextContent | ImageContent] = []
         for j, part in enumerate(m.content):
@@ -119,38 +126,42 @@ def parse_messages(messages, *, max_images: int) -> list[Turn]:
                 source = part.image.WhichOneof("source")
                 if source == "data":
                     if not part.image.data:
-                        raise InvalidArgument(f"{where}.image.data is empty")
+                        raise InvalidArgument(f"{where}.image.data is empty", field=f"{where}.image.data")
                     parts.append(ImageContent(part.image.data, None, f"{where}.image"))
                 elif source == "uploaded_sha256":
                     digest = part.image.uploaded_sha256
                     if not _SHA256_HEX.fullmatch(digest):
                         raise InvalidArgument(
-                            f"{where}.image.uploaded_sha256={digest[:80]!r} is not 64 lowercase hex characters"
+                            f"{where}.image.uploaded_sha256={digest[:80]!r} is not 64 lowercase hex characters",
+                            field=f"{where}.image.uploaded_sha256",
                         )
                     parts.append(ImageContent(None, digest, f"{where}.image"))
                 else:
-                    raise InvalidArgument(f"{where}.image has neither data nor uploaded_sha256")
+                    raise InvalidArgument(f"{where}.image has neither data nor uploaded_sha256", field=f"{where}.image")
                 images += 1
                 has_content = True
                 if images > max_images:
                     raise InvalidArgument(
-                        f"{where}: more than {max_images} images in one request (--max-images-per-request)"
+                        f"{where}: more than {max_images} images in one request (--max-images-per-request)",
+                        field=where,
                     )
             else:
-                raise InvalidArgument(f"{where} has no text or image (unknown or empty content part)")
+                raise InvalidArgument(f"{where} has no text or image (unknown or empty content part)", field=where)
         turns.append(Turn(ROLES[m.role], tuple(parts)))
     if not has_content:
-        raise InvalidArgument("messages contain no text and no image: the prompt is empty")
+        raise InvalidArgument("messages contain no text and no image: the prompt is empty", field="messages")
     return turns
 
 
 def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument(f"request_id has {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
+        raise InvalidArgument(f"request_id has {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}",
+                              field="request_id")
     if request_id and not _REQUEST_ID.fullmatch(request_id):
-        raise InvalidArgument("request_id may contain only letters, digits and ._:@/+=-")
+        raise InvalidArgument("request_id may contain only letters, digits and ._:@/+=-", field="request_id")
 
 
 def check_cache_salt(salt: str) -> None:
     if len(salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidArgument(f"cache_salt has {len(salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}")
+        raise InvalidArgument(f"cache_salt has {len(salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}",
+                              field="cache_salt")

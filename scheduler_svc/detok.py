@@ -1,16 +1,38 @@
-"""Incremental detokenization and server-side stop strings for one request."""
+"""Incremental detokenization and server-side stop strings for one request.
+
+Text comes from ``tokenizers.decoders.DecodeStream`` (the incremental decoder of the Rust tokenizer, as vLLM's
+detokenizer uses it): each step decodes only the tokens since the last emitted text plus the chunk before them, so
+the cost per token stays constant, and it yields nothing while the text ends in an incomplete UTF-8 sequence (a
+CJK character or an emoji split over byte tokens).
+
+A tokenizer without a Rust backend (a "slow" Python tokenizer), or one whose ``decode`` also cleans up
+tokenization spaces (text ``DecodeStream`` does not produce), is decoded by the same windowed scheme with the
+tokenizer's own ``decode`` (the prefix/read offsets of the usual incremental scheme). Either way the deltas of a
+request concatenate to ``tokenizer.decode(all ids, skip_special_tokens=...)`` (tests/service/test_detok.py checks
+it on random token sequences).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+
+def rust_tokenizer(tokenizer) -> Tokenizer | None:
+    """The ``tokenizers.Tokenizer`` whose decode is ``tokenizer.decode`` exactly; None when there is none."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer) or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend
+
 
 class TextStream:
     """Turns a growing list of token ids into text deltas, and finds stop strings in the text.
 
-    Decodes only a short window of recent tokens per step (the prefix/read offsets of the usual incremental
-    scheme), so the cost per token stays constant; holds text back while it ends in an incomplete UTF-8
-    sequence, and holds back the tail that could still be the start of a stop string.
+    Holds text back while it ends in an incomplete UTF-8 sequence, and holds back the tail that could still be the
+    start of a stop string.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
@@ -18,8 +40,12 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
+        # Tokens whose text is out: ids[:_read_offset]; ids[_prefix_offset:_read_offset] are the last chunk's, the
+        # context the next tokens are decoded with (kept in both modes: ``flush`` decodes what remains with it).
         self._prefix_offset = 0
         self._read_offset = 0
+        self._rust = rust_tokenizer(tokenizer)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._rust is not None else None
         self.text = ""  # text decoded so far (before the stop-string hold-back)
         self.emitted = 0  # characters of ``text`` already handed out
         self.stopped_by: str | None = None
@@ -31,11 +57,22 @@ class TextStream:
         """Append tokens; return the text that can be emitted now ("" while held back)."""
         if self.stopped_by is not None:
             return ""
+        token_ids = list(token_ids)
+        if not token_ids:
+            return self._emit(final=False)
         self.ids.extend(token_ids)
-        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self.ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
+        chunk = None
+        if self._stream is not None:
+            try:
+                chunk = self._stream.step(self._rust, token_ids)
+            except Exception:  # noqa: BLE001 - a decoder whose window text does not extend its prefix: go on windowed
+                self._stream = None
+        if self._stream is None:
+            prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self.ids[self._prefix_offset :])
+            chunk = full[len(prefix) :] if len(full) > len(prefix) and not full.endswith("\ufffd") else None
+        if chunk is not None:
+            self.text += chunk
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.ids)
         return self._emit(final=False)
@@ -66,7 +103,8 @@ class TextStream:
         return out
 
     def flush(self) -> str:
-        """The remaining text at the end of the request."""
+        """The remaining text at the end of the request, an incomplete UTF-8 tail included (as the replacement
+        characters a full decode gives it)."""
         if self.stopped_by is None and self._read_offset < len(self.ids):
             full = self._decode(self.ids[self._prefix_offset :])
             prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])

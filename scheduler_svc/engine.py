@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from common import tracing
-from common.errors import MmcastError, Status, Unavailable
+from common.errors import REQUEST_RESOURCE, MmcastError, Resource, Status, Unavailable
 from common.ids import RequestId
 from scheduler_svc.group import GroupBudget, GroupDown, PayloadSend, WorkerGroup
 from scheduler_svc.metrics import SchedulerMetrics
@@ -96,6 +96,7 @@ class Engine:
         self._ready = asyncio.Event()
         self._stopping = False
         self._down_since: float | None = time.monotonic()
+        self._next_connect_at = time.monotonic()  # when the loop next tries to reach a group that is down
         self._task: asyncio.Task | None = None
         self._stats_seen = None  # the core's stats at the previous step (its counters are cumulative)
         self.last_down_reason = "not connected yet"
@@ -139,10 +140,12 @@ class Engine:
             down_for = time.monotonic() - (self._down_since or time.monotonic())
             if self.core is None or down_for > self.group_deadline_seconds:
                 raise Unavailable(
-                    f"worker group unavailable for {down_for:.1f}s ({self.last_down_reason}); retry later"
+                    f"worker group unavailable for {down_for:.1f}s ({self.last_down_reason}); retry later",
+                    retry_after=self.reconnect_wait(),
                 )
         if request.request_id in self.handles:
-            raise MmcastError(f"request_id {request.request_id!r} is already in flight", Status.ALREADY_EXISTS)
+            raise MmcastError(f"request_id {request.request_id!r} is already in flight", Status.ALREADY_EXISTS,
+                              resource=Resource(REQUEST_RESOURCE, request.request_id))
         self.core.add_request(request)
         handle = RequestHandle(request.request_id, time.monotonic() if received_at is None else received_at)
         self.handles[request.request_id] = handle
@@ -200,6 +203,7 @@ class Engine:
                 if await self._connect():
                     delay = self.backoff[0]
                 else:
+                    self._next_connect_at = time.monotonic() + delay
                     self._fail_if_past_deadline()
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self.backoff[1])
@@ -234,6 +238,11 @@ class Engine:
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
             self._apply(plan, results)
             await asyncio.sleep(0)  # let client streams and new requests run between steps
+
+    def reconnect_wait(self) -> float:
+        """Seconds until the loop next tries to reach the group (the retry hint of UNAVAILABLE while it is down): a
+        request sent sooner finds the group still down."""
+        return max(0.0, self._next_connect_at - time.monotonic())
 
     @property
     def max_model_len(self) -> int:
@@ -307,7 +316,7 @@ class Engine:
             return
         err = Unavailable(
             f"worker group down for {down_for:.1f}s, past --group-deadline-seconds={self.group_deadline_seconds:g} "
-            f"({self.last_down_reason})"
+            f"({self.last_down_reason})", retry_after=self.reconnect_wait(),
         )
         for request_id, handle in list(self.handles.items()):
             self.core.finish_request(request_id, FinishReason.ERROR, error=err.message)
@@ -367,7 +376,7 @@ class Engine:
             error = None
             if update.finished is FinishReason.ERROR:
                 status = update.error_status or (Status.UNAVAILABLE if update.error else Status.INTERNAL)
-                error = MmcastError(update.error or "request failed", status)
+                error = MmcastError(update.error or "request failed", status, field=update.error_field)
             self._finish_handle(handle, FinishEvent(update.finished.value, error))
 
     def _count_plan(self, plan) -> None:

@@ -193,7 +193,7 @@ class Frontend:
             raise InvalidArgument(
                 f"{field}: the {header.width}x{header.height} image takes {header.tokens} prompt tokens; the context "
                 f"holds {self.max_model_len} (--max-model-len / the model's max_position_embeddings); send a smaller "
-                "image"
+                "image", field=field,
             )
         return image, header
 
@@ -219,7 +219,7 @@ class Frontend:
         num_tokens = int(grid[0].prod()) // (self.merge_size**2)
         if num_tokens != pending.tokens:  # one resize rule, two uses: they cannot disagree unless the processor does
             raise InvalidArgument(f"{pending.field}: the image's grid {grid.tolist()} gives {num_tokens} tokens, its "
-                                  f"header {pending.tokens}")
+                                  f"header {pending.tokens}", field=pending.field)
         pending.image = None
         payload = torch.frombuffer(bytearray(pending.data), dtype=torch.uint8)
         identifier = item_identifier(pending.data, self.processor_settings, scope=tenant)
@@ -233,11 +233,11 @@ class Frontend:
             if len(data) > self.config.max_upload_bytes:
                 raise ResourceExhausted(
                     f"{field}: image has {len(data)} bytes; the limit is {self.config.max_upload_bytes} "
-                    "(--max-upload-bytes)"
+                    "(--max-upload-bytes)", field=field,  # a limit of the field: no retry hint
                 )
             sha = hashlib.sha256(data).hexdigest()
         elif not sha:
-            raise InvalidArgument(f"{field} has neither data nor uploaded_sha256")
+            raise InvalidArgument(f"{field} has neither data nor uploaded_sha256", field=field)
         if data is None:  # a reference: the store holds the bytes under this hash (NOT_FOUND when it does not)
             data = self.uploads.get(sha, field=f"{field}.uploaded_sha256", tenant=tenant)
         key = (tenant, sha)  # per tenant: a hit's timing must not tell one tenant what another sent
@@ -264,7 +264,8 @@ class Frontend:
                 raise InvalidArgument(
                     f"{p.field}: {size} takes {p.tokens} prompt tokens ({total} for the images up to it) and "
                     f"{reserve} more are to be generated: over the context of {context} tokens (--max-model-len / "
-                    "the model's max_position_embeddings); send a smaller image or fewer images"
+                    "the model's max_position_embeddings); send a smaller image or fewer images",
+                    field=(p.field, "sampling.max_tokens"),
                 )
 
     # --- text ----------------------------------------------------------------------------------------------
@@ -317,7 +318,7 @@ class Frontend:
         if self.max_model_len and len(token_ids) >= self.max_model_len:
             raise InvalidArgument(
                 f"the prompt has {len(token_ids)} tokens; the context holds {self.max_model_len} including at least "
-                "one generated token (--max-model-len / the model's max_position_embeddings)"
+                "one generated token (--max-model-len / the model's max_position_embeddings)", field="messages",
             )
         return ProcessedPrompt(token_ids, features, len(features), [p.key[1] for p in pending], hits,
                                [] if self.encoded else list(decoded.items()), image_cpu_seconds,
@@ -334,31 +335,34 @@ class Frontend:
         """Template messages and (field, image part) pairs, with the structural and byte limits checked."""
         cfg = self.config
         if not turns:
-            raise InvalidArgument("messages is empty: at least one message is required")
+            raise InvalidArgument("messages is empty: at least one message is required", field="messages")
         messages, images = [], []
         request_bytes = text_bytes = 0
         has_content = False
         for i, turn in enumerate(turns):
             if turn.role not in ROLES:
-                raise InvalidArgument(f"messages[{i}].role={turn.role!r} is not one of {', '.join(ROLES)}")
+                raise InvalidArgument(f"messages[{i}].role={turn.role!r} is not one of {', '.join(ROLES)}",
+                                      field=f"messages[{i}].role")
             content = []
             for j, part in enumerate(turn.parts):
                 if hasattr(part, "text"):
                     if not isinstance(part.text, str):
-                        raise InvalidArgument(f"messages[{i}].content[{j}].text is not a string")
+                        raise InvalidArgument(f"messages[{i}].content[{j}].text is not a string",
+                                              field=f"messages[{i}].content[{j}].text")
                     size = len(part.text.encode())
                     text_bytes += size
                     if text_bytes > self.max_prompt_bytes:
                         raise InvalidArgument(
                             f"messages[{i}].content[{j}].text: the request's text reaches {text_bytes} bytes; the "
                             f"limit is {self.max_prompt_bytes} (--max-prompt-bytes; default the context "
-                            f"{self.max_model_len} tokens x {PROMPT_BYTES_PER_TOKEN} bytes)"
+                            f"{self.max_model_len} tokens x {PROMPT_BYTES_PER_TOKEN} bytes)",
+                            field=f"messages[{i}].content[{j}].text",
                         )
                     for token in self._placeholder_tokens:
                         if token in part.text:
                             raise InvalidArgument(
                                 f"messages[{i}].content[{j}].text contains the placeholder token {token!r}; "
-                                "send images as image parts"
+                                "send images as image parts", field=f"messages[{i}].content[{j}].text",
                             )
                     content.append({"type": "text", "text": part.text})
                     request_bytes += size
@@ -368,7 +372,7 @@ class Frontend:
                 if len(images) >= cfg.max_images_per_request:
                     raise InvalidArgument(
                         f"{field}: more than {cfg.max_images_per_request} images in one request "
-                        "(--max-images-per-request)"
+                        "(--max-images-per-request)", field=field,
                     )
                 images.append((field, part))
                 request_bytes += len(getattr(part, "data", None) or b"")
@@ -376,11 +380,12 @@ class Frontend:
                 has_content = True
             messages.append({"role": turn.role, "content": content})
         if not has_content:
-            raise InvalidArgument("messages contain no text and no image: the prompt is empty")
+            raise InvalidArgument("messages contain no text and no image: the prompt is empty", field="messages")
         if request_bytes > cfg.max_request_bytes:
             raise ResourceExhausted(
                 f"the request carries {request_bytes} bytes of text and images; the limit is {cfg.max_request_bytes} "
-                "(--max-request-bytes); upload large images first and reference them by hash"
+                "(--max-request-bytes); upload large images first and reference them by hash",
+                field="messages",  # a limit of the request: no retry hint
             )
         return messages, images
 
@@ -388,7 +393,8 @@ class Frontend:
         positions = [k for k, t in enumerate(template_ids) if t == self.image_token_id]
         if len(positions) != len(images):
             raise InvalidArgument(
-                f"the chat template produced {len(positions)} image placeholders for {len(images)} images"
+                f"the chat template produced {len(positions)} image placeholders for {len(images)} images",
+                field="messages",
             )
         token_ids: list[int] = []
         features = []

@@ -163,3 +163,4 @@ class RequestUpdate:
     usage: RequestUsage | None = None  # cumulative accounting; set when finished
     error: str | None = None  # why it failed (finished == ERROR), naming the limit
     error_status: Status | None = None  # the client's status for `error`; None = UNAVAILABLE (the group is down)
+    error_field: str | None = None  # the request field `error` is about (an image's path), for BadRequest

@@ -49,25 +49,28 @@ def validate_sampling(sampling: SamplingParams, num_prompt_tokens: int, max_mode
                       max_tokens_limit: int = 0, max_logprobs: int = 20) -> None:
     """Raises ``InvalidArgument`` naming the field, value, limit and flag for any out-of-range parameter."""
     if sampling.max_tokens < 1:
-        raise InvalidArgument(f"sampling.max_tokens={sampling.max_tokens} must be >= 1")
+        raise InvalidArgument(f"sampling.max_tokens={sampling.max_tokens} must be >= 1", field="sampling.max_tokens")
     if max_tokens_limit and sampling.max_tokens > max_tokens_limit:
         raise InvalidArgument(
-            f"sampling.max_tokens={sampling.max_tokens} exceeds the limit {max_tokens_limit} (--max-tokens-limit)"
+            f"sampling.max_tokens={sampling.max_tokens} exceeds the limit {max_tokens_limit} (--max-tokens-limit)",
+            field="sampling.max_tokens",
         )
     if num_prompt_tokens + sampling.max_tokens > max_model_len:
         raise InvalidArgument(
             f"sampling.max_tokens={sampling.max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds the "
             f"context of {max_model_len} tokens (--max-model-len); ask for at most "
-            f"{max(max_model_len - num_prompt_tokens, 0)}"
+            f"{max(max_model_len - num_prompt_tokens, 0)}", field="sampling.max_tokens",
         )
     if not 0.0 <= sampling.temperature <= 2.0:
-        raise InvalidArgument(f"sampling.temperature={sampling.temperature} must be in [0, 2]")
+        raise InvalidArgument(f"sampling.temperature={sampling.temperature} must be in [0, 2]",
+                              field="sampling.temperature")
     if not 0.0 < sampling.top_p <= 1.0:
-        raise InvalidArgument(f"sampling.top_p={sampling.top_p} must be in (0, 1]")
+        raise InvalidArgument(f"sampling.top_p={sampling.top_p} must be in (0, 1]", field="sampling.top_p")
     if not 0 <= sampling.logprobs <= max_logprobs:
-        raise InvalidArgument(f"sampling.logprobs={sampling.logprobs} must be in [0, {max_logprobs}] (--max-logprobs)")
+        raise InvalidArgument(f"sampling.logprobs={sampling.logprobs} must be in [0, {max_logprobs}] (--max-logprobs)",
+                              field="sampling.logprobs")
     if sampling.seed < 0 or sampling.seed >= 2**64:
-        raise InvalidArgument(f"sampling.seed={sampling.seed} must be in [0, 2^64)")
+        raise InvalidArgument(f"sampling.seed={sampling.seed} must be in [0, 2^64)", field="sampling.seed")
 
 
 @dataclasses.dataclass

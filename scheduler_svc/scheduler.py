@@ -42,7 +42,17 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, MmcastError, ResourceExhausted, Status
+from common.errors import (
+    REQUEST_RESOURCE,
+    RETRY_LATER_SECONDS,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    MmcastError,
+    Resource,
+    ResourceExhausted,
+    Status,
+)
 from common.ids import RequestId
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_cache import KVCacheManager
@@ -129,20 +139,21 @@ class Scheduler:
         """Queues a request. Raises AlreadyExists, ResourceExhausted or InvalidArgument (nothing is kept then)."""
         rid = request.request_id
         if not rid:
-            raise InvalidArgument("request_id is empty")
+            raise InvalidArgument("request_id is empty", field="request_id")
         if rid in self._requests:
-            raise AlreadyExists(f"request_id={rid!r} is already in flight; ids must be unique among in-flight requests")
+            raise AlreadyExists(f"request_id={rid!r} is already in flight; ids must be unique among in-flight requests",
+                                resource=Resource(REQUEST_RESOURCE, rid))
         if len(self.waiting) >= self.config.max_waiting:
             raise ResourceExhausted(
                 f"the waiting queue is full ({len(self.waiting)} requests, --max-waiting={self.config.max_waiting}); "
-                "retry later"
+                "retry later", retry_after=RETRY_LATER_SECONDS,
             )
         if not request.prompt_token_ids:
-            raise InvalidArgument("the prompt is empty: at least one token is needed")
+            raise InvalidArgument("the prompt is empty: at least one token is needed", field="messages")
         if request.num_tokens >= self.max_model_len:
             raise InvalidArgument(
                 f"the prompt has {request.num_tokens} tokens; the context holds {self.max_model_len} "
-                f"(--max-model-len) including at least one generated token"
+                f"(--max-model-len) including at least one generated token", field="messages",
             )
         validate_sampling(request.sampling, request.num_tokens, self.max_model_len,
                           max_tokens_limit=self.config.max_tokens_limit, max_logprobs=self.config.max_logprobs)
@@ -159,36 +170,39 @@ class Scheduler:
             raise ResourceExhausted(
                 f"prompt ({request.num_prompt_tokens} tokens) + sampling.max_tokens ({request.sampling.max_tokens}) "
                 f"= {need} tokens exceeds the KV pool of {capacity} tokens ({self.kv_blocks} blocks of "
-                f"{self.config.block_size}; --kv-blocks / the workers' pool)"
+                f"{self.config.block_size}; --kv-blocks / the workers' pool)",
+                field=("messages", "sampling.max_tokens"),  # over the pool whatever the load: no retry hint
             )
         prev_end = 0
         unique: dict[str, int] = {}
         for k, f in enumerate(request.mm_features):
             pos, where = f.mm_position, f"image {k} (item {f.identifier[:16]})"
+            field = request.image_fields[k] if k < len(request.image_fields) else "messages"
             if pos.length < 1 or pos.offset < prev_end or pos.end > request.num_prompt_tokens:
                 raise InvalidArgument(
                     f"{where}: placeholder [{pos.offset}, {pos.end}) must be non-empty, after the previous item "
-                    f"(ends at {prev_end}) and inside the prompt ({request.num_prompt_tokens} tokens)"
+                    f"(ends at {prev_end}) and inside the prompt ({request.num_prompt_tokens} tokens)", field=field,
                 )
             prev_end = pos.end
             if f.data is None or not f.data.payload_fields():
-                raise InvalidArgument(f"{where} has no payload; the scheduler's copy must keep every item's data")
+                raise InvalidArgument(f"{where} has no payload; the scheduler's copy must keep every item's data",
+                                      field=field)
             if pos.get_num_embeds() > self.encoder_cache_tokens:
                 raise ResourceExhausted(
                     f"{where} needs {pos.get_num_embeds()} encoder rows; the ranks' encoder cache holds "
-                    f"{self.encoder_cache_tokens} (--encoder-cache-tokens / the workers' encoder budget)"
+                    f"{self.encoder_cache_tokens} (--encoder-cache-tokens / the workers' encoder budget)", field=field,
                 )
             max_tensor = getattr(self.group, "max_tensor_bytes", 0)
             for name, elem in f.data.payload_fields().items():
                 size = elem.data.numel() * elem.data.element_size()
                 if max_tensor and size > max_tensor:
                     raise ResourceExhausted(f"{where}: {name} has {size} bytes; the ranks accept tensors up to "
-                                            f"{max_tensor} bytes (the workers' max tensor size)")
+                                            f"{max_tensor} bytes (the workers' max tensor size)", field=field)
             nbytes = payload_nbytes(f)
             if nbytes > self.payload_cache_bytes:
                 raise ResourceExhausted(
                     f"{where} has {nbytes} payload bytes; a rank's payload cache holds {self.payload_cache_bytes} "
-                    "(--payload-cache-bytes / the workers' payload budget)"
+                    "(--payload-cache-bytes / the workers' payload budget)", field=field,
                 )
             unique[f.identifier] = nbytes
         total = sum(unique.values())
@@ -196,7 +210,7 @@ class Scheduler:
             raise ResourceExhausted(
                 f"the request's images hold {total} payload bytes, more than a rank's payload cache "
                 f"({self.payload_cache_bytes}); --transfer-mode={self.config.transfer_mode} sends them all at "
-                "admission: use --transfer-mode lazy or give the workers a larger payload cache"
+                "admission: use --transfer-mode lazy or give the workers a larger payload cache", field="messages",
             )
 
     def get_request(self, request_id: RequestId | str) -> Request | None:
@@ -415,10 +429,11 @@ class Scheduler:
         else:
             self.finish_request(r.request_id, FinishReason.ERROR)
         self.planner.forget_encoder(key)
-        where = r.image_fields[index] if index < len(r.image_fields) else f"image {index} of the prompt"
+        field = r.image_fields[index] if index < len(r.image_fields) else None
+        where = field or f"image {index} of the prompt"
         return RequestUpdate(r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage,
                              error=f"{where} (item {key[:16]}) could not be used: {message}",
-                             error_status=Status.INVALID_ARGUMENT)
+                             error_status=Status.INVALID_ARGUMENT, error_field=field)
 
     def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
         if token in r.sampling.stop_token_ids or (not r.sampling.ignore_eos and token in self.eos_token_ids):

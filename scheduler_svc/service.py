@@ -1,5 +1,6 @@
 """The client-facing ``mmcast.v1.GenerationService`` servicer. It only translates: proto → domain objects (api.py),
-the frontend and the engine decide, events → proto. Status codes come from ``common.errors`` statuses.
+the frontend and the engine decide, events → proto. Status codes and their ``google.rpc`` details come from the
+``common.errors`` exception, through ``common.rich_status`` (docs/ERRORS.md).
 
 Any other exception is a bug of the server, not of the request: the client gets ``INTERNAL`` with the request id
 (an id made for the call where the RPC has none) and the log holds the traceback under that id — never gRPC's
@@ -18,8 +19,9 @@ from datetime import timedelta
 
 import grpc
 
-from common import tracing
+from common import rich_status, tracing
 from common.errors import InvalidArgument, MmcastError, ResourceExhausted, Status, Unavailable
+from common.rich_status import grpc_code
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, logprob_pb2
 from scheduler_svc import api
 from scheduler_svc.detok import TextStream
@@ -35,10 +37,6 @@ _FINISH = {
     "cancelled": generation_pb2.FINISH_REASON_CANCELLED,
     "error": generation_pb2.FINISH_REASON_ERROR,
 }
-
-
-def grpc_code(err: MmcastError) -> grpc.StatusCode:
-    return grpc.StatusCode[err.status.value]
 
 
 async def abort_internal(context, method: str, request_id: str) -> None:
@@ -138,14 +136,15 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             if len(processed.token_ids) + sampling.max_tokens > limit:
                 raise InvalidArgument(
                     f"prompt has {len(processed.token_ids)} tokens and sampling.max_tokens={sampling.max_tokens}: "
-                    f"together {len(processed.token_ids) + sampling.max_tokens} exceed the model context {limit}"
+                    f"together {len(processed.token_ids) + sampling.max_tokens} exceed the model context {limit}",
+                    field=("messages", "sampling.max_tokens"),
                 )
             salt = scoped_cache_salt(tenant, request.cache_salt)
             handle = self.engine.submit(self.make_request(request_id, processed, sampling, salt), received)
             self.frontend.commit(processed)  # admitted: only now may its new images enter the processor cache
         except MmcastError as err:
             log.info("request rejected: %s", err.message, extra={**log_extra, "code": err.status.value})
-            await context.abort(grpc_code(err), err.message)
+            await rich_status.abort(context, err)
             return
         except Exception:
             if handle is not None:  # admitted before the failure: free what it holds
@@ -177,7 +176,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
                     finish = event
                     if event.error is not None and completion_tokens == 0:
                         # nothing streamed yet: a plain status, which clients may retry (UNAVAILABLE)
-                        await context.abort(grpc_code(event.error), event.error.message)
+                        await rich_status.abort(context, event.error)
                     break
                 assert isinstance(event, TokenEvent)
                 ids = event.token_ids[: sampling.max_tokens - completion_tokens]
@@ -263,24 +262,28 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if chunk.expected_sha256:
                     expected = chunk.expected_sha256
                 if size + len(chunk.data) > limit:
-                    raise ResourceExhausted(f"upload exceeds {limit} bytes (--max-upload-bytes)")
+                    raise ResourceExhausted(f"upload exceeds {limit} bytes (--max-upload-bytes)", field="data")
                 # Counted before it is kept; released below on every exit (done, refused, client gone).
                 self.uploads.pending.reserve(tenant, len(chunk.data))
                 size += len(chunk.data)
                 digest.update(chunk.data)
                 parts.append(chunk.data)
             if size == 0:
-                raise InvalidArgument("upload is empty: send the encoded image bytes in UploadImageRequest.data")
+                raise InvalidArgument("upload is empty: send the encoded image bytes in UploadImageRequest.data",
+                                      field="data")
             sha = digest.hexdigest()
             if expected and expected != sha:
-                raise InvalidArgument(f"expected_sha256={expected[:80]} does not match the received bytes' sha256 {sha}")
+                raise InvalidArgument(f"expected_sha256={expected[:80]} does not match the received bytes' sha256 {sha}",
+                                      field="expected_sha256")
             data = b"".join(parts)
             parts.clear()
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self.executor, self.frontend.check_image_header, data, "upload")
             sha2, already = self.uploads.put(data, sha256_hex=sha, tenant=tenant)
         except MmcastError as err:
-            await context.abort(grpc_code(err), err.message)
+            if err.fields == ("upload",):  # the image checks name the upload "upload"; on the wire it is `data`
+                err.fields = ("data",)
+            await rich_status.abort(context, err)
             return None
         except Exception:
             await abort_internal(context, "UploadImage", f"upload-{uuid.uuid4().hex}")

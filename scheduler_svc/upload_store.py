@@ -12,7 +12,7 @@ import threading
 from collections.abc import Hashable
 from typing import Any
 
-from common.errors import NotFound, ResourceExhausted
+from common.errors import IMAGE_RESOURCE, RETRY_LATER_SECONDS, NotFound, Resource, ResourceExhausted
 
 
 class ByteLRU:
@@ -77,12 +77,13 @@ class PendingUploads:
             if mine > self.tenant_limit:
                 raise ResourceExhausted(
                     f"unfinished uploads of this tenant would hold {mine} bytes; the limit is {self.tenant_limit} "
-                    "(--max-pending-upload-bytes-per-tenant); finish or cancel other uploads first"
+                    "(--max-pending-upload-bytes-per-tenant); finish or cancel other uploads first",
+                    retry_after=RETRY_LATER_SECONDS,
                 )
             if self.total + n > self.total_limit:
                 raise ResourceExhausted(
                     f"unfinished uploads would hold {self.total + n} bytes; the server-wide limit is "
-                    f"{self.total_limit} (--max-pending-upload-bytes); retry later"
+                    f"{self.total_limit} (--max-pending-upload-bytes); retry later", retry_after=RETRY_LATER_SECONDS,
                 )
             self._by_tenant[tenant] = mine
             self.total += n
@@ -123,18 +124,21 @@ class UploadStore:
         return self._lru.used
 
     def put(self, data: bytes, sha256_hex: str | None = None, *, tenant: str = "") -> tuple[str, bool]:
-        """Stores ``data`` and returns ``(sha256 hex, already_present)``.
+        """Stores ``data`` and returns ``(sha256 hex, already_present)``; a size over a limit names ``data`` (the
+        ``UploadImageRequest`` field).
 
         ``sha256_hex``: the digest when the caller computed it while receiving (it must be sha256 of ``data``),
         so the bytes are not hashed twice.
         """
         if len(data) > self.max_upload_bytes:
             raise ResourceExhausted(
-                f"upload has {len(data)} bytes; the limit is {self.max_upload_bytes} (--max-upload-bytes)"
+                f"upload has {len(data)} bytes; the limit is {self.max_upload_bytes} (--max-upload-bytes)",
+                field="data",
             )
         if len(data) > self._lru.budget:
             raise ResourceExhausted(
-                f"upload has {len(data)} bytes; the upload store holds {self._lru.budget} (--upload-store-bytes)"
+                f"upload has {len(data)} bytes; the upload store holds {self._lru.budget} (--upload-store-bytes)",
+                field="data",
             )
         sha = sha256_hex or hashlib.sha256(data).hexdigest()
         key = (tenant, sha)
@@ -153,7 +157,8 @@ class UploadStore:
         if data is None:
             raise NotFound(
                 f"{field}={sha256_hex} is not in the upload store (never uploaded, or evicted: the store keeps the "
-                f"most recent {self._lru.budget} bytes, --upload-store-bytes); upload the image again"
+                f"most recent {self._lru.budget} bytes, --upload-store-bytes); upload the image again",
+                resource=Resource(IMAGE_RESOURCE, sha256_hex),
             )
         return data
 

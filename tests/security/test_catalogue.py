@@ -27,6 +27,7 @@ from benchmarks.proc_memory import peak_mib
 from mmcast.v1 import generation_pb2 as pb
 from mmcast_local.supervisor import LocalGroup
 from tests.support import security_catalogue as cat
+from tests.support.rich_errors import check_contract, details_of
 from tests.support.security_support import WorkerProcess, new_token, scrape, secret_file, wait_for
 
 pytestmark = pytest.mark.slow
@@ -40,6 +41,9 @@ CACHES = ("mmcast_upload_store_bytes", "mmcast_processor_cache_bytes", "mmcast_u
 PEAK_TOLERANCE = 48 << 20
 RANK_CACHES = ("mmcast_worker_payload_cache_bytes", "mmcast_worker_payload_cache_items",
                "mmcast_worker_encoder_cache_tokens")
+# Refused before the service reads the request (gRPC's receive limit, the decode guard): no field to name, no details.
+BEFORE_SERVICE = ("request-over-max-bytes", "protobuf-garbage", "protobuf-truncated", "protobuf-invalid-utf8",
+                  "upload-garbage-chunk", "unknown-method")
 RESULTS: list[dict] = []
 
 
@@ -160,6 +164,12 @@ def test_client_case(case, processes, client_ctx):
     for word in case.mentions:
         assert word in message, f"{case.id}: the message does not name {word!r}: {message}"
     assert " at 0x" not in message, f"{case.id}: the message leaks an object address: {message}"
+    if isinstance(caught.value, grpc.Call):  # the google.rpc details docs/ERRORS.md promises for this code
+        if case.id in BEFORE_SERVICE:
+            assert details_of(caught.value) == {}, case.id
+        else:
+            request = pb.UploadImageRequest if case.id.startswith("upload") else pb.GenerateRequest
+            check_contract(caught.value, request.DESCRIPTOR)
     after = scrape(group.metrics_urls["scheduler"])
     for name, most in case.untouched:
         assert after[name] - counters[name] <= most, f"{case.id}: {name} grew by {after[name] - counters[name]}"
