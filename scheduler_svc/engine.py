@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from common.errors import MmcastError, Status, Unavailable
 from common.ids import RequestId
-from scheduler_svc.group import GroupBudget, GroupDown, PayloadSend, WorkerGroup
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.rank_streams import GroupBudget, GroupDown, PayloadSend, WorkerGroup
 from scheduler_svc.request import FinishReason, RequestUsage
 
 log = logging.getLogger(__name__)

@@ -47,10 +47,10 @@ from common.ids import RequestId
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_cache import KVCacheManager
 from scheduler_svc.output import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
+from scheduler_svc.plan_proto import step_control
 from scheduler_svc.poison import PoisonIsolator
 from scheduler_svc.request import FinishReason, Request, RequestStatus, validate_sampling
 from scheduler_svc.transfer import TransferPlanner
-from scheduler_svc.wire import step_control
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,14 +20,14 @@ import time
 
 import torch
 
-from common import wire
+from common import item_proto
 from common.errors import InvalidArgument
 from common.ids import ItemId, RequestId
 from common.multimodal import ENCODED_FIELD, MultiModalFieldElem, MultiModalKwargsItem, PayloadEncoding
 from mmcast.v1 import worker_pb2
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.metrics import WorkerMetrics
-from worker_svc.requests import RequestState, admit, check_blocks, check_prefix_written, check_tokens
+from worker_svc.request_state import RequestState, admit, check_blocks, check_prefix_written, check_tokens
 from worker_svc.runner import ForwardInput, encoder_fields
 from worker_svc.sampling import Sample, SamplingError, sample
 from worker_svc.step_errors import StepError, code
@@ -77,7 +77,7 @@ class Session:
         group=None,
         images=None,
     ) -> None:
-        """``group``: the rank's ``worker_svc.group.Group`` (sharded placement's collectives; None for one rank);
+        """``group``: the rank's ``worker_svc.process_group.Group`` (sharded placement's collectives; None for one rank);
         ``images``: a ``common.image_input.ImageInput`` with the limits the scheduler's handshake sent (None: encoded
         payloads are refused)."""
         self.runner = runner
@@ -162,7 +162,7 @@ class Session:
             check_prefix_written(state, self.written, r.block_size)
             new.append(state)
             for item in state.item_msgs:
-                if item.identifier not in step_items or wire.payload_field_headers(item):
+                if item.identifier not in step_items or item_proto.payload_field_headers(item):
                     step_items[ItemId(item.identifier)] = item
 
         running: list[tuple[RequestState, worker_pb2.RunningRequest]] = []
@@ -249,8 +249,8 @@ class Session:
                                 f"{world} ranks", item_identifier=ident)
             if owner is not None and owner != self.rank:  # another rank encodes it; its output comes over the group
                 try:
-                    feature = wire.feature_from_proto(msg)
-                except (wire.WireError, ValueError) as exc:
+                    feature = item_proto.feature_from_proto(msg)
+                except (item_proto.WireError, ValueError) as exc:
                     raise StepError(code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}]: {exc}", item_identifier=ident) from None
                 encode.append((ident, feature, owner))
                 encoded_after.add(ident)
@@ -262,8 +262,8 @@ class Session:
             if ident not in incoming and fields:
                 plan_hits += 1
             try:
-                feature = wire.feature_from_proto(msg, payload=fields)
-            except (wire.WireError, ValueError) as exc:
+                feature = item_proto.feature_from_proto(msg, payload=fields)
+            except (item_proto.WireError, ValueError) as exc:
                 raise StepError(
                     code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}]: {exc}", item_identifier=ident
                 ) from None
@@ -324,7 +324,7 @@ class Session:
                 self.items[ItemId(item.identifier)] = [item, 1]
                 continue
             entry[1] += 1
-            if wire.payload_field_headers(item):
+            if item_proto.payload_field_headers(item):
                 entry[0] = item  # prefer a message that announces the payload fields
 
     def _unregister(self, state: RequestState) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from common import codec, wire
+from common import codec, item_proto
 from common.ids import ItemId
 from mmcast.v1 import worker_pb2
 
@@ -266,7 +266,7 @@ class WorkerGroup:
 
         async def shake(s: _RankStream) -> worker_pb2.HandshakeAck:
             hs = worker_pb2.Handshake(
-                protocol_version=wire.PROTOCOL_VERSION,
+                protocol_version=item_proto.PROTOCOL_VERSION,
                 model_fingerprint=self.model_fingerprint,
                 rank=s.rank,
                 world_size=self.world_size,
@@ -285,8 +285,8 @@ class WorkerGroup:
             raise
         for s, ack in zip(streams, acks, strict=True):
             problems = []
-            if ack.protocol_version != wire.PROTOCOL_VERSION:
-                problems.append(f"protocol_version {ack.protocol_version} != {wire.PROTOCOL_VERSION}")
+            if ack.protocol_version != item_proto.PROTOCOL_VERSION:
+                problems.append(f"protocol_version {ack.protocol_version} != {item_proto.PROTOCOL_VERSION}")
             if ack.model_fingerprint != self.model_fingerprint:
                 problems.append(f"model_fingerprint {ack.model_fingerprint[:12]} != {self.model_fingerprint[:12]}")
             if ack.rank != s.rank:
@@ -341,7 +341,7 @@ class WorkerGroup:
                 for raw in codec.iter_payload_frames(ident, name, tensor, chunk_size=self.chunk_size):
                     await self._write(targets, raw, "payload")
         raw_control = worker_pb2.SchedulerFrame(control=control).SerializeToString()
-        metadata, rest = wire.control_byte_breakdown(control, len(raw_control))
+        metadata, rest = item_proto.control_byte_breakdown(control, len(raw_control))
         try:
             await asyncio.gather(*(s.call.write(raw_control) for s in self._streams))
         except _WRITE_ERRORS as exc:

@@ -7,7 +7,7 @@ import torch
 
 from common import codec
 from mmcast.v1 import worker_pb2
-from scheduler_svc.group import GroupDown, PayloadSend, WorkerGroup
+from scheduler_svc.rank_streams import GroupDown, PayloadSend, WorkerGroup
 from tests.fake_rank import FakeRank, FakeRankConfig
 
 FP = "f" * 64
