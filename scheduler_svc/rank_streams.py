@@ -20,6 +20,7 @@ import grpc
 from common import codec, item_proto
 from common.ids import ItemId
 from mmcast.v1 import worker_pb2
+from scheduler_svc.scheduler import GroupBudget
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +39,6 @@ class GroupDown(Exception):
     """The group cannot run steps until it is reconnected. The message says which rank and why."""
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupBudget:
-    """What the whole group can hold: the minimum over the ranks' handshakes."""
-
-    num_ranks: int  # tensor-parallel size
-    kv_blocks: int  # KV pool blocks per rank (= prefix-cache size)
-    encoder_cache_tokens: int  # encoder-output rows per rank
-    payload_cache_bytes: int  # payload-cache bytes per rank
-    max_tensor_bytes: int  # largest tensor any rank accepts
-    max_model_len: int  # context length of the loaded model
-    encoder_row_bytes: int = 0  # bytes of one encoder-output row (sharded placement's collective unit)
-
-
 @dataclasses.dataclass
 class ByteCounters:
     """Bytes written to the rank streams, summed over ranks, by kind."""
@@ -64,8 +52,10 @@ class ByteCounters:
 
 
 @dataclasses.dataclass(frozen=True)
-class PayloadSend:
-    """One item whose payload frames precede a step's control on some ranks."""
+class PayloadTensors:
+    """One item's payload tensors, written as frames before a step's control on the ranks that need them.
+
+    (``scheduler_svc.output.PayloadSend`` is the plan's decision; the engine turns each into one of these.)"""
 
     identifier: ItemId
     fields: Sequence[tuple[str, object]]  # (field name, torch.Tensor) of the payload (non keep_on_cpu) fields
@@ -322,14 +312,14 @@ class WorkerGroup:
             raise GroupDown(f"write to a rank failed: {exc!r}") from None
 
     async def run_step(
-        self, step_id: int, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadSend]]
+        self, step_id: int, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadTensors]]
     ) -> list[worker_pb2.StepResult]:
         """Write one step to every rank and wait for every rank's answer (index = rank). Raises GroupDown."""
         self._check_up()
         if len(rank_payloads) != self.world_size:
             raise ValueError(f"rank_payloads has {len(rank_payloads)} entries for {self.world_size} ranks")
         # Every item once, in first-seen order; each rank receives its own subsequence of it.
-        order: dict[ItemId, PayloadSend] = {}
+        order: dict[ItemId, PayloadTensors] = {}
         needed_by: dict[ItemId, list[_RankStream]] = {}
         for stream, sends in zip(self._streams, rank_payloads, strict=True):
             for send in sends:

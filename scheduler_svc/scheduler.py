@@ -55,7 +55,8 @@ from scheduler_svc.transfer import TransferPlanner
 
 @dataclasses.dataclass(frozen=True)
 class GroupBudget:
-    """What the worker group offers, the minimum over its ranks' handshakes."""
+    """What the worker group offers: the minimum over its ranks' handshakes (``rank_streams.WorkerGroup.connect``
+    builds it; tests and benchmarks build it directly)."""
 
     num_ranks: int  # tensor-parallel ranks (payload mirrors and per-rank payload lists)
     kv_blocks: int  # blocks in each rank's KV pool
