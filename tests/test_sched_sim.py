@@ -7,7 +7,7 @@ encoder input without its payload, a window without the encoder output of an ite
 payload received and evicted, or left over, without ever being consumed; a payload sent to a rank that already
 holds it), of the budgets, and of the step protocol (unknown requests, computed-token mismatches, prefix hits on
 blocks whose content differs). Under sharded placement only an encoder input's owner needs its payload; every
-rank then holds the output (the collective that shares it is the real ranks' business, tests/test_encoder_sharding.py).
+rank then holds the output (the collective that shares it is the real ranks' business, tests/test_encoder_placement_e2e.py).
 """
 
 from __future__ import annotations
