@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import bisect
+import fnmatch
 import functools
 import os
 import re
@@ -92,11 +93,32 @@ def ignored(path: str) -> bool:
     """Whether git ignores the path: where tools write their output (benchmarks/results/), not a reference."""
     try:
         # A trailing slash lets a folder pattern (``results/``) match a folder that does not exist yet.
-        return any(
-            subprocess.run(["git", "check-ignore", "-q", p], cwd=ROOT).returncode == 0 for p in (path, path + "/")
-        )
+        codes = {subprocess.run(["git", "check-ignore", "-q", p], cwd=ROOT, capture_output=True).returncode
+                 for p in (path, path + "/")}
     except OSError:
+        codes = {128}
+    if 0 in codes:
+        return True
+    if codes == {1}:
         return False
+    return _gitignore_matches(path)  # no git, or not a repository: the root .gitignore's plain patterns
+
+
+def _gitignore_matches(path: str) -> bool:
+    gitignore = ROOT / ".gitignore"
+    patterns = gitignore.read_text().split("\n") if gitignore.is_file() else []
+    parts = path.split("/")
+    for pattern in (p.strip() for p in patterns):
+        if not pattern or pattern.startswith(("#", "!")):
+            continue
+        pattern = pattern.strip("/")
+        if "/" in pattern:  # anchored at the root: the path or a folder above it
+            depth = pattern.count("/") + 1
+            if fnmatch.fnmatchcase("/".join(parts[:depth]), pattern):
+                return True
+        elif any(fnmatch.fnmatchcase(part, pattern) for part in parts):
+            return True
+    return False
 
 
 def _is_text(path: str) -> bool:
