@@ -17,9 +17,10 @@ from collections.abc import Callable
 from common import tracing
 from common.errors import REQUEST_RESOURCE, MmcastError, Resource, Status, Unavailable
 from common.ids import RequestId
-from scheduler_svc.group import GroupBudget, GroupDown, PayloadSend, WorkerGroup
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.rank_streams import GroupDown, PayloadTensors, WorkerGroup
 from scheduler_svc.request import FinishReason, RequestUsage
+from scheduler_svc.scheduler import GroupBudget
 
 log = logging.getLogger(__name__)
 
@@ -253,12 +254,12 @@ class Engine:
         return self.model_max_len
 
     @staticmethod
-    def _payloads(plan) -> list[list[PayloadSend]]:
+    def _payloads(plan) -> list[list[PayloadTensors]]:
         out = []
         for sends in plan.rank_payloads:
             out.append(
                 [
-                    PayloadSend(s.identifier, [(n, e.data) for n, e in s.feature.data.payload_fields().items()])
+                    PayloadTensors(s.identifier, [(n, e.data) for n, e in s.feature.data.payload_fields().items()])
                     for s in sends
                 ]
             )

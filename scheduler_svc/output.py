@@ -1,6 +1,6 @@
 """Everything the scheduler core hands to the service: one ``StepPlan`` per step and ``RequestUpdate``s after it.
 
-The plain dataclasses here mirror ``mmcast.v1.worker_pb2.StepControl`` field for field; ``scheduler_svc.wire``
+The plain dataclasses here mirror ``mmcast.v1.worker_pb2.StepControl`` field for field; ``scheduler_svc.plan_proto``
 converts them once per step into the control message, whose bytes are identical for every rank. Payload frames
 are per rank (``StepPlan.rank_payloads``) and must precede the control on that rank's stream.
 

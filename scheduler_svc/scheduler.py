@@ -57,15 +57,16 @@ from common.ids import RequestId
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_cache import KVCacheManager
 from scheduler_svc.output import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
+from scheduler_svc.plan_proto import step_control
 from scheduler_svc.poison import PoisonIsolator
 from scheduler_svc.request import FinishReason, Request, RequestStatus, validate_sampling
 from scheduler_svc.transfer import TransferPlanner
-from scheduler_svc.wire import step_control
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupBudget:
-    """What the worker group offers, the minimum over its ranks' handshakes."""
+    """What the worker group offers: the minimum over its ranks' handshakes (``rank_streams.WorkerGroup.connect``
+    builds it; tests and benchmarks build it directly)."""
 
     num_ranks: int  # tensor-parallel ranks (payload mirrors and per-rank payload lists)
     kv_blocks: int  # blocks in each rank's KV pool

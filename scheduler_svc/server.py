@@ -33,9 +33,9 @@ from common.process import StartupError
 from mmcast.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
-from scheduler_svc.group import WorkerGroup
 from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.service import GenerationServiceServicer
+from scheduler_svc.rank_streams import WorkerGroup
+from scheduler_svc.servicer import GenerationServiceServicer
 
 log = logging.getLogger("mmcast.scheduler")
 

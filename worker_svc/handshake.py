@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.wire import PROTOCOL_VERSION
+from common.item_proto import PROTOCOL_VERSION
 from mmcast.v1 import worker_pb2
 
 

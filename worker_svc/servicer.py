@@ -15,7 +15,7 @@ import grpc
 
 from common import tracing
 from common.decode_guard import Undecodable
-from common.wire import control_byte_breakdown
+from common.item_proto import control_byte_breakdown
 from mmcast.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.handshake import HandshakeRejected
 from worker_svc.metrics import WorkerMetrics

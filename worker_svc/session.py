@@ -4,8 +4,9 @@ A step runs in three phases:
 
 1. ``plan``: checks the whole step against the state *as it will be* after this step's evictions, finishes,
    admissions and deltas — every request id, count, block id, token id, payload and encoder output the step needs
-   — without changing anything. Every rank sees the same control bytes, so every rank reaches the same verdict, and
-   a bad step fails on all ranks before any of them starts collective work.
+   — without changing anything (one named check per rule, ``worker_svc/step_checks.py``). Every rank sees the
+   same control bytes, so every rank reaches the same verdict, and a bad step fails on all ranks before any of
+   them starts collective work.
 2. ``commit``: applies evictions, received payloads, finishes, admissions and deltas (pure bookkeeping).
 3. ``execute``: runs the vision encoder for the scheduled items, the language model for every scheduled window
    (gathering a request's prefix KV from the pool on its first forward), writes newly completed blocks into the
@@ -20,15 +21,16 @@ import time
 
 import torch
 
-from common import wire
+from common import item_proto
 from common.errors import InvalidArgument
 from common.ids import ItemId, RequestId
 from common.multimodal import ENCODED_FIELD, MultiModalFieldElem, MultiModalKwargsItem, PayloadEncoding
 from mmcast.v1 import worker_pb2
+from worker_svc import step_checks as checks
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.metrics import WorkerMetrics
-from worker_svc.requests import RequestState, admit, check_blocks, check_prefix_written, check_tokens
-from worker_svc.runner import ForwardInput, encoder_fields
+from worker_svc.request_state import RequestState
+from worker_svc.runner import ForwardInput
 from worker_svc.sampling import Sample, SamplingError, sample
 from worker_svc.step_errors import StepError, code
 
@@ -79,7 +81,7 @@ class Session:
         group=None,
         images=None,
     ) -> None:
-        """``group``: the rank's ``worker_svc.group.Group`` (sharded placement's collectives; None for one rank);
+        """``group``: the rank's ``worker_svc.process_group.Group`` (sharded placement's collectives; None for one rank);
         ``images``: a ``common.image_input.ImageInput`` with the limits the scheduler's handshake sent (None: encoded
         payloads are refused)."""
         self.runner = runner
@@ -122,202 +124,31 @@ class Session:
     # --- phase 1: validate -----------------------------------------------------------------------------------
 
     def plan(self, control: worker_pb2.StepControl) -> _Plan:
+        """Every rule the step must satisfy, in this order (``worker_svc/step_checks.py``); the first broken one
+        raises its ``StepError``. Changes nothing but taking the payloads assembled for the step."""
         r = self.runner
-        if control.step_id <= self.last_step_id:
-            raise StepError(
-                code.STATE_MISMATCH, f"step_id {control.step_id} is not above the previous step_id {self.last_step_id}"
-            )
-        try:
-            incoming = self.assembler.take()
-        except FrameError as exc:
-            raise StepError(code.BAD_TENSOR, str(exc)) from None
-        reset = control.reset_caches
-        gone_payloads = set(control.evict_payload_ids)
-        gone_encoded = set(control.evict_encoder_ids)
-
-        finished: list[RequestId] = []
-        for rid in control.finished_request_ids:
-            if rid not in self.requests or rid in finished:
-                raise StepError(
-                    code.UNKNOWN_REQUEST, f"finished_request_ids names {rid!r}, which this rank does not hold", rid
-                )
-            finished.append(RequestId(rid))
+        checks.check_step_id(control, self.last_step_id)
+        incoming = checks.take_assembled(self.assembler)
+        finished = checks.check_finished(control, self.requests)
         held = set(self.requests) - set(finished)
-
-        new: list[RequestState] = []
-        step_items: dict[ItemId, object] = {}
-        for msg in control.new_requests:
-            if msg.request_id in held or any(s.request_id == msg.request_id for s in new):
-                raise StepError(
-                    code.STATE_MISMATCH,
-                    f"new_requests[{msg.request_id}]: this rank already holds the request",
-                    msg.request_id,
-                )
-            state = admit(
-                msg,
-                vocab_size=r.vocab_size,
-                num_blocks=r.pool.num_blocks,
-                block_size=r.block_size,
-                max_model_len=r.max_model_len,
-                rope_kwargs=r.rope_kwargs if r.uses_mrope else None,
-            )
-            check_prefix_written(state, self.written, r.block_size)
-            new.append(state)
-            for item in state.item_msgs:
-                if item.identifier not in step_items or wire.payload_field_headers(item):
-                    step_items[ItemId(item.identifier)] = item
-
-        running: list[tuple[RequestState, worker_pb2.RunningRequest]] = []
-        seen: set[str] = {s.request_id for s in new}
-        for delta in control.running:
-            rid = delta.request_id
-            where = f"running[{rid}]"
-            if rid not in held or rid in seen:
-                raise StepError(code.UNKNOWN_REQUEST, f"{where}: this rank does not hold the request", rid)
-            seen.add(rid)
-            state = self.requests[RequestId(rid)]
-            if delta.num_computed_tokens != state.num_computed:
-                raise StepError(
-                    code.STATE_MISMATCH,
-                    f"{where}.num_computed_tokens={delta.num_computed_tokens}, this rank computed {state.num_computed}",
-                    rid,
-                )
-            check_tokens(delta.new_token_ids, r.vocab_size, f"{where}.new_token_ids", rid)
-            check_blocks(delta.new_block_ids, r.pool.num_blocks, f"{where}.new_block_ids", rid)
-            running.append((state, delta))
-
-        windows: list[tuple[RequestState, int, int]] = []
-        for state, count, num_tokens, num_blocks in [
-            (s, m.num_scheduled_tokens, len(s.token_ids), len(s.block_ids))
-            for s, m in zip(new, control.new_requests, strict=True)
-        ] + [
-            (
-                s,
-                d.num_scheduled_tokens,
-                len(s.token_ids) + len(d.new_token_ids),
-                len(s.block_ids) + len(d.new_block_ids),
-            )
-            for s, d in running
-        ]:
-            if count == 0:
-                continue  # held but not computed this step
-            start, end = state.num_computed, state.num_computed + count
-            rid = state.request_id
-            if end > num_tokens:
-                raise StepError(
-                    code.STATE_MISMATCH,
-                    f"request {rid}: num_scheduled_tokens={count} from {start} reaches token {end}, the rank knows "
-                    f"{num_tokens} tokens",
-                    rid,
-                )
-            if r.max_model_len and end > r.max_model_len:
-                raise StepError(code.OUT_OF_RANGE, f"request {rid}: {end} tokens exceed max_model_len", rid)
-            if end // r.block_size > num_blocks:
-                raise StepError(
-                    code.STATE_MISMATCH,
-                    f"request {rid}: {end} computed tokens fill {end // r.block_size} blocks, the block table holds "
-                    f"{num_blocks}",
-                    rid,
-                )
-            windows.append((state, start, end))
-
-        def lookup(ident: str):
-            return step_items.get(ident) or (self.items.get(ident) or [None])[0]
-
-        encoded_after = set() if reset else set(self.encoded.entries) - gone_encoded
-        encoder_tokens = (
-            0
-            if reset
-            else self.encoded.tokens
-            - sum(self.encoded.entries[i].shape[0] for i in gone_encoded if i in self.encoded.entries)
+        new, step_items = checks.check_new_requests(control, held, r, self.written)
+        running = checks.check_running(control, held, new, self.requests, r)
+        windows = checks.check_windows(control, new, running, r)
+        encode, encoded_after, payload_hits, payload_queries = checks.check_encoder_inputs(
+            control,
+            incoming,
+            step_items,
+            items=self.items,
+            payloads=self.payloads,
+            encoded=self.encoded,
+            rank=self.rank,
+            world_size=getattr(self.group, "world_size", 1),
+            images_allowed=self.images is not None,
+            runner=r,
         )
-        encode: list[tuple[ItemId, object, int | None]] = []
-        plan_hits = payload_queries = 0
-        world = getattr(self.group, "world_size", 1)
-        for enc in control.encoder_inputs:
-            ident = ItemId(enc.item_identifier)
-            if ident in encoded_after:
-                continue  # already encoded on this rank; the scheduler's mirror may lag one step
-            msg = lookup(ident)
-            if msg is None:
-                raise StepError(
-                    code.STATE_MISMATCH,
-                    f"encoder_inputs names item {ident[:16]}, which no request held by this rank contains",
-                    item_identifier=ident,
-                )
-            owner = None if enc.replicated else enc.owner_rank
-            if owner is not None and owner >= world:
-                raise StepError(code.OUT_OF_RANGE, f"encoder_inputs[{ident[:16]}].owner_rank={owner}; the group has "
-                                f"{world} ranks", item_identifier=ident)
-            if owner is not None and owner != self.rank:  # another rank encodes it; its output comes over the group
-                try:
-                    feature = wire.feature_from_proto(msg)
-                except (wire.WireError, ValueError) as exc:
-                    raise StepError(code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}]: {exc}", item_identifier=ident) from None
-                encode.append((ident, feature, owner))
-                encoded_after.add(ident)
-                encoder_tokens += feature.mm_position.get_num_embeds()
-                continue
-            fields = dict(
-                {} if reset or ident in gone_payloads else (self.payloads.get(ident) or {}), **incoming.get(ident, {})
-            )
-            payload_queries += 1
-            if ident not in incoming and fields:
-                plan_hits += 1
-            try:
-                feature = wire.feature_from_proto(msg, payload=fields)
-            except (wire.WireError, ValueError) as exc:
-                raise StepError(
-                    code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}]: {exc}", item_identifier=ident
-                ) from None
-            if feature.encoding is PayloadEncoding.ENCODED and self.images is None:
-                raise StepError(code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}] is an encoded image, but the handshake "
-                                "allowed no image format", item_identifier=ident)
-            missing = [n for n in encoder_fields(feature) if feature.data is None or n not in feature.data]
-            if missing:
-                raise StepError(
-                    code.MISSING_PAYLOAD,
-                    f"encoder_inputs[{ident[:16]}] needs field(s) {', '.join(missing)}, which this rank does not hold "
-                    f"(payload cache has {len(self.payloads)} items; none arrived for this item this step)",
-                    item_identifier=ident,
-                )
-            problem = r.encoder_input_problem(feature)
-            if problem is not None:
-                raise StepError(code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}]: {problem}", item_identifier=ident)
-            encode.append((ident, feature, owner))
-            encoded_after.add(ident)
-            encoder_tokens += feature.mm_position.get_num_embeds()
-        if encoder_tokens > self.encoded.budget_tokens:
-            raise StepError(
-                code.OUT_OF_RANGE,
-                f"encoder cache would hold {encoder_tokens} rows after this step, over the budget of "
-                f"{self.encoded.budget_tokens} (--encoder-cache-tokens)",
-            )
-        scheduled = {ident for ident, _, _ in encode}
-        encoder_hits = encoder_queries = 0
-        for state, start, end in windows:
-            for index in state.overlapping(start, end):
-                ident = state.features[index].identifier
-                if ident not in encoded_after:
-                    raise StepError(
-                        code.MISSING_PAYLOAD,
-                        f"request {state.request_id}: tokens [{start}, {end}) need the encoder output of item "
-                        f"{ident[:16]} (placeholders [{state.features[index].mm_position.offset}, "
-                        f"{state.features[index].mm_position.end})), which this rank neither holds nor is told to "
-                        "compute in encoder_inputs",
-                        state.request_id,
-                        ident,
-                    )
-                encoder_queries += 1
-                encoder_hits += ident not in scheduled
-        payload_bytes = self.payloads.bytes_after(gone_payloads, incoming, reset)
-        if payload_bytes > self.payloads.budget_bytes:
-            raise StepError(
-                code.OUT_OF_RANGE,
-                f"payload cache would hold {payload_bytes} bytes after this step, over the budget of "
-                f"{self.payloads.budget_bytes} (--payload-cache-bytes)",
-            )
-        return _Plan(control, finished, new, running, incoming, encode, windows, plan_hits, encoder_hits,
+        encoder_hits, encoder_queries = checks.check_encoder_outputs_for_windows(windows, encode, encoded_after)
+        checks.check_payload_budget(control, incoming, self.payloads)
+        return _Plan(control, finished, new, running, incoming, encode, windows, payload_hits, encoder_hits,
                      payload_queries, encoder_queries)
 
     # --- phase 2: bookkeeping --------------------------------------------------------------------------------
@@ -329,7 +160,7 @@ class Session:
                 self.items[ItemId(item.identifier)] = [item, 1]
                 continue
             entry[1] += 1
-            if wire.payload_field_headers(item):
+            if item_proto.payload_field_headers(item):
                 entry[0] = item  # prefer a message that announces the payload fields
 
     def _unregister(self, state: RequestState) -> None:

@@ -27,12 +27,12 @@ import sys
 import torch
 
 from common.hashing import model_fingerprint
-from common.wire import PROTOCOL_VERSION
+from common.item_proto import PROTOCOL_VERSION
 from mmcast.v1 import worker_pb2
 from worker_svc.config import WorkerConfig
-from worker_svc.group import Group
 from worker_svc.handshake import EpochGate, HandshakeRejected, RankIdentity, check_handshake
 from worker_svc.metrics import WorkerMetrics
+from worker_svc.process_group import Group
 from worker_svc.session import Session, StepOutcome
 from worker_svc.step_errors import StepError, code, code_name
 

@@ -118,7 +118,7 @@ def test_group_pod_holds_its_scheduler_and_one_container_per_rank():
         assert args["dist-init"] == "tcp://127.0.0.1:29500"
         assert args["listen"] == f"0.0.0.0:{50061 + rank}" and args["metrics-port"] == str(9401 + rank)
         # Rank 0's rendezvous store binds the pod's loopback; every rank is told, so all of them build the same
-        # store (worker_svc/group.py: a rank without the flag would use torch's own, under other keys, and wait).
+        # store (worker_svc/process_group.py: a rank without the flag would use torch's own, under other keys, and wait).
         assert args["dist-bind-host"] == "127.0.0.1"
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         assert mounts["/dev/shm"] == "dshm" and mounts["/tmp"] == f"tmp-rank-{rank}"

@@ -99,7 +99,7 @@ def test_a_rank_that_comes_back_is_reached_at_the_next_attempt():
     import grpc
 
     from mmcast_local.supervisor import free_ports
-    from scheduler_svc.group import GroupDown, WorkerGroup
+    from scheduler_svc.rank_streams import GroupDown, WorkerGroup
     from tests.support.fake_rank import FakeRank, FakeRankConfig
 
     fp = "f" * 64

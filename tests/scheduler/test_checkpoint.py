@@ -1,5 +1,5 @@
 """Model folders as checkpoints ship them, and what the scheduler does with one that cannot serve
-(common/processor.py, scheduler_svc/main.py), and the status of a request the server fails (scheduler_svc/service.py).
+(common/processor.py, scheduler_svc/main.py), and the status of a request the server fails (scheduler_svc/servicer.py).
 
 - A chat template in any file transformers reads serves prompts tokenized with that template. The reference is
   the template text the test wrote, rendered by the tokenizer's own ``apply_chat_template`` and each image pad
@@ -199,7 +199,7 @@ def _assert_internal(info, request_id: str) -> None:
 
 
 def test_an_unexpected_exception_is_internal_with_the_request_id(harness, monkeypatch):
-    from scheduler_svc import service
+    from scheduler_svc import servicer
 
     h = harness
 
@@ -221,7 +221,7 @@ def test_an_unexpected_exception_is_internal_with_the_request_id(harness, monkey
             add = flush = broken
 
         with monkeypatch.context() as patch:
-            patch.setattr(service, "TextStream", BrokenText)
+            patch.setattr(servicer, "TextStream", BrokenText)
             with pytest.raises(grpc.RpcError) as info:
                 generate(stub, request("planted-2"))
         _assert_internal(info, "planted-2")

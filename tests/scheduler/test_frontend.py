@@ -259,11 +259,11 @@ def test_duck_typed_parts_and_their_field_names(tiny_model_dir):
 @pytest.mark.parametrize("mode", ("full", "strip", "lazy"))
 def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_dir, mode):
     from common import codec
-    from common.wire import feature_from_proto
+    from common.item_proto import feature_from_proto
     from mmcast.v1 import worker_pb2
+    from scheduler_svc.plan_proto import item_payload_frames
     from scheduler_svc.request import Request, SamplingParams
     from scheduler_svc.scheduler import GroupBudget, Scheduler
-    from scheduler_svc.wire import item_payload_frames
 
     fe = make_frontend(tiny_model_dir)
     prompt = fe.process(conversation())
@@ -309,7 +309,7 @@ def test_encoded_prompt_is_built_from_headers_and_carries_the_file_as_sent(tiny_
 
 
 def test_encoded_items_round_trip_the_wire_with_their_encoding(tiny_model_dir):
-    from common.wire import feature_from_proto, feature_to_proto
+    from common.item_proto import feature_from_proto, feature_to_proto
     from mmcast.v1 import multimodal_pb2
 
     fe = make_frontend(tiny_model_dir, payload_encoding="encoded")

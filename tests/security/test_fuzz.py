@@ -1,6 +1,6 @@
 """Fuzzing (hypothesis) of everything that parses untrusted bytes: the tensor codec and the worker's payload
 assembly, the worker's step decoder (plan → commit → execute on an in-process rank), and the frontend's parsing
-of client requests (``api.parse_*`` + ``Frontend.process``, images included).
+of client requests (``request_parsing.parse_*`` + ``Frontend.process``, images included).
 
 The property is always the same: bad input ends in the component's own error type (``TensorDecodeError`` /
 ``FrameError``, a ``StepError`` other than INTERNAL, an ``MmcastError``) and good input succeeds — never another
@@ -439,14 +439,14 @@ def requests(draw):
 
 def parse_and_process(frontend, msg: generation_pb2.GenerateRequest) -> None:
     """What Generate does with a request before the engine: every limit, the processor, the context check."""
-    from scheduler_svc import api
+    from scheduler_svc import request_parsing
 
     try:
-        api.check_request_id(msg.request_id)
-        api.check_cache_salt(msg.cache_salt)
-        sampling = api.parse_sampling(msg.sampling, max_tokens_limit=512, max_logprobs=20,
+        request_parsing.check_request_id(msg.request_id)
+        request_parsing.check_cache_salt(msg.cache_salt)
+        sampling = request_parsing.parse_sampling(msg.sampling, max_tokens_limit=512, max_logprobs=20,
                                       vocab_size=frontend.vocab_size)
-        turns = api.parse_messages(msg.messages, max_images=frontend.config.max_images_per_request)
+        turns = request_parsing.parse_messages(msg.messages, max_images=frontend.config.max_images_per_request)
         processed = frontend.process(turns, tenant="fuzz")
     except MmcastError:
         return

@@ -20,7 +20,7 @@ import time
 import psutil
 import pytest
 
-from common.wire import PROTOCOL_VERSION
+from common.item_proto import PROTOCOL_VERSION
 from mmcast.v1 import worker_pb2
 from mmcast_client import Client
 from tests.support import security_catalogue as cat

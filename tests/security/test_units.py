@@ -14,7 +14,7 @@ from common import tls
 from common.auth import TokenFileError, TokenTable, parse_tokens, read_token_file
 from common.errors import InvalidArgument, NotFound
 from common.hashing import item_identifier
-from scheduler_svc import api
+from scheduler_svc import request_parsing
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.tenancy import scoped_cache_salt, scoped_request_id
 from scheduler_svc.upload_store import UploadStore
@@ -151,12 +151,12 @@ def test_upload_store_is_per_tenant():
 
 def test_ids_with_a_trailing_newline_are_refused():
     with pytest.raises(InvalidArgument, match="request_id may contain only"):
-        api.check_request_id("abc\n")
+        request_parsing.check_request_id("abc\n")
     from mmcast.v1 import generation_pb2 as pb
 
     msg = pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(image=pb.ImageInput(uploaded_sha256="0" * 64 + "\n"))])
     with pytest.raises(InvalidArgument, match="64 lowercase hex"):
-        api.parse_messages([msg], max_images=4)
+        request_parsing.parse_messages([msg], max_images=4)
 
 
 def test_security_doc_lists_every_catalogue_case():

@@ -41,7 +41,7 @@ def harness(tiny_model_dir):
 
 
 def test_finished_line_carries_the_final_messages_numbers(harness, caplog):
-    caplog.set_level(logging.INFO, logger="scheduler_svc.service")
+    caplog.set_level(logging.INFO, logger="scheduler_svc.servicer")
     messages = [user(image(IMG_A), image(IMG_B), text("describe both"))]
     finals = []
     with grpc.insecure_channel(harness.target) as ch:
@@ -73,7 +73,7 @@ def test_finished_line_carries_the_final_messages_numbers(harness, caplog):
 
 
 def test_a_client_that_leaves_still_gets_its_line(harness, caplog):
-    caplog.set_level(logging.INFO, logger="scheduler_svc.service")
+    caplog.set_level(logging.INFO, logger="scheduler_svc.servicer")
     with grpc.insecure_channel(harness.target) as ch:
         call = gg.GenerationServiceStub(ch).Generate(
             request([user(text("a long story please"))], max_tokens=400, request_id="log-gone"))
@@ -99,7 +99,7 @@ def test_with_authentication_the_line_names_the_tenant(tiny_model_dir, tmp_path,
     tokens = secret_file(tmp_path / "tokens.json", json.dumps({token: "acme"}))
     h = FakeGroupScheduler(tiny_model_dir, n_ranks=1, auth_tokens_file=str(tokens)).start()
     try:
-        caplog.set_level(logging.INFO, logger="scheduler_svc.service")
+        caplog.set_level(logging.INFO, logger="scheduler_svc.servicer")
         with grpc.insecure_channel(h.target) as ch:
             responses = list(gg.GenerationServiceStub(ch).Generate(
                 request([user(text("hello"))], max_tokens=2, request_id="t-1"),

@@ -1,7 +1,7 @@
 """Optional OpenTelemetry tracing (common/tracing.py): nothing of OpenTelemetry is imported while it is off, a bad
 setting names its fix, and one request through a real scheduler and a real rank leaves the documented spans.
 
-The span test runs the scheduler server and the rank in this process (tests/worker_driver.py's InProcessWorker,
+The span test runs the scheduler server and the rank in this process (tests/support/worker_driver.py's InProcessWorker,
 the way tests/service/test_request_failures.py does), because the in-memory exporter that collects the spans must live in
 the process that makes them."""
 
@@ -20,8 +20,8 @@ from mmcast.v1 import generation_pb2_grpc as gg
 from tests.support.chat import IMG_A, image, request, text, user
 
 # Every module with a tracing call site, and the entry points that configure it.
-MODULES = ("common.tracing", "scheduler_svc.main", "scheduler_svc.service", "scheduler_svc.engine",
-           "scheduler_svc.group", "worker_svc.main", "worker_svc.servicer")
+MODULES = ("common.tracing", "scheduler_svc.main", "scheduler_svc.servicer", "scheduler_svc.engine",
+           "scheduler_svc.rank_streams", "worker_svc.main", "worker_svc.servicer")
 
 
 def test_nothing_of_opentelemetry_is_imported_while_tracing_is_off_and_a_bad_setting_stops_the_scheduler(

@@ -12,7 +12,7 @@ import dataclasses
 
 import grpc
 
-from common import wire
+from common import item_proto
 from common.auth import BearerTokenInterceptor, TokenTable
 from mmcast.v1 import worker_pb2
 
@@ -70,7 +70,7 @@ class FakeRank:
         if kind == "payload":
             self.bytes_by_kind["payload"] += len(raw)
         elif kind == "control":
-            metadata, rest = wire.control_byte_breakdown(frame.control, len(raw))
+            metadata, rest = item_proto.control_byte_breakdown(frame.control, len(raw))
             self.bytes_by_kind["metadata"] += metadata
             self.bytes_by_kind["control"] += rest
         else:
@@ -88,7 +88,7 @@ class FakeRank:
                 if cfg.refuse_handshake:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, cfg.refuse_handshake)
                 ack = worker_pb2.HandshakeAck(
-                    protocol_version=wire.PROTOCOL_VERSION,
+                    protocol_version=item_proto.PROTOCOL_VERSION,
                     model_fingerprint=cfg.fingerprint,
                     rank=cfg.rank,
                     world_size=cfg.world_size,

@@ -18,6 +18,7 @@ import zlib
 import torch
 
 from common.ids import ItemId
+from common.item_proto import feature_from_proto
 from common.multimodal import (
     FieldKind,
     Modality,
@@ -27,7 +28,6 @@ from common.multimodal import (
     PayloadState,
     PlaceholderRange,
 )
-from common.wire import feature_from_proto
 from mmcast.v1 import multimodal_pb2, worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import Request, SamplingParams

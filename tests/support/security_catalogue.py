@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from benchmarks import hostile_inputs as hostile
-from common import codec, wire
+from common import codec, item_proto
 from common.hashing import model_fingerprint
 from mmcast.v1 import generation_pb2 as pb
 from mmcast.v1 import multimodal_pb2, tensor_pb2, worker_pb2
@@ -572,7 +572,7 @@ class GrpcurlError(grpc.RpcError):
 
 
 class Stream:
-    """One Step stream to a rank: raw frames out, WorkerFrames in (metadata carries the shared token)."""
+    """One Step stream to a rank: raw frames out, StepResponse messages in (metadata carries the shared token)."""
 
     def __init__(self, target: str, metadata) -> None:
         self.channel = grpc.insecure_channel(
@@ -640,7 +640,7 @@ class StepCtx:
 
     def handshake(self, **overrides) -> worker_pb2.StepRequest:
         hs = worker_pb2.Handshake(
-            protocol_version=wire.PROTOCOL_VERSION, model_fingerprint=self.fingerprint, rank=0, world_size=1,
+            protocol_version=item_proto.PROTOCOL_VERSION, model_fingerprint=self.fingerprint, rank=0, world_size=1,
             scheduler_epoch=self.epochs(), scheduler_id=WORKER_LIMITS["--scheduler-id"], block_size=16,
         )
         for key, value in overrides.items():

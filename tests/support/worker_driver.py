@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from common import codec, wire
+from common import codec, item_proto
 from common.hashing import model_fingerprint
 from common.ids import ItemId
 from common.multimodal import (
@@ -142,7 +142,7 @@ def oracle(model, prompt: Prompt, max_new_tokens: int = 8) -> tuple[list[int], l
 
 def handshake(model_dir, *, rank=0, world_size=1, epoch=None, block_size=16, scheduler_id="test", **overrides):
     hs = worker_pb2.Handshake(
-        protocol_version=wire.PROTOCOL_VERSION,
+        protocol_version=item_proto.PROTOCOL_VERSION,
         model_fingerprint=model_fingerprint(model_dir),
         rank=rank,
         world_size=world_size,
@@ -345,7 +345,7 @@ class MiniScheduler:
                         state = PayloadState.PRESENT
                     else:
                         state = PayloadState.DEFERRED
-                    msg.mm_items.append(wire.feature_to_proto(f, payload_state=state))
+                    msg.mm_items.append(item_proto.feature_to_proto(f, payload_state=state))
                 req.admitted = True
                 req.told = len(req.outputs)
                 req.blocks_told = len(req.block_ids)
@@ -370,7 +370,7 @@ class MiniScheduler:
 
     def send(self, payloads: list[bytes], control: worker_pb2.StepControl, ranks=None) -> None:
         control_bytes = worker_pb2.StepRequest(control=control).SerializeToString()
-        metadata, rest = wire.control_byte_breakdown(control, len(control_bytes))
+        metadata, rest = item_proto.control_byte_breakdown(control, len(control_bytes))
         for index, stream in enumerate(self.streams):
             if ranks is not None and index not in ranks:
                 continue

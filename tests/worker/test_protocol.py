@@ -9,7 +9,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common import codec, wire
+from common import codec, item_proto
 from common.multimodal import PayloadState
 from mmcast.v1 import tensor_pb2, worker_pb2
 from tests.support.worker_driver import MiniScheduler, StreamClient, handshake, next_epoch, noise_image
@@ -43,7 +43,7 @@ def new_request(prompt, rid="r", *, state=PayloadState.DEFERRED, computed=0, sch
         sampling=worker_pb2.WorkerSampling(return_logprobs=True),
     )
     for f in prompt.features:
-        msg.mm_items.append(wire.feature_to_proto(f, payload_state=state))
+        msg.mm_items.append(item_proto.feature_to_proto(f, payload_state=state))
     return msg
 
 
@@ -315,7 +315,7 @@ def encoded_step(prompt, feature) -> list[bytes]:
 
     msg = new_request(prompt)
     msg.ClearField("mm_items")
-    msg.mm_items.append(wire.feature_to_proto(feature, payload_state=PayloadState.DEFERRED))
+    msg.mm_items.append(item_proto.feature_to_proto(feature, payload_state=PayloadState.DEFERRED))
     control = worker_pb2.StepControl(step_id=1, new_requests=[msg])
     control.encoder_inputs.add(item_identifier=feature.identifier)
     return [*codec.payload_frames(feature.identifier, ENCODED_FIELD, feature.data[ENCODED_FIELD].data),

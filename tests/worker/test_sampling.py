@@ -198,9 +198,9 @@ def test_fuzz_logits():
 @given(temperature=st.floats(0, 2, width=32), top_p=st.floats(0, 1, width=32, exclude_min=True))
 @settings(max_examples=100, deadline=None, database=None)
 def test_every_parameter_the_api_admits_samples(temperature, top_p):
-    """Exactly the ranges ``scheduler_svc/api.py parse_sampling`` admits, through the rank's proto parsing."""
+    """Exactly the ranges ``scheduler_svc/request_parsing.py parse_sampling`` admits, through the rank's proto parsing."""
     from mmcast.v1 import worker_pb2
-    from worker_svc.requests import sampling_from_proto
+    from worker_svc.request_state import sampling_from_proto
 
     msg = worker_pb2.WorkerSampling(temperature=temperature, top_p=top_p, seed=2**64 - 1, logprobs=20,
                                     return_logprobs=True)

@@ -7,7 +7,7 @@ import torch
 
 from common import codec
 from mmcast.v1 import worker_pb2
-from scheduler_svc.group import GroupDown, PayloadSend, WorkerGroup
+from scheduler_svc.rank_streams import GroupDown, PayloadTensors, WorkerGroup
 from tests.support.fake_rank import FakeRank, FakeRankConfig
 
 FP = "f" * 64
@@ -39,8 +39,8 @@ def test_control_bytes_identical_across_ranks_and_payloads_only_where_needed():
         a = torch.randn(50_000)  # 200 KB -> 4 chunks of 64 KiB
         b = torch.randn(10)
         sends = [
-            [PayloadSend("item-a", [("pixel_values", a)]), PayloadSend("item-b", [("pixel_values", b)])],
-            [PayloadSend("item-b", [("pixel_values", b)])],
+            [PayloadTensors("item-a", [("pixel_values", a)]), PayloadTensors("item-b", [("pixel_values", b)])],
+            [PayloadTensors("item-b", [("pixel_values", b)])],
             [],
         ]
         results = await group.run_step(1, control_with_new_request(), sends)

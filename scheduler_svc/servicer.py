@@ -1,4 +1,4 @@
-"""The client-facing ``mmcast.v1.GenerationService`` servicer. It only translates: proto → domain objects (api.py),
+"""The client-facing ``mmcast.v1.GenerationService`` servicer. It only translates: proto → domain objects (request_parsing.py),
 the frontend and the engine decide, events → proto. Status codes and their ``google.rpc`` details come from the
 ``common.errors`` exception, through ``common.rich_status`` (docs/ERRORS.md).
 
@@ -23,7 +23,7 @@ from common import rich_status, tracing
 from common.errors import InvalidArgument, MmcastError, ResourceExhausted, Status, Unavailable
 from common.rich_status import grpc_code
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, logprob_pb2
-from scheduler_svc import api
+from scheduler_svc import request_parsing
 from scheduler_svc.detok import TextStream
 from scheduler_svc.engine import Engine, FinishEvent, RequestHandle, TokenEvent
 from scheduler_svc.request_log import RequestSummary
@@ -113,15 +113,15 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             tenant = self._tenant(context)
             request_id = scoped_request_id(tenant, client_id)
             log_extra = {"request_id": request_id}
-            api.check_request_id(request.request_id)
-            api.check_cache_salt(request.cache_salt)
-            sampling = api.parse_sampling(
+            request_parsing.check_request_id(request.request_id)
+            request_parsing.check_cache_salt(request.cache_salt)
+            sampling = request_parsing.parse_sampling(
                 request.sampling,
                 max_tokens_limit=self.config.max_tokens_limit,
                 max_logprobs=self.config.max_logprobs,
                 vocab_size=self.frontend.vocab_size,
             )
-            turns = api.parse_messages(request.messages, max_images=self.config.max_images_per_request)
+            turns = request_parsing.parse_messages(request.messages, max_images=self.config.max_images_per_request)
             loop = asyncio.get_running_loop()
             add_gen = not request.continue_final_message
             with tracing.span("mmcast.frontend", request_id=request_id) as current:  # decode, preprocess, tokenize
@@ -161,7 +161,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             await abort_internal(context, "Generate", client_id)
 
     async def _stream(
-        self, handle: RequestHandle, processed, sampling: api.SamplingSpec, received: float, context, client_id: str,
+        self, handle: RequestHandle, processed, sampling: request_parsing.SamplingSpec, received: float, context, client_id: str,
         tenant: str,
     ):
         text = TextStream(self.tokenizer, sampling.stop)

@@ -17,9 +17,10 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from common import codec, tracing, wire
+from common import codec, item_proto, tracing
 from common.ids import ItemId
 from mmcast.v1 import worker_pb2
+from scheduler_svc.scheduler import GroupBudget
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +39,6 @@ class GroupDown(Exception):
     """The group cannot run steps until it is reconnected. The message says which rank and why."""
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupBudget:
-    """What the whole group can hold: the minimum over the ranks' handshakes."""
-
-    num_ranks: int  # tensor-parallel size
-    kv_blocks: int  # KV pool blocks per rank (= prefix-cache size)
-    encoder_cache_tokens: int  # encoder-output rows per rank
-    payload_cache_bytes: int  # payload-cache bytes per rank
-    max_tensor_bytes: int  # largest tensor any rank accepts
-    max_model_len: int  # context length of the loaded model
-    encoder_row_bytes: int = 0  # bytes of one encoder-output row (sharded placement's collective unit)
-
-
 @dataclasses.dataclass
 class ByteCounters:
     """Bytes written to the rank streams, summed over ranks, by kind."""
@@ -64,8 +52,10 @@ class ByteCounters:
 
 
 @dataclasses.dataclass(frozen=True)
-class PayloadSend:
-    """One item whose payload frames precede a step's control on some ranks."""
+class PayloadTensors:
+    """One item's payload tensors, written as frames before a step's control on the ranks that need them.
+
+    (``scheduler_svc.output.PayloadSend`` is the plan's decision; the engine turns each into one of these.)"""
 
     identifier: ItemId
     fields: Sequence[tuple[str, object]]  # (field name, torch.Tensor) of the payload (non keep_on_cpu) fields
@@ -266,7 +256,7 @@ class WorkerGroup:
 
         async def shake(s: _RankStream) -> worker_pb2.HandshakeAck:
             hs = worker_pb2.Handshake(
-                protocol_version=wire.PROTOCOL_VERSION,
+                protocol_version=item_proto.PROTOCOL_VERSION,
                 model_fingerprint=self.model_fingerprint,
                 rank=s.rank,
                 world_size=self.world_size,
@@ -285,8 +275,8 @@ class WorkerGroup:
             raise
         for s, ack in zip(streams, acks, strict=True):
             problems = []
-            if ack.protocol_version != wire.PROTOCOL_VERSION:
-                problems.append(f"protocol_version {ack.protocol_version} != {wire.PROTOCOL_VERSION}")
+            if ack.protocol_version != item_proto.PROTOCOL_VERSION:
+                problems.append(f"protocol_version {ack.protocol_version} != {item_proto.PROTOCOL_VERSION}")
             if ack.model_fingerprint != self.model_fingerprint:
                 problems.append(f"model_fingerprint {ack.model_fingerprint[:12]} != {self.model_fingerprint[:12]}")
             if ack.rank != s.rank:
@@ -322,7 +312,7 @@ class WorkerGroup:
             raise GroupDown(f"write to a rank failed: {exc!r}") from None
 
     async def run_step(
-        self, step_id: int, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadSend]]
+        self, step_id: int, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadTensors]]
     ) -> list[worker_pb2.StepResult]:
         """Write one step to every rank and wait for every rank's answer (index = rank). Raises GroupDown."""
         self._check_up()
@@ -332,11 +322,11 @@ class WorkerGroup:
             await self._broadcast(control, rank_payloads, current)
         return await self._await_results(step_id)
 
-    async def _broadcast(self, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadSend]],
+    async def _broadcast(self, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadTensors]],
                          current) -> None:
         """Writes the payload frames each rank needs, then the one serialized control to every rank."""
         # Every item once, in first-seen order; each rank receives its own subsequence of it.
-        order: dict[ItemId, PayloadSend] = {}
+        order: dict[ItemId, PayloadTensors] = {}
         needed_by: dict[ItemId, list[_RankStream]] = {}
         for stream, sends in zip(self._streams, rank_payloads, strict=True):
             for send in sends:
@@ -348,7 +338,7 @@ class WorkerGroup:
                 for raw in codec.iter_payload_frames(ident, name, tensor, chunk_size=self.chunk_size):
                     await self._write(targets, raw, "payload")
         raw_control = worker_pb2.StepRequest(control=control).SerializeToString()
-        metadata, rest = wire.control_byte_breakdown(control, len(raw_control))
+        metadata, rest = item_proto.control_byte_breakdown(control, len(raw_control))
         try:
             await asyncio.gather(*(s.call.write(raw_control) for s in self._streams))
         except _WRITE_ERRORS as exc:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from common import codec
+from common.item_proto import feature_to_proto
 from common.multimodal import MultiModalFeatureSpec
-from common.wire import feature_to_proto
 from mmcast.v1 import worker_pb2
 from scheduler_svc.output import NewRequestData, RunningRequestData
 from scheduler_svc.request import SamplingParams

@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from common import wire
+from common import item_proto
 from common.ids import ItemId, RequestId
 from common.multimodal import MultiModalFeatureSpec
 from mmcast.v1 import multimodal_pb2, worker_pb2
@@ -154,8 +154,8 @@ def admit(
     features, msgs = [], []
     for item in sorted(msg.mm_items, key=lambda m: m.position.offset):
         try:
-            features.append(wire.feature_from_proto(item, max_prompt_len=n))
-        except (wire.WireError, ValueError) as exc:
+            features.append(item_proto.feature_from_proto(item, max_prompt_len=n))
+        except (item_proto.WireError, ValueError) as exc:
             raise StepError(code.BAD_TENSOR, f"{where}: {exc}", rid, item.identifier) from None
         msgs.append(item)
     num_prompt = n - msg.num_output_tokens
