@@ -20,7 +20,7 @@ from common.errors import (
     Unavailable,
 )
 from mmcast.v1 import generation_pb2 as g
-from scheduler_svc import api
+from scheduler_svc import request_parsing
 from tests.support.rich_errors import field_resolves
 
 
@@ -121,7 +121,7 @@ BAD_MESSAGES = {
 @pytest.mark.parametrize("path", list(BAD_SAMPLING))
 def test_sampling_errors_name_their_field(path):
     with pytest.raises(InvalidArgument) as info:
-        api.parse_sampling(BAD_SAMPLING[path], **SAMPLING)
+        request_parsing.parse_sampling(BAD_SAMPLING[path], **SAMPLING)
     field = path.rstrip("=")
     assert info.value.fields == (field,) and info.value.message.startswith(field), info.value.message
     assert field_resolves(g.GenerateRequest.DESCRIPTOR, field)
@@ -130,14 +130,14 @@ def test_sampling_errors_name_their_field(path):
 @pytest.mark.parametrize("path", list(BAD_MESSAGES))
 def test_message_errors_name_their_field(path):
     with pytest.raises(InvalidArgument) as info:
-        api.parse_messages(BAD_MESSAGES[path], max_images=2)
+        request_parsing.parse_messages(BAD_MESSAGES[path], max_images=2)
     assert info.value.fields == (path,) and info.value.message.startswith(path), info.value.message
     assert field_resolves(g.GenerateRequest.DESCRIPTOR, path)
 
 
 @pytest.mark.parametrize("check, value, field", [
-    (api.check_request_id, "r" * 129, "request_id"), (api.check_request_id, "a b", "request_id"),
-    (api.check_cache_salt, "s" * 257, "cache_salt"),
+    (request_parsing.check_request_id, "r" * 129, "request_id"), (request_parsing.check_request_id, "a b", "request_id"),
+    (request_parsing.check_cache_salt, "s" * 257, "cache_salt"),
 ])
 def test_id_errors_name_their_field(check, value, field):
     with pytest.raises(InvalidArgument) as info:
