@@ -205,6 +205,7 @@ def serve_job(client, rank_metrics: str, job: Job, reqs: list[tuple[str, list[in
     decode_steps = steps_end[1] - steps_start[1]
     return {
         "prompt_tokens": sum(len(r[1]) for r in reqs),
+        "new_tokens": sum(len(t) for t in tokens),
         "prefill_seconds": t_first - t0,
         "decode_tokens": decode_tokens,
         "decode_seconds": end - t_first,
@@ -221,8 +222,8 @@ def serve_all(model: str, jobs: list[tuple[Job, list]], log, env: dict | None = 
     peak = max(sum(len(ids) + j.new_tokens for _, ids in reqs) for j, reqs in jobs)
     blocks = 2 * (peak // 16 + 64 * 4)  # the largest job twice over: room beside the prefix cache's freed blocks
     out = []
-    with LocalGroup(model, tp=1, kv_blocks=blocks, env=env) as group, Client(group.target, timeout=3600) as client:
-        rank = group.metrics_urls()["rank0"]
+    with LocalGroup(model, tp=1, kv_blocks=blocks, env=env, ready_timeout=900) as group, Client(group.target, timeout=3600) as client:
+        rank = group.metrics_urls["rank0"]
         client.generate("warm up", max_tokens=2, ignore_eos=True)
         for job, reqs in jobs:
             result = serve_job(client, rank, job, reqs)
@@ -284,6 +285,7 @@ def _reference_main(path: str) -> None:
         steps = len(clock.times) - 1
         results.append({
             "prompt_tokens": sum(len(x) for x in ids),
+            "new_tokens": len(clock.times) * len(ids),
             "prefill_seconds": clock.times[0] - t0,
             "decode_tokens": steps * len(ids),
             "decode_seconds": clock.times[-1] - clock.times[0],
@@ -321,13 +323,18 @@ def measure(plans, log=print, env: dict | None = None) -> dict:
 
 
 def _rate(side: dict, kind: str) -> float:
-    return side[f"{kind}_tokens"] / side[f"{kind}_seconds"] if side[f"{kind}_seconds"] else float("nan")
+    """Tokens/s of a phase: ``prefill`` (prompt tokens), ``decode`` (tokens after the last first token) or
+    ``total`` (every new token over the whole job, prefill included)."""
+    tokens = {"prefill": side["prompt_tokens"], "decode": side["decode_tokens"], "total": side["new_tokens"]}[kind]
+    seconds = side["prefill_seconds"] + side["decode_seconds"] if kind == "total" else side[f"{kind}_seconds"]
+    return tokens / seconds if seconds else float("nan")
 
 
 def tables(result: dict) -> str:
     lines = ["| widths | prompts | N | mean prompt | prefill tok/s mmcast / transformers | decode tok/s mmcast | "
-             "decode tok/s transformers | decode ratio | rank step ms | greedy equal |",
-             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "decode tok/s transformers | decode ratio | end-to-end tok/s mmcast / transformers | rank step ms | "
+             "greedy equal |",
+             "|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|"]
     for r in result["rows"]:
         if r["job"] == "context":
             continue
@@ -335,7 +342,8 @@ def tables(result: dict) -> str:
         lines.append(f"| {r['width'].upper()} | {r['job']} | {r['n']} | {r['mean_prompt']:.0f} | "
                      f"{_rate(s, 'prefill'):.0f} / {_rate(p, 'prefill'):.0f} | {_rate(s, 'decode'):.1f} | "
                      f"{_rate(p, 'decode'):.1f} | **{_rate(s, 'decode') / _rate(p, 'decode'):.2f}×** | "
-                     f"{s['rank_step_ms']:.1f} | {r['requests_equal']}/{r['n']} |")
+                     f"{_rate(s, 'total'):.1f} / {_rate(p, 'total'):.1f} | {s['rank_step_ms']:.1f} | "
+                     f"{r['requests_equal']}/{r['n']} |")
     lines += ["", "| widths | context | rank step ms | transformers step ms | rank µs / attended token | "
               "transformers µs / attended token | ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
