@@ -9,12 +9,12 @@ Jobs: N = 1, 4, 16, 32 concurrent text requests with equal (~1k tokens) or mixed
 4k in turn), every prompt distinct from its first block on (no prefix-cache hit), greedy, ``ignore_eos``, the same
 number of new tokens each. Served: one local group (TP 1, real processes), all N requests of a job sent at once
 through the SDK with token streaming. Reference: one process with plain transformers, the same prompt token ids
-left-padded into one batch, ``generate`` with the same new tokens (started after the group stopped, so the two
-never share the cores or the memory).
+left-padded into one batch, ``generate`` with the same new tokens. The two sides take turns job by job (never at
+the same time), so a machine whose load drifts weighs on both alike.
 
 Figures per job, both sides: prefill tokens/s (real prompt tokens over the time until every request has its first
 token) and decode tokens/s (tokens produced after the last first token, over that phase: pure decode steps on both
-sides). Beside the served figures, the rank's own step time over the decode phase (``mmcast_worker_step_seconds``
+sides), and end to end (every new token over the whole job). Beside the served figures, the rank's own step time over the decode phase (``mmcast_worker_step_seconds``
 from its ``/metrics``). A third table divides a decode step's time by the tokens its 16 requests attend to
 (context lengths summed) at 256, 1k and 4k tokens of context. Greedy tokens are compared; a random-weight model's
 near-ties can flip a token between a padded batch and a ragged one, so equality is reported, not required.
@@ -63,11 +63,12 @@ def _jobs(ns, equal: int, new_tokens: int, mixed_ns, contexts, context_tokens: i
 
 
 PLANS = {
-    # make bench-quick: 2B widths, the two targets' jobs (N = 16 equal and mixed), N = 1, and 256/1k contexts.
-    "quick": (Plan("2b", _jobs((1, 16), 1024, 16, (16,), (256, 1024), 8)),),
+    # make bench-quick: 2B widths, the two targets' jobs (N = 16 equal and mixed), N = 1, and a 256-token context
+    # (N = 16 equal is the 1k row of the attended-token table).
+    "quick": (Plan("2b", _jobs((1, 16), 1024, 16, (16,), (256,), 8)),),
     # make bench: every N at 2B widths, 4k context included; 7B widths at N = 1, 16, 32 (prefill there costs ~4x).
-    "full": (Plan("2b", _jobs((1, 4, 16, 32), 1024, 24, (4, 16, 32), (256, 1024, 4096), 8)),
-             Plan("7b", _jobs((1, 16, 32), 1024, 24, (16, 32), (256, 1024, 4096), 8))),
+    "full": (Plan("2b", _jobs((1, 4, 16, 32), 1024, 24, (4, 16, 32), (256, 4096), 8)),
+             Plan("7b", _jobs((1, 16, 32), 1024, 24, (16, 32), (256, 4096), 8))),
 }  # fmt: skip
 
 
@@ -215,50 +216,60 @@ def serve_job(client, rank_metrics: str, job: Job, reqs: list[tuple[str, list[in
     }
 
 
-def serve_all(model: str, jobs: list[tuple[Job, list]], log, env: dict | None = None) -> list[dict]:
+class Reference:
+    """The transformers process (``--reference``): loads the checkpoint once, then runs one job per line of its
+    stdin and answers one JSON line. Kept beside the group so the two sides take turns job by job: a machine whose
+    load drifts over minutes then weighs on both alike (they never run at the same time)."""
+
+    def __init__(self, model: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.rank_engine", "--reference", model],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+    def run(self, job: Job, reqs: list) -> dict:
+        self.proc.stdin.write(json.dumps({"new_tokens": job.new_tokens, "ids": [ids for _, ids in reqs]}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the transformers process ended (exit status {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def run_jobs(model: str, jobs: list[tuple[Job, list]], log, env: dict | None = None) -> list[tuple[dict, dict]]:
+    """(served, transformers) per job, the two taking turns."""
     from mmcast_client.client import Client
     from mmcast_client.local_group import LocalGroup
 
     peak = max(sum(len(ids) + j.new_tokens for _, ids in reqs) for j, reqs in jobs)
     blocks = 2 * (peak // 16 + 64 * 4)  # the largest job twice over: room beside the prefix cache's freed blocks
     out = []
-    with LocalGroup(model, tp=1, kv_blocks=blocks, env=env, ready_timeout=900) as group, Client(group.target, timeout=3600) as client:
-        rank = group.metrics_urls["rank0"]
-        client.generate("warm up", max_tokens=2, ignore_eos=True)
-        for job, reqs in jobs:
-            result = serve_job(client, rank, job, reqs)
-            log(f"served {job.name} N={job.n}: prefill {result['prompt_tokens'] / result['prefill_seconds']:.0f} "
-                f"tok/s, decode {result['decode_tokens'] / result['decode_seconds']:.1f} tok/s, "
-                f"rank step {result['rank_step_ms']:.1f} ms")
-            out.append(result)
+    reference = Reference(model)
+    try:
+        with (LocalGroup(model, tp=1, kv_blocks=blocks, env=env, ready_timeout=900) as group,
+              Client(group.target, timeout=3600) as client):
+            rank = group.metrics_urls["rank0"]
+            client.generate("warm up", max_tokens=2, ignore_eos=True)
+            for job, reqs in jobs:
+                served = serve_job(client, rank, job, reqs)
+                plain = reference.run(job, reqs)
+                log(f"{job.name} N={job.n}: decode tok/s mmcast {_rate(served, 'decode'):.1f} (rank step "
+                    f"{served['rank_step_ms']:.1f} ms), transformers {_rate(plain, 'decode'):.1f} (step "
+                    f"{plain['step_ms']:.1f} ms); prefill tok/s {_rate(served, 'prefill'):.0f} / "
+                    f"{_rate(plain, 'prefill'):.0f}")
+                out.append((served, plain))
+    finally:
+        reference.close()
     return out
 
 
-# --- plain transformers ----------------------------------------------------------------------------------------
-
-
-def reference_all(model: str, jobs: list[tuple[Job, list]], log) -> list[dict]:
-    """Runs ``_reference_main`` in a fresh process (its own memory; the group has stopped)."""
-    spec = {"model": model, "jobs": [{"new_tokens": j.new_tokens, "ids": [ids for _, ids in reqs]} for j, reqs in jobs]}
-    with open(os.path.join(MODELS, ".rank_engine_spec.json"), "w") as f:
-        json.dump(spec, f)
-    done = subprocess.run([sys.executable, "-m", "benchmarks.rank_engine", "--reference", f.name],
-                          capture_output=True, text=True, check=False, cwd=ROOT)
-    if done.returncode != 0:
-        raise RuntimeError(f"the transformers process failed:\n{done.stderr[-3000:]}")
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    for (job, _), r in zip(jobs, results, strict=True):
-        log(f"transformers {job.name} N={job.n}: prefill {r['prompt_tokens'] / r['prefill_seconds']:.0f} tok/s, "
-            f"decode {r['decode_tokens'] / r['decode_seconds']:.1f} tok/s")
-    return results
-
-
-def _reference_main(path: str) -> None:
+def _reference_main(model_path: str) -> None:
     import torch
     from transformers import AutoModelForImageTextToText, LogitsProcessor, LogitsProcessorList
 
-    spec = json.load(open(path))
-    model = AutoModelForImageTextToText.from_pretrained(spec["model"], local_files_only=True).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_path, local_files_only=True).eval()
     pad = model.generation_config.pad_token_id
 
     class Clock(LogitsProcessor):
@@ -271,8 +282,8 @@ def _reference_main(path: str) -> None:
             self.times.append(time.perf_counter())
             return scores
 
-    results = []
-    for job in spec["jobs"]:
+    for line in sys.stdin:
+        job = json.loads(line)
         ids = job["ids"]
         width = max(len(x) for x in ids)
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
@@ -281,9 +292,10 @@ def _reference_main(path: str) -> None:
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=job["new_tokens"],
-                                 min_new_tokens=job["new_tokens"], do_sample=False, logits_processor=LogitsProcessorList([clock]))
+                                 min_new_tokens=job["new_tokens"], do_sample=False,
+                                 logits_processor=LogitsProcessorList([clock]))
         steps = len(clock.times) - 1
-        results.append({
+        print(json.dumps({
             "prompt_tokens": sum(len(x) for x in ids),
             "new_tokens": len(clock.times) * len(ids),
             "prefill_seconds": clock.times[0] - t0,
@@ -291,8 +303,7 @@ def _reference_main(path: str) -> None:
             "decode_seconds": clock.times[-1] - clock.times[0],
             "step_ms": 1e3 * (clock.times[-1] - clock.times[0]) / steps if steps else None,
             "tokens": out[:, width:].tolist(),
-        })  # fmt: skip
-    print(json.dumps(results))
+        }), flush=True)  # fmt: skip
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
@@ -308,10 +319,9 @@ def measure(plans, log=print, env: dict | None = None) -> dict:
         stamp = time.strftime("%H%M%S")
         jobs = [(job, prompts(processor, job, f"{plan.width}{stamp}{k}")) for k, job in enumerate(plan.jobs)]
         t0 = time.monotonic()
-        served = serve_all(model, jobs, log, env)
-        log(f"{plan.width} widths: served every job in {time.monotonic() - t0:.0f} s")
-        plain = reference_all(model, jobs, log)
-        for (job, reqs), s, p in zip(jobs, served, plain, strict=True):
+        pairs = run_jobs(model, jobs, log, env)
+        log(f"{plan.width} widths: every job on both sides in {time.monotonic() - t0:.0f} s")
+        for (job, reqs), (s, p) in zip(jobs, pairs, strict=True):
             contexts = [len(ids) + job.new_tokens / 2 for _, ids in reqs]  # mean over the decode steps
             same = sum(a == b for a, b in zip(s["tokens"], p["tokens"], strict=True))
             rows.append({"width": plan.width, "job": job.name, "n": job.n, "new_tokens": job.new_tokens,
@@ -346,9 +356,8 @@ def tables(result: dict) -> str:
                      f"{r['requests_equal']}/{r['n']} |")
     lines += ["", "| widths | context | rank step ms | transformers step ms | rank µs / attended token | "
               "transformers µs / attended token | ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in result["rows"]:
-        if r["job"] != "context":
-            continue
+    for r in sorted((r for r in result["rows"] if r["n"] == 16 and r["job"] in ("equal", "context")),
+                    key=lambda r: (r["width"], r["mean_prompt"])):
         s, p = r["served"]["rank_step_ms"], r["plain"]["step_ms"]
         lines.append(f"| {r['width'].upper()} | {r['mean_prompt']:.0f} | {s:.1f} | {p:.1f} | "
                      f"{1e3 * s / r['attended']:.2f} | {1e3 * p / r['attended']:.2f} | {s / p:.2f} |")
