@@ -14,8 +14,8 @@ the same time), so a machine whose load drifts weighs on both alike.
 
 Figures per job, both sides: prefill tokens/s (real prompt tokens over the time until every request has its first
 token) and decode tokens/s (tokens produced after the last first token, over that phase: pure decode steps on both
-sides), and end to end (every new token over the whole job). Beside the served figures, the rank's own step time over the decode phase (``mmcast_worker_step_seconds``
-from its ``/metrics``). A third table divides a decode step's time by the tokens its 16 requests attend to
+sides), and end to end (every new token over the whole job). Beside the served figures, the rank's own step time
+over the decode phase (``mmcast_worker_step_seconds`` from its ``/metrics``). A third table divides a decode step's time by the tokens its 16 requests attend to
 (context lengths summed) at 256, 1k and 4k tokens of context. Greedy tokens are compared; a random-weight model's
 near-ties can flip a token between a padded batch and a ragged one, so equality is reported, not required.
 """
@@ -235,7 +235,11 @@ class Reference:
 
     def close(self) -> None:
         self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # still loading (the group failed first): it has nothing left to do
+            self.proc.kill()
+            self.proc.wait()
 
 
 def run_jobs(model: str, jobs: list[tuple[Job, list]], log, env: dict | None = None) -> list[tuple[dict, dict]]:
@@ -248,7 +252,10 @@ def run_jobs(model: str, jobs: list[tuple[Job, list]], log, env: dict | None = N
     out = []
     reference = Reference(model)
     try:
-        with (LocalGroup(model, tp=1, kv_blocks=blocks, env=env, ready_timeout=900) as group,
+        # A long prefill step on a loaded 2-core machine can outlast the scheduler's default step timeout (120 s),
+        # which would count the group as lost and restart it mid-job.
+        with (LocalGroup(model, tp=1, kv_blocks=blocks, env=env, ready_timeout=900,
+                         scheduler_args=("--step-timeout-seconds", "1800")) as group,
               Client(group.target, timeout=3600) as client):
             rank = group.metrics_urls["rank0"]
             client.generate("warm up", max_tokens=2, ignore_eos=True)
