@@ -4,8 +4,9 @@ In one run: the transport floors, the scheduler's step time against items held, 
 (tensor-parallel size × transfer mode) a fresh local group (real processes, the embedded tiny model, loopback)
 that is warmed and driven through the SDK scenarios of ``benchmarks.scenarios``, then for every tensor-parallel
 size × new-image variant (payload encoding + encoder placement) a fresh group driven through
-``benchmarks.new_images``, and (full plan) three replicas behind one client, ring hash against round robin
-(``benchmarks.affinity``). All modes, and all variants, must return the same tokens (greedy, ``ignore_eos``); a
+``benchmarks.new_images``, the rank's forward against transformers' static batch on real-width 2-layer checkpoints
+(``benchmarks.rank_engine``: 2B widths in the quick plan, 2B and 7B in the full one), and (full plan) three replicas
+behind one client, ring hash against round robin (``benchmarks.affinity``). All modes, and all variants, must return the same tokens (greedy, ``ignore_eos``); a
 mismatch fails the run after the results are written. Output goes to
 ``benchmarks/results/<timestamp>-<plan>/``: ``results.json`` (machine, versions, commit, every record and figure),
 ``results.md`` (tables; every issue-7 target next to its measured value) and PNG plots (with matplotlib).
@@ -59,6 +60,7 @@ class Plan:
     new_image_groups: tuple[tuple[int, str], ...] = ()  # benchmarks/new_images.py: a fresh group per (TP, variant)
     new_image_sets: tuple[ImageSet, ...] = ()
     affinity: affinity.AffinityPlan | None = None  # benchmarks/affinity.py: replicas, ring hash vs round robin
+    rank_engine: str | None = None  # benchmarks/rank_engine.py's plan: the rank's forward vs transformers' batch
 
     def clients(self, mode: str) -> list[str]:
         return ["sdk", "resend"] if mode in self.resend_modes else ["sdk"]
@@ -81,7 +83,7 @@ PLANS = {
                   ("cached_floor", "sliding_window"), 12, 6, ("lazy",), ("448x448", "1280x720"), (1, 2, 4), 12,
                   (10, 100, 1000, 10_000), new_image_groups=new_images.groups((1, 2)),
                   new_image_sets=(ImageSet(*_JPEG_448, (1, 4, 8), 2), ImageSet(*_PNG_448, (1, 4, 8), 1),
-                                  ImageSet(*_JPEG_720P, (1,), 1))),
+                                  ImageSet(*_JPEG_720P, (1,), 1)), rank_engine="quick"),
     # make bench: the issue's full matrix at 1280x720 (~30-40 min here), TP=4 for token equality only.
     "full": Plan("full", (1280, 720), (1, 2), ("full", "strip", "lazy"), (2, 8, 13, 20, 26), 5,
                  ("cached_floor", "duplicate", "conversation", "sliding_window"), 16, 8, ("full", "strip", "lazy"),
@@ -90,7 +92,7 @@ PLANS = {
                  new_image_groups=new_images.groups((1, 2)),
                  new_image_sets=(ImageSet(*_JPEG_448, (1, 4, 8), 3), ImageSet(*_PNG_448, (1, 4, 8), 3),
                                  ImageSet(*_JPEG_720P, (1, 4, 8), 2), ImageSet(*_PNG_720P, (1, 4, 8), 2)),
-                 affinity=affinity.AffinityPlan()),
+                 affinity=affinity.AffinityPlan(), rank_engine="full"),
 }  # fmt: skip
 
 
@@ -240,6 +242,12 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
 
         rank_memory = rank_memory_mod.measure(list(plan.rank_memory_tps), log=log)
         log("rank peak RSS, demo conversation, real-width checkpoint\n" + rank_memory_mod.write(out_dir, rank_memory))
+    engine = None
+    if plan.rank_engine:
+        from benchmarks import rank_engine
+
+        engine = rank_engine.measure(rank_engine.PLANS[plan.rank_engine], log=log)
+        log("the rank's forward against transformers' static batch\n" + rank_engine.write(out_dir, engine))
     affinity_result = None
     if plan.affinity:
         affinity_result = affinity.run(model_dir, images, plan.affinity, log)
@@ -252,7 +260,8 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     report.write_markdown(os.path.join(out_dir, "results.md"), meta, analysis, floors_md, figures)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "configs": configs, "floors": floor_rows, "analysis": analysis, "records": records,
-                   "security": security, "rank_memory": rank_memory}, f, indent=1, default=str)
+                   "security": security, "rank_memory": rank_memory, "rank_engine": engine}, f, indent=1,
+                  default=str)
     log(f"wrote {out_dir}/results.md, results.json and {len(figures)} plots")
     return analysis
 

@@ -2,7 +2,7 @@
 
 The scheduler sends deltas (``RunningRequest``); everything else lives here: the token ids so far, the items'
 metadata (grids, placeholder ranges; payloads live in the payload cache), the M-RoPE positions of the whole
-prompt computed once, the block table, and the live KV cache.
+prompt computed once, and the block table (the KV itself lives in the rank's block pool).
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ class RequestState:
     positions: torch.Tensor  # (3, num_prompt_tokens) M-RoPE positions, or (1, n) for 1-D RoPE models
     delta: int  # M-RoPE position minus index after the prompt
     block_ids: list[int]  # KV pool blocks of the request in order
-    num_computed: int  # tokens whose KV the live cache holds
+    num_computed: int  # tokens whose KV the pool holds at block_ids
     num_output_tokens: int  # output tokens among token_ids: the index of the next draw
     sampling: SamplingParams
-    blocks_in_pool: int  # leading blocks whose KV is already in the pool
-    cache: object = None  # live DynamicCache; built at the request's first forward
+    blocks_in_pool: int  # leading blocks complete in the pool (recorded in the session's written set)
     embed_positions: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # item index -> positions
 
     def window_positions(self, start: int, end: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The model side of a rank: loads the checkpoint, runs the vision encoder and the language model from live caches
-built over the KV block pool, and writes completed blocks back.
+"""The model side of a rank: loads the checkpoint, runs the vision encoder, and runs the language model once per
+step over every scheduled window, its KV read and written in place in the block pool.
 
 Loading is the plain transformers path (``AutoModelForImageTextToText.from_pretrained``), so a real Qwen2-VL
 checkpoint loads exactly like the tiny one; with ``world_size > 1`` the decoder is sharded by transformers' tensor
@@ -11,8 +11,13 @@ The language model runs on ``inputs_embeds`` built here: the token embeddings of
 rows of this window scattered at their placeholder positions. This is what the model's own merge does
 (``masked_scatter`` at the image-token positions) but by position rather than by token id, so it also holds for
 ``is_embed`` ranges, for a window that cuts an image, and for a batch whose rows cover different items.
-Positions are always given explicitly (sliced from the whole prompt's M-RoPE positions), the attention mask is
-``None`` for one request or a full-length 2-D padding mask for a batch.
+Positions are always given explicitly (sliced from the whole prompt's M-RoPE positions).
+
+One forward per step: the windows of every request (prefill chunks and decode tokens alike) are packed into one
+sequence of batch 1, positions ``(3, 1, tokens)``; the library's text model runs it with the attention function of
+``worker_svc/paged_attention.py`` (selected for the text config only), which writes each token's KV at the slot its
+block table gives and attends per request over views of the pool. The final norm's output is kept only at the
+last token of windows that sample, and only those rows go through ``lm_head``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 
 from common import model_checks
 from common.multimodal import ENCODED_FIELD, Modality, MultiModalFeatureSpec, PayloadEncoding
-from worker_svc import kv_pool, kv_replication
+from worker_svc import kv_pool, kv_replication, paged_attention
 from worker_svc.config import WorkerConfig
 from worker_svc.mrope import rope_index_kwargs, uses_mrope
 
@@ -65,37 +70,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ForwardInput:
     """One request's share of a forward: the tokens ``[start, start + len(token_ids))`` of its sequence."""
 
-    cache: object  # the request's live DynamicCache (batch 1), holding exactly ``start`` rows; appended to
+    block_ids: Sequence[int]  # the request's block table; covers at least start + len(token_ids) tokens
+    start: int  # tokens already computed (their KV is in the pool at block_ids)
     token_ids: list[int]  # the window's token ids
     positions: torch.Tensor  # (3, len(token_ids)) int64 M-RoPE positions (or (1, len) for 1-D RoPE)
     mm_rows: list[tuple[torch.Tensor, torch.Tensor]]  # (window-local indices, encoder rows) per overlapping item
     want_logits: bool  # True when the window ends at the request's last known token
-
-
-MAX_PADDING = 1.5  # a decode batch may hold at most this many padded cache rows per real one
-
-
-def decode_batches(items: Sequence[ForwardInput]) -> list[list[int]]:
-    """Groups of two or more single-token windows to run as one padded batch.
-
-    Requests are taken in order of cache length and a group grows while its padded size (members x longest
-    cache) stays within ``MAX_PADDING`` times its real rows, so one long context never pads many short ones.
-    """
-    single = sorted(
-        (i for i, it in enumerate(items) if len(it.token_ids) == 1), key=lambda i: kv_pool.cache_length(items[i].cache)
-    )
-    groups: list[list[int]] = []
-    current: list[int] = []
-    rows = 0
-    for i in single:
-        length = kv_pool.cache_length(items[i].cache) + 1
-        if current and (len(current) + 1) * length > MAX_PADDING * (rows + length):
-            groups.append(current)
-            current, rows = [], 0
-        current.append(i)
-        rows += length
-    groups.append(current)
-    return [g for g in groups if len(g) >= 2]
 
 
 class ModelRunner:
@@ -122,6 +102,9 @@ class ModelRunner:
                 tp_size=config.world_size, tp_plan=kv_replication.tp_plan_override(model_config, config.world_size)
             )
         model = AutoModelForImageTextToText.from_pretrained(config.model, config=model_config, **kwargs)
+        # The decoder's attention reads and writes the pool (worker_svc/paged_attention.py); the vision tower keeps
+        # the implementation it loaded with.
+        model.set_attn_implementation({"text_config": paged_attention.register()})
         if shape.kv_replicas(config.world_size) > 1:
             kv_replication.keep_rank_kv_heads(model, shape, config.world_size, config.rank)
         if config.world_size == 1:
@@ -131,6 +114,12 @@ class ModelRunner:
         self.config = model.config
         text = model.config.get_text_config(decoder=True)
         self.text_config = text
+        layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ValueError(f"{config.model}: decoder layer types {sorted(layer_types)}; the paged attention serves "
+                             "full attention only (use_sliding_window must be false)")
+        # Given as the text model's attention_mask: a prepared mask per layer type, so it builds none.
+        self._no_masks = {"full_attention": None}
         self.vocab_size = int(text.vocab_size)
         self.max_model_len = int(getattr(text, "max_position_embeddings", 0) or 0)
         kv_heads_local = shape.kv_heads_local(config.world_size)
@@ -219,20 +208,6 @@ class ModelRunner:
         """A buffer for an item's encoder output received over the group's collective."""
         return torch.empty(num_rows, self.row_width, dtype=self.row_dtype, device=self.device)
 
-    # --- KV --------------------------------------------------------------------------------------------------
-
-    def new_cache(self, block_ids: Sequence[int], num_tokens: int):
-        """A live cache holding the first ``num_tokens`` tokens (block aligned) from the pool."""
-        full = num_tokens // self.block_size
-        return kv_pool.cache_from_prefix(self.pool.gather(block_ids[:full], num_tokens), self.config)
-
-    def write_blocks(self, cache, block_ids: Sequence[int], first: int, last: int) -> None:
-        """Stores blocks ``first .. last - 1`` of a request (complete in its live cache) at ``block_ids``."""
-        if last <= first:
-            return
-        rows = kv_pool.cache_rows(cache, first * self.block_size, last * self.block_size)
-        self.pool.write(block_ids[first:last], rows)
-
     # --- language model --------------------------------------------------------------------------------------
 
     def _embeds(self, item: ForwardInput) -> torch.Tensor:
@@ -245,51 +220,28 @@ class ModelRunner:
         return embeds
 
     @torch.inference_mode()
-    def forward(self, items: Sequence[ForwardInput], *, batch_decode: bool = True) -> list[torch.Tensor | None]:
-        """Runs every item's window and returns its last-token logits (float32 ``[vocab]``) where wanted.
-
-        Single-token windows of requests with similar cache lengths run as padded batches (``decode_batches``)
-        when ``batch_decode``; the rest run one request at a time. Every call appends the window's KV to each
-        item's live cache. Measured on the tiny model, 2-core CPU: 8 decode requests take 2.9 ms batched against
-        8.2 ms one by one (2: 2.0 vs 2.6 ms).
-        """
+    def forward(self, items: Sequence[ForwardInput]) -> list[torch.Tensor | None]:
+        """Runs every item's window in one forward and returns its last-token logits (float32 ``[vocab]``) where
+        wanted. Each window's KV lands in the pool at its block table's slots."""
+        if not items:
+            return []
+        step = paged_attention.plan_step(
+            self.pool.data, [(it.block_ids, it.start, it.start + len(it.token_ids)) for it in items], self.block_size
+        )
+        embeds = torch.cat([self._embeds(it) for it in items])[None]
+        positions = torch.cat([it.positions for it in items], dim=1).to(self.device)[:, None, :]
+        text_model = self.model.model.language_model
+        hidden = text_model(
+            inputs_embeds=embeds,
+            position_ids=positions if self.uses_mrope else positions[0],
+            attention_mask=self._no_masks,  # the attention masks by span itself; no dense mask is built
+            use_cache=False,
+            paged_step=step,
+        ).last_hidden_state[0]
+        wanted = [span.end - 1 for span, it in zip(step.spans, items, strict=True) if it.want_logits]
         out: list[torch.Tensor | None] = [None] * len(items)
-        batches = decode_batches(items) if batch_decode else []
-        batched = {i for batch in batches for i in batch}
-        for i, item in enumerate(items):
-            if i not in batched:
-                out[i] = self._forward_one(item)
-        for batch in batches:
-            for i, logits in zip(batch, self._forward_batch([items[i] for i in batch]), strict=True):
-                out[i] = logits
+        if wanted:
+            logits = self.model.lm_head(hidden[torch.tensor(wanted, device=hidden.device)]).float()
+            rows = iter(logits)
+            out = [next(rows) if it.want_logits else None for it in items]
         return out
-
-    def _forward_one(self, item: ForwardInput) -> torch.Tensor | None:
-        embeds = self._embeds(item)[None]
-        positions = item.positions.to(self.device)[:, None, :]
-        result = self.model(
-            inputs_embeds=embeds,
-            position_ids=positions if self.uses_mrope else positions[0],
-            cache=item.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return result.logits[0, -1].float() if item.want_logits else None
-
-    def _forward_batch(self, items: Sequence[ForwardInput]) -> list[torch.Tensor | None]:
-        caches = [it.cache for it in items]
-        batch, mask = kv_pool.padded_batch_cache(caches, self.config)
-        mask = torch.cat([mask, mask.new_ones((len(items), 1))], dim=1).to(self.device)
-        embeds = torch.stack([self._embeds(it) for it in items])
-        positions = torch.stack([it.positions for it in items], dim=1).to(self.device)  # (3, batch, 1)
-        result = self.model(
-            inputs_embeds=embeds,
-            position_ids=positions if self.uses_mrope else positions[0],
-            attention_mask=mask,
-            cache=batch,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        kv_pool.append_batch_rows(caches, batch, 1)
-        logits = result.logits[:, -1].float()
-        return [logits[row] if it.want_logits else None for row, it in enumerate(items)]

@@ -8,9 +8,9 @@ A step runs in three phases:
    same control bytes, so every rank reaches the same verdict, and a bad step fails on all ranks before any of
    them starts collective work.
 2. ``commit``: applies evictions, received payloads, finishes, admissions and deltas (pure bookkeeping).
-3. ``execute``: runs the vision encoder for the scheduled items, the language model for every scheduled window
-   (gathering a request's prefix KV from the pool on its first forward), writes newly completed blocks into the
-   pool, and samples on rank 0.
+3. ``execute``: runs the vision encoder for the scheduled items, then the language model once over every scheduled
+   window (its KV written into and read from the pool in place, through each request's block table), and samples
+   on rank 0.
 """
 
 from __future__ import annotations
@@ -77,7 +77,6 @@ class Session:
         encoder_cache_tokens: int,
         max_tensor_bytes: int,
         metrics: WorkerMetrics | None = None,
-        batch_decode: bool = True,
         group=None,
         images=None,
     ) -> None:
@@ -89,7 +88,6 @@ class Session:
         self.images = images
         self.rank = rank
         self.metrics = metrics
-        self.batch_decode = batch_decode
         self.requests: dict[RequestId, RequestState] = {}
         self.assembler = PayloadAssembler(max_tensor_bytes, max_pending_bytes=payload_cache_bytes)
         self.payloads = PayloadCache(payload_cache_bytes)
@@ -280,27 +278,25 @@ class Session:
 
         inputs: list[ForwardInput] = []
         for state, start, end in windows:
-            if state.cache is None:
-                state.cache = r.new_cache(state.block_ids, state.num_computed)
             mm_rows = []
             for index in state.overlapping(start, end):
                 local, rows = state.item_rows(index, start, end)
                 mm_rows.append((local, self.encoded.get(state.features[index].identifier)[rows]))
             inputs.append(
                 ForwardInput(
-                    cache=state.cache,
+                    block_ids=state.block_ids,
+                    start=start,
                     token_ids=state.token_ids[start:end],
                     positions=state.window_positions(start, end),
                     mm_rows=mm_rows,
                     want_logits=end == len(state.token_ids),
                 )
             )
-        logits = r.forward(inputs, batch_decode=self.batch_decode) if inputs else []
+        logits = r.forward(inputs)
 
         for (state, _start, end), row in zip(windows, logits, strict=True):
             state.num_computed = end
-            full = end // r.block_size
-            r.write_blocks(state.cache, state.block_ids, state.blocks_in_pool, full)
+            full = end // r.block_size  # blocks now complete in the pool: a later request's prefix may read them
             self.written.update(state.block_ids[state.blocks_in_pool : full])
             state.blocks_in_pool = max(state.blocks_in_pool, full)
             if row is not None and self.rank == 0:

@@ -151,11 +151,12 @@ def check_window(state: RequestState, count: int, num_tokens: int, num_blocks: i
         )
     if runner.max_model_len and end > runner.max_model_len:
         raise StepError(code.OUT_OF_RANGE, f"request {rid}: {end} tokens exceed max_model_len", rid)
-    if end // runner.block_size > num_blocks:
+    needed = -(-end // runner.block_size)  # every token computed this step is written at its slot in the pool
+    if needed > num_blocks:
         raise StepError(
             code.STATE_MISMATCH,
-            f"request {rid}: {end} computed tokens fill {end // runner.block_size} blocks, the block table holds "
-            f"{num_blocks}",
+            f"request {rid}: {end} computed tokens need {needed} blocks of {runner.block_size}, the block table "
+            f"holds {num_blocks}",
             rid,
         )
     return state, start, end

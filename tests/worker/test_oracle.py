@@ -82,17 +82,20 @@ def test_chunked_prefill_across_an_image(worker_env, sched):
 
 def test_two_requests_batched_with_different_hits(worker_env, sched, monkeypatch):
     runner = worker_env.rank.worker.runner
-    batches = []
-    original = runner._forward_batch
-    monkeypatch.setattr(runner, "_forward_batch", lambda items: batches.append(len(items)) or original(items))
+    batches = []  # per forward: the window length of every request in it
+    original = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda items: batches.append([len(i.token_ids) for i in items]) or original(items))
     shared = two_image_prompt(worker_env, seed=30)
     other = two_image_prompt(worker_env, seed=40, text="Compare the colours of this picture and")
     first = sched.add(shared, "fill")
     sched.run([first])
+    batches.clear()
     a = sched.add(shared, "hit2", hit_from=first, hit_blocks=2)
     b = sched.add(other, "cold", chunk=24)
-    sched.run([a, b])  # prefill windows then batched single-token decode steps with caches of unequal length
-    assert batches and set(batches) == {2}
+    sched.run([a, b])  # one forward per step: prefill chunks beside decode tokens, then decodes of unequal contexts
+    batches = [lengths for lengths in batches if lengths]  # the finishing step computes nothing
+    assert [len(b) for b in batches[:4]] == [2, 2, 2, 2]  # both requests' windows in each step's one forward
+    assert any(1 in lengths and max(lengths) > 1 for lengths in batches)  # a decode token packed with a prefill chunk
     assert_matches(a, oracle(worker_env.model, shared))
     assert_matches(b, oracle(worker_env.model, other))
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2VLConfig
 
 from common import codec
 from common.ids import ItemId
 from mmcast.v1 import worker_pb2
 from tests.support.worker_driver import rank_token_file
-from worker_svc import kv_pool
+from worker_svc import kv_pool, paged_attention
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.config import WorkerConfig, load_config
 from worker_svc.handshake import EpochGate, HandshakeRejected
@@ -83,54 +82,45 @@ def test_bad_environment_value_names_the_variable():
 # --- KV pool ---------------------------------------------------------------------------------------------------
 
 
-def _text_config():
-    return Qwen2VLConfig(
-        text_config={"num_hidden_layers": 2, "num_key_value_heads": 2, "num_attention_heads": 4, "hidden_size": 32}
-    ).get_text_config()
+def test_block_runs_merge_consecutive_blocks_and_stop_at_the_context():
+    assert paged_attention.block_runs([3, 4, 5, 9, 10, 2], 21, 4) == ((12, 12), (36, 8), (8, 1))
+    assert paged_attention.block_runs([7], 1, 16) == ((112, 1),)
 
 
-def test_pool_write_then_gather_rebuilds_the_prefix_in_a_live_cache():
-    pool = kv_pool.KVPool(
-        num_layers=2, kv_heads=2, head_dim=4, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu"
-    )
-    kv = torch.randn(2, 2, 2, 12, 4)
-    pool.write([5, 1, 6], kv)
-    prefix = pool.gather([5, 1, 6], 12)
-    assert torch.equal(prefix, kv)
-    cache = kv_pool.cache_from_prefix(prefix, _text_config())
-    assert cache.get_seq_length() == 12
-    assert torch.equal(cache.layers[1].values[0], kv[1, 1])
-    assert torch.equal(kv_pool.cache_rows(cache, 4, 8), kv[:, :, :, 4:8])
-    assert pool.gather([], 0).shape == (2, 2, 2, 0, 4)
+def _reference_attention(q, keys, values, context, window, scaling):
+    """Plain softmax attention over gathered rows with a bottom-right causal mask (one request, all heads)."""
+    groups = q.shape[0] // keys.shape[0]
+    k = keys.repeat_interleave(groups, 0)
+    v = values.repeat_interleave(groups, 0)
+    scores = q @ k.transpose(-1, -2) * scaling
+    allowed = torch.arange(context)[None, :] <= (context - window + torch.arange(window))[:, None]
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
 
 
-def test_padded_batch_cache_left_pads_and_masks():
-    config = _text_config()
-    short = kv_pool.cache_from_prefix(torch.randn(2, 2, 2, 3, 4), config)
-    long = kv_pool.cache_from_prefix(torch.randn(2, 2, 2, 5, 4), config)
-    batch, mask = kv_pool.padded_batch_cache([short, long], config)
-    assert mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
-    assert torch.equal(batch.layers[0].keys[0, :, 2:], short.layers[0].keys[0])
-    assert batch.layers[0].keys[0, :, :2].abs().sum() == 0
-    for layer in batch.layers:  # as the model would: one new row per request
-        layer.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4))
-    kv_pool.append_batch_rows([short, long], batch, 1)
-    assert (short.get_seq_length(), long.get_seq_length()) == (4, 6)
-    assert torch.equal(short.layers[0].keys[0, :, -1], torch.ones(2, 4))
-
-
-def test_decode_batches_group_similar_cache_lengths_only():
-    from worker_svc.runner import ForwardInput, decode_batches
-
-    config = _text_config()
-
-    def item(length, tokens=1):
-        cache = kv_pool.cache_from_prefix(torch.zeros(2, 2, 2, length, 4), config)
-        return ForwardInput(cache, [1] * tokens, torch.zeros(3, tokens, dtype=torch.long), [], True)
-
-    items = [item(100), item(5, tokens=7), item(90), item(1000), item(95), item(10)]
-    assert decode_batches(items) == [[2, 4, 0]]  # the prefill window, the lone long and the short stay single
-    assert decode_batches([item(3), item(4)]) == [[0, 1]] and decode_batches([item(3)]) == []
+@pytest.mark.parametrize("max_scores", [1 << 24, 40])  # the second splits a multi-run window into query slices
+def test_paged_attention_writes_slots_and_reads_fragmented_tables_in_place(monkeypatch, max_scores):
+    monkeypatch.setattr(paged_attention, "MAX_SCORE_ELEMENTS", max_scores)
+    torch.manual_seed(0)
+    block, heads, kv_heads, dim = 4, 4, 2, 8
+    pool = kv_pool.KVPool(num_layers=2, kv_heads=kv_heads, head_dim=dim, num_blocks=16, block_size=block,
+                          dtype=torch.float32, device="cpu")
+    pool.data.normal_()  # earlier tokens' KV (and garbage past each request's context, which must not be read)
+    # (block table, computed, new tokens): a contiguous prefill chunk after a prefix, a decode over three runs, a
+    # fresh prefill whose blocks are out of order
+    windows = [([2, 3, 4], 5, 6), ([9, 0, 1, 12], 13, 1), ([15, 7], 0, 7)]
+    step = paged_attention.plan_step(pool.data, [(ids, a, a + n) for ids, a, n in windows], block)
+    assert step.slots.tolist() == [13, 14, 15, 16, 17, 18, 49, 60, 61, 62, 63, 28, 29, 30]
+    tokens = sum(n for *_, n in windows)
+    q, k, v = torch.randn(1, heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim)
+    module = torch.nn.Module()
+    module.layer_idx = 1
+    out, _ = paged_attention.paged_attention(module, q, k, v, None, scaling=0.3, paged_step=step)
+    assert torch.equal(pool.rows(1, 0)[:, step.slots], k[0]) and torch.equal(pool.rows(1, 1)[:, step.slots], v[0])
+    for (ids, computed, n), span in zip(windows, step.spans, strict=True):
+        rows = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[: computed + n]
+        want = _reference_attention(q[0, :, span.start : span.end], pool.rows(1, 0)[:, rows], pool.rows(1, 1)[:, rows],
+                                    computed + n, n, 0.3)
+        torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
 
 
 # --- sampling --------------------------------------------------------------------------------------------------
