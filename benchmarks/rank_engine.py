@@ -245,7 +245,7 @@ class Reference:
 def run_jobs(model: str, jobs: list[tuple[Job, list]], log, env: dict | None = None) -> list[tuple[dict, dict]]:
     """(served, transformers) per job, the two taking turns."""
     from mmcast_client.client import Client
-    from mmcast_client.local_group import LocalGroup
+    from mmcast_local.supervisor import LocalGroup
 
     peak = max(sum(len(ids) + j.new_tokens for _, ids in reqs) for j, reqs in jobs)
     blocks = 2 * (peak // 16 + 64 * 4)  # the largest job twice over: room beside the prefix cache's freed blocks
