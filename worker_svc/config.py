@@ -55,6 +55,11 @@ class WorkerConfig:
                           metavar="{auto,cpu,cuda,cuda:N}")
     dtype: str = setting("auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)", choices=_DTYPES,
                          section=_GROUP)
+    cpu_linear: str = setting(
+        "onednn", "decoder linear layers of a one-rank float32 CPU group: onednn (weights packed for oneDNN, faster "
+        "at decode batch sizes) or dense (PyTorch's own layout); other ranks are always dense", choices=("onednn", "dense"),
+        section=_GROUP,
+    )
     threads: int = setting(
         0, "torch intra-op threads (0: the CPUs this process may use, by affinity and cgroup quota, divided by "
         "--local-ranks; resolved at start)", min=0, max=1024, section=_GROUP,

@@ -31,7 +31,7 @@ import torch
 
 from common import model_checks
 from common.multimodal import ENCODED_FIELD, Modality, MultiModalFeatureSpec, PayloadEncoding
-from worker_svc import kv_pool, kv_replication, paged_attention
+from worker_svc import cpu_linear, kv_pool, kv_replication, paged_attention
 from worker_svc.config import WorkerConfig
 from worker_svc.mrope import rope_index_kwargs, uses_mrope
 
@@ -111,6 +111,14 @@ class ModelRunner:
             model = model.to(self.device)
         # Serving never trains: no parameter asks autograd to record, whatever path calls the model.
         self.model = model.eval().requires_grad_(False)
+        self.linear_layout = "dense"
+        if config.cpu_linear == "onednn":
+            why = cpu_linear.unsupported(self.device, self.dtype, config.world_size)
+            if why is None:
+                cpu_linear.pack_decoder(model)
+                self.linear_layout = "onednn"
+            else:
+                log.debug("decoder linear layers stay dense", extra={"reason": why})
         self.config = model.config
         text = model.config.get_text_config(decoder=True)
         self.text_config = text

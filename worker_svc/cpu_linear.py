@@ -1,0 +1,87 @@
+"""The decoder's linear layers on oneDNN-packed weights: a CPU rank's matrix products at decode batch sizes.
+
+A decode step multiplies a few rows (one per request) by every weight matrix of the decoder and by ``lm_head``.
+On CPU, PyTorch's dense ``linear`` runs these skinny products far below the machine's arithmetic rate; the same
+products over a weight held in oneDNN's own layout (``Tensor.to_mkldnn``) run 1.4-2.5x faster at 1-64 rows and
+about even at prefill sizes (``benchmarks/rank_engine.py`` reports the effect end to end; the rank step table in
+the README compares the two layouts). The results agree with the dense product to float32 rounding (relative
+~1e-6; the summation order differs).
+
+``pack`` swaps each ``nn.Linear``'s ``forward`` for one that multiplies by the packed weight; the module objects,
+their names and the library's model classes stay as they are. A dense weight no other module shares is released
+(its memory is the packed copy's); a weight shared with the token embedding (tied ``lm_head``) is kept, so that
+layer costs one more copy of the matrix (logged).
+
+Only where it applies: a CPU rank of a one-rank group, float32, with oneDNN in the PyTorch build. A tensor-parallel
+rank's weights are the library's distributed tensors with their own forward wrappers; they stay dense.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("onednn", "dense")
+
+
+def unsupported(device: torch.device, dtype: torch.dtype, world_size: int) -> str | None:
+    """Why packed weights cannot serve this rank, or None."""
+    if device.type != "cpu":
+        return f"device {device} (packing is for CPU ranks)"
+    if dtype != torch.float32:
+        return f"dtype {dtype} (packing serves float32)"
+    if world_size != 1:
+        return f"world size {world_size} (tensor-parallel weights stay the library's own)"
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch build has no oneDNN"
+    return None
+
+
+class PackedLinear:
+    """``forward`` of one linear layer over its oneDNN-packed weight; any leading shape, float32 in and out."""
+
+    def __init__(self, module: torch.nn.Linear) -> None:
+        self.weight = module.weight.detach().to_mkldnn()
+        self.bias = module.bias.detach().to_mkldnn() if module.bias is not None else None
+        self.out_features = module.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn()
+        out = torch._C._nn.mkldnn_linear(rows, self.weight, self.bias).to_dense()
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def pack(modules: Iterable[torch.nn.Linear], keep: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+    """Packs every given linear layer in place; a weight that is one of ``keep`` (shared elsewhere) stays dense
+    beside its packed copy. Returns byte counts: ``packed`` and ``kept`` (the dense copies kept)."""
+    keep_ids = {id(t) for t in keep}
+    packed = kept = 0
+    for module in modules:
+        if type(module).forward is not torch.nn.Linear.forward or "forward" in vars(module):
+            continue  # a subclass or an already wrapped forward: its own semantics
+        weight = module.weight
+        module.forward = PackedLinear(module)
+        size = weight.numel() * weight.element_size()
+        packed += size
+        if id(weight) in keep_ids:
+            kept += size
+        else:
+            module.weight = None  # the packed copy is the only one left
+    return {"packed": packed, "kept": kept}
+
+
+def pack_decoder(model: torch.nn.Module) -> dict[str, int]:
+    """Packs the language model's linear layers and ``lm_head`` (not the vision tower: its products are long)."""
+    language = model.model.language_model
+    embed = model.get_input_embeddings()
+    layers = [m for m in language.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear):
+        layers.append(head)
+    sizes = pack(layers, keep=[embed.weight])
+    log.info("decoder linear layers packed for oneDNN", extra={"layers": len(layers), **sizes})
+    return sizes
