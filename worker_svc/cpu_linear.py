@@ -3,7 +3,7 @@
 A decode step multiplies a few rows (one per request) by every weight matrix of the decoder and by ``lm_head``.
 On CPU, PyTorch's dense ``linear`` runs these skinny products far below the machine's arithmetic rate; the same
 products over a weight held in oneDNN's own layout (``Tensor.to_mkldnn``) run 1.4-2.5x faster at 1-64 rows and
-about even at prefill sizes (``benchmarks/rank_engine.py`` reports the effect end to end; the rank step table in
+about even at prefill sizes (thousands of rows) (``benchmarks/rank_engine.py`` reports the effect end to end; the rank step table in
 the README compares the two layouts). The results agree with the dense product to float32 rounding (relative
 ~1e-6; the summation order differs).
 
@@ -41,17 +41,26 @@ def unsupported(device: torch.device, dtype: torch.dtype, world_size: int) -> st
     return None
 
 
+# The product over a packed weight taking and giving ordinary tensors (the op PyTorch's own CPU compiler emits for
+# frozen linear layers); without it, the public ``mkldnn_linear`` on converted inputs (two more copies per call).
+_POINTWISE = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+
 class PackedLinear:
     """``forward`` of one linear layer over its oneDNN-packed weight; any leading shape, float32 in and out."""
 
     def __init__(self, module: torch.nn.Linear) -> None:
         self.weight = module.weight.detach().to_mkldnn()
-        self.bias = module.bias.detach().to_mkldnn() if module.bias is not None else None
+        self.bias = module.bias.detach().clone() if module.bias is not None else None
         self.out_features = module.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn()
-        out = torch._C._nn.mkldnn_linear(rows, self.weight, self.bias).to_dense()
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if _POINTWISE is not None:
+            out = _POINTWISE(rows, self.weight, self.bias, "none", [], "")
+        else:
+            bias = self.bias.to_mkldnn() if self.bias is not None else None
+            out = torch._C._nn.mkldnn_linear(rows.to_mkldnn(), self.weight, bias).to_dense()
         return out.view(*x.shape[:-1], self.out_features)
 
 

@@ -24,8 +24,13 @@ class _Tied(torch.nn.Module):
         self.head.weight = self.embed.weight
 
 
-@pytest.mark.parametrize("shape", [(1, 24), (16, 24), (1, 7, 24), (3, 5, 24)])
-def test_packed_layers_give_the_dense_products_for_any_leading_shape(shape):
+@pytest.mark.parametrize("op", ["linear_pointwise", "mkldnn_linear"])
+@pytest.mark.parametrize("shape", [(1, 24), (16, 24), (1, 7, 24), (3, 5, 24), (0, 24)])
+def test_packed_layers_give_the_dense_products_for_any_leading_shape(shape, op, monkeypatch):
+    if op == "mkldnn_linear":  # the public op on converted tensors: a PyTorch build without the pointwise op
+        monkeypatch.setattr(cpu_linear, "_POINTWISE", None)
+    elif cpu_linear._POINTWISE is None:
+        pytest.skip("this PyTorch build has no mkldnn._linear_pointwise")
     torch.manual_seed(0)
     net = _Tied()
     x = torch.randn(shape)
