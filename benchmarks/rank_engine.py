@@ -242,7 +242,8 @@ class Reference:
             self.proc.wait()
 
 
-def run_jobs(model: str, jobs: list[tuple[Job, list]], log, env: dict | None = None) -> list[tuple[dict, dict]]:
+def run_jobs(model: str, jobs: list[tuple[Job, list]], log, env: dict | None = None,
+             worker_args: tuple[str, ...] = ()) -> list[tuple[dict, dict]]:
     """(served, transformers) per job, the two taking turns."""
     from mmcast_client.client import Client
     from mmcast_local.supervisor import LocalGroup
@@ -254,7 +255,7 @@ def run_jobs(model: str, jobs: list[tuple[Job, list]], log, env: dict | None = N
     try:
         # A long prefill step on a loaded 2-core machine can outlast the scheduler's default step timeout (120 s),
         # which would count the group as lost and restart it mid-job.
-        with (LocalGroup(model, tp=1, kv_blocks=blocks, env=env, ready_timeout=900,
+        with (LocalGroup(model, tp=1, kv_blocks=blocks, env=env, ready_timeout=900, worker_args=worker_args,
                          scheduler_args=("--step-timeout-seconds", "1800")) as group,
               Client(group.target, timeout=3600) as client):
             rank = group.metrics_urls["rank0"]
@@ -316,7 +317,7 @@ def _reference_main(model_path: str) -> None:
 # --- the run ---------------------------------------------------------------------------------------------------
 
 
-def measure(plans, log=print, env: dict | None = None) -> dict:
+def measure(plans, log=print, env: dict | None = None, worker_args: tuple[str, ...] = ()) -> dict:
     from common.processor import load_processor
 
     rows = []
@@ -326,7 +327,7 @@ def measure(plans, log=print, env: dict | None = None) -> dict:
         stamp = time.strftime("%H%M%S")
         jobs = [(job, prompts(processor, job, f"{plan.width}{stamp}{k}")) for k, job in enumerate(plan.jobs)]
         t0 = time.monotonic()
-        pairs = run_jobs(model, jobs, log, env)
+        pairs = run_jobs(model, jobs, log, env, worker_args)
         log(f"{plan.width} widths: every job on both sides in {time.monotonic() - t0:.0f} s")
         for (job, reqs), (s, p) in zip(jobs, pairs, strict=True):
             contexts = [len(ids) + job.new_tokens / 2 for _, ids in reqs]  # mean over the decode steps
@@ -418,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", default="", help="comma-separated subset of 2b,7b (default: the plan's)")
     parser.add_argument("--out", help="folder for rank_engine.md/.json/.png")
     parser.add_argument("--worker-tree", help="run the group's processes from this source tree (a before/after check)")
+    parser.add_argument("--jobs", default="", help="comma-separated subset of the plan's jobs as NAME:N (e.g. "
+                        "equal:16,mixed:16; default: all)")
+    parser.add_argument("--cpu-linear", choices=("onednn", "dense"),
+                        help="the rank's --cpu-linear (default: the rank's own, onednn): dense shows the share of the "
+                        "packed weights")
     parser.add_argument("--reference", help=argparse.SUPPRESS)  # internal: the transformers process
     args = parser.parse_args(argv)
     if args.reference:
@@ -426,8 +432,16 @@ def main(argv: list[str] | None = None) -> int:
     plans = PLANS["quick" if args.quick else "full"]
     if args.widths:
         plans = tuple(p for p in plans if p.width in args.widths.split(","))
+    if args.jobs:
+        wanted = set(args.jobs.split(","))
+        plans = tuple(Plan(p.width, tuple(j for j in p.jobs if f"{j.name}:{j.n}" in wanted)) for p in plans)
+        plans = tuple(p for p in plans if p.jobs)
+        if not plans:
+            parser.error(f"--jobs {args.jobs}: no job of the plan matches (names: equal, mixed, context)")
     env = dict(os.environ, PYTHONPATH=args.worker_tree) if args.worker_tree else None
-    result = measure(plans, log=lambda m: print(m, file=sys.stderr, flush=True), env=env)
+    worker_args = ("--cpu-linear", args.cpu_linear) if args.cpu_linear else ()
+    result = measure(plans, log=lambda m: print(m, file=sys.stderr, flush=True), env=env, worker_args=worker_args)
+    result["cpu_linear"] = args.cpu_linear or "onednn"
     print(write(args.out, result) if args.out else tables(result))
     return 0
 

@@ -17,7 +17,8 @@ One forward per step: the windows of every request (prefill chunks and decode to
 sequence of batch 1, positions ``(3, 1, tokens)``; the library's text model runs it with the attention function of
 ``worker_svc/paged_attention.py`` (selected for the text config only), which writes each token's KV at the slot its
 block table gives and attends per request over views of the pool. The final norm's output is kept only at the
-last token of windows that sample, and only those rows go through ``lm_head``.
+last token of windows that sample, and only those rows go through ``lm_head``. On a one-rank float32 CPU group the
+decoder's linear layers multiply by oneDNN-packed weights (``worker_svc/cpu_linear.py``, ``--cpu-linear``).
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ class ModelRunner:
                 "kv_pool_bytes": self.pool.nbytes,
                 "kv_heads_local": kv_heads_local,
                 "kv_replicas": shape.kv_replicas(config.world_size),
+                "linear_layout": self.linear_layout,
             },
         )
 
