@@ -23,6 +23,7 @@ import grpc.aio
 from mmcast.v1 import generation_pb2_grpc as pb_grpc
 from mmcast_client import _core
 from mmcast_client._core import NOT_GIVEN, NotGiven
+from mmcast_client.errors import InvalidArgument
 from mmcast_client.images import ImageStore
 from mmcast_client.types import Backoff, Delta, Result
 
@@ -267,7 +268,12 @@ class AsyncClient:
 
     async def _upload(self, sha: str, data: bytes, deadline: _core.Deadline, key: str) -> None:
         metadata = self.settings.call_metadata(key)
-        reply = await self._unary(self._stub.UploadImage, _core.upload_chunks(sha, data), deadline, metadata)
+        try:
+            reply = await self._unary(self._stub.UploadImage, _core.upload_chunks(sha, data), deadline, metadata)
+        except InvalidArgument as exc:
+            if not _core.arrived_altered(exc):
+                raise
+            reply = await self._unary(self._stub.UploadImage, _core.upload_chunks(sha, data), deadline, metadata)
         self._core.uploaded(sha, reply)
 
 

@@ -34,6 +34,8 @@ class Fault:
     message: str
     after_tokens: int = 0  # tokens streamed before the abort (Generate only)
     final_error: bool = False  # end with a final message of FINISH_REASON_ERROR instead of a status
+    reorder: bool = False  # UploadImage only: no status; the chunks are joined last first, as a stream replayed
+    # out of order would arrive (the server's sha256 check then fails)
 
 
 class FakeGenerationServicer(pb_grpc.GenerationServiceServicer):
@@ -144,7 +146,7 @@ class FakeGenerationServicer(pb_grpc.GenerationServiceServicer):
     def UploadImage(self, request_iterator, context):
         self._record(context)
         fault = self._fault("UploadImage")
-        if fault is not None:
+        if fault is not None and not fault.reorder:
             context.abort(fault.code, fault.message)
         chunks, expected, shape = [], "", []
         for i, chunk in enumerate(request_iterator):
@@ -152,10 +154,10 @@ class FakeGenerationServicer(pb_grpc.GenerationServiceServicer):
                 expected = chunk.expected_sha256
             chunks.append(chunk.data)
             shape.append((len(chunk.data), chunk.expected_sha256))
-        data = b"".join(chunks)
+        data = b"".join(chunks[::-1] if fault is not None else chunks)
         sha = hashlib.sha256(data).hexdigest()
-        if expected and expected != sha:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected_sha256={expected} but the bytes hash to {sha}")
+        if expected and expected != sha:  # as the scheduler answers: google.rpc.BadRequest names the field
+            _abort_bad_field(context, "expected_sha256", f"expected_sha256={expected} but the bytes hash to {sha}")
         with self.lock:
             present = sha in self.stored
             self.stored[sha] = data
@@ -180,6 +182,19 @@ class FakeGenerationServicer(pb_grpc.GenerationServiceServicer):
             tensor_parallel_size=1,
             group_ready=True,
         )
+
+
+def _abort_bad_field(context, field: str, message: str) -> None:
+    """INVALID_ARGUMENT with a google.rpc.BadRequest naming ``field``: the scheduler's form of a bad field."""
+    from google.protobuf import any_pb2
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    detail = any_pb2.Any()
+    violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message)
+    detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=message, details=[detail])
+    context.abort_with_status(rpc_status.to_status(status))
 
 
 def _serving_health(server: grpc.Server):

@@ -3,9 +3,9 @@
 A decode step multiplies a few rows (one per request) by every weight matrix of the decoder and by ``lm_head``.
 On CPU, PyTorch's dense ``linear`` runs these skinny products far below the machine's arithmetic rate; the same
 products over a weight held in oneDNN's own layout (``Tensor.to_mkldnn``) run 1.4-2.5x faster at 1-64 rows and
-about even at prefill sizes (thousands of rows) (``benchmarks/rank_engine.py`` reports the effect end to end; the rank step table in
-the README compares the two layouts). The results agree with the dense product to float32 rounding (relative
-~1e-6; the summation order differs).
+about even at prefill sizes, thousands of rows (``benchmarks/rank_engine.py --cpu-linear dense`` measures the
+difference end to end; the README's Performance section has the figures). The results agree with the dense
+product to float32 rounding (relative ~1e-6; the summation order differs).
 
 ``pack`` swaps each ``nn.Linear``'s ``forward`` for one that multiplies by the packed weight; the module objects,
 their names and the library's model classes stay as they are. A dense weight no other module shares is released
@@ -24,9 +24,6 @@ from collections.abc import Iterable
 import torch
 
 log = logging.getLogger(__name__)
-
-CHOICES = ("onednn", "dense")
-
 
 def unsupported(device: torch.device, dtype: torch.dtype, world_size: int) -> str | None:
     """Why packed weights cannot serve this rank, or None."""

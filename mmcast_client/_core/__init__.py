@@ -48,6 +48,7 @@ from mmcast_client._core.deadlines import Deadline, first_token_deadline_error
 from mmcast_client._core.request_building import (
     UPLOAD_CHUNK_BYTES,
     affinity_key,
+    arrived_altered,
     can_inline,
     inline_retry_error,
     inline_retry_messages,
@@ -90,6 +91,7 @@ __all__ = [
     "no_final_error",
     "sampling_params",
     "target_hosts",
+    "arrived_altered",
     "upload_chunks",
     "upload_key",
 ]

@@ -174,3 +174,10 @@ def upload_chunks(sha: str, data: bytes) -> Iterator[pb.UploadImageRequest]:
         if start == 0:
             chunk.expected_sha256 = sha
         yield chunk
+
+
+def arrived_altered(error: MmcastError) -> bool:
+    """The server received other bytes than this client sent: their sha256 is not the ``expected_sha256`` the client
+    computed from its own bytes (the server names that field). A client stream that gRPC replays after a retryable
+    failure has arrived altered this way under load; the upload is sent once more, from the start."""
+    return isinstance(error, InvalidArgument) and any(v.field == "expected_sha256" for v in error.field_violations)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import threading
 import time
 import warnings
@@ -87,6 +88,30 @@ def test_a_large_upload_is_retried_by_grpc(fake):
     with Client(fake.target, backoff=FAST) as c:
         ref = c.upload_image(image)
     assert fake.uploads == [ref.removeprefix("sha256:")] and len(fake.upload_chunks[-1]) == 3
+
+
+def test_an_upload_that_arrives_altered_is_sent_once_more_from_the_start(fake):
+    """A client stream replayed by gRPC's retry under load once reached the server with other bytes than sent; the
+    server's sha256 check refuses it naming expected_sha256, and the SDK sends the upload once more (not twice)."""
+    image = random.Random(0).randbytes(3 << 20)  # three distinct 1 MiB chunks
+    fake.fail("UploadImage", grpc.StatusCode.OK, "", reorder=True)
+    with Client(fake.target, backoff=FAST) as c:
+        ref = c.upload_image(image)
+    assert fake.uploads == [ref.removeprefix("sha256:")] and len(fake.stored[fake.uploads[0]]) == len(image)
+    fake.fail("UploadImage", grpc.StatusCode.OK, "", reorder=True)
+    fake.fail("UploadImage", grpc.StatusCode.OK, "", reorder=True)
+    with Client(fake.target, backoff=FAST) as c, pytest.raises(InvalidArgument, match="expected_sha256") as info:
+        c.upload_image(image[::-1], force=True)
+    assert [v.field for v in info.value.field_violations] == ["expected_sha256"] and len(fake.uploads) == 1
+    assert len(fake.upload_chunks) == 1  # the refused attempts stored nothing
+
+    async def async_upload():
+        async with AsyncClient(fake.target, backoff=FAST) as c:
+            return await c.upload_image(image + b"async")
+
+    fake.fail("UploadImage", grpc.StatusCode.OK, "", reorder=True)
+    ref = asyncio.run(async_upload())
+    assert fake.uploads[-1] == ref.removeprefix("sha256:") and fake.stored[fake.uploads[-1]] == image + b"async"
 
 
 def test_a_retried_stream_is_not_retried_once_it_answered(fake):
