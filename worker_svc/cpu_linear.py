@@ -25,6 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
+
 def unsupported(device: torch.device, dtype: torch.dtype, world_size: int) -> str | None:
     """Why packed weights cannot serve this rank, or None."""
     if device.type != "cpu":

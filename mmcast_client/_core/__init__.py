@@ -83,6 +83,7 @@ __all__ = [
     "NotGiven",
     "ServerInfo",
     "affinity_key",
+    "arrived_altered",
     "channel_settings",
     "first_token_deadline_error",
     "insecure_token_message",
@@ -91,7 +92,6 @@ __all__ = [
     "no_final_error",
     "sampling_params",
     "target_hosts",
-    "arrived_altered",
     "upload_chunks",
     "upload_key",
 ]
