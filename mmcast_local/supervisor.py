@@ -73,13 +73,40 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+# Listening ports are drawn below the kernel's ephemeral range: a port the OS hands out for `bind(0)` lies inside
+# it, where any outgoing connection (a rank's rendezvous, a health check) may take it before the child binds it.
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LISTEN_PORTS = (10000, 32767)  # used when the ephemeral range is unknown or leaves too little room below it
+
+
+def _listen_port_range() -> tuple[int, int]:
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _LISTEN_PORTS
+    return (10000, low - 1) if low > 12000 else _LISTEN_PORTS
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports the OS reports free now (all sockets held open until all are chosen)."""
-    sockets = []
+    """`count` distinct ports free now, below the ephemeral range where one can (all sockets held open until all
+    are chosen); ports the OS picks where none below is free."""
+    low, high = _listen_port_range()
+    rng = secrets.SystemRandom()
+    sockets: list[socket.socket] = []
     try:
         for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+            for _attempt in range(64):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    s.bind((host, rng.randint(low, high)))
+                except OSError:
+                    s.close()
+                    continue
+                break
+            else:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.bind((host, 0))
             sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:
