@@ -269,12 +269,17 @@ class Frontend:
                 )
 
     # --- text ----------------------------------------------------------------------------------------------
-    def _tokenize(self, messages: list, add_generation_prompt: bool) -> list[int]:
-        """Chat template + tokenizer, with this thread's own tokenizer: a fast tokenizer refuses concurrent use
-        ("Already borrowed"), and one shared lock would let one long prompt hold every other request."""
+    def _thread_tokenizer(self):
+        """This thread's own tokenizer: a fast tokenizer refuses concurrent use ("Already borrowed"), and one shared
+        lock would let one long prompt hold every other request."""
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return tokenizer
+
+    def _tokenize(self, messages: list, add_generation_prompt: bool) -> list[int]:
+        """Chat template + tokenizer (this thread's own)."""
+        tokenizer = self._thread_tokenizer()
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         self._count("prompts_tokenized", 1)
         self._count("tokenized_bytes", len(text.encode()))
@@ -323,6 +328,34 @@ class Frontend:
         return ProcessedPrompt(token_ids, features, len(features), [p.key[1] for p in pending], hits,
                                [] if self.encoded else list(decoded.items()), image_cpu_seconds,
                                [p.field for p in pending])
+
+    def process_text(self, prompt: str, *, reserve_tokens: int = 1, context: int | None = None) -> ProcessedPrompt:
+        """A plain text prompt (the OpenAI completions API) -> its token ids, tokenized as is: no chat template, no
+        images. The same limits as a chat prompt's text, checked before tokenizing."""
+        context = self.max_model_len if context is None else context
+        size = len(prompt.encode())
+        if size > self.max_prompt_bytes:
+            raise InvalidArgument(
+                f"prompt has {size} bytes; the limit is {self.max_prompt_bytes} (--max-prompt-bytes; default the "
+                f"context {self.max_model_len} tokens x {PROMPT_BYTES_PER_TOKEN} bytes)", field="prompt",
+            )
+        if not prompt.strip():
+            raise InvalidArgument("prompt is empty", field="prompt")
+        for token in self._placeholder_tokens:
+            if token in prompt:
+                raise InvalidArgument(f"prompt contains the placeholder token {token!r}; send images to the chat "
+                                      "completions API as image_url parts", field="prompt")
+        tokenizer = self._thread_tokenizer()
+        self._count("prompts_tokenized", 1)
+        self._count("tokenized_bytes", size)
+        token_ids = tokenizer(prompt)["input_ids"]
+        if context and len(token_ids) + max(1, reserve_tokens) > context:
+            raise InvalidArgument(
+                f"the prompt has {len(token_ids)} tokens; with {max(1, reserve_tokens)} to generate that exceeds the "
+                f"context of {context} tokens (--max-model-len / the model's max_position_embeddings)",
+                field=("prompt", "sampling.max_tokens"),
+            )
+        return ProcessedPrompt(token_ids, [], 0, [], 0, [], 0.0, [])
 
     def commit(self, prompt: ProcessedPrompt) -> None:
         """Stores the prompt's newly processed images in the processor cache: call once the request is admitted,

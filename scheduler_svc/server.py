@@ -31,6 +31,7 @@ from common.decode_guard import DecodeGuardInterceptor
 from common.hashing import model_fingerprint
 from common.process import StartupError
 from mmcast.v1 import generation_pb2, generation_pb2_grpc
+from scheduler_svc.completion import Completions
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import SchedulerMetrics
@@ -111,16 +112,10 @@ class SchedulerServer:
             reconnect_backoff=(config.reconnect_backoff_initial_seconds, config.reconnect_backoff_max_seconds),
             on_group_state=self._on_group_state,
         )
-        self.servicer = GenerationServiceServicer(
-            engine=self.engine,
-            frontend=self.frontend,
-            uploads=self.uploads,
-            config=config,
-            tokenizer=self.tokenizer,
-            make_request=self._make_request,
-            server_info=self._server_info,
-            tokens=self.tokens,
-        )
+        self.completions = Completions(engine=self.engine, frontend=self.frontend, config=config,
+                                       tokenizer=self.tokenizer, make_request=self._make_request)
+        self.servicer = GenerationServiceServicer(completions=self.completions, uploads=self.uploads,
+                                                  server_info=self._server_info, tokens=self.tokens)
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
         self.health_port = 0
@@ -231,7 +226,7 @@ class SchedulerServer:
     async def stop(self, drain_seconds: float | None = None) -> None:
         """Graceful: refuse new requests, drain in-flight ones, then close the group."""
         drain = self.config.drain_seconds if drain_seconds is None else drain_seconds
-        self.servicer.draining = True
+        self.completions.draining = True
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + drain
         while self.engine.handles and time.monotonic() < deadline:

@@ -1,5 +1,5 @@
 """The client-facing ``mmcast.v1.GenerationService`` servicer. It only translates: proto → domain objects (request_parsing.py),
-the frontend and the engine decide, events → proto. Status codes and their ``google.rpc`` details come from the
+the shared request path (completion.py) admits and streams, its chunks → proto. Status codes and their ``google.rpc`` details come from the
 ``common.errors`` exception, through ``common.rich_status`` (docs/ERRORS.md).
 
 Any other exception is a bug of the server, not of the request: the client gets ``INTERNAL`` with the request id
@@ -8,26 +8,21 @@ Any other exception is a bug of the server, not of the request: the client gets 
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import hashlib
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import grpc
 
-from common import rich_status, tracing
-from common.errors import InvalidArgument, MmcastError, ResourceExhausted, Status, Unavailable
+from common import rich_status
+from common.errors import InvalidArgument, MmcastError, ResourceExhausted, Status
 from common.rich_status import grpc_code
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, logprob_pb2
 from scheduler_svc import request_parsing
-from scheduler_svc.detok import TextStream
-from scheduler_svc.engine import Engine, FinishEvent, RequestHandle, TokenEvent
-from scheduler_svc.request_log import RequestSummary
-from scheduler_svc.tenancy import scoped_cache_salt, scoped_request_id
+from scheduler_svc.completion import Completion, CompletionRequest, Completions
+from scheduler_svc.tenancy import scoped_request_id
 
 log = logging.getLogger(__name__)
 
@@ -48,48 +43,14 @@ async def abort_internal(context, method: str, request_id: str) -> None:
     )
 
 
-def _summary(handle: RequestHandle, finish: FinishEvent, processed, completion_tokens: int, ttft: float | None,
-              tenant: str) -> RequestSummary:
-    """What the final message and the finished-request log line report, taken once."""
-    u = handle.usage
-    now = time.monotonic()
-    error = finish.error
-    return RequestSummary(
-        request_id=handle.request_id,
-        tenant=tenant,
-        finish_reason=finish.reason,
-        prompt_tokens=len(processed.token_ids),
-        completion_tokens=completion_tokens,
-        cached_tokens=u.cached_tokens,
-        images=len(processed.mm_features),
-        payload_bytes_broadcast=u.payload_bytes_sent,
-        payload_bytes_saved=(u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached
-                             + u.payload_bytes_saved_encoder_shared),
-        preemptions=u.preemptions,
-        time_to_first_token_seconds=ttft,
-        total_seconds=now - handle.received_at,
-        queue_seconds=(handle.first_scheduled_at or now) - handle.received_at,
-        error_code=error.status.value if error is not None else "",
-        error=error.message if error is not None else "",
-    )
-
-
 class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(
-        self, *, engine: Engine, frontend, uploads, config, tokenizer, make_request, server_info, tokens=None
-    ) -> None:
-        self.engine = engine
-        self.frontend = frontend
+    def __init__(self, *, completions: Completions, uploads, server_info, tokens=None) -> None:
+        self.completions = completions  # the request path both client APIs share (completion.py)
+        self.frontend = completions.frontend
         self.uploads = uploads
-        self.config = config
-        self.tokenizer = tokenizer
-        self.make_request = make_request  # (request_id, processed prompt, SamplingSpec, cache_salt) -> core Request
+        self.config = completions.config
         self.server_info = server_info  # () -> generation_pb2.GetServerInfoResponse
         self.tokens = tokens  # common.auth.TokenTable, or None when authentication is off (one tenant, "")
-        # Every header check, decode and tokenization runs here, never on the event loop; the frontend bounds how
-        # many decodes run at once (--max-concurrent-decodes) and gives each thread its own tokenizer.
-        self.executor = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
-        self.draining = False
 
     def _tenant(self, context) -> str:
         """The caller's tenant ("" when authentication is off). The interceptor has already checked the token;
@@ -101,92 +62,51 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise MmcastError(problem, Status.UNAUTHENTICATED)
         return tenant
 
+    def _completion_request(self, request: generation_pb2.GenerateRequest, client_id: str, tenant: str,
+                            received: float) -> CompletionRequest:
+        request_parsing.check_request_id(request.request_id)
+        request_parsing.check_cache_salt(request.cache_salt)
+        sampling = request_parsing.parse_sampling(
+            request.sampling,
+            max_tokens_limit=self.config.max_tokens_limit,
+            max_logprobs=self.config.max_logprobs,
+            vocab_size=self.frontend.vocab_size,
+        )
+        turns = request_parsing.parse_messages(request.messages, max_images=self.config.max_images_per_request)
+        return CompletionRequest(client_id=client_id, tenant=tenant, sampling=sampling, received=received,
+                                 turns=turns, cache_salt=request.cache_salt,
+                                 add_generation_prompt=not request.continue_final_message)
+
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         received = time.monotonic()
         client_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        request_id = client_id
-        log_extra = {"request_id": request_id}
-        handle = None
+        log_extra = {"request_id": client_id}
         try:
-            if self.draining:
-                raise Unavailable("the server is draining for shutdown; retry on another replica")
             tenant = self._tenant(context)
-            request_id = scoped_request_id(tenant, client_id)
-            log_extra = {"request_id": request_id}
-            request_parsing.check_request_id(request.request_id)
-            request_parsing.check_cache_salt(request.cache_salt)
-            sampling = request_parsing.parse_sampling(
-                request.sampling,
-                max_tokens_limit=self.config.max_tokens_limit,
-                max_logprobs=self.config.max_logprobs,
-                vocab_size=self.frontend.vocab_size,
-            )
-            turns = request_parsing.parse_messages(request.messages, max_images=self.config.max_images_per_request)
-            loop = asyncio.get_running_loop()
-            add_gen = not request.continue_final_message
-            with tracing.span("mmcast.frontend", request_id=request_id) as current:  # decode, preprocess, tokenize
-                processed = await loop.run_in_executor(
-                    self.executor,
-                    functools.partial(self.frontend.process, turns, add_generation_prompt=add_gen, tenant=tenant,
-                                      reserve_tokens=sampling.max_tokens, context=self.engine.max_model_len),
-                )
-                tracing.set_attributes(current, prompt_tokens=len(processed.token_ids),
-                                       images=len(processed.mm_features))
-            limit = self.engine.max_model_len
-            if len(processed.token_ids) + sampling.max_tokens > limit:
-                raise InvalidArgument(
-                    f"prompt has {len(processed.token_ids)} tokens and sampling.max_tokens={sampling.max_tokens}: "
-                    f"together {len(processed.token_ids) + sampling.max_tokens} exceed the model context {limit}",
-                    field=("messages", "sampling.max_tokens"),
-                )
-            salt = scoped_cache_salt(tenant, request.cache_salt)
-            handle = self.engine.submit(self.make_request(request_id, processed, sampling, salt), received)
-            self.frontend.commit(processed)  # admitted: only now may its new images enter the processor cache
+            log_extra = {"request_id": scoped_request_id(tenant, client_id)}
+            completion = await self.completions.admit(self._completion_request(request, client_id, tenant, received))
         except MmcastError as err:
             log.info("request rejected: %s", err.message, extra={**log_extra, "code": err.status.value})
             await rich_status.abort(context, err)
             return
         except Exception:
-            if handle is not None:  # admitted before the failure: free what it holds
-                self.engine.finish(handle.request_id, "cancelled")
             await abort_internal(context, "Generate", client_id)
             return
-        log.info("request admitted", extra={**log_extra, "prompt_tokens": len(processed.token_ids)})
         try:
-            async for response in self._stream(handle, processed, sampling, received, context, client_id, tenant):
+            async for response in self._stream(completion, client_id, context):
                 yield response
         except grpc.aio.AbortError:  # a status the stream set on purpose
             raise
         except Exception:
             await abort_internal(context, "Generate", client_id)
 
-    async def _stream(
-        self, handle: RequestHandle, processed, sampling: request_parsing.SamplingSpec, received: float, context, client_id: str,
-        tenant: str,
-    ):
-        text = TextStream(self.tokenizer, sampling.stop)
-        completion_tokens = 0
-        finish: FinishEvent | None = None
-        ttft = None
-        summary: RequestSummary | None = None
+    async def _stream(self, completion: Completion, client_id: str, context):
+        return_logprobs = completion.sampling.return_logprobs
         try:
-            while finish is None:
-                event = await handle.events.get()
-                if isinstance(event, FinishEvent):
-                    finish = event
-                    if event.error is not None and completion_tokens == 0:
-                        # nothing streamed yet: a plain status, which clients may retry (UNAVAILABLE)
-                        await rich_status.abort(context, event.error)
-                    break
-                assert isinstance(event, TokenEvent)
-                ids = event.token_ids[: sampling.max_tokens - completion_tokens]
-                completion_tokens += len(ids)
-                if ttft is None:
-                    ttft = time.monotonic() - received
-                delta = generation_pb2.TokenDelta(token_ids=ids, text=text.add(ids))
-                if sampling.return_logprobs:
-                    for tok, lp in zip(ids, event.logprobs, strict=False):
-                        logprob, top = lp
+            async for chunk in completion.chunks():
+                delta = generation_pb2.TokenDelta(token_ids=chunk.token_ids, text=chunk.text)
+                if return_logprobs:
+                    for tok, (logprob, top) in zip(chunk.token_ids, chunk.logprobs, strict=False):
                         delta.logprobs.append(
                             generation_pb2.TokenLogprob(
                                 token_id=tok,
@@ -194,34 +114,22 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
                                 top_logprobs=[logprob_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top],
                             )
                         )
-                if text.stopped_by is not None:
-                    self.engine.finish(handle.request_id, "stop")
-                    finish = FinishEvent("stop")
                 yield generation_pb2.GenerateResponse(delta=delta)
-            tail = text.flush()
-            if tail:
-                yield generation_pb2.GenerateResponse(delta=generation_pb2.TokenDelta(text=tail))
-            summary = _summary(handle, finish, processed, completion_tokens, ttft, tenant)
-            final = self._final(handle, finish, summary, processed, text)
-            final.request_id = client_id
-            yield generation_pb2.GenerateResponse(final=final)
-        finally:
-            if not handle.finished:
-                self.engine.finish(handle.request_id, "cancelled")
-                log.info("request cancelled by the client", extra={"request_id": handle.request_id})
-                finish = FinishEvent("cancelled")
-            if summary is None:  # no final message went out: the client left, or the request failed first
-                summary = _summary(handle, finish or FinishEvent("cancelled"), processed, completion_tokens, ttft,
-                                   tenant)
-            summary.log(log)
+        except MmcastError as err:  # failed before its first token: a plain status, which clients may retry
+            await rich_status.abort(context, err)
+        final = self._final(completion)
+        final.request_id = client_id
+        yield generation_pb2.GenerateResponse(final=final)
 
-    def _final(self, handle, finish: FinishEvent, summary: RequestSummary, processed, text) -> generation_pb2.GenerateFinal:
-        """The final message; what the finished-request log line also carries comes from ``summary``."""
-        u = handle.usage
+    @staticmethod
+    def _final(completion: Completion) -> generation_pb2.GenerateFinal:
+        """The final message; what the finished-request log line also carries comes from the result's summary."""
+        result = completion.result
+        summary, u = result.summary, result.usage
         final = generation_pb2.GenerateFinal(
-            finish_reason=_FINISH.get(finish.reason, generation_pb2.FINISH_REASON_ERROR),
-            request_id=handle.request_id,
-            stop_reason=text.stopped_by or "",
+            finish_reason=_FINISH.get(result.finish_reason, generation_pb2.FINISH_REASON_ERROR),
+            request_id=summary.request_id,
+            stop_reason=result.stop_reason,
             usage=generation_pb2.Usage(
                 prompt_tokens=summary.prompt_tokens,
                 completion_tokens=summary.completion_tokens,
@@ -235,7 +143,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
                 preemptions=summary.preemptions,
                 encoder_runs=u.encoder_runs,
                 encoder_output_bytes_shared=u.encoder_output_bytes_shared,
-                image_cpu_time=timedelta(seconds=processed.image_cpu_seconds),
+                image_cpu_time=timedelta(seconds=completion.processed.image_cpu_seconds),
                 images_encoder_shared=u.items_encoder_shared,
             ),
             timings=generation_pb2.Timings(
@@ -244,9 +152,9 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
                 queue_time=timedelta(seconds=summary.queue_seconds),
             ),
         )
-        if finish.error is not None:
-            final.error.grpc_code = grpc_code(finish.error).value[0]
-            final.error.message = finish.error.message
+        if result.error is not None:
+            final.error.grpc_code = grpc_code(result.error).value[0]
+            final.error.message = result.error.message
         return final
 
     async def UploadImage(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -277,8 +185,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
                                       field="expected_sha256")
             data = b"".join(parts)
             parts.clear()
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self.executor, self.frontend.check_image_header, data, "upload")
+            await self.completions.run_in_executor(self.frontend.check_image_header, data, "upload")
             sha2, already = self.uploads.put(data, sha256_hex=sha, tenant=tenant)
         except MmcastError as err:
             if err.fields == ("upload",):  # the image checks name the upload "upload"; on the wire it is `data`

@@ -1,0 +1,221 @@
+"""The one request path behind both client APIs: admit a prompt, stream its text, report how it ended.
+
+The gRPC servicer (servicer.py) and the OpenAI HTTP API (openai_api.py) each translate their own request format
+into a ``CompletionRequest`` and their own responses out of ``Chunk`` and ``CompletionResult``; everything between
+— the limits, the frontend, tenant scoping, the engine, stop strings, cancellation, the finished-request log line —
+is this module's, so nothing about transfers, caches or accounting differs by door. Errors are ``common.errors``
+exceptions; each door maps them to its protocol once (common/rich_status.py, openai_errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from common import tracing
+from common.errors import InvalidArgument, MmcastError, Unavailable
+from scheduler_svc import request_parsing
+from scheduler_svc.detok import TextStream
+from scheduler_svc.engine import Engine, FinishEvent, RequestHandle, TokenEvent
+from scheduler_svc.request_log import RequestSummary
+from scheduler_svc.request_parsing import SamplingSpec
+from scheduler_svc.tenancy import scoped_cache_salt, scoped_request_id
+
+log = logging.getLogger("scheduler_svc.servicer")  # the name the request log lines have always carried
+
+# Field paths the shared checks name; each door renames them to its own request's paths where they differ.
+MAX_TOKENS_FIELD = "sampling.max_tokens"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    """One request as either door parsed it; every field already passed that door's own format checks."""
+
+    client_id: str  # the request id as the client gave it (checked), or one the door made up
+    tenant: str  # the caller's tenant ("" when authentication is off)
+    sampling: SamplingSpec  # max_tokens is a placeholder when ``default_max_tokens`` is set
+    received: float  # time.monotonic() when the call arrived: TTFT and queue time count from here
+    turns: Sequence[request_parsing.Turn] | None = None  # a chat conversation; exactly one of turns / prompt
+    prompt: str | None = None  # a plain text prompt, tokenized as is (no chat template)
+    cache_salt: str = ""  # the client's prefix-cache salt (checked)
+    add_generation_prompt: bool = True  # chat: append the template's assistant header (False: continue the last)
+    default_max_tokens: bool = False  # True: max_tokens not given; take what the context leaves, up to the limit
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Tokens produced since the previous chunk, with their text (which may lag at multi-byte boundaries)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list  # one (logprob, [(token_id, logprob), ...]) per token when asked, else empty
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionResult:
+    """How a completion ended; set once its chunks are exhausted."""
+
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    stop_reason: str  # the stop string that ended the text, or ""
+    error: MmcastError | None  # set iff finish_reason == "error": the failure after the first token
+    summary: RequestSummary  # what the finished-request log line holds (tokens, cached tokens, bytes, times)
+    usage: object  # the engine's RequestUsage: per-request item and byte accounting
+
+
+def summarize(handle: RequestHandle, finish: FinishEvent, processed, completion_tokens: int, ttft: float | None,
+              tenant: str) -> RequestSummary:
+    """What the final message and the finished-request log line report, taken once."""
+    u = handle.usage
+    now = time.monotonic()
+    error = finish.error
+    return RequestSummary(
+        request_id=handle.request_id,
+        tenant=tenant,
+        finish_reason=finish.reason,
+        prompt_tokens=len(processed.token_ids),
+        completion_tokens=completion_tokens,
+        cached_tokens=u.cached_tokens,
+        images=len(processed.mm_features),
+        payload_bytes_broadcast=u.payload_bytes_sent,
+        payload_bytes_saved=(u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached
+                             + u.payload_bytes_saved_encoder_shared),
+        preemptions=u.preemptions,
+        time_to_first_token_seconds=ttft,
+        total_seconds=now - handle.received_at,
+        queue_seconds=(handle.first_scheduled_at or now) - handle.received_at,
+        error_code=error.status.value if error is not None else "",
+        error=error.message if error is not None else "",
+    )
+
+
+class Completion:
+    """An admitted request. Iterate ``chunks()`` once; leaving it early (the client went away) cancels the request
+    and frees what it holds. ``result`` is set when the iteration ends normally."""
+
+    def __init__(self, engine: Engine, tokenizer, handle: RequestHandle, processed, sampling: SamplingSpec,
+                 tenant: str) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.handle = handle
+        self.processed = processed  # frontend.ProcessedPrompt: token ids, items, image cpu time
+        self.sampling = sampling  # the effective parameters (max_tokens resolved)
+        self.tenant = tenant
+        self.result: CompletionResult | None = None
+        self.first_token_at: float | None = None  # time.monotonic() of the first chunk with tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.processed.token_ids)
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """Chunks until the request ends. A failure before the first token raises its ``MmcastError`` (a plain
+        refusal a client may retry); after it, the failure ends the iteration with ``result.error`` set, so the
+        tokens already sent stand."""
+        handle, sampling = self.handle, self.sampling
+        text = TextStream(self.tokenizer, sampling.stop)
+        completion_tokens = 0
+        finish: FinishEvent | None = None
+        ttft = None
+        summary: RequestSummary | None = None
+        try:
+            while finish is None:
+                event = await handle.events.get()
+                if isinstance(event, FinishEvent):
+                    finish = event
+                    if event.error is not None and completion_tokens == 0:
+                        raise event.error
+                    break
+                assert isinstance(event, TokenEvent)
+                ids = event.token_ids[: sampling.max_tokens - completion_tokens]
+                completion_tokens += len(ids)
+                if ttft is None:
+                    self.first_token_at = time.monotonic()
+                    ttft = self.first_token_at - handle.received_at
+                chunk = Chunk(ids, text.add(ids), list(event.logprobs[: len(ids)]) if sampling.return_logprobs else [])
+                if text.stopped_by is not None:
+                    self.engine.finish(handle.request_id, "stop")
+                    finish = FinishEvent("stop")
+                yield chunk
+            tail = text.flush()
+            if tail:
+                yield Chunk([], tail, [])
+            summary = summarize(handle, finish, self.processed, completion_tokens, ttft, self.tenant)
+            self.result = CompletionResult(finish.reason, text.stopped_by or "", finish.error, summary, handle.usage)
+        finally:
+            if not handle.finished:
+                self.engine.finish(handle.request_id, "cancelled")
+                log.info("request cancelled by the client", extra={"request_id": handle.request_id})
+                finish = FinishEvent("cancelled")
+            if summary is None:  # no result: the client left, or the request failed before its first token
+                summary = summarize(handle, finish or FinishEvent("cancelled"), self.processed, completion_tokens,
+                                    ttft, self.tenant)
+            summary.log(log)
+
+    def cancel(self) -> None:
+        """Ends the request from the client side (a stream that was never iterated, a deadline)."""
+        if not self.handle.finished:
+            self.engine.finish(self.handle.request_id, "cancelled")
+
+
+class Completions:
+    """Admission, shared by both doors: request-id scoping, the frontend off the event loop, the context check,
+    the engine's queue. ``draining`` refuses new requests during a graceful shutdown."""
+
+    def __init__(self, *, engine: Engine, frontend, config, tokenizer, make_request) -> None:
+        self.engine = engine
+        self.frontend = frontend
+        self.config = config
+        self.tokenizer = tokenizer
+        self.make_request = make_request  # (request_id, processed prompt, SamplingSpec, cache_salt) -> core Request
+        # Every header check, decode and tokenization runs here, never on the event loop; the frontend bounds how
+        # many decodes run at once (--max-concurrent-decodes) and gives each thread its own tokenizer.
+        self.executor = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
+        self.draining = False
+
+    async def run_in_executor(self, fn, *args):
+        """``fn(*args)`` on the frontend's threads (image headers, base64, anything CPU-bound of a request)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    async def admit(self, req: CompletionRequest) -> Completion:
+        """Processes and queues ``req``. Raises ``MmcastError`` (nothing is left behind: a refused request's images
+        do not enter the processor cache and it holds no engine state)."""
+        if self.draining:
+            raise Unavailable("the server is draining for shutdown; retry on another replica")
+        request_id = scoped_request_id(req.tenant, req.client_id)
+        sampling = req.sampling
+        reserve = 1 if req.default_max_tokens else sampling.max_tokens
+        context = self.engine.max_model_len
+        with tracing.span("mmcast.frontend", request_id=request_id) as current:  # decode, preprocess, tokenize
+            if req.prompt is not None:
+                process = functools.partial(self.frontend.process_text, req.prompt, reserve_tokens=reserve,
+                                            context=context)
+            else:
+                process = functools.partial(self.frontend.process, req.turns,
+                                            add_generation_prompt=req.add_generation_prompt, tenant=req.tenant,
+                                            reserve_tokens=reserve, context=context)
+            processed = await asyncio.get_running_loop().run_in_executor(self.executor, process)
+            tracing.set_attributes(current, prompt_tokens=len(processed.token_ids), images=len(processed.mm_features))
+        prompt_tokens = len(processed.token_ids)
+        if req.default_max_tokens:
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, min(self.config.max_tokens_limit,
+                                                                           context - prompt_tokens)))
+        if prompt_tokens + sampling.max_tokens > context:
+            raise InvalidArgument(
+                f"prompt has {prompt_tokens} tokens and {MAX_TOKENS_FIELD}={sampling.max_tokens}: together "
+                f"{prompt_tokens + sampling.max_tokens} exceed the model context {context}",
+                field=("messages" if req.prompt is None else "prompt", MAX_TOKENS_FIELD),
+            )
+        salt = scoped_cache_salt(req.tenant, req.cache_salt)
+        handle = self.engine.submit(self.make_request(request_id, processed, sampling, salt), req.received)
+        try:
+            self.frontend.commit(processed)  # admitted: only now may its new images enter the processor cache
+        except Exception:
+            self.engine.finish(handle.request_id, "cancelled")  # admitted before the failure: free what it holds
+            raise
+        log.info("request admitted", extra={"request_id": request_id, "prompt_tokens": prompt_tokens})
+        return Completion(self.engine, self.tokenizer, handle, processed, sampling, req.tenant)
