@@ -168,6 +168,59 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "", 
     return ServerCertificateFiles(cert_file, key_file, client_ca_file, prefix=prefix).credentials()
 
 
+class HttpsContext:
+    """The ``ssl.SSLContext`` of an HTTP server port (the OpenAI API) that follows its files like the gRPC ports do.
+
+    ``refresh()``, called by the server every ``HTTPS_REFRESH_SECONDS``, loads changed, checked files into the same
+    context, which every later handshake uses (OpenSSL copies a context's certificate into each new connection);
+    connections already open keep theirs. A rotated client CA is added to the trusted ones: a CA taken out of the
+    file stays trusted on this port until the process restarts.
+    """
+
+    def __init__(self, cert_file: str, key_file: str, client_ca_file: str = "", *, prefix: str = "--") -> None:
+        self.files = _PemFiles((cert_file, f"{prefix}tls-cert-file"), (key_file, f"{prefix}tls-key-file"),
+                               (client_ca_file, f"{prefix}tls-client-ca-file"))
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if client_ca_file:
+            self.context.verify_mode = ssl.CERT_REQUIRED
+        self._load(self.files.current)
+
+    def _load(self, files: tuple) -> None:
+        _, _, ca = files
+        self.context.load_cert_chain(self.files.cert_file, self.files.key_file, password=lambda: "")
+        if ca is not None:
+            self.context.load_verify_locations(cadata=ca.decode("ascii", "replace"))
+
+    def refresh(self) -> bool:
+        """True when changed files were taken into use. Never raises (see ``_PemFiles.refresh``)."""
+        changed = self.files.refresh()
+        if changed is None:
+            return False
+        try:
+            self._load(changed)
+        except (ssl.SSLError, OSError) as exc:  # changed again between the check and the load: next time
+            log.warning("TLS files changed while being loaded for the HTTP port; retrying later: %s", exc)
+            return False
+        return True
+
+
+HTTPS_REFRESH_SECONDS = 2.0  # how often an HTTP port looks for rotated TLS files
+
+
+def https_context(cert_file: str, key_file: str, client_ca_file: str = "", *, prefix: str = "--") -> (
+    HttpsContext | None
+):
+    """The HTTP port's TLS (the same files and rules as ``server_credentials``), or None (plaintext)."""
+    cert_flag, key_flag, ca_flag = f"{prefix}tls-cert-file", f"{prefix}tls-key-file", f"{prefix}tls-client-ca-file"
+    check_pair(cert_file, key_file, cert_flag, key_flag)
+    if not cert_file:
+        if client_ca_file:
+            raise TlsConfigError(f"{ca_flag} needs {cert_flag} and {key_flag}: mutual TLS is TLS first")
+        return None
+    return HttpsContext(cert_file, key_file, client_ca_file, prefix=prefix)
+
+
 class ChannelCertificateFiles:
     """The CA and optional client certificate/key a channel presents; ``credentials()`` for each new channel."""
 

@@ -55,6 +55,9 @@ def add_serve_local_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size = worker ranks (default 1)")
     p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="lazy", help="payload transfer (default lazy)")
     p.add_argument("--port", type=int, default=50051, metavar="P", help="scheduler gRPC port (0: a free one)")
+    p.add_argument("--http-port", type=int, default=8000, metavar="H",
+                   help="OpenAI-compatible HTTP API port (default 8000; 0: a free one)")
+    p.add_argument("--no-http", action="store_true", help="serve the gRPC API only")
     p.add_argument(
         "--metrics-port-base",
         type=int,
@@ -80,6 +83,7 @@ def cmd_serve_local(args: argparse.Namespace) -> int:
             args.tp,
             args.transfer_mode,
             port=args.port,
+            http_port=None if args.no_http else args.http_port,
             metrics_port_base=args.metrics_port_base,
             kv_blocks=args.kv_blocks,
             scheduler_args=args.extra,
@@ -97,6 +101,8 @@ def cmd_serve_local(args: argparse.Namespace) -> int:
         group.wait_ready()
         print(f"ready in {time.monotonic() - started:.1f} s", file=sys.stderr)
         print(f"scheduler  grpc://{group.target}  (mmcast.v1.GenerationService, transfer mode {args.transfer_mode})")
+        if group.openai_base_url:
+            print(f"openai     {group.openai_base_url}  (chat completions, completions, models)")
         for r, target in enumerate(group.worker_targets):
             print(f"rank {r:<4}  grpc://{target}")
         for name, url in group.metrics_urls.items():

@@ -4,6 +4,7 @@
         with Client(group.target) as client:
             ...
         group.metrics_urls  # {"scheduler": "http://127.0.0.1:Q/metrics", "rank0": ..., ...}
+        group.openai_base_url  # "http://127.0.0.1:H/v1": the OpenAI-compatible API (http_port=None: off)
 
 Supervision: if any rank exits, every rank is stopped and the whole group restarted with a fresh
 torch.distributed port (the ranks keep their gRPC ports, so the scheduler reconnects by itself); if the scheduler
@@ -18,7 +19,7 @@ kernel ties PDEATHSIG to the thread that forked the child.
 
 Security: the group gets a fresh shared secret (a 0600 file in a private 0700 folder, removed on stop; never on a
 command line): the scheduler sends it on every rank stream (`--worker-token-file`) and each rank demands it
-(`--shared-token-file`). Every port — client, ranks, /metrics, the torch.distributed rendezvous and the ranks' gloo
+(`--shared-token-file`). Every port — client (gRPC and HTTP), ranks, /metrics, the torch.distributed rendezvous and the ranks' gloo
 sockets — binds `host` (default 127.0.0.1) alone. Flags in `scheduler_args`/`worker_args` come last and win.
 
 Part of the server distribution (it starts the services and polls them with grpcio-health-checking); the SDK never
@@ -148,6 +149,7 @@ class LocalGroup:
         transfer_mode: str = "lazy",
         *,
         port: int = 0,
+        http_port: int | None = 0,
         host: str = "127.0.0.1",
         metrics_port_base: int | None = None,
         kv_blocks: int | None = None,
@@ -171,6 +173,8 @@ class LocalGroup:
             raise ValueError(f"transfer_mode={transfer_mode!r}; choose one of {TRANSFER_MODES}")
         if not 0 <= port <= 65535:
             raise ValueError(f"port={port} must be in [0, 65535] (0 picks a free one)")
+        if http_port is not None and not 0 <= http_port <= 65535:
+            raise ValueError(f"http_port={http_port} must be in [0, 65535] (0 picks a free one; None: no HTTP API)")
         if metrics_port_base is not None and not 1 <= metrics_port_base <= 65535 - tp:
             raise ValueError(f"metrics_port_base={metrics_port_base} must be in [1, {65535 - tp}]")
         if os.path.isfile(os.path.join(model_dir, "config.json")):  # else the processes say what is missing
@@ -193,9 +197,10 @@ class LocalGroup:
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
         # Ports: fixed for the life of the group so the scheduler can always reconnect to the same addresses.
-        n_free = (port == 0) + tp + (0 if metrics_port_base else 1 + tp)
+        n_free = (port == 0) + (http_port == 0) + tp + (0 if metrics_port_base else 1 + tp)
         spare = free_ports(n_free, host)
         self.port = port or spare.pop()
+        self.http_port = None if http_port is None else (http_port or spare.pop())  # the OpenAI API; None: off
         self.worker_ports = [spare.pop() for _ in range(tp)]
         if metrics_port_base:
             self.metrics_ports = [metrics_port_base + i for i in range(1 + tp)]  # scheduler, rank0, rank1, ...
@@ -243,6 +248,11 @@ class LocalGroup:
         return [f"{self.host}:{p}" for p in self.worker_ports]
 
     @property
+    def openai_base_url(self) -> str | None:
+        """The OpenAI-compatible API's base URL (``http://127.0.0.1:PORT/v1``), or None when it is off."""
+        return None if self.http_port is None else f"http://{self.host}:{self.http_port}/v1"
+
+    @property
     def metrics_urls(self) -> dict[str, str]:
         names = ["scheduler"] + [f"rank{r}" for r in range(self.tp)]
         return {name: f"http://{self.host}:{p}/metrics" for name, p in zip(names, self.metrics_ports, strict=True)}
@@ -255,6 +265,7 @@ class LocalGroup:
         """What serve-local prints on its READY line."""
         return {
             "target": self.target,
+            "openai_base_url": self.openai_base_url,
             "workers": self.worker_targets,
             "metrics": self.metrics_urls,
             "pids": self.pids(),
@@ -488,6 +499,7 @@ class LocalGroup:
             "--workers", ",".join(self.worker_targets),
             "--model", self.model_dir,
             "--transfer-mode", self.transfer_mode,
+            *(["--http-port", str(self.http_port)] if self.http_port is not None else []),
             *self.scheduler_args,
         ]  # fmt: skip
 

@@ -136,6 +136,12 @@ class SchedulerConfig:
     # --- service --------------------------------------------------------------------------------------------------
     listen: str = setting("[::]:50051", "address the client API listens on (HOST:PORT; port 0 picks one)",
                           section=_SERVICE, metavar="HOST:PORT")
+    http_port: int = setting(
+        0, "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) on the "
+        "host of --listen, with the client port's TLS and tokens (0 = off)", min=0, max=65535, section=_SERVICE,
+    )
+    served_model_name: str = setting("", "the model name the HTTP API answers to and lists in /v1/models (default: "
+                                     "the model folder's name)", section=_SERVICE, metavar="NAME")
     metrics_port: int = setting(9400, "port of the Prometheus /metrics endpoint (0 = disabled)", min=0, max=65535,
                                 section=_SERVICE)
     metrics_host: str = setting("0.0.0.0", "address the /metrics endpoint binds (127.0.0.1 keeps it local)",

@@ -155,6 +155,18 @@ class SchedulerMetrics:
         )
         self.prompt_tokens = Counter("mmcast_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("mmcast_generation_tokens_total", "Tokens generated.", registry=r)
+        # The OpenAI-compatible HTTP API (openai_api.py); ``route`` is one of HTTP_ROUTES or "other".
+        self.http_requests = Counter(
+            "mmcast_http_requests_total", "HTTP API requests answered, by route, method and status code.",
+            ["route", "method", "status"], registry=r,
+        )
+        self.http_seconds = Histogram(
+            "mmcast_http_request_duration_seconds",
+            "HTTP API request received to its response complete (a stream: to its last event), by route and method.",
+            ["route", "method"], buckets=_REQUEST_BUCKETS, registry=r,
+        )
+        self.http_in_flight = Gauge("mmcast_http_requests_in_flight", "HTTP API requests being answered.",
+                                    registry=r)
         self._init_labels()
 
     def frontend_counter(self, name: str) -> Counter:

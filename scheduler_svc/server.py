@@ -34,6 +34,7 @@ from mmcast.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.completion import Completions
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
+from scheduler_svc.http_server import HttpMetrics, HttpServer
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.rank_streams import WorkerGroup
 from scheduler_svc.servicer import GenerationServiceServicer
@@ -116,11 +117,33 @@ class SchedulerServer:
                                        tokenizer=self.tokenizer, make_request=self._make_request)
         self.servicer = GenerationServiceServicer(completions=self.completions, uploads=self.uploads,
                                                   server_info=self._server_info, tokens=self.tokens)
+        self.http: HttpServer | None = None  # the OpenAI-compatible API, when --http-port is set
+        if config.http_port:
+            self.http = self._http_server()
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
         self.health_port = 0
+        self.http_port = 0
         self.port = 0
         self._health_state: dict[str, int] = {}
+
+    def _http_server(self) -> HttpServer:
+        from scheduler_svc.media_urls import MediaLoader, MediaPolicy
+        from scheduler_svc.openai_api import OpenAIApi
+
+        c = self.config
+        self.openai = OpenAIApi(
+            completions=self.completions, uploads=self.uploads, media=MediaLoader(MediaPolicy.from_config(c)),
+            model_name=self.model_name, tokens=self.tokens, max_body_bytes=c.max_request_bytes,
+        )
+        app = HttpMetrics(self.openai.app(), self.metrics)
+        https = tls.https_context(c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file)
+        return HttpServer(app, host=c.listen.rsplit(":", 1)[0], port=c.http_port, https=https)
+
+    @property
+    def model_name(self) -> str:
+        """The name both APIs report (GetServerInfo.model, /v1/models) and the HTTP API's requests must give."""
+        return self.config.served_model_name or Path(self.config.model).name
 
     def _worker_channel_factory(self, files: tls.ChannelCertificateFiles | None):
         if files is None:
@@ -159,7 +182,7 @@ class SchedulerServer:
     def _server_info(self) -> generation_pb2.GetServerInfoResponse:
         c = self.config
         return generation_pb2.GetServerInfoResponse(
-            model=Path(c.model).name,
+            model=self.model_name,
             # model_fingerprint is left unset: it is what a rank checks in a handshake, and no client needs it.
             max_model_len=self.engine.max_model_len,
             max_images_per_request=c.max_images_per_request,
@@ -219,6 +242,8 @@ class SchedulerServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.http is not None:
+            self.http_port = await self.http.start()
         self.engine.start()
         log.info("scheduler listening", extra={"port": self.port, "workers": ",".join(c.workers), "transfer_mode": c.transfer_mode})
         return self.port
@@ -235,6 +260,8 @@ class SchedulerServer:
             self.engine.finish(request_id, "cancelled")
         if self.server is not None:
             await self.server.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop()
         if self.health_server is not None:
             await self.health_server.stop(grace=None)
         await self.engine.stop()

@@ -25,10 +25,9 @@ import pytest
 
 from benchmarks.proc_memory import peak_mib
 from mmcast.v1 import generation_pb2 as pb
-from mmcast_local.supervisor import LocalGroup
 from tests.support import security_catalogue as cat
 from tests.support.rich_errors import check_contract, details_of
-from tests.support.security_support import WorkerProcess, new_token, scrape, secret_file, wait_for
+from tests.support.security_support import scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -48,34 +47,15 @@ RESULTS: list[dict] = []
 
 
 @pytest.fixture(scope="module")
-def secrets_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("catalogue-secrets")
-    tenant, worker, other = new_token(), new_token(), new_token()
-    secret_file(folder / "tokens.txt", f"# tenant token\ncatalogue {tenant}\ncatalogue-b {other}\n")
-    secret_file(folder / "worker-token", worker + "\n")
-    return folder, tenant, worker, other
+def secrets_dir(catalogue_secrets):
+    return catalogue_secrets
 
 
 @pytest.fixture(scope="module")
-def processes(tiny_model_dir, secrets_dir, tmp_path_factory):
-    folder = secrets_dir[0]
-    logs = tmp_path_factory.mktemp("catalogue-logs")
-    rank = WorkerProcess(tiny_model_dir, logs / "standalone-rank.log",
-                         [x for k, v in cat.WORKER_LIMITS.items() for x in (k, str(v))]
-                         + ["--shared-token-file", str(folder / "worker-token")])
-    limits = [x for k, v in cat.SCHEDULER_LIMITS.items() for x in (k, str(v))]
-    group = LocalGroup(
-        tiny_model_dir, 1, "lazy", kv_blocks=256, log_dir=logs,
-        scheduler_args=[*limits, "--auth-tokens-file", str(folder / "tokens.txt"),
-                        "--worker-token-file", str(folder / "worker-token")],
-        worker_args=["--shared-token-file", str(folder / "worker-token")],
-    )
+def processes(catalogue_group):
     try:
-        with group:
-            rank.wait_ready()
-            yield group, rank
+        yield catalogue_group
     finally:
-        rank.stop()
         if os.environ.get("MMCAST_SECURITY_REPORT_DIR"):
             with open(os.path.join(os.environ["MMCAST_SECURITY_REPORT_DIR"], "catalogue.json"), "w") as f:
                 json.dump(RESULTS, f, indent=1)

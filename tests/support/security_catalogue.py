@@ -33,6 +33,9 @@ from mmcast.v1 import generation_pb2 as pb
 from mmcast.v1 import multimodal_pb2, tensor_pb2, worker_pb2
 
 # The catalogue scheduler's limits (flags); the expected messages below name them.
+# Hosts the catalogue scheduler may fetch image URLs from (--allowed-media-domains): each resolves to, or is, an
+# address the SSRF rules refuse (loopback, link-local metadata, private), so every fetch of the catalogue is refused.
+MEDIA_DOMAINS = "localhost,127.0.0.1,169.254.169.254,10.0.0.1"
 SCHEDULER_LIMITS = {
     "--max-model-len": 1024,
     "--max-images-per-request": 4,

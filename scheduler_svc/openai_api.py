@@ -1,0 +1,555 @@
+"""The OpenAI-compatible HTTP API: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, as a Starlette application served beside the gRPC API in the scheduler process (http_server.py).
+
+It only translates, as the gRPC servicer does: JSON (validated by openai_schema.py) -> a ``CompletionRequest`` for
+the shared request path (completion.py), its chunks -> OpenAI's response objects or server-sent events; errors ->
+OpenAI's error shape (openai_errors.py). The limits, tenants, caches and accounting are the gRPC API's own.
+
+Images: ``image_url.url`` is a ``data:image/...;base64,`` URL (remote and local URLs only where the operator allowed
+them: media_urls.py), or ``image_url`` is null and ``uuid`` is ``sha256:<hex>`` of an image the server holds — one
+uploaded with ``UploadImage`` or sent inline in an earlier request of the same tenant (inline images are kept in
+the upload store, within ``--upload-store-bytes``, once their request is admitted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from common.errors import IMAGE_RESOURCE, InvalidArgument, MmcastError, NotFound, Status, Unavailable
+from mmcast.v1 import generation_pb2
+from scheduler_svc import openai_errors, openai_schema, request_parsing
+from scheduler_svc.completion import MAX_TOKENS_FIELD, Chunk, Completion, CompletionRequest, Completions
+from scheduler_svc.openai_errors import HttpError
+from scheduler_svc.request_parsing import ImageContent, TextContent, Turn
+
+log = logging.getLogger(__name__)
+
+_UUID = re.compile(r"sha256:([0-9a-f]{64})")
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_FINISH = {"stop": "stop", "length": "length"}
+# Parameters of OpenAI's API that mmcast does not implement: accepted at their neutral value only.
+_NEUTRAL = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
+            "logit_bias": (None, {}), "best_of": (None, 1), "min_tokens": (None, 0), "tools": (None, []),
+            "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False), "echo": (None, False),
+            "suffix": (None, "")}
+_SCHEMA_FIELDS = {name for model in (openai_schema.ChatCompletionRequest, openai_schema.CompletionRequest,
+                                     openai_schema.ChatMessage, openai_schema.ImageContentPart,
+                                     openai_schema.TextContentPart, openai_schema.ImageURL, openai_schema.StreamOptions)
+                  for name in model.model_fields}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+def _param(loc: tuple) -> str:
+    """A pydantic error location as a field path: ``messages[0].content[1].image_url``, without the union-member
+    labels (``str``, ``list[...]``) and the content part's discriminator tag pydantic puts in it."""
+    parts: list[str] = []
+    tag_pending = False  # just past a content part's index: the next field-like segment is its type tag
+    for seg in loc:
+        if isinstance(seg, int):
+            tag_pending = len(parts) >= 1 and parts[-1] == ".content"
+            parts.append(f"[{seg}]")
+        elif seg in _SCHEMA_FIELDS:
+            if tag_pending:
+                tag_pending = False
+                continue
+            parts.append(("." if parts else "") + seg)
+    return "".join(parts).lstrip(".")
+
+
+def _validation_error(exc: ValidationError) -> HttpError:
+    errors = exc.errors(include_url=False)
+    if any(e["type"] == "json_invalid" for e in errors):
+        e = next(e for e in errors if e["type"] == "json_invalid")
+        return HttpError(400, f"the request body is not valid JSON: {e['msg']}", code="invalid_json")
+    e = max(errors, key=lambda e: len(e["loc"]))  # the most specific of a union's alternatives
+    param = _param(e["loc"]) or None
+    shown = repr(e.get("input"))[:80] if e["type"] != "missing" else ""
+    message = f"{param}: {e['msg']}" + (f" (got {shown})" if shown else "") if param else e["msg"]
+    return HttpError(400, message, param=param, code="invalid_value")
+
+
+def _check_neutral(body: BaseModel) -> None:
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(body, name, None)
+        if value not in neutral:
+            raise HttpError(400, f"{name}={str(value)[:80]} is not supported by this server; leave it unset",
+                            param=name, code="unsupported")
+    fmt = getattr(body, "response_format", None)
+    if fmt and fmt.get("type", "text") != "text":
+        raise HttpError(400, f"response_format type {str(fmt.get('type'))[:40]!r} is not supported; only 'text'",
+                        param="response_format", code="unsupported")
+
+
+@dataclasses.dataclass
+class _Call:
+    """One HTTP request on its way through the shared path."""
+
+    client_id: str  # the request id (x-request-id, else made up)
+    tenant: str
+    model: str
+    kind: str  # "chat" | "text"
+    names: dict  # gRPC field path -> this request's field name, for error messages
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    uuid_fields: dict = dataclasses.field(default_factory=dict)  # sha256 hex -> the field that referenced it
+    inline: list = dataclasses.field(default_factory=list)  # (sha256 hex, bytes) of images sent inline
+
+    @property
+    def object_id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.client_id
+
+
+class OpenAIApi:
+    """The routes. ``tokens`` (common.auth.TokenTable or None) and tenants are exactly the gRPC API's."""
+
+    def __init__(self, *, completions: Completions, uploads, media, model_name: str, tokens=None,
+                 max_body_bytes: int) -> None:
+        self.completions = completions
+        self.frontend = completions.frontend
+        self.config = completions.config
+        self.uploads = uploads
+        self.media = media  # media_urls.MediaLoader
+        self.model_name = model_name
+        self.tokens = tokens
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    def app(self, middleware=None) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.text_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        app = Starlette(routes=routes, middleware=middleware or [],
+                        exception_handlers={404: self._not_found, 405: self._method_not_allowed})
+        return app
+
+    # --- routes -----------------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if self.completions.engine.ready and not self.completions.draining:
+            return Response(status_code=200)
+        why = "draining for shutdown" if self.completions.draining else "the worker group is not serving"
+        return self._error(HttpError(503, f"not ready: {why}", type="service_unavailable_error", code="unavailable"))
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._tenant(request)
+        except MmcastError as err:
+            return self._error(openai_errors.from_mmcast(err))
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "mmcast",
+                "max_model_len": self.completions.engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat")
+
+    async def text_completions(self, request: Request) -> Response:
+        return await self._serve(request, "text")
+
+    async def _serve(self, request: Request, kind: str) -> Response:
+        received = time.monotonic()
+        call: _Call | None = None
+        try:
+            tenant = self._tenant(request)
+            schema = openai_schema.ChatCompletionRequest if kind == "chat" else openai_schema.CompletionRequest
+            body = await self._read(request, schema)
+            _check_neutral(body)
+            if body.n != 1:
+                raise HttpError(400, f"n={body.n}: this server returns one choice per request; send n=1 (or omit "
+                                "it) and repeat the request for more", param="n", code="unsupported")
+            if body.model != self.model_name:
+                raise HttpError(404, f"the model {body.model[:120]!r} does not exist here; this server serves "
+                                f"{self.model_name!r} (GET /v1/models)", type="not_found_error", param="model",
+                                code="model_not_found")
+            call = _Call(self._client_id(request), tenant, body.model, kind, {})
+            req = await self._completion_request(call, body, received)
+            completion = await self._until_disconnect(request, self.completions.admit(req))
+            self._keep_inline(call)
+        except HttpError as err:
+            return self._error(err)
+        except MmcastError as err:
+            log.info("request rejected: %s", err.message,
+                     extra={"request_id": call.client_id if call else "", "code": err.status.value})
+            return self._error(self._http_error(err, call))
+        except _ClientGone:
+            return Response(status_code=499)
+        except Exception:
+            return self._internal(call)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await self._stream(request, call, completion, include_usage)
+        return await self._whole(request, call, completion)
+
+    # --- translation in ---------------------------------------------------------------------------------------
+    async def _read(self, request: Request, schema: type[BaseModel]) -> BaseModel:
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HttpError(413, f"the request body has {declared} bytes; the limit is {limit} (--max-request-bytes)",
+                            code="request_too_large")
+        parts, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise HttpError(413, f"the request body exceeds {limit} bytes (--max-request-bytes)",
+                                    code="request_too_large")
+                parts.append(chunk)
+        except ClientDisconnect:
+            raise _ClientGone() from None
+        data = b"".join(parts)
+        parts.clear()
+        if not data:
+            raise HttpError(400, "the request body is empty: send a JSON object", code="invalid_json")
+        try:
+            return schema.model_validate_json(data)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+
+    async def _completion_request(self, call: _Call, body, received: float) -> CompletionRequest:
+        request_parsing.check_cache_salt(body.cache_salt or "")
+        sampling, default_max = self._sampling(call, body)
+        common = dict(client_id=call.client_id, tenant=call.tenant, sampling=sampling, received=received,
+                      cache_salt=body.cache_salt or "", default_max_tokens=default_max)
+        if call.kind == "text":
+            prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(
+                body.prompt[0], str) else body.prompt
+            if not isinstance(prompt, str):
+                raise HttpError(400, "prompt: token-id prompts are not supported; send the prompt as a string",
+                                param="prompt", code="unsupported")
+            return CompletionRequest(prompt=prompt, **common)
+        turns = await self._turns(call, body.messages)
+        add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
+        return CompletionRequest(turns=turns, add_generation_prompt=add_generation_prompt, **common)
+
+    def _sampling(self, call: _Call, body) -> tuple[request_parsing.SamplingSpec, bool]:
+        """The shared checks (request_parsing.parse_sampling) on this body's values; errors are renamed to the
+        body's field names."""
+        if call.kind == "chat":
+            max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
+                raise HttpError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+            return_logprobs, top = body.logprobs, body.top_logprobs or 0
+            call.names.update({"sampling.logprobs": "top_logprobs", MAX_TOKENS_FIELD: max_name})
+        else:
+            max_name, max_tokens = "max_tokens", body.max_tokens
+            return_logprobs, top = body.logprobs is not None, body.logprobs or 0
+            call.names.update({"sampling.logprobs": "logprobs", "messages": "prompt"})
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+        p = generation_pb2.SamplingParams(
+            max_tokens=max_tokens or 1,  # unset: the context decides after tokenizing (CompletionRequest)
+            temperature=1.0 if body.temperature is None else body.temperature,
+            stop=stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=top,
+            return_logprobs=return_logprobs,
+        )
+        if body.top_p is not None:
+            p.top_p = body.top_p
+        if body.seed is not None:
+            p.seed = body.seed % 2**64  # the ranks reduce seeds modulo 2^64: a negative seed is as good as any
+        if body.top_k is not None and body.top_k > 0:  # vLLM: -1 and 0 mean no cut
+            p.top_k = body.top_k
+        spec = request_parsing.parse_sampling(p, max_tokens_limit=self.config.max_tokens_limit,
+                                              max_logprobs=self.config.max_logprobs,
+                                              vocab_size=self.frontend.vocab_size)
+        if spec.return_logprobs != return_logprobs:  # logprobs > 0 implies them on gRPC; here only when asked
+            spec = dataclasses.replace(spec, return_logprobs=return_logprobs)
+        return spec, max_tokens is None
+
+    async def _turns(self, call: _Call, messages) -> list[Turn]:
+        turns = []
+        for i, m in enumerate(messages):
+            if m.content is None:
+                raise HttpError(400, f"messages[{i}].content is missing: tool calls are not supported, send text "
+                                "or image parts", param=f"messages[{i}].content", code="invalid_value")
+            parts: list[TextContent | ImageContent] = []
+            content = [openai_schema.TextContentPart(type="text", text=m.content)] if isinstance(m.content, str) \
+                else m.content
+            for j, part in enumerate(content):
+                if part.type == "text":
+                    parts.append(TextContent(part.text))
+                else:
+                    parts.append(await self._image(call, part, f"messages[{i}].content[{j}]"))
+            turns.append(Turn(_ROLES[m.role], tuple(parts)))
+        return turns
+
+    async def _image(self, call: _Call, part, where: str) -> ImageContent:
+        field = f"{where}.image_url"
+        digest = None
+        if part.uuid is not None:
+            match = _UUID.fullmatch(part.uuid)
+            if match is None:
+                raise HttpError(400, f"{where}.uuid={part.uuid[:80]!r} is not 'sha256:' and 64 lowercase hex "
+                                "characters (the sha256 of the image's bytes)", param=f"{where}.uuid",
+                                code="invalid_value")
+            digest = match.group(1)
+        if part.image_url is None:
+            if digest is None:
+                raise HttpError(400, f"{field} is null and {where}.uuid is not set: send the image as a URL, or "
+                                "reference one the server holds by its uuid", param=field, code="invalid_value")
+            call.uuid_fields[digest] = f"{where}.uuid"
+            return ImageContent(None, digest, field)
+        url = part.image_url.url
+        if url.startswith("data:"):
+            data = await self.completions.run_in_executor(self.media.decode_data_url, url, f"{field}.url")
+        else:
+            data = await self.media.load(url, f"{field}.url")
+        sha = hashlib.sha256(data).hexdigest()
+        if digest is not None and digest != sha:
+            raise HttpError(400, f"{where}.uuid=sha256:{digest} does not match the sha256 of the image's bytes "
+                            f"({sha})", param=f"{where}.uuid", code="invalid_value")
+        call.inline.append((sha, data))
+        return ImageContent(data, None, field)
+
+    def _keep_inline(self, call: _Call) -> None:
+        """Admitted: its inline images become referable by uuid in later requests of the tenant."""
+        for sha, data in call.inline:
+            try:
+                self.uploads.put(data, sha256_hex=sha, tenant=call.tenant)
+            except MmcastError:  # larger than the whole store: it stays usable inline only
+                pass
+        call.inline.clear()
+
+    # --- translation out --------------------------------------------------------------------------------------
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.completions.tokenizer.decode([token_id])
+        return text
+
+    def _chat_logprobs(self, chunk) -> dict:
+        content = []
+        for tok, (lp, top) in zip(chunk.token_ids, chunk.logprobs, strict=False):
+            s = self._text_of(tok)
+            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": [
+                {"token": self._text_of(t), "logprob": v, "bytes": list(self._text_of(t).encode())} for t, v in top]})
+        return {"content": content}
+
+    def _text_logprobs(self, chunks, offset: int = 0) -> dict:
+        tokens, values, tops, offsets = [], [], [], []
+        for chunk in chunks:
+            for tok, (lp, top) in zip(chunk.token_ids, chunk.logprobs, strict=False):
+                s = self._text_of(tok)
+                tokens.append(s)
+                values.append(lp)
+                tops.append({self._text_of(t): v for t, v in top})
+                offsets.append(offset)
+                offset += len(s)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def _usage(completion: Completion) -> dict:
+        s = completion.result.summary
+        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+                "total_tokens": s.prompt_tokens + s.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+
+    def _ended_badly(self, completion: Completion) -> MmcastError | None:
+        """The error to report for a completion that did not finish by itself (failed, or cut by the server)."""
+        result = completion.result
+        if result.error is not None:
+            return result.error
+        if result.finish_reason == "cancelled":
+            return Unavailable("the server cancelled the request (shutdown or drain deadline); retry")
+        return None
+
+    def _envelope(self, call: _Call) -> dict:
+        kind = "chat.completion" if call.kind == "chat" else "text_completion"
+        return {"id": call.object_id, "object": kind, "created": call.created, "model": call.model}
+
+    async def _whole(self, request: Request, call: _Call, completion: Completion) -> Response:
+        async def collect() -> list:
+            return [chunk async for chunk in completion.chunks()]
+
+        try:
+            chunks = await self._until_disconnect(request, collect())
+        except _ClientGone:
+            return Response(status_code=499)
+        except MmcastError as err:  # failed before its first token
+            return self._error(self._http_error(err, call))
+        except Exception:
+            return self._internal(call)
+        err = self._ended_badly(completion)
+        if err is not None:
+            return self._error(self._http_error(err, call))
+        text = "".join(c.text for c in chunks)
+        result = completion.result
+        choice: dict = {"index": 0, "finish_reason": _FINISH[result.finish_reason],
+                        "stop_reason": result.stop_reason or None}
+        logprobs = completion.sampling.return_logprobs
+        if call.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = self._chat_logprobs(_joined(chunks)) if logprobs else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = self._text_logprobs(chunks) if logprobs else None
+        out = {**self._envelope(call), "choices": [choice], "usage": self._usage(completion)}
+        return JSONResponse(out, headers={"x-request-id": call.client_id})
+
+    async def _stream(self, request: Request, call: _Call, completion: Completion, include_usage: bool) -> Response:
+        chunks = completion.chunks()
+        try:  # the first chunk before the response starts: a request that fails now gets a plain HTTP error
+            first = await self._until_disconnect(request, anext(chunks, None))
+        except _ClientGone:
+            await chunks.aclose()
+            return Response(status_code=499)
+        except MmcastError as err:
+            return self._error(self._http_error(err, call))
+        except Exception:
+            await chunks.aclose()
+            return self._internal(call)
+        return StreamingResponse(self._events(call, completion, chunks, first, include_usage),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": call.client_id})
+
+    async def _events(self, call: _Call, completion: Completion, chunks: AsyncIterator, first,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. When the client disconnects,
+        Starlette cancels this generator and the request is cancelled with it (Completion.chunks)."""
+        envelope = {**self._envelope(call), "object": "chat.completion.chunk" if call.kind == "chat"
+                    else "text_completion"}
+        usage_field = {"usage": None} if include_usage else {}
+        logprobs = completion.sampling.return_logprobs
+        offset = 0
+
+        def event(choice: dict) -> bytes:
+            return _sse({**envelope, "choices": [choice], **usage_field})
+
+        try:
+            if call.kind == "chat":
+                yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            chunk = first
+            while chunk is not None:
+                if chunk.text or (logprobs and chunk.token_ids):
+                    if call.kind == "chat":
+                        yield event({"index": 0, "delta": {"content": chunk.text},
+                                     "logprobs": self._chat_logprobs(chunk) if logprobs else None,
+                                     "finish_reason": None})
+                    else:
+                        yield event({"index": 0, "text": chunk.text,
+                                     "logprobs": self._text_logprobs([chunk], offset) if logprobs else None,
+                                     "finish_reason": None})
+                    offset += len(chunk.text)
+                chunk = await anext(chunks, None)
+            err = self._ended_badly(completion)
+            if err is not None:
+                e = self._http_error(err, call)
+                yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+            else:
+                result = completion.result
+                last = {"index": 0, "finish_reason": _FINISH[result.finish_reason],
+                        "stop_reason": result.stop_reason or None, "logprobs": None}
+                last.update({"delta": {}} if call.kind == "chat" else {"text": ""})
+                yield event(last)
+                if include_usage:
+                    yield _sse({**envelope, "choices": [], "usage": self._usage(completion)})
+            yield b"data: [DONE]\n\n"
+        except MmcastError as err:  # cannot happen after the first chunk (chunks() reports it in result); kept
+            e = self._http_error(err, call)  # so that a protocol error still ends the stream in OpenAI's shape
+            yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+            yield b"data: [DONE]\n\n"
+        finally:
+            await chunks.aclose()
+
+    # --- helpers ----------------------------------------------------------------------------------------------
+    def _tenant(self, request: Request) -> str:
+        if self.tokens is None:
+            return ""
+        tenant, problem = self.tokens.authenticate([("authorization", v) for v in
+                                                    request.headers.getlist("authorization")])
+        if tenant is None:
+            raise MmcastError(problem.replace("metadata", "header"), Status.UNAUTHENTICATED)
+        return tenant
+
+    @staticmethod
+    def _client_id(request: Request) -> str:
+        given = request.headers.get("x-request-id", "")
+        try:
+            request_parsing.check_request_id(given)
+        except InvalidArgument as err:
+            raise HttpError(400, err.message.replace("request_id", "the x-request-id header"),
+                            param="x-request-id", code="invalid_value") from None
+        return given or uuid.uuid4().hex
+
+    @staticmethod
+    async def _until_disconnect(request: Request, awaitable):
+        """``awaitable``'s result, or ``_ClientGone`` (with the awaitable cancelled) if the client disconnects
+        first: a client that leaves while its request waits for the model cancels it."""
+        work = asyncio.ensure_future(awaitable)
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not work.done():
+            work.cancel()
+            try:
+                await work
+            except (asyncio.CancelledError, Exception):
+                pass
+            raise _ClientGone()
+        return work.result()
+
+    def _http_error(self, err: MmcastError, call: _Call | None) -> HttpError:
+        names = call.names if call else {}
+        if (isinstance(err, NotFound) and err.resource is not None and err.resource.type == IMAGE_RESOURCE
+                and call and err.resource.name in call.uuid_fields):
+            field = call.uuid_fields[err.resource.name]
+            return HttpError(404, f"{field}=sha256:{err.resource.name} names no image this server holds (never "
+                             "sent or uploaded by this tenant, or evicted from the upload store, "
+                             "--upload-store-bytes); send the image itself", type="not_found_error", param=field,
+                             code="image_not_found")
+        return openai_errors.from_mmcast(err, names)
+
+    @staticmethod
+    def _error(err: HttpError) -> Response:
+        return Response(openai_errors.body(err.message, err.type, err.param, err.code), status_code=err.status,
+                        media_type="application/json", headers=err.headers)
+
+    def _internal(self, call: _Call | None) -> Response:
+        request_id = call.client_id if call else f"http-{uuid.uuid4().hex}"
+        log.exception("unexpected error in the HTTP API", extra={"request_id": request_id})
+        return self._error(HttpError(500, f"internal server error (request_id={request_id}); the server log records "
+                                     "the cause under this id", type="server_error", code="internal"))
+
+    async def _not_found(self, request: Request, exc) -> Response:
+        return self._error(HttpError(404, f"no route {request.url.path[:200]!r}; this server serves "
+                                     "/v1/chat/completions, /v1/completions, /v1/models and /health",
+                                     type="not_found_error", code="not_found"))
+
+    async def _method_not_allowed(self, request: Request, exc) -> Response:
+        return self._error(HttpError(405, f"{request.method} is not allowed on {request.url.path[:200]}",
+                                     code="method_not_allowed"))
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _joined(chunks: list) -> Chunk:
+    """All chunks' tokens and log-probabilities as one chunk."""
+    return Chunk([t for c in chunks for t in c.token_ids], "", [lp for c in chunks for lp in c.logprobs])

@@ -1,0 +1,100 @@
+"""The request bodies of the OpenAI-compatible HTTP API, as pydantic models.
+
+What the models check is the JSON's shape: types, required fields, enumerations, and the ranges a value must have
+to mean anything at all (``n >= 1``, ``max_tokens >= 1``). The server's own limits (``--max-tokens-limit``,
+``--max-logprobs``, the context, image sizes) are checked afterwards by the same code the gRPC API uses
+(request_parsing.py, frontend.py), so one limit has one check and one message.
+
+Unknown fields are ignored, as OpenAI's API ignores them; parameters of OpenAI's API that mmcast does not implement
+are accepted at their neutral value and refused otherwise (``UNSUPPORTED``), never silently dropped. vLLM's extra
+sampling fields (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``, ``add_generation_prompt``,
+``continue_final_message``) are read as vLLM reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_UINT31 = 2**31 - 1
+_INT64 = 2**63
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Body):
+    url: str  # data:image/...;base64,..., or http(s):// / file:// where the server allows them
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the resolution
+
+
+class TextContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImageContentPart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL | None = None  # null: ``uuid`` names an image the server already holds
+    uuid: str | None = None  # "sha256:<hex>" of the image's bytes (vLLM's media uuid convention)
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]  # "developer" is OpenAI's newer name for "system"
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # accepted, not used: the chat template has no place for it
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False  # one more chunk before [DONE]: no choices, the whole request's usage
+
+
+class _Sampling(_Body):
+    """The fields both endpoints share."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1, le=_UINT31)] | None = None  # None: what the context leaves, up to the limit
+    temperature: float | None = None  # None: 1.0, OpenAI's default
+    top_p: float | None = None
+    top_k: Annotated[int, Field(ge=-1, le=_UINT31)] | None = None  # vLLM: -1 and 0 = no top-k cut
+    seed: Annotated[int, Field(ge=-_INT64, lt=2**64)] | None = None  # reduced modulo 2^64, as the ranks do
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_UINT31)]] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1)] = 1  # only 1 is served
+    ignore_eos: bool = False
+    user: str | None = None  # accepted, not used
+    cache_salt: str | None = None  # requests share prefix-cache blocks only when their salts are equal
+    # Accepted at their neutral value only (see _unsupported in openai_api.py):
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    min_tokens: int | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=_UINT31)] | None = None  # OpenAI's newer max_tokens
+    logprobs: bool = False  # True: the sampled tokens' log-probabilities
+    top_logprobs: Annotated[int, Field(ge=0, le=_UINT31)] | None = None  # alternatives per token; needs logprobs
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | list[int]
+    logprobs: Annotated[int, Field(ge=0, le=_UINT31)] | None = None  # alternatives per token (the sampled one too)
+    echo: bool = False
+    suffix: str | None = None
