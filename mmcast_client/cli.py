@@ -145,6 +145,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="draw among the K most likely tokens (default: "
+                   "no top-k cut)")
     p.add_argument("--seed", type=int, default=None, metavar="S")
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens regardless of EOS")
     p.add_argument("--no-upload", action="store_true", help="send image bytes inline instead of uploading by hash")
@@ -216,6 +218,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 max_tokens=args.max_tokens,
                 temperature=args.temperature,
                 top_p=args.top_p,
+                top_k=args.top_k,
                 seed=args.seed,
                 ignore_eos=args.ignore_eos,
                 stream=True,

@@ -21,6 +21,7 @@ def sampling_to_proto(sampling: SamplingParams) -> worker_pb2.WorkerSampling:
     return worker_pb2.WorkerSampling(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
+        top_k=sampling.top_k,
         seed=sampling.seed,
         logprobs=sampling.logprobs,
         return_logprobs=sampling.return_logprobs,

@@ -38,6 +38,7 @@ class SamplingParams:
     max_tokens: int = 16  # tokens to generate at most, >= 1
     temperature: float = 0.0  # [0, 2]; below 1e-5 (the ranks' greedy epsilon) = greedy
     top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # [0, vocabulary]; 0 = no top-k cut (the vocabulary bound is checked by request_parsing)
     seed: int = 0  # draws for token i come from a generator seeded by (seed, i)
     stop_token_ids: tuple[int, ...] = ()  # tokens that end generation (besides EOS)
     ignore_eos: bool = False  # True: only max_tokens / the context end generation
@@ -66,6 +67,11 @@ def validate_sampling(sampling: SamplingParams, num_prompt_tokens: int, max_mode
                               field="sampling.temperature")
     if not 0.0 < sampling.top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p={sampling.top_p} must be in (0, 1]", field="sampling.top_p")
+    # The scheduler does not know the vocabulary (the frontend's parse_sampling and the ranks check that bound); it
+    # keeps a top_k inside what the worker proto's uint32 carries, as it does for the seed's uint64.
+    if not 0 <= sampling.top_k < 2**32:
+        raise InvalidArgument(f"sampling.top_k={sampling.top_k} must be in [0, 2^32) (0 = no top-k cut)",
+                              field="sampling.top_k")
     if not 0 <= sampling.logprobs <= max_logprobs:
         raise InvalidArgument(f"sampling.logprobs={sampling.logprobs} must be in [0, {max_logprobs}] (--max-logprobs)",
                               field="sampling.logprobs")

@@ -35,6 +35,7 @@ class SamplingSpec:
     max_tokens: int  # >= 1
     temperature: float  # [0, 2]; below 1e-5 (GREEDY_EPSILON, worker_svc/sampling.py) = greedy
     top_p: float  # (0, 1]
+    top_k: int  # [0, vocab_size]; 0 = no top-k cut
     seed: int | None  # None: the server picks one
     stop: tuple[str, ...]  # stop strings, matched on the server
     stop_token_ids: tuple[int, ...]
@@ -74,6 +75,11 @@ def parse_sampling(
     top_p = p.top_p if p.HasField("top_p") else 1.0
     if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p={top_p} must be in (0, 1]", field="sampling.top_p")
+    # Above the vocabulary a top_k would be the same as none; refused so a client's mistake (a model with a smaller
+    # vocabulary than it assumed) is told rather than silently sampled without the cut it asked for.
+    if p.top_k > vocab_size:
+        raise InvalidArgument(f"sampling.top_k={p.top_k} exceeds the model's vocabulary of {vocab_size} tokens "
+                              "(0 = no top-k cut)", field="sampling.top_k")
     if p.logprobs > max_logprobs:
         raise InvalidArgument(f"sampling.logprobs={p.logprobs} exceeds the limit {max_logprobs} (--max-logprobs)",
                               field="sampling.logprobs")
@@ -94,6 +100,7 @@ def parse_sampling(
         max_tokens=p.max_tokens,
         temperature=float(p.temperature),
         top_p=float(top_p),
+        top_k=int(p.top_k),
         seed=p.seed if p.HasField("seed") else None,
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),

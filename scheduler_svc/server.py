@@ -163,6 +163,7 @@ class SchedulerServer:
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
+            top_k=sampling.top_k,
             seed=seed,
             stop_token_ids=tuple(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,

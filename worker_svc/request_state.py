@@ -66,7 +66,7 @@ class RequestState:
         return embed[inside] - start, inside.nonzero().reshape(-1)
 
 
-def sampling_from_proto(msg: worker_pb2.WorkerSampling, request_id: str) -> SamplingParams:
+def sampling_from_proto(msg: worker_pb2.WorkerSampling, request_id: str, *, vocab_size: int) -> SamplingParams:
     where = f"new_requests[{request_id}].sampling"
     if not msg.temperature >= 0 or msg.temperature > 1e4:
         raise StepError(code.OUT_OF_RANGE, f"{where}.temperature={msg.temperature} must be in [0, 1e4]", request_id)
@@ -75,12 +75,18 @@ def sampling_from_proto(msg: worker_pb2.WorkerSampling, request_id: str) -> Samp
         raise StepError(code.OUT_OF_RANGE, f"{where}.top_p={msg.top_p} must be in (0, 1]", request_id)
     if msg.logprobs > 64:
         raise StepError(code.OUT_OF_RANGE, f"{where}.logprobs={msg.logprobs} exceeds the limit of 64", request_id)
+    # The scheduler refuses a top_k above the vocabulary, so one arriving here is a broken or foreign scheduler;
+    # the sampler would treat it as no cut, but the rank says so rather than silently sample differently.
+    if msg.top_k > vocab_size:
+        raise StepError(code.OUT_OF_RANGE, f"{where}.top_k={msg.top_k} exceeds the vocabulary of {vocab_size} tokens",
+                        request_id)
     return SamplingParams(
         temperature=float(msg.temperature),
         top_p=float(top_p),
         seed=int(msg.seed),
         logprobs=int(msg.logprobs),
         return_logprobs=bool(msg.return_logprobs),
+        top_k=int(msg.top_k),  # 0 (unset) = no cut
     )
 
 
@@ -185,7 +191,7 @@ def admit(
         block_ids=list(msg.block_ids),
         num_computed=computed,
         num_output_tokens=msg.num_output_tokens,
-        sampling=sampling_from_proto(msg.sampling, rid),
+        sampling=sampling_from_proto(msg.sampling, rid, vocab_size=vocab_size),
         blocks_in_pool=computed // block_size,
     )
 

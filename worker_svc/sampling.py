@@ -1,17 +1,23 @@
-"""Token sampling on rank 0: greedy or temperature + top-p, reproducible per (request seed, token index).
+"""Token sampling on rank 0: greedy or temperature + top-k + top-p, reproducible per (request seed, token index).
 
 The draw for output token ``i`` uses a fresh CPU generator seeded from ``(seed, i)``, so a request recomputed after
 preemption or recovery repeats exactly the draws it made before. Log-probabilities are those of the unmodified
-model distribution (``log_softmax`` of the logits), whatever temperature and top-p did to the draw.
+model distribution (``log_softmax`` of the logits), whatever temperature, top-k and top-p did to the draw.
 
-``sample`` is total over its parameters: whatever the temperature, top-p, seed or logprobs count (NaN, infinities,
--0.0, denormals, negative or huge values) it returns a token inside the vocabulary and log-probabilities that are
-never NaN. The rules, in order:
+``sample`` is total over its parameters: whatever the temperature, top-k, top-p, seed or logprobs count (NaN,
+infinities, -0.0, denormals, negative or huge values) it returns a token inside the vocabulary and log-probabilities
+that are never NaN. The rules, in order:
 
 - temperature below ``GREEDY_EPSILON`` (or NaN) is greedy. Dividing logits by a denormal temperature overflows
   to inf and the softmax to NaN; and at 1e-5 a logit gap of 1e-3 already weighs e^-100 (~4e-44, below float32's
   smallest positive value), so every temperature under the threshold draws the argmax except between near-ties.
-  vLLM uses the same threshold;
+  vLLM uses the same threshold. Greedy ignores top-k and top-p (the argmax survives both);
+- top-k <= 0 (the proto's unset 0 included) or >= the vocabulary is no cut; otherwise the tokens whose logit is
+  strictly below the k-th largest are removed before the softmax. Every token tied with the k-th largest logit
+  stays, so more than k may remain: which of equal logits to drop would otherwise depend on the sort, and vLLM's
+  threshold keeps them too. The threshold is taken on the cleaned logits, not the temperature-scaled ones:
+  scaling is monotone, so the same tokens pass, but a scaled value could round into a tie the logits lack;
+- top-p is applied after top-k (vLLM's order), to the distribution renormalized over the tokens top-k kept;
 - top-p outside (0, 1) (0, -0.0, negative, NaN, >= 1) is no nucleus cut (an unset proto float is 0); any positive
   top-p keeps at least the most likely token, so 1e-45 is greedy among the finite logits;
 - a logprobs count <= 0 returns no alternatives; above the vocabulary, the whole vocabulary; alternatives of
@@ -43,6 +49,7 @@ class SamplingParams:
     seed: int = 0  # with the output token index, seeds the draw (any integer; reduced modulo 2^64)
     logprobs: int = 0  # top alternatives to return besides the sampled token (<= 0: none)
     return_logprobs: bool = False  # False: no log-probabilities at all
+    top_k: int = 0  # (0, vocab): draw among the k largest logits and their ties; else no cut (last: keeps positions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +87,16 @@ def clean_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def _kth_largest(logits: torch.Tensor, k: int) -> torch.Tensor:
+    # A partial selection of the smaller side, never a full sort: at 152k tokens the usual k (up to a few hundred)
+    # costs under a millisecond on a CPU, k near the vocabulary as little, k = half the vocabulary ~8 ms; kthvalue
+    # costs ~8 ms for every k.
+    n = logits.numel()
+    if k <= n - k + 1:
+        return torch.topk(logits, k, sorted=False).values.min()
+    return torch.topk(logits, n - k + 1, largest=False, sorted=False).values.max()  # the (n-k+1)-th smallest
+
+
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs, order = torch.sort(probs, descending=True)
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
@@ -99,6 +116,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, index: int) -> Sample:
         # Shifted by the maximum first: the scaled values are <= 0 with an exact 0 at the maximum, so neither a
         # small temperature nor a huge logit range can overflow, and the softmax's sum is >= 1 before it normalizes.
         shifted = (logits - logits.max()) / temperature
+        top_k = int(params.top_k)
+        if 0 < top_k < logits.numel():
+            shifted = shifted.masked_fill(logits < _kth_largest(logits, top_k), -math.inf)  # the maximum stays
         probs = torch.softmax(torch.nan_to_num(shifted, nan=-math.inf), dim=-1)
         top_p = float(params.top_p)
         if 0.0 < top_p < 1.0:

@@ -128,18 +128,20 @@ class PayloadFrame(_message.Message):
     def __init__(self, item_identifier: _Optional[str] = ..., field_name: _Optional[str] = ..., header: _Optional[_Union[_tensor_pb2.TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class WorkerSampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "seed", "logprobs", "return_logprobs")
+    __slots__ = ("temperature", "top_p", "seed", "logprobs", "return_logprobs", "top_k")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     seed: int
     logprobs: int
     return_logprobs: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+    top_k: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "mm_items", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "num_output_tokens")

@@ -38,6 +38,7 @@ def sampling_params(
     max_tokens: int,
     temperature: float,
     top_p: float | None,
+    top_k: int | None,
     seed: int | None,
     stop: str | Sequence[str] | None,
     stop_token_ids: Sequence[int] | None,
@@ -48,6 +49,8 @@ def sampling_params(
         raise InvalidArgument(message=f"max_tokens={max_tokens!r} must be an integer >= 1")
     if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 1 << 64):
         raise InvalidArgument(message=f"seed={seed!r} must be an integer in [0, 2**64)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k < 1 << 32):
+        raise InvalidArgument(message=f"top_k={top_k!r} must be None, 0 (no top-k cut) or a count in [1, 2**32)")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
         raise InvalidArgument(message=f"logprobs={logprobs!r} must be None, 0 (sampled token only) or a count >= 1")
     params = pb.SamplingParams(
@@ -59,6 +62,8 @@ def sampling_params(
     )
     if top_p is not None:
         params.top_p = top_p
+    if top_k:  # None and 0 both mean no cut: the proto's unset 0
+        params.top_k = top_k
     if seed is not None:
         params.seed = seed
     if stop:

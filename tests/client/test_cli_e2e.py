@@ -240,11 +240,14 @@ GREEDY_EXTREMES = [  # below the greedy epsilon, or a nucleus of one token: the 
     dict(temperature=1.0, top_p=1e-45),
     dict(temperature=2.0, top_p=1e-45, seed=0, logprobs=20),
     dict(temperature=1e-40, top_p=1e-45, logprobs=20),
+    dict(temperature=2.0, top_k=1, seed=3, logprobs=20),  # top-k of one: greedy, with the model's log-probabilities
+    dict(temperature=2.0, top_k=1, top_p=1e-45, seed=4),
 ]
 SAMPLED_EXTREMES = [  # real draws: not comparable with greedy, but complete, finite and reproducible per seed
     dict(temperature=2.0, top_p=1 - 1e-7, seed=2**64 - 1, logprobs=20),
     dict(temperature=1e-5, top_p=1.0, seed=1),
     dict(temperature=2.0, top_p=1.4e-45 * 2, seed=12345),
+    dict(temperature=2.0, top_k=40, top_p=0.9, seed=99, logprobs=5),
 ]
 
 
@@ -293,6 +296,12 @@ def test_sampling_extremes_never_restart_the_group(group, oracle):
         for top_p in (0.0, -0.0):
             with pytest.raises(InvalidArgument, match="top_p"):
                 client.generate(SAMPLING_PROMPT, **{**GENERATE, "temperature": 1.0, "top_p": top_p})
+        config = oracle.model.config
+        vocab = getattr(config, "text_config", config).vocab_size  # what the scheduler's frontend reads
+        with pytest.raises(InvalidArgument, match=rf"sampling.top_k={vocab + 1} exceeds the model's vocabulary of "
+                           rf"{vocab} tokens") as refused:
+            client.generate(SAMPLING_PROMPT, **{**GENERATE, "temperature": 1.0, "top_k": vocab + 1})
+        assert [f for f, _ in refused.value.field_violations] == ["sampling.top_k"]
         assert_matches(client.generate(SAMPLING_PROMPT, **GENERATE), expected, "a normal request right after")
     assert (group.generation, group.pids(), group.restarts) == (generation, pids, restarts)
     assert scrape(group.metrics_urls["scheduler"], "mmcast_worker_group_recoveries_total") == recoveries

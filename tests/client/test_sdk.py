@@ -143,6 +143,7 @@ def test_sampling_and_request_fields(client, fake):
         max_tokens=5,
         temperature=0.7,
         top_p=0.9,
+        top_k=40,
         seed=42,
         stop="END",
         stop_token_ids=[7, 8],
@@ -157,10 +158,31 @@ def test_sampling_and_request_fields(client, fake):
     assert (s.max_tokens, s.seed, list(s.stop), list(s.stop_token_ids), s.ignore_eos, s.logprobs) == (
         5, 42, ["END"], [7, 8], True, 3,
     )  # fmt: skip
-    assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
+    assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9) and s.top_k == 40
     assert s.return_logprobs  # top-k alternatives imply per-token log-probabilities
     client.generate("x", max_tokens=1)
     assert fake.requests[-1].request_id  # the SDK names every request, so retries and logs can refer to it
+    assert fake.requests[-1].sampling.top_k == 0  # the default: no top-k cut
+
+
+def test_top_k_none_and_zero_are_no_cut_and_bad_values_are_refused_locally(client, fake):
+    for off in (None, 0):
+        client.generate("x", max_tokens=1, top_k=off)
+        assert fake.requests[-1].sampling.top_k == 0
+    sent = len(fake.requests)
+    for bad in (-1, 1.5, True, "5", 2**32):
+        with pytest.raises(InvalidArgument, match=f"top_k={bad!r} must be None, 0"):
+            client.generate("x", max_tokens=1, top_k=bad)
+    assert len(fake.requests) == sent  # refused before any call
+
+
+def test_cli_generate_sends_top_k(fake, capsys):
+    from mmcast_client import cli
+
+    assert cli.main(["generate", "x", "--target", fake.target, "--max-tokens", "1", "--top-k", "5"]) == 0
+    assert fake.requests[-1].sampling.top_k == 5
+    assert cli.main(["generate", "x", "--target", fake.target, "--max-tokens", "1"]) == 0
+    assert fake.requests[-1].sampling.top_k == 0
 
 
 @pytest.mark.parametrize(
@@ -438,7 +460,8 @@ def test_async_client_parity(fake):
             fake.stored.clear()
             resent = await c.generate("again", images=[image], max_tokens=2)
             fake.fail("Generate", grpc.StatusCode.UNAVAILABLE, "blip")
-            retried = await c.generate("retry", max_tokens=2)
+            retried = await c.generate("retry", max_tokens=2, top_k=3)
+            assert fake.requests[-1].sampling.top_k == 3
             fake.fail("Generate", grpc.StatusCode.RESOURCE_EXHAUSTED, "too big")
             with pytest.raises(ResourceExhausted, match="too big"):
                 await c.generate("x", max_tokens=1)

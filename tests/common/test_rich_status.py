@@ -92,6 +92,7 @@ BAD_SAMPLING = {
     "sampling.max_tokens=": g.SamplingParams(max_tokens=65),
     "sampling.temperature": g.SamplingParams(max_tokens=1, temperature=2.5),
     "sampling.top_p": g.SamplingParams(max_tokens=1, top_p=0.0),
+    "sampling.top_k": g.SamplingParams(max_tokens=1, top_k=101),  # the vocabulary is 100
     "sampling.logprobs": g.SamplingParams(max_tokens=1, logprobs=6),
     "sampling.stop": g.SamplingParams(max_tokens=1, stop=["s"] * 17),
     "sampling.stop[1]": g.SamplingParams(max_tokens=1, stop=["ok", ""]),
@@ -125,6 +126,17 @@ def test_sampling_errors_name_their_field(path):
     field = path.rstrip("=")
     assert info.value.fields == (field,) and info.value.message.startswith(field), info.value.message
     assert field_resolves(g.GenerateRequest.DESCRIPTOR, field)
+
+
+def test_top_k_is_bounded_by_the_vocabulary():
+    def top_k(**kwargs):
+        return request_parsing.parse_sampling(g.SamplingParams(max_tokens=1, **kwargs), **SAMPLING).top_k
+
+    assert (top_k(), top_k(top_k=1), top_k(top_k=100)) == (0, 1, 100)  # unset is 0: no cut; the whole vocabulary
+    for bad in (101, 2**32 - 1):
+        with pytest.raises(InvalidArgument) as info:
+            top_k(top_k=bad)
+        assert info.value.message == f"sampling.top_k={bad} exceeds the model's vocabulary of 100 tokens (0 = no top-k cut)"
 
 
 @pytest.mark.parametrize("path", list(BAD_MESSAGES))

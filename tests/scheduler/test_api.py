@@ -78,6 +78,8 @@ def _with_feature_payload(nbytes_rows: int):
         ({}, plain(logprobs=21), InvalidArgument, ["sampling.logprobs=21", "[0, 20]", "--max-logprobs"]),
         ({}, plain(temperature=3.0), InvalidArgument, ["sampling.temperature=3.0"]),
         ({}, plain(top_p=0.0), InvalidArgument, ["sampling.top_p=0.0"]),
+        ({}, plain(top_k=-1), InvalidArgument, ["sampling.top_k=-1", "[0, 2^32)"]),
+        ({}, plain(top_k=2**32), InvalidArgument, ["sampling.top_k=4294967296", "[0, 2^32)"]),
         ({"kv_blocks": 2}, plain(n=30, max_tokens=4), ResourceExhausted, ["34 tokens", "KV pool of 32", "--kv-blocks"]),
         ({}, _with_feature_payload(80), ResourceExhausted, ["80 encoder rows", "holds 64", "--encoder-cache-tokens"]),
         ({"payload_cache_bytes": 512}, _with_feature_payload(40), ResourceExhausted,
@@ -133,6 +135,16 @@ def test_steps_are_synchronous_and_sampled_tokens_must_match_the_plan():
     assert plan.control.running[0].new_token_ids == [5] and plan.num_scheduled_tokens == {"a": 1}
     (update,) = s.update_from_output(plan, {"a": 6})
     assert update.finished is FinishReason.LENGTH and update.usage is not None
+
+
+def test_sampling_reaches_the_ranks_control_top_k_included():
+    s = make()
+    s.add_request(plain("k", temperature=1.5, top_p=0.5, top_k=7, seed=9, logprobs=2, return_logprobs=True))
+    s.add_request(plain("off"))
+    by_id = {m.request_id: m.sampling for m in s.schedule().control.new_requests}
+    k = by_id["k"]
+    assert (k.top_k, k.top_p, k.temperature, k.seed, k.logprobs, k.return_logprobs) == (7, 0.5, 1.5, 9, 2, True)
+    assert by_id["off"].top_k == 0  # no cut: the proto's unset value
 
 
 def test_eos_stop_tokens_logprobs_and_ignore_eos():

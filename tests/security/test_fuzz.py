@@ -267,6 +267,7 @@ def new_requests(draw, vocab, rid):
             seed=draw(st.integers(0, 2**64 - 1)),
             logprobs=draw(mostly(st.sampled_from([0, 3]), st.just(65))),
             return_logprobs=draw(st.booleans()),
+            top_k=draw(mostly(st.sampled_from([0, 1, 5, vocab]), st.sampled_from([vocab + 1, 2**32 - 1]))),
         ),
     )
     msg.mm_items.extend(draw(st.lists(mm_items(n), max_size=2)))
@@ -431,6 +432,7 @@ def requests(draw):
     if draw(st.booleans()):
         s.top_p = draw(floats)
     s.logprobs = draw(st.sampled_from([0, 5, 20, 21, 2**32 - 1]))
+    s.top_k = draw(st.sampled_from([0, 1, 50, 2**31, 2**32 - 1]))
     s.stop.extend(draw(st.lists(st.text(max_size=5), max_size=3)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=2)))
     msg.cache_salt = draw(st.text(max_size=5))
@@ -452,6 +454,7 @@ def parse_and_process(frontend, msg: generation_pb2.GenerateRequest) -> None:
         return
     assert len(processed.token_ids) < frontend.max_model_len
     assert sampling.max_tokens >= 1 and 0.0 <= sampling.temperature <= 2.0 and 0.0 < sampling.top_p <= 1.0
+    assert 0 <= sampling.top_k <= frontend.vocab_size
     assert all(f.mm_position.end <= len(processed.token_ids) for f in processed.mm_features)
 
 

@@ -26,7 +26,8 @@ from mmcast_client import (
 def sync_usage(client: Client, flag: bool) -> None:
     assert_type(client.generate("Describe it.", max_tokens=8), Result)
     assert_type(client.generate("Describe it.", max_tokens=8, stream=False), Result)
-    stream = client.generate("Describe it.", max_tokens=8, stream=True, logprobs=2)
+    assert_type(client.generate("Describe it.", max_tokens=8, top_k=40, top_p=0.9, temperature=0.7), Result)
+    stream = client.generate("Describe it.", max_tokens=8, stream=True, logprobs=2, top_k=None)
     assert_type(stream, GenerationStream)
     for delta in stream:
         assert_type(delta, Delta)
@@ -41,7 +42,7 @@ def sync_usage(client: Client, flag: bool) -> None:
 async def async_usage(client: AsyncClient, flag: bool) -> None:
     assert_type(await client.generate("Describe it.", max_tokens=8), Result)
     assert_type(await client.generate("Describe it.", max_tokens=8, stream=False), Result)
-    stream = await client.generate("Describe it.", max_tokens=8, stream=True, first_token_timeout=None)
+    stream = await client.generate("Describe it.", max_tokens=8, stream=True, first_token_timeout=None, top_k=5)
     assert_type(stream, AsyncGenerationStream)
     async for delta in stream:
         assert_type(delta, Delta)

@@ -297,6 +297,26 @@ def test_sampling_is_reproducible_per_seed_and_index(env, prompt):
     _ = torch  # noqa: F841
 
 
+def test_top_k_travels_in_the_step_and_cuts_the_draw(env, prompt):
+    """At temperature 2 a top-k of one repeats the greedy tokens, with the model's own log-probabilities; the same
+    seed without the cut leaves the greedy path (so the first check is not passing by luck)."""
+
+    def run(rid, sampling):
+        stream = env.rank.stream(env.model_dir)
+        sched = MiniScheduler([stream])
+        req = sched.add(prompt, rid, max_new_tokens=6, sampling=sampling)
+        sched.run([req])
+        stream.close()
+        return req
+
+    greedy = run("greedy", worker_pb2.WorkerSampling(temperature=0.0, return_logprobs=True))
+    cut = run("k1", worker_pb2.WorkerSampling(temperature=2.0, top_k=1, seed=5, return_logprobs=True))
+    free = run("free", worker_pb2.WorkerSampling(temperature=2.0, seed=5, return_logprobs=True))
+    assert cut.outputs == greedy.outputs
+    assert cut.logprobs == pytest.approx(greedy.logprobs, abs=1e-6)
+    assert free.outputs != greedy.outputs
+
+
 def encoded(prompt, index: int, data: bytes):
     """The prompt's item ``index`` as an ENCODED item carrying ``data`` (the file) and the item's own grid."""
     import dataclasses as dc

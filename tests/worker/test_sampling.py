@@ -1,5 +1,5 @@
 """The rank's sampler (``worker_svc/sampling.py``): exact rules for the extremes, and hypothesis fuzzing of every
-sampling parameter and of non-finite logits — never an exception for parameters, a token inside the vocabulary,
+sampling parameter (top-k included) and of non-finite logits — never an exception for parameters, a token inside the vocabulary,
 no NaN log-probability.
 
 Budgets: the ``quick`` properties run in ``make test``; the ``fuzz``-marked ones with ``make fuzz`` at a hundred
@@ -113,6 +113,97 @@ def test_seeds_of_any_size_draw_reproducibly():
         assert a == sample(row, SamplingParams(temperature=1.0, seed=seed), 5).token_id
 
 
+# --- top-k -------------------------------------------------------------------------------------------------------
+
+def test_top_k_of_one_is_greedy_at_any_temperature():
+    for row_seed in range(6):
+        row = logits_row(row_seed)
+        best = int(torch.argmax(row))
+        for t in (GREEDY_EPSILON, 0.5, 1.0, 2.0, 1e4):
+            tokens = {sample(row, SamplingParams(temperature=t, seed=s, top_k=1), 0).token_id for s in range(25)}
+            assert tokens == {best}, (row_seed, t)
+
+
+def test_top_k_draws_only_and_all_of_the_k_largest():
+    row = logits_row(4) / 8  # nearly flat at temperature 2: every kept token is drawn often in 400 draws
+    order = torch.argsort(row, descending=True).tolist()
+    for k in (2, 5, 17, VOCAB - 1):
+        tokens = {sample(row, SamplingParams(temperature=2.0, seed=s, top_k=k), 0).token_id for s in range(400)}
+        assert tokens == set(order[:k]), k  # a subset alone would pass a cut stronger than k
+
+
+def test_top_k_draws_repeat_per_seed_and_index():
+    row = logits_row(5)
+    params = [SamplingParams(temperature=1.5, seed=s, top_k=8) for s in range(30)]
+    first = [sample(row, p, 3).token_id for p in params]
+    assert first == [sample(row, p, 3).token_id for p in params]
+    assert first != [sample(row, p, 4).token_id for p in params]  # the index is part of the seed
+    assert len(set(first)) > 1
+
+
+def test_top_k_outside_the_vocabulary_is_no_cut():
+    row = logits_row(6)
+    for k in (0, -1, -(2**40), VOCAB, VOCAB + 1, 2**40):
+        for s in range(60):  # the very draws of no cut, not merely as many distinct tokens
+            plain = sample(row, SamplingParams(temperature=1.0, seed=s), 2).token_id
+            assert sample(row, SamplingParams(temperature=1.0, seed=s, top_k=k), 2).token_id == plain, k
+
+
+def test_tokens_tied_with_the_kth_logit_all_stay():
+    row = torch.full((VOCAB,), -5.0)
+    row[[3, 8, 13]] = 2.0  # three tokens share the largest logit
+    row[20] = 1.9
+    tokens = {sample(row, SamplingParams(temperature=1.0, seed=s, top_k=1), 0).token_id for s in range(200)}
+    assert tokens == {3, 8, 13}
+    tokens = {sample(row, SamplingParams(temperature=1.0, seed=s, top_k=4), 0).token_id for s in range(300)}
+    assert tokens == {3, 8, 13, 20}
+
+
+def test_top_p_applies_after_top_k_to_the_renormalized_distribution():
+    # p = (0.40, 0.31, 0.28, 0.01). top_p 0.5 alone keeps {0, 1} (0.40 of mass lies above token 1). After top_k=2
+    # the two left weigh (0.563, 0.437), and 0.563 >= 0.5 lies above token 1: only token 0 stays. The other order
+    # (top_p first) would keep {0, 1}.
+    row = torch.log(torch.tensor([0.40, 0.31, 0.28, 0.01]))
+
+    def drawn(**kwargs):
+        return {sample(row, SamplingParams(temperature=1.0, seed=s, **kwargs), 0).token_id for s in range(300)}
+
+    assert drawn(top_p=0.5) == {0, 1}
+    assert drawn(top_k=2, top_p=0.5) == {0}
+    assert drawn(top_k=3, top_p=0.5) == {0, 1}  # renormalized over three: 0.404 above token 1
+    assert drawn(top_k=2, top_p=0.6) == {0, 1}
+    assert drawn(top_k=2) == {0, 1}
+
+
+def test_top_k_leaves_the_log_probabilities_of_the_unmodified_distribution():
+    row = logits_row(7)
+    full = torch.log_softmax(row, -1)
+    for s in range(20):
+        got = sample(row, SamplingParams(temperature=1.0, seed=s, return_logprobs=True, logprobs=VOCAB, top_k=3), 0)
+        assert got.logprob == pytest.approx(float(full[got.token_id]))
+        assert [t for t, _ in got.top] == torch.argsort(row, descending=True).tolist()  # tokens the cut removed too
+
+
+def test_greedy_ignores_top_k():
+    row = logits_row(8)
+    for k in (0, 1, 2, VOCAB):
+        assert sample(row, SamplingParams(temperature=0.0, top_k=k), 0).token_id == int(torch.argmax(row))
+
+
+def test_the_rank_refuses_a_top_k_above_its_vocabulary():
+    from mmcast.v1 import worker_pb2
+    from worker_svc.request_state import sampling_from_proto
+    from worker_svc.step_errors import StepError, code
+
+    assert sampling_from_proto(worker_pb2.WorkerSampling(), "r", vocab_size=VOCAB).top_k == 0
+    assert sampling_from_proto(worker_pb2.WorkerSampling(top_k=VOCAB), "r", vocab_size=VOCAB).top_k == VOCAB
+    for k in (VOCAB + 1, 2**32 - 1):
+        with pytest.raises(StepError) as info:
+            sampling_from_proto(worker_pb2.WorkerSampling(top_k=k), "r7", vocab_size=VOCAB)
+        assert info.value.code == code.OUT_OF_RANGE and info.value.request_id == "r7"
+        assert info.value.message == f"new_requests[r7].sampling.top_k={k} exceeds the vocabulary of {VOCAB} tokens"
+
+
 # --- fuzzing -----------------------------------------------------------------------------------------------------
 
 special_floats = st.sampled_from(
@@ -122,6 +213,7 @@ special_floats = st.sampled_from(
 any_float = st.one_of(special_floats, st.floats(allow_nan=True, allow_infinity=True, width=32), st.floats())
 seeds = st.one_of(st.integers(0, 2**64 - 1), st.integers(-(2**80), 2**80), st.sampled_from([0, 2**63, 2**64 - 1]))
 logprob_counts = st.one_of(st.integers(-3, VOCAB + 3), st.integers(-(2**40), 2**40), st.just(20))
+top_ks = st.one_of(st.integers(-3, VOCAB + 3), st.integers(-(2**40), 2**40), st.sampled_from([0, 1]))
 logit_values = st.one_of(
     st.floats(-30, 30, width=32), st.sampled_from([math.nan, math.inf, -math.inf, 3e38, -3e38, 1e-45]),
 )
@@ -152,6 +244,9 @@ def check_sample(row: torch.Tensor, params: SamplingParams, index: int) -> None:
         assert all(0 <= t < row.numel() and not math.isnan(v) and v <= 1e-6 for t, v in got.top)
     else:
         assert got.logprob is None and got.top == []
+    if params.top_k > 0:  # fewer than k tokens lie strictly above the drawn one (ties with the k-th stay)
+        values = row.float().nan_to_num(nan=-math.inf)
+        assert int((values > values[got.token_id]).sum()) < params.top_k, "drew outside the top k"
 
 
 def run(prop, examples: int, long: bool) -> None:
@@ -161,18 +256,19 @@ def run(prop, examples: int, long: bool) -> None:
 
 def fuzz_parameters(long: bool) -> None:
     @given(temperature=any_float, top_p=any_float, seed=seeds, logprobs=logprob_counts,
-           return_logprobs=st.booleans(), index=st.one_of(st.integers(0, 4096), st.integers(-(2**70), 2**70)))
-    def prop(temperature, top_p, seed, logprobs, return_logprobs, index):
-        params = SamplingParams(temperature, top_p, seed, logprobs, return_logprobs)
+           return_logprobs=st.booleans(), index=st.one_of(st.integers(0, 4096), st.integers(-(2**70), 2**70)),
+           top_k=top_ks)
+    def prop(temperature, top_p, seed, logprobs, return_logprobs, index, top_k):
+        params = SamplingParams(temperature, top_p, seed, logprobs, return_logprobs, top_k)
         check_sample(logits_row(abs(seed) % 7), params, index)
 
     run(prop, 150, long)
 
 
 def fuzz_logits(long: bool) -> None:
-    @given(row=rows(), temperature=any_float, top_p=any_float, seed=seeds, logprobs=logprob_counts)
-    def prop(row, temperature, top_p, seed, logprobs):
-        check_sample(row, SamplingParams(temperature, top_p, seed, logprobs, True), 0)
+    @given(row=rows(), temperature=any_float, top_p=any_float, seed=seeds, logprobs=logprob_counts, top_k=top_ks)
+    def prop(row, temperature, top_p, seed, logprobs, top_k):
+        check_sample(row, SamplingParams(temperature, top_p, seed, logprobs, True, top_k), 0)
 
     run(prop, 150, long)
 
@@ -195,13 +291,14 @@ def test_fuzz_logits():
     fuzz_logits(long=True)
 
 
-@given(temperature=st.floats(0, 2, width=32), top_p=st.floats(0, 1, width=32, exclude_min=True))
+@given(temperature=st.floats(0, 2, width=32), top_p=st.floats(0, 1, width=32, exclude_min=True),
+       top_k=st.integers(0, VOCAB))
 @settings(max_examples=100, deadline=None, database=None)
-def test_every_parameter_the_api_admits_samples(temperature, top_p):
+def test_every_parameter_the_api_admits_samples(temperature, top_p, top_k):
     """Exactly the ranges ``scheduler_svc/request_parsing.py parse_sampling`` admits, through the rank's proto parsing."""
     from mmcast.v1 import worker_pb2
     from worker_svc.request_state import sampling_from_proto
 
     msg = worker_pb2.WorkerSampling(temperature=temperature, top_p=top_p, seed=2**64 - 1, logprobs=20,
-                                    return_logprobs=True)
-    check_sample(logits_row(), sampling_from_proto(msg, "r"), 0)
+                                    return_logprobs=True, top_k=top_k)
+    check_sample(logits_row(), sampling_from_proto(msg, "r", vocab_size=VOCAB), 0)
