@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.support.deploy_tools import CI_VALUES, find, pod_spec, render
+from tests.support.deploy_tools import CI_VALUES, find, pod_spec, render, scheduler_argv
 
 # It starts a real TP=2 group: 40-100 s on the 2-core reference machine, more than `make test` can spend on it.
 pytestmark = [
@@ -59,9 +59,9 @@ def _serving(port: int) -> bool:
 
 def test_rendered_group_pod_forms_its_group_on_loopback_and_serves(tiny_model_dir, tmp_path):
     # Rank i uses grpcPort+i and metricsPort+i.
-    grpc_port, metrics_port, rank_grpc, rank_metrics, dist = (_free_run(2) for _ in range(5))
+    grpc_port, metrics_port, http_port, rank_grpc, rank_metrics, dist = (_free_run(2) for _ in range(6))
     objects = render((CI_VALUES / "cpu-tiny-values.yaml",), (
-        f"scheduler.grpcPort={grpc_port}", f"scheduler.metricsPort={metrics_port}",
+        f"scheduler.grpcPort={grpc_port}", f"scheduler.metricsPort={metrics_port}", f"scheduler.http.port={http_port}",
         f"worker.grpcPort={rank_grpc}", f"worker.metricsPort={rank_metrics}", f"worker.distPort={dist}"))
     group = find(objects, "StatefulSet", "-group")
     token = tmp_path / "token"
@@ -69,8 +69,9 @@ def test_rendered_group_pod_forms_its_group_on_loopback_and_serves(tiny_model_di
     procs = []
     try:
         for c in pod_spec(group)["containers"]:
+            rendered = scheduler_argv(c["args"]) if c["name"] == "scheduler" else c["args"]
             args = [a.replace("/models/tiny", str(tiny_model_dir)).replace("/etc/mmcast/worker-token/token", str(token))
-                    for a in c["args"]]
+                    for a in rendered]
             env = {**os.environ, **{e["name"]: e["value"] for e in c["env"] if "value" in e},
                    "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / ".cache")}
             log = open(tmp_path / f"{c['name']}.log", "w")  # closed in the finally below, with the process

@@ -33,10 +33,13 @@ from tests.support.deploy_tools import (
     pod_templates,
     render,
     run,
+    scheduler_argv,
+    scheduler_has_http_api,
     tool,
 )
 
 MULTINODE = CI_VALUES / "multinode-values.yaml"
+HTTP_READINESS_TLS = TEST_VALUES / "http-readiness-tls.yaml"
 # name -> (values files, extra --api-versions, --set values). `topology: pod` is the default; the multinode sets
 # render one pod per rank, as a LeaderWorkerSet where its API is served, else as a Deployment + StatefulSet.
 VALUE_SETS = {
@@ -49,6 +52,10 @@ VALUE_SETS = {
     "multinode": ((MULTINODE,), (), ()),
     "multinode-lws": ((MULTINODE,), (LWS_API,), ("replicaCount=3",)),
     "cpu-tiny-multinode": ((CI_VALUES / "cpu-tiny-values.yaml",), (), ("topology=multinode",)),
+    # The OpenAI-compatible HTTP API is on by default; gRPC only, and the HTTP readiness probe over HTTPS.
+    "http-off": ((), (), ("scheduler.http.enabled=false",)),
+    "http-readiness-tls": ((HTTP_READINESS_TLS,), (), ()),
+    "http-readiness-tls-multinode": ((HTTP_READINESS_TLS,), (), ("topology=multinode",)),
 }
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "servicemonitor.monitoring.coreos.com-v1.json",
@@ -200,14 +207,14 @@ def test_scheduler_contract():
     deploy = find(objects, "Deployment", "-scheduler")
     svc = find(objects, "Service", "-scheduler")
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
-    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051, "metrics": 9400}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
     c = container(deploy, "scheduler")
     args = flags(c)
     assert SCHEDULER_FLAGS <= set(args), SCHEDULER_FLAGS - set(args)
-    assert args["listen"] == "0.0.0.0:50051" and args["metrics-port"] == "9400"
+    assert args["listen"] == "0.0.0.0:50051" and args["metrics-port"] == "9400" and args["http-port"] == "8000"
     assert args["transfer-mode"] == "lazy"
     assert c["command"] == ["mmcast-scheduler"]
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9400}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9400, "http": 8000}
     assert pod_spec(deploy)["terminationGracePeriodSeconds"] > int(args["drain-seconds"])
 
 
@@ -224,6 +231,108 @@ def test_grpc_health_probes(component, service):
     assert c["livenessProbe"]["grpc"]["service"] == ""
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "startup must cover a model load"
+
+
+# The layouts the HTTP API is checked in: (--set values, --api-versions, the workload holding the scheduler).
+HTTP_LAYOUTS = {
+    "pod": ((), (), ("StatefulSet", "-group")),
+    "statefulset": (("topology=multinode",), (), ("Deployment", "-scheduler")),
+    "lws": (("topology=multinode",), (LWS_API,), ("LeaderWorkerSet", "-group")),
+}
+
+
+def _http_render(layout: str, *sets: str) -> tuple[list[dict], dict]:
+    """Objects of a layout and its scheduler container."""
+    base, apis, (kind, suffix) = HTTP_LAYOUTS[layout]
+    objects = render(sets=base + sets, api_versions=apis)
+    (scheduler,) = [c for t in pod_templates(find(objects, kind, suffix)) for c in t["spec"]["containers"]
+                    if c["name"] == "scheduler"]
+    return objects, scheduler
+
+
+def _client_rule(objects: list[dict]) -> dict:
+    """The ingress rule of the scheduler pods' NetworkPolicy that admits the gRPC client port."""
+    (rule,) = [r for o in objects if o["kind"] == "NetworkPolicy" for r in o["spec"]["ingress"]
+               if 50051 in {p["port"] for p in r.get("ports", [])}]
+    return rule
+
+
+@pytest.mark.parametrize("layout", HTTP_LAYOUTS)
+def test_http_api_is_served_exposed_and_admitted_by_default(layout):
+    objects, scheduler = _http_render(layout)
+    assert flags(scheduler)["http-port"] == "8000"
+    ports = {p["name"]: p for p in scheduler["ports"]}
+    assert ports["http"]["containerPort"] == 8000 and ports["http"]["protocol"] == "TCP"
+    svc = find(objects, "Service", "-scheduler")
+    http = {p["name"]: p for p in svc["spec"]["ports"]}["http"]
+    assert http == {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"}
+    # Admitted from the same peers as the gRPC client port: the same rule.
+    assert {p["port"] for p in _client_rule(objects)["ports"]} == {50051, 8000}
+    narrowed, _ = _http_render(layout, "networkPolicy.client.from[0].podSelector.matchLabels.app=gw")
+    rule = _client_rule(narrowed)
+    assert {p["port"] for p in rule["ports"]} == {50051, 8000}
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"app": "gw"}}}]
+    # Readiness stays the gRPC health check unless asked otherwise.
+    assert "grpc" in scheduler["readinessProbe"] and "httpGet" not in scheduler["readinessProbe"]
+
+
+@pytest.mark.parametrize("layout", HTTP_LAYOUTS)
+def test_http_api_can_be_turned_off(layout):
+    objects, scheduler = _http_render(layout, "scheduler.http.enabled=false")
+    assert "http-port" not in flags(scheduler)
+    assert "http" not in {p["name"] for p in scheduler["ports"]}
+    assert "http" not in {p["name"] for p in find(objects, "Service", "-scheduler")["spec"]["ports"]}
+    assert {p["port"] for p in _client_rule(objects)["ports"]} == {50051}
+    assert 8000 not in {p["port"] for o in objects if o["kind"] == "NetworkPolicy"
+                        for r in o["spec"]["ingress"] for p in r.get("ports", [])}
+
+
+def test_http_ports_follow_their_values():
+    objects, scheduler = _http_render("pod", "scheduler.http.port=8080", "scheduler.service.httpPort=80",
+                                      "scheduler.service.type=LoadBalancer")
+    assert flags(scheduler)["http-port"] == "8080"
+    assert {p["name"]: p["containerPort"] for p in scheduler["ports"]}["http"] == 8080
+    http = {p["name"]: p for p in find(objects, "Service", "-scheduler")["spec"]["ports"]}["http"]
+    assert (http["port"], http["targetPort"]) == (80, "http")
+    assert {p["port"] for p in _client_rule(objects)["ports"]} == {50051, 8080}
+
+
+def test_servicemonitor_ignores_the_http_port():
+    values, apis, _ = VALUE_SETS["monitoring"]
+    on, off = (find(render(values, sets=sets, api_versions=apis), "ServiceMonitor")
+               for sets in ((), ("scheduler.http.enabled=false",)))
+    assert on == off
+    assert "http" not in {e["port"] for e in on["spec"]["endpoints"]}
+
+
+@pytest.mark.parametrize("layout", HTTP_LAYOUTS)
+def test_http_readiness_probe(layout):
+    _, scheduler = _http_render(layout, "scheduler.probes.readiness.kind=http", "scheduler.probes.readiness.periodSeconds=7")
+    ready = scheduler["readinessProbe"]
+    assert ready == {"httpGet": {"path": "/health", "port": "http", "scheme": "HTTP"},
+                     "periodSeconds": 7, "failureThreshold": 2, "timeoutSeconds": 5}
+    # Startup and liveness stay on gRPC health: /health answers 503 while the group is down, which must not restart
+    # the scheduler.
+    for probe in ("startupProbe", "livenessProbe"):
+        assert scheduler[probe]["grpc"]["port"] == 50051, probe
+    # With client TLS the HTTP API is HTTPS (the kubelet does not verify the certificate); gRPC probes move to the
+    # plaintext health port.
+    _, tls = _http_render(layout, "scheduler.probes.readiness.kind=http", "security.clientTLS.secretName=mmcast-client-tls")
+    assert tls["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+    assert tls["livenessProbe"]["grpc"]["port"] == 50052
+
+
+def test_http_readiness_values_file():
+    """tests/deploy/values/http-readiness-tls.yaml: HTTPS readiness, both APIs behind TLS and tokens."""
+    objects = _render_set("http-readiness-tls")
+    group = find(objects, "StatefulSet", "-group")
+    scheduler = container(group, "scheduler")
+    args = flags(scheduler)
+    assert args["http-port"] == "8443" and args["tls-cert-file"] and args["auth-tokens-file"]
+    assert scheduler["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+    http = {p["name"]: p for p in find(objects, "Service", "-scheduler")["spec"]["ports"]}["http"]
+    assert (http["port"], http["targetPort"], http["appProtocol"]) == (443, "http", "https")
+    assert {p["port"] for p in _client_rule(objects)["ports"]} == {50051, 8443, 50052}
 
 
 def test_gpu_resources():
@@ -411,7 +520,8 @@ def test_schema_covers_every_value():
     walk(values, schema, "")
 
 
-def test_notes_show_how_to_call_the_service():
+def _notes(*sets: str) -> str:
+    """NOTES.txt as `helm install` prints it (helm template renders no notes: it is included into a ConfigMap)."""
     with tempfile.TemporaryDirectory() as tmp:
         chart = Path(tmp) / "mmcast"
         shutil.copytree(CHART, chart)
@@ -420,13 +530,30 @@ def test_notes_show_how_to_call_the_service():
             '{{- define "notes-under-test" }}' + notes + "{{- end }}\n"
             "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n"
             'data:\n  notes: {{ include "notes-under-test" . | quote }}\n')
-        out = run([tool("helm"), "template", RELEASE, str(chart), "--namespace", NAMESPACE,
-                   "--show-only", "templates/zz-notes.yaml"]).stdout
-    text = yaml.safe_load(out)["data"]["notes"]
+        args = [tool("helm"), "template", RELEASE, str(chart), "--namespace", NAMESPACE,
+                "--show-only", "templates/zz-notes.yaml"]
+        for s in sets:
+            args += ["--set", s]
+        out = run(args).stdout
+    return yaml.safe_load(out)["data"]["notes"]
+
+
+def test_notes_show_how_to_call_the_service():
+    text = _notes()
     assert f"port-forward svc/{RELEASE}-mmcast-scheduler 50051:50051" in text
     assert "mmcast generate --target localhost:50051" in text
     for rpc in ("mmcast.v1.GenerationService/Generate", "mmcast.v1.GenerationService/GetServerInfo", "grpc.health.v1.Health/Check"):
         assert "grpcurl -plaintext" in text and rpc in text
+    # The OpenAI-compatible API (on by default): its base URL in the cluster and through a port-forward.
+    assert f"http://{RELEASE}-mmcast-scheduler.{NAMESPACE}.svc.cluster.local:8000/v1" in text
+    assert f"port-forward svc/{RELEASE}-mmcast-scheduler 8000:8000" in text
+    assert "base URL http://localhost:8000/v1" in text and "curl http://localhost:8000/v1/models" in text
+    # HTTPS with client TLS, on the Service's http port; a bearer token with authTokens.
+    tls = _notes("security.clientTLS.secretName=t", "security.authTokens.secretName=a", "scheduler.service.httpPort=443")
+    assert f"https://{RELEASE}-mmcast-scheduler.{NAMESPACE}.svc.cluster.local:443/v1" in tls
+    assert "http://" not in tls and 'curl --cacert ca.crt -H "Authorization: Bearer $TOKEN" https://localhost:443/v1/models' in tls
+    off = _notes("scheduler.http.enabled=false")
+    assert "/v1" not in off and "8000" not in off and "OpenAI" not in off
 
 
 def test_chart_matches_the_project():
@@ -480,7 +607,9 @@ def test_services_accept_the_rendered_arguments(name, tmp_path):
     ranks = _ranks(objects, _layout(name))
     (scheduler,) = [c for obj in objects for t in pod_templates(obj) for c in t["spec"]["containers"]
                     if c["name"] == "scheduler"]
-    sconf = config_from(local(_group_index(scheduler["args"])), environ={})
+    sconf = config_from(local(_group_index(scheduler_argv(scheduler["args"]))), environ={})
+    if scheduler_has_http_api():
+        assert sconf.http_port == int(flags(scheduler).get("http-port", 0))
     tp = len(ranks)
     assert len(sconf.workers) == tp
     dist = set()

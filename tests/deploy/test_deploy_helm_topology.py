@@ -251,8 +251,8 @@ def test_group_pod_admits_only_the_client_and_metrics_ports():
     for port, name in ports.items():
         from_anywhere = _admitted(policies, pod, None, port)
         from_prometheus = _admitted(policies, pod, PROMETHEUS, port)
-        if name == "grpc":
-            assert from_anywhere, "the client port is open to every client by default"
+        if name in ("grpc", "http"):
+            assert from_anywhere, "the client ports (gRPC, OpenAI-compatible HTTP) are open to every client by default"
         elif name.endswith("metrics"):
             assert from_prometheus and not from_anywhere and not _admitted(policies, pod, STRANGER, port), name
         else:  # the ranks' Step ports and the rendezvous: loopback only
@@ -261,7 +261,8 @@ def test_group_pod_admits_only_the_client_and_metrics_ports():
     narrowed = render(values=CPU + (SCALE_OUT,))
     pod = _pods(narrowed)[0]
     (policy,) = _policies(narrowed)
-    assert not _admitted([policy], pod, None, 50051) and not _admitted([policy], pod, STRANGER, 50051)
+    for port in (50051, 8000):
+        assert not _admitted([policy], pod, None, port) and not _admitted([policy], pod, STRANGER, port)
     assert policy["spec"]["ingress"][0]["from"] == [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}]
 

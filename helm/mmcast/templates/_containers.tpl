@@ -27,6 +27,9 @@ services the same flags.
     - --chunk-size-bytes={{ int64 $v.scheduler.chunkSizeBytes }}
     - --group-deadline-seconds={{ $v.scheduler.groupDeadlineSeconds }}
     - --drain-seconds={{ $v.scheduler.drainSeconds }}
+    {{- if $v.scheduler.http.enabled }}
+    - --http-port={{ $v.scheduler.http.port }}
+    {{- end }}
     - --scheduler-id={{ include "mmcast.schedulerId" $root }}
     - --log-level={{ upper $v.logLevel }}
     {{- with (include "mmcast.securityArgs" (list $root "scheduler")) }}
@@ -53,6 +56,11 @@ services the same flags.
     - name: metrics
       containerPort: {{ $v.scheduler.metricsPort }}
       protocol: TCP
+    {{- if $v.scheduler.http.enabled }}
+    - name: http
+      containerPort: {{ $v.scheduler.http.port }}
+      protocol: TCP
+    {{- end }}
     {{- if include "mmcast.clientTLS" $root }}
     - name: health
       containerPort: {{ $v.security.clientTLS.healthPort }}
@@ -61,7 +69,11 @@ services the same flags.
   startupProbe:
     {{- include "mmcast.grpcProbe" (list $v.scheduler.probes.startup (include "mmcast.probePort" (list $root "scheduler"))) | nindent 4 }}
   readinessProbe:
+    {{- if eq $v.scheduler.probes.readiness.kind "http" }}
+    {{- include "mmcast.httpProbe" (list $v.scheduler.probes.readiness (include "mmcast.httpScheme" $root)) | nindent 4 }}
+    {{- else }}
     {{- include "mmcast.grpcProbe" (list $v.scheduler.probes.readiness (include "mmcast.probePort" (list $root "scheduler"))) | nindent 4 }}
+    {{- end }}
   livenessProbe:
     {{- include "mmcast.grpcProbe" (list (merge (dict "service" "") $v.scheduler.probes.liveness) (include "mmcast.probePort" (list $root "scheduler"))) | nindent 4 }}
   resources:

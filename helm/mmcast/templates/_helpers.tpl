@@ -161,9 +161,48 @@ StatefulSet, one group).
 {{- if and (eq $layout "statefulset") (gt (int .Values.replicaCount) 1) }}
 {{- fail (printf "replicaCount=%v with topology=multinode needs the LeaderWorkerSet API (leaderworkerset.x-k8s.io/v1), which this cluster does not serve: install LeaderWorkerSet, or install one release per group (docs/DEPLOYMENT.md section 4)" .Values.replicaCount) }}
 {{- end }}
+{{- $http := .Values.scheduler.http }}
+{{- $readiness := .Values.scheduler.probes.readiness }}
+{{- if and (eq $readiness.kind "http") (not $http.enabled) }}
+{{- fail "scheduler.probes.readiness.kind=http needs scheduler.http.enabled=true: the probe calls GET /health on the scheduler's http port; enable the HTTP API or set the kind back to grpc" }}
+{{- end }}
+{{- if and (eq $readiness.kind "http") $sec.clientTLS.secretName $sec.clientTLS.requireClientCert }}
+{{- fail "scheduler.probes.readiness.kind=http cannot be used with security.clientTLS.requireClientCert=true: the HTTP API then requires a client certificate, which the kubelet's probe does not present; keep kind=grpc (it uses the plaintext health port)" }}
+{{- end }}
+{{- if $http.enabled }}
+{{- $taken := include "mmcast.schedulerPodPorts" . | fromJson }}
+{{- with (get $taken (toString (int $http.port))) }}
+{{- fail (printf "scheduler.http.port=%v is already %s in the scheduler's pod: pick another port" (int $http.port) .) }}
+{{- end }}
+{{- end }}
 {{- if and (ne $layout "statefulset") $sec.workerTLS.secretName (not $sec.workerTLS.serverName) }}
 {{- fail (printf "security.workerTLS needs security.workerTLS.serverName with topology=%s: the scheduler reaches the ranks in its own pod at 127.0.0.1, so name the certificate's DNS name it must verify" .Values.topology) }}
 {{- end }}
+{{- end }}
+
+{{/* The other ports of the pod holding the scheduler, as JSON {port: "<value that sets it>"}: its own gRPC,
+metrics and health ports, and in a group pod or LeaderWorkerSet leader the ports of the ranks beside it. */}}
+{{- define "mmcast.schedulerPodPorts" -}}
+{{- $v := .Values }}
+{{- $ports := dict }}
+{{- $layout := include "mmcast.layout" . }}
+{{- $ranks := 0 }}
+{{- if eq $layout "pod" }}{{ $ranks = int $v.tensorParallelSize }}{{ else if eq $layout "lws" }}{{ $ranks = 1 }}{{ end }}
+{{- range $rank := until $ranks }}
+{{- $offset := ternary $rank 0 (eq $layout "pod") }}
+{{- $_ := set $ports (toString (add $v.worker.grpcPort $offset)) (printf "worker.grpcPort of rank %d" $rank) }}
+{{- $_ = set $ports (toString (add $v.worker.metricsPort $offset)) (printf "worker.metricsPort of rank %d" $rank) }}
+{{- if include "mmcast.workerTLS" $ }}
+{{- $_ = set $ports (toString (add $v.security.workerTLS.healthPort $offset)) (printf "security.workerTLS.healthPort of rank %d" $rank) }}
+{{- end }}
+{{- end }}
+{{- if gt $ranks 0 }}{{ $_ := set $ports (toString (int $v.worker.distPort)) "worker.distPort" }}{{ end }}
+{{- if include "mmcast.clientTLS" . }}
+{{- $_ := set $ports (toString (int $v.security.clientTLS.healthPort)) "security.clientTLS.healthPort" }}
+{{- end }}
+{{- $_ := set $ports (toString (int $v.scheduler.metricsPort)) "scheduler.metricsPort" }}
+{{- $_ = set $ports (toString (int $v.scheduler.grpcPort)) "scheduler.grpcPort" }}
+{{- toJson $ports }}
 {{- end }}
 
 {{/* Volumes shared by both components: model, /tmp, /dev/shm. Argument: (list root component). */}}
@@ -304,6 +343,22 @@ periodSeconds: {{ $p.periodSeconds }}
 failureThreshold: {{ $p.failureThreshold }}
 timeoutSeconds: {{ $p.timeoutSeconds }}
 {{- end }}
+
+{{/* The scheduler's HTTP readiness probe: GET /health on its `http` port (200 only while the group serves).
+(list probeValues scheme) */}}
+{{- define "mmcast.httpProbe" -}}
+{{- $p := index . 0 -}}
+httpGet:
+  path: /health
+  port: http
+  scheme: {{ index . 1 }}
+periodSeconds: {{ $p.periodSeconds }}
+failureThreshold: {{ $p.failureThreshold }}
+timeoutSeconds: {{ $p.timeoutSeconds }}
+{{- end }}
+
+{{/* Scheme of the scheduler's HTTP API: it takes the client port's TLS. */}}
+{{- define "mmcast.httpScheme" -}}{{ if include "mmcast.clientTLS" . }}HTTPS{{ else }}HTTP{{ end }}{{- end }}
 
 {{- define "mmcast.scrapeAnnotations" -}}
 {{- if .root.Values.prometheusScrapeAnnotations }}
