@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.support.deploy_tools import CI_VALUES, find, pod_spec, render, scheduler_argv
+from tests.support.deploy_tools import CI_VALUES, find, pod_spec, render
 
 # It starts a real TP=2 group: 40-100 s on the 2-core reference machine, more than `make test` can spend on it.
 pytestmark = [
@@ -69,9 +69,8 @@ def test_rendered_group_pod_forms_its_group_on_loopback_and_serves(tiny_model_di
     procs = []
     try:
         for c in pod_spec(group)["containers"]:
-            rendered = scheduler_argv(c["args"]) if c["name"] == "scheduler" else c["args"]
             args = [a.replace("/models/tiny", str(tiny_model_dir)).replace("/etc/mmcast/worker-token/token", str(token))
-                    for a in rendered]
+                    for a in c["args"]]
             env = {**os.environ, **{e["name"]: e["value"] for e in c["env"] if "value" in e},
                    "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / ".cache")}
             log = open(tmp_path / f"{c['name']}.log", "w")  # closed in the finally below, with the process

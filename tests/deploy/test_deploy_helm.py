@@ -33,8 +33,6 @@ from tests.support.deploy_tools import (
     pod_templates,
     render,
     run,
-    scheduler_argv,
-    scheduler_has_http_api,
     tool,
 )
 
@@ -607,9 +605,8 @@ def test_services_accept_the_rendered_arguments(name, tmp_path):
     ranks = _ranks(objects, _layout(name))
     (scheduler,) = [c for obj in objects for t in pod_templates(obj) for c in t["spec"]["containers"]
                     if c["name"] == "scheduler"]
-    sconf = config_from(local(_group_index(scheduler_argv(scheduler["args"]))), environ={})
-    if scheduler_has_http_api():
-        assert sconf.http_port == int(flags(scheduler).get("http-port", 0))
+    sconf = config_from(local(_group_index(scheduler["args"])), environ={})
+    assert sconf.http_port == int(flags(scheduler).get("http-port", 0))
     tp = len(ranks)
     assert len(sconf.workers) == tp
     dist = set()

@@ -15,7 +15,6 @@ from tests.support.deploy_tools import (
     pod_spec,
     render,
     run,
-    scheduler_argv,
     tool,
 )
 
@@ -94,8 +93,7 @@ def test_services_accept_the_secure_arguments(tmp_path):
     def local(args):
         return [a.replace("/etc/mmcast", str(tmp_path)) for a in args]
 
-    sconf = config_from(local(scheduler_argv(container(find(objects, "Deployment", "-scheduler"), "scheduler")["args"])),
-                        environ={})
+    sconf = config_from(local(container(find(objects, "Deployment", "-scheduler"), "scheduler")["args"]), environ={})
     assert sconf.tls_client_ca_file.endswith("client-tls/ca.crt") and sconf.health_port == 50052
     worker = container(find(objects, "StatefulSet", "-worker"), "worker")
     wconf = load_config(local(worker["args"]) + ["--rank", "0"], environ={})

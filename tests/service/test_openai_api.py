@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from mmcast_client import Client
-from tests.support.security_catalogue import jpeg, png
 from tests.support.oracle import LOGPROB_TOLERANCE, N_TOKENS, Oracle, scrape, wait_until
+from tests.support.security_catalogue import jpeg, png
 
 pytestmark = pytest.mark.slow
 

@@ -124,24 +124,6 @@ def flags(c: dict) -> dict[str, str]:
     return out
 
 
-def scheduler_has_http_api() -> bool:
-    """Whether this checkout's scheduler has the `http_port` setting (`--http-port`, the OpenAI-compatible API)."""
-    import dataclasses
-
-    from scheduler_svc.config import SchedulerConfig
-
-    return "http_port" in {f.name for f in dataclasses.fields(SchedulerConfig)}
-
-
-def scheduler_argv(args: list[str]) -> list[str]:
-    """The rendered scheduler arguments for this checkout's own parser. The chart passes `--http-port` (on by
-    default); a scheduler without that setting would reject it, so until it has one the flag is left out here and
-    only the rest is checked. Once the setting exists the flag goes through unchanged."""
-    if scheduler_has_http_api():
-        return list(args)
-    return [a for a in args if not a.startswith("--http-port=")]
-
-
 def env(c: dict) -> dict[str, dict]:
     return {e["name"]: e for e in c.get("env", [])}
 
