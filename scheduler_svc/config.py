@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 
@@ -32,6 +33,7 @@ PROMPT_BYTES_PER_TOKEN = 8
 # --help sections
 _LIMITS, _CACHES, _BATCHING = "model and request limits", "caches", "batching"
 _WIRE, _SERVICE, _SECURITY = "transfer to the ranks", "service", "security (docs/SECURITY.md; secrets are files)"
+_MEDIA = "image URLs (OpenAI API; docs/SECURITY.md)"
 PROG = "mmcast-scheduler"
 DESCRIPTION = "mmcast scheduler: serves mmcast.v1.GenerationService and drives one tensor-parallel worker group."
 
@@ -88,6 +90,27 @@ class SchedulerConfig:
         64 << 20, "bytes held by one tenant's unfinished uploads; more get RESOURCE_EXHAUSTED", min=1, max=_INT_MAX,
         section=_LIMITS,
     )
+
+    # --- image URLs of the OpenAI API (scheduler_svc/media_urls.py); everything off but data: URLs by default -----
+    allowed_media_domains: list = setting(
+        [], "host names whose http(s) image URLs may be fetched (comma separated; 'media.example.com' matches that "
+        "host exactly, '*.example.com' its subdomains; empty = remote image URLs refused)", section=_MEDIA,
+        metavar="HOST,...",
+    )
+    allowed_local_media_path: str = setting(
+        "", "directory whose files file:// image URLs may read (symlinks and '..' out of it refused; empty = file "
+        "URLs refused)", section=_MEDIA, metavar="DIR",
+    )
+    allowed_media_networks: list = setting(
+        [], "CIDRs image fetches may reach although they are loopback, private, link-local or reserved (in-cluster "
+        "media servers, tests); nothing else non-public is ever connected to", section=_MEDIA, metavar="CIDR,...",
+    )
+    media_fetch_timeout_seconds: float = setting(
+        10.0, "time one image URL fetch may take in all: resolving, connecting, redirects and the body", min=0.001,
+        max=3600.0, section=_MEDIA,
+    )
+    media_fetch_max_redirects: int = setting(3, "redirects one image URL fetch follows (each hop checked again)",
+                                             min=0, max=20, section=_MEDIA)
 
     # --- caches -------------------------------------------------------------------------------------------------
     processor_cache_bytes: int = setting(
@@ -216,6 +239,7 @@ class SchedulerConfig:
             raise ValueError(f"metrics_host={self.metrics_host!r} must be a host name or IP address without a port "
                              "(--metrics-host)")
         self._check_secret_files()
+        self._check_media()
         if self.reconnect_backoff_max_seconds < self.reconnect_backoff_initial_seconds:
             raise ValueError(
                 f"reconnect_backoff_max_seconds={self.reconnect_backoff_max_seconds} (--reconnect-backoff-max-seconds) "
@@ -234,6 +258,25 @@ class SchedulerConfig:
         unknown = [f for f in self.image_formats if f not in Image.OPEN]
         if unknown:
             raise ValueError(f"image_formats={','.join(unknown)} unknown to Pillow; choose from {','.join(sorted(Image.OPEN))}")
+
+    def _check_media(self) -> None:
+        """Host names and CIDRs parse and the local media directory exists, so a typo fails at start-up rather than
+        as every request's refusal. The rules themselves are scheduler_svc/media_urls.py's."""
+        from scheduler_svc.media_urls import normalize_domain
+
+        try:
+            self.allowed_media_domains = [normalize_domain(str(d)) for d in self.allowed_media_domains]
+        except ValueError as exc:
+            raise ValueError(f"allowed_media_domains (--allowed-media-domains): {exc}") from None
+        for cidr in self.allowed_media_networks:
+            try:
+                ipaddress.ip_network(str(cidr), strict=False)
+            except ValueError:
+                raise ValueError(f"allowed_media_networks={cidr!r} (--allowed-media-networks): not a CIDR such as "
+                                 "10.0.0.0/8 or fd00::/8") from None
+        if self.allowed_local_media_path and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"allowed_local_media_path={self.allowed_local_media_path!r} "
+                             "(--allowed-local-media-path): no such directory")
 
     def _check_secret_files(self) -> None:
         """Pairs come together and named files exist; their contents are checked when the server starts."""
