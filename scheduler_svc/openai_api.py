@@ -308,11 +308,7 @@ class OpenAIApi:
                                 "reference one the server holds by its uuid", param=field, code="invalid_value")
             call.uuid_fields[digest] = f"{where}.uuid"
             return ImageContent(None, digest, field)
-        url = part.image_url.url
-        if url.startswith("data:"):
-            data = await self.completions.run_in_executor(self.media.decode_data_url, url, f"{field}.url")
-        else:
-            data = await self.media.load(url, f"{field}.url")
+        data = await self.media.load(part.image_url.url, f"{field}.url")  # a large data: URL decodes off the loop
         sha = hashlib.sha256(data).hexdigest()
         if digest is not None and digest != sha:
             raise HttpError(400, f"{where}.uuid=sha256:{digest} does not match the sha256 of the image's bytes "

@@ -211,6 +211,9 @@ def test_stop_string_and_seeded_sampling(api, model_name):
         cut = api.chat.completions.create(model=model_name, messages=messages, max_tokens=12, temperature=0.0,
                                           stop=[stop], extra_body=EXTRA).choices[0]
         assert cut.finish_reason == "stop" and cut.message.content == base[: base.index(stop)]
+    hot_greedy = api.chat.completions.create(model=model_name, messages=messages, max_tokens=12, temperature=2.0,
+                                             seed=7, extra_body={**EXTRA, "top_k": 1})  # vLLM's top_k: one token left
+    assert hot_greedy.choices[0].message.content == base
     sampled = [api.chat.completions.create(model=model_name, messages=messages, max_tokens=8, temperature=1.0,
                                            seed=1234, extra_body=EXTRA).choices[0].message.content for _ in range(2)]
     assert sampled[0] == sampled[1]
