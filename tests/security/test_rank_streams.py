@@ -151,7 +151,7 @@ def test_serve_local_listens_on_loopback_only(group):
         ports[name] = listening(pid)
         outside = [(ip, port) for ip, port in ports[name] if ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
         assert not outside, f"{name} listens beyond loopback: {outside}"
-    assert {group.port, group.metrics_ports[0]} <= {p for _, p in ports["scheduler"]}
+    assert {group.port, group.http_port, group.metrics_ports[0]} <= {p for _, p in ports["scheduler"]}
     for r in range(group.tp):
         assert {group.worker_ports[r], group.metrics_ports[1 + r]} <= {p for _, p in ports[f"rank{r}"]}
     assert group.dist_port in {p for _, p in ports["rank0"]}  # the rendezvous store, bound to loopback too

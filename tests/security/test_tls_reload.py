@@ -195,3 +195,49 @@ def _serial_or_none(rank: WorkerProcess, trust: Path, client: Leaf) -> int | Non
         return handshake_serial(rank.port, trust, client)
     except OSError:
         return None
+
+
+def _presented_serial(context, ca_path: str) -> int:
+    """The serial of the certificate a server with ``context`` presents to a new TLS connection (in process)."""
+    import socket
+    import ssl
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        try:
+            with context.wrap_socket(conn, server_side=True):
+                pass
+        except (ssl.SSLError, OSError):
+            pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = ssl.create_default_context(cafile=ca_path)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as raw, \
+                client.wrap_socket(raw, server_hostname="localhost") as tls_sock:
+            return serial_of(tls_sock.getpeercert(binary_form=True))
+    finally:
+        thread.join(5)
+        listener.close()
+
+
+def test_the_http_ports_context_takes_a_rotation_at_its_next_refresh(tmp_path, pki):
+    """The HTTP API's port (``HttpsContext``): a symlink swap changes nothing until ``refresh()``, after which every
+    new handshake presents the new certificate; a half rotation keeps the old one."""
+    ca, a, b = pki
+    mount = SecretMount(tmp_path / "secret")
+    mount.publish(leaf_files(a, ca))
+    https = tls.https_context(mount.path("tls.crt"), mount.path("tls.key"))
+    assert _presented_serial(https.context, str(ca.path)) == serial_of(a.cert_bytes)
+    mount.publish(leaf_files(b, ca))
+    assert _presented_serial(https.context, str(ca.path)) == serial_of(a.cert_bytes)  # not refreshed yet
+    assert https.refresh() is True and https.refresh() is False
+    assert _presented_serial(https.context, str(ca.path)) == serial_of(b.cert_bytes)
+    mount.rewrite("tls.crt", a.cert_bytes)  # a certificate without its key: refused, b stays
+    assert https.refresh() is False
+    assert _presented_serial(https.context, str(ca.path)) == serial_of(b.cert_bytes)

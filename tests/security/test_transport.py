@@ -327,3 +327,48 @@ def test_request_ids_are_per_tenant(setup):
         assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
         alpha_stream.cancel()
     assert not re.search(r"(alpha|beta)/", beta_final.request_id)
+
+
+# --- the OpenAI-compatible HTTP API: the client port's TLS files and tokens ------------------------------------------
+
+
+def test_openai_api_over_mutual_tls_with_tokens(setup):
+    """The HTTP port takes the client port's mutual TLS and bearer tokens: HTTPS with the client certificate and a
+    tenant's token is served; without the certificate, with another CA, in plaintext or without a token it is not;
+    an image one tenant sent is invisible to another (404 naming the uuid)."""
+    import base64
+    import ssl
+
+    import httpx
+
+    base = f"https://127.0.0.1:{setup.group.http_port}"
+
+    def context(*, client=True, ca=None) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(ca or setup.pki.ca))
+        if client:
+            ctx.load_cert_chain(str(setup.pki.client.cert), str(setup.pki.client.key))
+        return ctx
+
+    img = cat.png(40, 48, seed=21)
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(img).decode()}}
+    model = setup.group.model_dir.rstrip("/").rsplit("/", 1)[-1]
+    body = {"model": model, "max_tokens": 3,
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}]}
+    alpha = {"authorization": f"Bearer {setup.tokens['alpha']}"}
+    with httpx.Client(verify=context(), timeout=60) as http:
+        ok = http.post(base + "/v1/chat/completions", json=body, headers=alpha)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 3
+        assert http.post(base + "/v1/chat/completions", json=body).status_code == 401
+        assert http.get(base + "/health").status_code == 200  # no token needed, TLS still
+        ref = {"type": "image_url", "image_url": None, "uuid": "sha256:" + hashlib.sha256(img).hexdigest()}
+        by_ref = {**body, "messages": [{"role": "user", "content": [ref, {"type": "text", "text": "Hi"}]}]}
+        assert http.post(base + "/v1/chat/completions", json=by_ref, headers=alpha).status_code == 200
+        other = http.post(base + "/v1/chat/completions", json=by_ref,
+                          headers={"authorization": f"Bearer {setup.tokens['beta']}"})
+        assert other.status_code == 404 and other.json()["error"]["param"] == "messages[0].content[0].uuid"
+    for refused in (context(client=False), context(ca=setup.pki.rogue_ca)):
+        with httpx.Client(verify=refused, timeout=10) as http, pytest.raises(httpx.TransportError):
+            http.post(base + "/v1/chat/completions", json=body, headers=alpha)
+    with httpx.Client(timeout=10) as http, pytest.raises(httpx.TransportError):
+        http.post(base.replace("https", "http") + "/v1/chat/completions", json=body, headers=alpha)
