@@ -320,7 +320,7 @@ def test_serve_local_prints_ready_and_stops_on_sigterm(stand_ins, tmp_path):
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "mmcast_client.cli", "serve-local", "--model", str(tmp_path), "--tp", "2",
-         "--port", "0", "--log-dir", str(tmp_path / "logs"), "--", "--max-num-seqs", "8"],
+         "--port", "0", "--http-port", "0", "--log-dir", str(tmp_path / "logs"), "--", "--max-num-seqs", "8"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -340,6 +340,9 @@ def test_serve_local_prints_ready_and_stops_on_sigterm(stand_ins, tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
         assert not any(alive(pid) for pid in ready["pids"].values())
-        assert "--max-num-seqs 8" in last_argv(tmp_path / "logs" / "scheduler.log")
+        sched = last_argv(tmp_path / "logs" / "scheduler.log")
+        assert "--max-num-seqs 8" in sched
+        http_port = int(ready["openai_base_url"].removeprefix("http://127.0.0.1:").removesuffix("/v1"))
+        assert f"--http-port {http_port}" in sched and 0 < http_port != int(ready["target"].rsplit(":", 1)[1])
     finally:
         proc.kill()
