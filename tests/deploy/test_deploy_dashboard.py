@@ -27,6 +27,7 @@ SCHEDULER_METRICS = {
     "mmcast_prompt_tokens_total", "mmcast_generation_tokens_total", "mmcast_requests_finished_total",
     "mmcast_e2e_request_latency_seconds", "mmcast_request_queue_time_seconds", "mmcast_inter_token_latency_seconds",
     "mmcast_request_prompt_tokens", "mmcast_request_generation_tokens", "mmcast_kv_cache_usage_ratio",
+    "mmcast_http_requests_total", "mmcast_http_request_duration_seconds", "mmcast_http_requests_in_flight",
 }
 WORKER_METRICS = {
     "mmcast_worker_received_bytes_total", "mmcast_worker_encoder_seconds", "mmcast_worker_step_seconds",
@@ -37,7 +38,7 @@ GRPC_METRICS = {"grpc_server_started_total", "grpc_server_handled_total", "grpc_
 HISTOGRAMS = {"mmcast_time_to_first_token_seconds", "mmcast_step_seconds", "mmcast_worker_encoder_seconds",
               "mmcast_worker_step_seconds", "grpc_server_handling_seconds", "mmcast_e2e_request_latency_seconds",
               "mmcast_request_queue_time_seconds", "mmcast_inter_token_latency_seconds", "mmcast_request_prompt_tokens",
-              "mmcast_request_generation_tokens"}
+              "mmcast_request_generation_tokens", "mmcast_http_request_duration_seconds"}
 KNOWN = SCHEDULER_METRICS | WORKER_METRICS | GRPC_METRICS
 PROMQL_WORDS = {"sum", "min", "max", "avg", "count", "by", "without", "rate", "irate", "increase", "histogram_quantile",
                 "or", "and", "unless", "on", "ignoring", "group_left", "group_right", "bool", "offset", "vector",
@@ -188,6 +189,10 @@ def _series_like_a_bare_prometheus() -> list[dict]:
     counter("mmcast_generation_tokens_total", sched, 600)
     for reason in ("stop", "length"):
         counter("mmcast_requests_finished_total", f'{sched}, reason="{reason}"', 30)
+    for route, status in (("/v1/chat/completions", "200"), ("/v1/chat/completions", "400"), ("/health", "200")):
+        counter("mmcast_http_requests_total", f'{sched}, route="{route}", method="POST", status="{status}"', 30)
+    histogram("mmcast_http_request_duration_seconds", f'{sched}, route="/v1/chat/completions", method="POST"')
+    gauge("mmcast_http_requests_in_flight", sched, 2)
     for rank in ranks:
         for kind in ("payload", "metadata", "control"):
             counter("mmcast_worker_received_bytes_total", f'{rank}, kind="{kind}"', 3000)

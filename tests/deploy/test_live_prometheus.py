@@ -61,6 +61,10 @@ ZERO_ALLOWED = {
         "refusal makes the scheduler recover the whole group; the series are the counter's pre-created codes at 0 "
         "(tests/worker/test_protocol.py checks the counting)"
     ),
+    ("HTTP API latency p99 by route", "B"): (
+        "requests in flight show only in a scrape taken during an HTTP request, and the workload's few last "
+        "milliseconds; the gauge's rise and fall is checked in test_new_series_have_data_that_adds_up"
+    ),
 }
 # Series the workload is built to move, by panel and refId: each must rise above 0 during the run.
 MUST_RISE = {
@@ -72,6 +76,7 @@ MUST_RISE = {
     ("Requests finished/s by reason", "A"): [{"reason": "length"}],
     ("gRPC unary latency p99 by method", "A"): [{"grpc_method": "GetServerInfo"}],
     ("Worker received bytes/s by kind", "A"): [{"kind": "payload"}, {"kind": "metadata"}, {"kind": "control"}],
+    ("HTTP API requests/s by route and status", "A"): [{"route": "/v1/chat/completions", "status": "200"}],
 }
 # Series added with the per-request metrics (CHANGELOG.md, "Metrics"): each must have data from this run.
 NEW_HISTOGRAMS = ("mmcast_e2e_request_latency_seconds", "mmcast_request_queue_time_seconds",
@@ -93,7 +98,9 @@ class LiveRun:
         self.group, self.prom = group, prom
         self.start = self.end = 0.0  # unix times: every target scraped once / the workload done
         self.preemptions = 0
-        self.results: list = []  # every Result the workload received
+        self.results: list = []  # every Result the workload received through the SDK
+        self.http_completions: list[int] = []  # completion tokens of each answered HTTP API request
+        self.http_usage: dict[str, dict] = {}  # x-request-id -> usage of the answered non-streaming HTTP requests
 
     def checkpoint(self) -> None:
         """Waits for a successful scrape of every target, so that what happened before it and what happens after
@@ -143,6 +150,28 @@ class LiveRun:
             with pytest.raises(ResourceExhausted):
                 client.generate("word " * (KV_BLOCKS * 16), max_tokens=8)
             client.get_server_info()
+        self.http_workload(images[0])
+
+    def http_workload(self, image: bytes) -> None:
+        """The OpenAI-compatible API: a first request creates its series, scraped before the ones that move them."""
+        import base64
+
+        import httpx
+
+        url = self.group.openai_base_url + "/chat/completions"
+        part = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(image).decode()}}
+        body = {"model": Path(self.group.model_dir).name, "max_tokens": 4, "ignore_eos": True,
+                "messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTIONS[0]}]}]}
+        with httpx.Client(timeout=120) as http:
+            for stream in (False, False, True):
+                r = http.post(url, json={**body, "stream": stream})
+                assert r.status_code == 200, r.text
+                self.http_completions.append(4)
+                self.http_usage[r.headers["x-request-id"]] = {} if stream else r.json()["usage"]
+                if len(self.http_completions) == 1:
+                    self.checkpoint()
+            assert http.post(url, json={**body, "n": 2}).status_code == 400
+        self.checkpoint()
 
 
 @pytest.fixture(scope="module")
@@ -258,18 +287,23 @@ def test_new_series_have_data_that_adds_up(live):
     prom = live.prom
     for name in NEW_HISTOGRAMS:
         assert _scalar(prom, f"sum({name}_count)") > 0, f"{name}: no observation"
-    requests = len(live.results)
+    requests = len(live.results) + len(live.http_completions)
     assert _scalar(prom, "sum(mmcast_e2e_request_latency_seconds_count)") == requests
     assert _scalar(prom, "sum(mmcast_request_queue_time_seconds_count)") == requests
     assert _scalar(prom, "sum(mmcast_request_generation_tokens_count)") == requests
     generated = _scalar(prom, "sum(mmcast_generation_tokens_total)")
-    assert generated == sum(r.usage.completion_tokens for r in live.results)
+    assert generated == sum(r.usage.completion_tokens for r in live.results) + sum(live.http_completions)
     assert _scalar(prom, "sum(mmcast_request_generation_tokens_sum)") == generated
     # Every request streamed tokens: one gap per token after each request's first.
     assert _scalar(prom, "sum(mmcast_inter_token_latency_seconds_count)") == generated - requests
     # The refused prompt was never admitted: the histogram holds the admitted prompts, like the counter.
     assert _scalar(prom, "sum(mmcast_request_prompt_tokens_sum)") == _scalar(prom, "sum(mmcast_prompt_tokens_total)")
     # The server's e2e histogram holds each request's total as its client got it (buckets bound them).
+    # The HTTP API's answers: three served, one refused, none in flight now.
+    assert _scalar(prom, 'sum(mmcast_http_requests_total{route="/v1/chat/completions", status="200"})') == 3
+    assert _scalar(prom, 'sum(mmcast_http_requests_total{route="/v1/chat/completions", status="400"})') == 1
+    assert _scalar(prom, "sum(mmcast_http_request_duration_seconds_count)") == 4
+    assert _scalar(prom, "sum(mmcast_http_requests_in_flight)") == 0
     slowest = max(r.server_total_seconds for r in live.results)
     assert _scalar(prom, "sum(mmcast_e2e_request_latency_seconds_sum)") <= requests * slowest + 1e-6
     # KV usage: above 0 while the concurrent requests ran (the pool filled up to preemption), at most 1.
@@ -293,7 +327,13 @@ def test_finished_request_log_lines_match_what_clients_received(live):
         if record.get("msg") == "request finished":
             assert record["request_id"] not in records, f"two finished lines for {record['request_id']}"
             records[record["request_id"]] = record
-    assert set(records) == {r.request_id for r in live.results}
+    assert set(records) == {r.request_id for r in live.results} | set(live.http_usage)
+    for request_id, usage in live.http_usage.items():  # the HTTP API's requests log the same line
+        rec = records[request_id]
+        assert rec["finish_reason"] == "length" and rec["completion_tokens"] == 4 and rec["images"] == 1
+        if usage:
+            assert rec["prompt_tokens"] == usage["prompt_tokens"]
+            assert rec["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
     for r in live.results:
         rec = records[r.request_id]
         assert rec["level"] == "info" and rec["component"] == "scheduler"
