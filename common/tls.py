@@ -159,13 +159,18 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "", 
     ``client_ca_file`` set: mutual TLS — a client must present a certificate signed by that CA, or the handshake
     fails (the client sees UNAVAILABLE).
     """
-    cert_flag, key_flag, ca_flag = f"{prefix}tls-cert-file", f"{prefix}tls-key-file", f"{prefix}tls-client-ca-file"
-    check_pair(cert_file, key_file, cert_flag, key_flag)
-    if not cert_file:
-        if client_ca_file:
-            raise TlsConfigError(f"{ca_flag} needs {cert_flag} and {key_flag}: mutual TLS is TLS first")
+    if not _server_tls_on(cert_file, key_file, client_ca_file, prefix):
         return None
     return ServerCertificateFiles(cert_file, key_file, client_ca_file, prefix=prefix).credentials()
+
+
+def _server_tls_on(cert_file: str, key_file: str, client_ca_file: str, prefix: str) -> bool:
+    """Whether a server port's files turn TLS on; ``TlsConfigError`` for half a pair or a client CA without TLS."""
+    cert_flag, key_flag, ca_flag = f"{prefix}tls-cert-file", f"{prefix}tls-key-file", f"{prefix}tls-client-ca-file"
+    check_pair(cert_file, key_file, cert_flag, key_flag)
+    if not cert_file and client_ca_file:
+        raise TlsConfigError(f"{ca_flag} needs {cert_flag} and {key_flag}: mutual TLS is TLS first")
+    return bool(cert_file)
 
 
 class HttpsContext:
@@ -212,11 +217,7 @@ def https_context(cert_file: str, key_file: str, client_ca_file: str = "", *, pr
     HttpsContext | None
 ):
     """The HTTP port's TLS (the same files and rules as ``server_credentials``), or None (plaintext)."""
-    cert_flag, key_flag, ca_flag = f"{prefix}tls-cert-file", f"{prefix}tls-key-file", f"{prefix}tls-client-ca-file"
-    check_pair(cert_file, key_file, cert_flag, key_flag)
-    if not cert_file:
-        if client_ca_file:
-            raise TlsConfigError(f"{ca_flag} needs {cert_flag} and {key_flag}: mutual TLS is TLS first")
+    if not _server_tls_on(cert_file, key_file, client_ca_file, prefix):
         return None
     return HttpsContext(cert_file, key_file, client_ca_file, prefix=prefix)
 
