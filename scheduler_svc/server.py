@@ -1,4 +1,6 @@
-"""Assembles the scheduler process: frontend, scheduler core, worker group, engine, gRPC server, /metrics.
+"""Assembles the scheduler process: frontend, scheduler core, worker group, engine, gRPC server, the
+OpenAI-compatible HTTP API (``--http-port``; http_server.py, on the same event loop and the same request path,
+completion.py), /metrics.
 
 Health has two levels: the server ("") is SERVING as soon as it listens (liveness); the service
 ``mmcast.v1.GenerationService`` is SERVING only while every rank of the group has completed its handshake (readiness).
@@ -246,7 +248,8 @@ class SchedulerServer:
         if self.http is not None:
             self.http_port = await self.http.start()
         self.engine.start()
-        log.info("scheduler listening", extra={"port": self.port, "workers": ",".join(c.workers), "transfer_mode": c.transfer_mode})
+        log.info("scheduler listening", extra={"port": self.port, "http_port": self.http_port,
+                                               "workers": ",".join(c.workers), "transfer_mode": c.transfer_mode})
         return self.port
 
     async def stop(self, drain_seconds: float | None = None) -> None:
