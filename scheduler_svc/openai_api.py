@@ -459,8 +459,8 @@ class OpenAIApi:
                 if include_usage:
                     yield _sse({**envelope, "choices": [], "usage": self._usage(completion)})
             yield b"data: [DONE]\n\n"
-        except MmcastError as err:  # cannot happen after the first chunk (chunks() reports it in result); kept
-            e = self._http_error(err, call)  # so that a protocol error still ends the stream in OpenAI's shape
+        except Exception as exc:  # a server bug mid-stream: the stream still ends in OpenAI's shape, naming the id
+            e = self._http_error(exc, call) if isinstance(exc, MmcastError) else self._internal_error(call)
             yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
             yield b"data: [DONE]\n\n"
         finally:
@@ -527,10 +527,15 @@ class OpenAIApi:
                         media_type="application/json", headers=err.headers)
 
     def _internal(self, call: _Call | None) -> Response:
+        return self._error(self._internal_error(call))
+
+    @staticmethod
+    def _internal_error(call: _Call | None) -> HttpError:
+        """Logs the exception being handled under the request id; the client gets the id, not the exception."""
         request_id = call.client_id if call else f"http-{uuid.uuid4().hex}"
         log.exception("unexpected error in the HTTP API", extra={"request_id": request_id})
-        return self._error(HttpError(500, f"internal server error (request_id={request_id}); the server log records "
-                                     "the cause under this id", type="server_error", code="internal"))
+        return HttpError(500, f"internal server error (request_id={request_id}); the server log records the cause "
+                         "under this id", type="server_error", code="internal")
 
     async def _not_found(self, request: Request, exc) -> Response:
         return self._error(HttpError(404, f"no route {request.url.path[:200]!r}; this server serves "

@@ -199,7 +199,7 @@ def _assert_internal(info, request_id: str) -> None:
 
 
 def test_an_unexpected_exception_is_internal_with_the_request_id(harness, monkeypatch):
-    from scheduler_svc import servicer
+    from scheduler_svc import completion
 
     h = harness
 
@@ -221,7 +221,7 @@ def test_an_unexpected_exception_is_internal_with_the_request_id(harness, monkey
             add = flush = broken
 
         with monkeypatch.context() as patch:
-            patch.setattr(servicer, "TextStream", BrokenText)
+            patch.setattr(completion, "TextStream", BrokenText)  # the request path both APIs share
             with pytest.raises(grpc.RpcError) as info:
                 generate(stub, request("planted-2"))
         _assert_internal(info, "planted-2")
@@ -243,3 +243,60 @@ def test_an_unexpected_exception_is_internal_with_the_request_id(harness, monkey
         assert generate(stub, request("after")).usage.completion_tokens == 2  # the service keeps serving
     assert _handled(h, "Generate", "Internal") == 2 and _handled(h, "Generate", "Unknown") == 0
     assert _handled(h, "UploadImage", "Internal") == 1 and _handled(h, "GetServerInfo", "Internal") == 1
+
+
+def test_an_unexpected_exception_in_the_http_api_is_500_with_the_request_id(tiny_model_dir, monkeypatch):
+    """The OpenAI-compatible door answers a server bug as the gRPC one does: a 500 naming the request id (the log
+    holds the traceback under it), no exception text, nothing left holding blocks, the service still serving."""
+    import httpx
+
+    from mmcast_local.supervisor import free_ports
+    from scheduler_svc import completion
+
+    (port,) = free_ports(1)
+    h = FakeGroupScheduler(tiny_model_dir, n_ranks=1, http_port=port).start()
+    try:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        body = {"model": tiny_model_dir.name, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("the bug text")
+
+        class BrokenText:
+            def __init__(self, *args):
+                pass
+
+            add = flush = broken
+
+        with httpx.Client(timeout=30) as http:
+            for where, patch_it in (("frontend", lambda p: p.setattr(h.server.frontend, "process", broken)),
+                                    ("stream", lambda p: p.setattr(completion, "TextStream", BrokenText))):
+                for stream in (False, True):
+                    with monkeypatch.context() as patch:
+                        patch_it(patch)
+                        r = http.post(url, json={**body, "stream": stream}, headers={"x-request-id": f"bug-{where}"})
+                    assert r.status_code == 500, (where, stream, r.text)
+                    error = r.json()["error"]
+                    assert "request_id=bug-" in error["message"] and error["type"] == "server_error", error
+                    for leak in ("RuntimeError", "bug text", "Traceback"):
+                        assert leak not in r.text, r.text
+
+            class BreaksLater(completion.TextStream):  # fails after the first chunk went out
+                def add(self, ids):
+                    if self.ids:
+                        raise RuntimeError("the bug text")
+                    return super().add(ids)
+
+            with monkeypatch.context() as patch:
+                patch.setattr(completion, "TextStream", BreaksLater)
+                r = http.post(url, json={**body, "max_tokens": 4, "ignore_eos": True, "stream": True},
+                              headers={"x-request-id": "bug-later"})
+            events = [e for e in r.text.split("\n\n") if e]
+            assert r.status_code == 200 and events[-1] == "data: [DONE]", r.text
+            error = json.loads(events[-2].removeprefix("data: "))["error"]
+            assert "request_id=bug-later" in error["message"] and "bug text" not in r.text, error
+            assert h.call(lambda: dict(h.server.engine.handles)) == {}  # nothing left holding blocks
+            ok = http.post(url, json=body)
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    finally:
+        h.stop()
