@@ -409,7 +409,7 @@ def decode_share(decode: Sequence[dict], rows: Sequence[dict]) -> list[dict]:
 
 # --- Markdown -----------------------------------------------------------------------------------------------------
 def _pct(v: float | None) -> str:
-    return "–" if v is None else f"{100 * v:.1f} %"
+    return "–" if v is None else f"{100 * v:.2f} %" if v < 0.01 else f"{100 * v:.1f} %"
 
 
 def markdown(result: dict) -> str:
