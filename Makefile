@@ -7,7 +7,7 @@ PYTEST_TIMEOUT ?= 300
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml client/pyproject.toml | sha256sum | cut -c1-12)
 PROTOS := $(wildcard proto/mmcast/v1/*.proto)
 
-.PHONY: install proto proto-baseline proto-check lint test test-fast demo bench bench-quick soak fuzz tools clean
+.PHONY: install proto proto-baseline proto-check lint test test-fast demo bench bench-quick bench-aiperf soak fuzz tools clean
 
 install: $(STAMP)
 
@@ -65,6 +65,23 @@ bench: install
 bench-quick: install
 	$(BIN)/python -m benchmarks.run --quick
 
+# A benchmark client written elsewhere: AIPerf in its own venv (never the project's, never in `make test`), a multimodal
+# chat load against serve-local on the tiny model, then the same load through the SDK (benchmarks/aiperf_load.py).
+AIPERF_VENV := .venv-aiperf
+AIPERF_VERSION ?= 0.13.0
+AIPERF_MODEL := benchmarks/results/.model/mmcast-tiny
+AIPERF_ARGS ?=
+
+$(AIPERF_VENV)/.installed-$(AIPERF_VERSION):
+	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
+	test -x $(AIPERF_VENV)/bin/python || $(PY) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install -q "aiperf==$(AIPERF_VERSION)"
+	rm -f $(AIPERF_VENV)/.installed-* && touch $@
+
+bench-aiperf: install $(AIPERF_VENV)/.installed-$(AIPERF_VERSION)
+	$(BIN)/mmcast make-tiny-model $(AIPERF_MODEL)
+	$(BIN)/python -m benchmarks.aiperf_load --aiperf $(AIPERF_VENV)/bin/aiperf --model-dir $(AIPERF_MODEL) $(AIPERF_ARGS)
+
 soak: install
 	$(BIN)/python -m pytest -q --timeout=3600 -m soak tests --run-soak
 
@@ -72,4 +89,4 @@ fuzz: install
 	$(BIN)/python -m pytest -q --timeout=3600 -m fuzz tests --run-fuzz
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info client/build client/*.egg-info
+	rm -rf $(VENV) $(AIPERF_VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info client/build client/*.egg-info

@@ -10,7 +10,7 @@ import collections
 import os
 from collections.abc import Iterable, Sequence
 
-from benchmarks import affinity, new_images, stats
+from benchmarks import affinity, http_overhead, new_images, stats
 
 ANCHOR = {"before_ms_per_image": 21.0, "after_ms_per_image": 2.9}  # vLLM #52040 / PR #52041, TP=4 GPUs, 31B
 MODES = ("full", "strip", "lazy")
@@ -338,6 +338,11 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
                 "mean per image where a set has one N). The floors are one float32 `pixel_values` of that size to "
                 "TP receiver processes (see below): what the `pixels` payload costs at best on each transport. "
                 "`–`: not reported by this build.", "", fresh, ""]  # fmt: skip
+    if analysis.get("http_overhead"):
+        out += ["", "## The HTTP door against the gRPC SDK (issue 24)", "",
+                "One fresh group (TP1, defaults), the same requests through the SDK and the `openai` package, "
+                "interleaved request by request (benchmarks/http_overhead.py).", "",
+                http_overhead.markdown(analysis["http_overhead"]), ""]
     scale_out = affinity.markdown(analysis.get("affinity"))
     if scale_out:
         out += ["", "## Replicas: ring hash against round robin (issue 16)", "", scale_out, ""]

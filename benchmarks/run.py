@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from benchmarks import affinity, new_images, plots, report, sched_steps
+from benchmarks import affinity, http_overhead, new_images, plots, report, sched_steps
 from benchmarks import floors as floors_mod
 from benchmarks.new_images import CANDIDATE, ImageSet
 from benchmarks.scenarios import Images, Record, Session, question, user
@@ -61,6 +61,7 @@ class Plan:
     new_image_sets: tuple[ImageSet, ...] = ()
     affinity: affinity.AffinityPlan | None = None  # benchmarks/affinity.py: replicas, ring hash vs round robin
     rank_engine: str | None = None  # benchmarks/rank_engine.py's plan: the rank's forward vs transformers' batch
+    http_overhead: str | None = None  # benchmarks/http_overhead.py's plan: the HTTP door against the SDK, one group
 
     def clients(self, mode: str) -> list[str]:
         return ["sdk", "resend"] if mode in self.resend_modes else ["sdk"]
@@ -83,7 +84,7 @@ PLANS = {
                   ("cached_floor", "sliding_window"), 12, 6, ("lazy",), ("448x448", "1280x720"), (1, 2, 4), 12,
                   (10, 100, 1000, 10_000), new_image_groups=new_images.groups((1, 2)),
                   new_image_sets=(ImageSet(*_JPEG_448, (1, 4, 8), 2), ImageSet(*_PNG_448, (1, 4, 8), 1),
-                                  ImageSet(*_JPEG_720P, (1,), 1)), rank_engine="quick"),
+                                  ImageSet(*_JPEG_720P, (1,), 1)), rank_engine="quick", http_overhead="quick"),
     # make bench: the issue's full matrix at 1280x720 (~30-40 min here), TP=4 for token equality only.
     "full": Plan("full", (1280, 720), (1, 2), ("full", "strip", "lazy"), (2, 8, 13, 20, 26), 5,
                  ("cached_floor", "duplicate", "conversation", "sliding_window"), 16, 8, ("full", "strip", "lazy"),
@@ -92,7 +93,7 @@ PLANS = {
                  new_image_groups=new_images.groups((1, 2)),
                  new_image_sets=(ImageSet(*_JPEG_448, (1, 4, 8), 3), ImageSet(*_PNG_448, (1, 4, 8), 3),
                                  ImageSet(*_JPEG_720P, (1, 4, 8), 2), ImageSet(*_PNG_720P, (1, 4, 8), 2)),
-                 affinity=affinity.AffinityPlan(), rank_engine="full"),
+                 affinity=affinity.AffinityPlan(), rank_engine="full", http_overhead="full"),
 }  # fmt: skip
 
 
@@ -204,9 +205,12 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     images = Images(os.path.join(RESULTS, ".images"), plan.size)
     records: list[dict] = []
     configs = []
+    http_result = None
     total = sum(planned_requests(plan, m) for m in plan.modes) * len(plan.tps)
     total += sum(2 + 2 * min(2, len(plan.ns)) for _ in plan.correctness_tps for _ in plan.modes)
     total += new_images.planned_requests(plan.new_image_sets) * len(plan.new_image_groups)
+    if plan.http_overhead:
+        total += http_overhead.planned_requests(http_overhead.PLANS[plan.http_overhead])
     bar = _progress(total)
 
     def on_record(rec: Record) -> None:
@@ -227,9 +231,15 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
             configs.append(new_images.run_variant(model_dir, tp, variant, plan.new_image_sets, images,
                                                   max_tokens=plan.max_tokens, kv_blocks=plan.kv_blocks,
                                                   on_record=on_record))
+        if plan.http_overhead:  # its own fresh group (TP1, defaults); records of its own shape, not Records
+            http_result = http_overhead.measure(model_dir, images, http_overhead.PLANS[plan.http_overhead],
+                                                on_request=lambda _r: bar.update(1) if bar is not None else None,
+                                                log=log)
     finally:
         if bar is not None:
             bar.close()
+    if http_result is not None:
+        log("the HTTP door against the gRPC SDK\n" + http_overhead.write(out_dir, http_result))
     security = []
     if plan.security:
         from benchmarks import security_load
@@ -256,11 +266,13 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     meta["wall_seconds"] = time.monotonic() - started
     analysis = report.analyze(records, floor_rows, steps, meta["image_size"])
     analysis["affinity"] = affinity_result
+    analysis["http_overhead"] = http_result and {k: v for k, v in http_result.items() if k != "records"}
     figures = plots.write_plots(out_dir, analysis)
     report.write_markdown(os.path.join(out_dir, "results.md"), meta, analysis, floors_md, figures)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "configs": configs, "floors": floor_rows, "analysis": analysis, "records": records,
-                   "security": security, "rank_memory": rank_memory, "rank_engine": engine}, f, indent=1,
+                   "security": security, "rank_memory": rank_memory, "rank_engine": engine,
+                   "http_overhead_records": http_result["records"] if http_result else []}, f, indent=1,
                   default=str)
     log(f"wrote {out_dir}/results.md, results.json and {len(figures)} plots")
     return analysis
@@ -277,8 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     plan = PLANS[args.plan or "quick"]
     out = args.out or os.path.join(RESULTS, f"{time.strftime('%Y%m%d-%H%M%S')}-{plan.name}")
     analysis = run(plan, out, args.model_dir)
-    for t in analysis["targets"]:
+    http = analysis.get("http_overhead")
+    for t in analysis["targets"] + (http["targets"] if http else []):
         print(f"{t['status']:>12}  {t['name']}: {t['measured']} (target {t['target']})")
+    if http and not http["equality"]["ok"]:
+        print(f"FAILED: the HTTP door and the SDK returned different answers: {http['equality']['mismatches'][:3]}",
+              file=sys.stderr)
+        return 1
     scale_out = analysis.get("affinity")
     if scale_out and (not scale_out["tokens_equal"] or any(p["failed"] for p in scale_out["policies"])):
         print("FAILED: the replicas under ring hash and round robin disagreed on tokens or failed requests",

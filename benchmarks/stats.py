@@ -114,3 +114,23 @@ def flatness(values: Sequence[float], reference: float) -> float:
     if reference <= 0:
         raise ValueError(f"reference {reference} must be positive")
     return max(abs(v - reference) / reference for v in values)
+
+
+def paired_ratio_ci(num: Sequence[float], den: Sequence[float], resamples: int = 2000, seed: int = 0,
+                    q: float = 50) -> tuple[float, float, float]:
+    """median(num) / median(den) (or another percentile ``q``) with a 95 % percentile-bootstrap interval, resampling
+    the *pairs* (num[i], den[i]): samples taken side by side (the same round of an interleaved run) share the
+    machine's load of that moment, so a pair is the unit that keeps it. Returns (ratio, low, high); the seed makes
+    the interval reproducible. Needs ≥ 2 pairs."""
+    import random
+
+    if len(num) != len(den) or len(num) < 2:
+        raise ValueError(f"paired_ratio_ci needs two samples of equal length ≥ 2 (got {len(num)} and {len(den)})")
+    rng = random.Random(seed)
+    n = len(num)
+    point = percentile(num, q) / percentile(den, q)
+    ratios = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ratios.append(percentile([num[i] for i in idx], q) / percentile([den[i] for i in idx], q))
+    return point, percentile(ratios, 2.5), percentile(ratios, 97.5)

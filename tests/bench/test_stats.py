@@ -84,3 +84,17 @@ def test_flatness():
     assert stats.flatness([1.0, 1.1, 0.9], 1.0) == pytest.approx(0.1)
     with pytest.raises(ValueError):
         stats.flatness([1.0], 0.0)
+
+
+def test_paired_ratio_ci_brackets_the_ratio_and_is_reproducible():
+    rng = random.Random(3)
+    den = [20 + rng.gauss(0, 1) for _ in range(15)]
+    num = [1.1 * d for d in den]  # every pair exactly 1.1: the interval collapses onto it
+    ratio, lo, hi = stats.paired_ratio_ci(num, den)
+    assert ratio == pytest.approx(1.1) and lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
+    noisy = [d * 1.1 + rng.gauss(0, 2) for d in den]
+    r1 = stats.paired_ratio_ci(noisy, den, seed=5)
+    assert r1 == stats.paired_ratio_ci(noisy, den, seed=5)
+    assert r1[1] <= r1[0] <= r1[2] and r1[2] - r1[1] > 0
+    with pytest.raises(ValueError):
+        stats.paired_ratio_ci([1.0], [1.0])
