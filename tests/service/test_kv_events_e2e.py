@@ -23,9 +23,10 @@ from tests.support.oracle import scrape, user_turn
 
 pytestmark = pytest.mark.slow
 
-KV_BLOCKS = 40  # 640 tokens: four conversations of ~150-token turns do not fit at once
+KV_BLOCKS = 32  # 512 tokens: two conversations' growing turns do not fit at once (eviction, preemption)
 CONVERSATIONS = 6
 TURNS = 3
+MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def conversation(client: Client, n: int) -> None:
     for t in range(TURNS):
         history.append(user_turn(synthetic_jpeg(9000 + 10 * n + t, (112, 112)),
                                  f"Conversation {n}, picture {t}: describe the colours and shapes you see in detail."))
-        result = client.generate(history, max_tokens=24, ignore_eos=True, temperature=0.0)
+        result = client.generate(history, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
         history.append({"role": "assistant", "content": result.text})
 
 
