@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from common import tracing
 from common.errors import InvalidArgument, MmcastError, Unavailable
-from scheduler_svc import request_parsing
+from scheduler_svc import affinity_key, request_parsing
 from scheduler_svc.detok import TextStream
 from scheduler_svc.engine import Engine, FinishEvent, RequestHandle, TokenEvent
 from scheduler_svc.request_log import RequestSummary
@@ -45,6 +45,7 @@ class CompletionRequest:
     cache_salt: str = ""  # the client's prefix-cache salt (checked)
     add_generation_prompt: bool = True  # chat: append the template's assistant header (False: continue the last)
     default_max_tokens: bool = False  # True: max_tokens not given; take what the context leaves, up to the limit
+    affinity: str = ""  # the conversation key the client chose (affinity_key.client_key), "" for none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +99,9 @@ class Completion:
     and frees what it holds. ``result`` is set when the iteration ends normally."""
 
     def __init__(self, engine: Engine, tokenizer, handle: RequestHandle, processed, sampling: SamplingSpec,
-                 tenant: str) -> None:
+                 tenant: str, affinity: str = "") -> None:
         self.engine = engine
+        self.affinity = affinity  # the conversation key each door returns as x-mmcast-affinity (affinity_key.py)
         self.tokenizer = tokenizer
         self.handle = handle
         self.processed = processed  # frontend.ProcessedPrompt: token ids, items, image cpu time
@@ -198,7 +200,11 @@ class Completions:
                 process = functools.partial(self.frontend.process, req.turns,
                                             add_generation_prompt=req.add_generation_prompt, tenant=req.tenant,
                                             reserve_tokens=reserve, context=context)
-            processed = await asyncio.get_running_loop().run_in_executor(self.executor, process)
+            # The conversation key hashes the first message's inline images: off the loop, beside the frontend.
+            def work():
+                return process(), req.affinity or affinity_key.key_of(req.turns, req.prompt)
+
+            processed, key = await asyncio.get_running_loop().run_in_executor(self.executor, work)
             tracing.set_attributes(current, prompt_tokens=len(processed.token_ids), images=len(processed.mm_features))
         prompt_tokens = len(processed.token_ids)
         if req.default_max_tokens:
@@ -218,4 +224,4 @@ class Completions:
             self.engine.finish(handle.request_id, "cancelled")  # admitted before the failure: free what it holds
             raise
         log.info("request admitted", extra={"request_id": request_id, "prompt_tokens": prompt_tokens})
-        return Completion(self.engine, self.tokenizer, handle, processed, sampling, req.tenant)
+        return Completion(self.engine, self.tokenizer, handle, processed, sampling, req.tenant, key)

@@ -165,6 +165,14 @@ class SchedulerConfig:
     )
     served_model_name: str = setting("", "the model name the HTTP API answers to and lists in /v1/models (default: "
                                      "the model folder's name)", section=_SERVICE, metavar="NAME")
+    kv_events_endpoint: str = setting(
+        "", "ZeroMQ endpoint to publish prefix-cache events on, in vLLM's KV-event format (e.g. tcp://*:5557; "
+        "scheduler_svc/kv_events.py); empty = off", section=_SERVICE, metavar="ENDPOINT")
+    kv_events_topic: str = setting("", "topic frame of every KV-event message (vLLM's default: empty)",
+                                   section=_SERVICE, metavar="TOPIC")
+    kv_events_queue: int = setting(
+        100_000, "KV events queued for the publisher at most; when full they are replaced by one AllBlocksCleared, "
+        "so the step loop never waits for a subscriber", min=1, max=_INT_MAX, section=_SERVICE)
     metrics_port: int = setting(9400, "port of the Prometheus /metrics endpoint (0 = disabled)", min=0, max=65535,
                                 section=_SERVICE)
     metrics_host: str = setting("0.0.0.0", "address the /metrics endpoint binds (127.0.0.1 keeps it local)",

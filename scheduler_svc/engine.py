@@ -411,3 +411,4 @@ class Engine:
         self.metrics.kv_blocks_used.set(stats.kv_blocks_used)
         if stats.kv_blocks_total:
             self.metrics.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
+            self.metrics.set_cache_config(self.core.config.block_size, stats.kv_blocks_total)

@@ -10,6 +10,9 @@
 - Free blocks: never-cached ones are handed out first (lowest id first, then in the order they were freed);
   then cached ones in least-recently-freed order, which evicts their hash. A request's blocks are freed tail
   first, so a prefix outlives its tail.
+- ``events`` (optional, scheduler_svc/kv_events.py) hears every change of the registered set: blocks stored (with
+  their hashes, parent hash and tokens), blocks evicted, everything cleared (a new pool, a reset), so that a
+  picker outside the process can mirror the prefix cache. Its calls must not block: they run in the step loop.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class Block:
 class KVCacheManager:
     """Block allocation with reference counts, a hash -> block prefix cache and LRU eviction."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events=None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must both be >= 1")
         self.num_blocks = num_blocks
@@ -50,6 +53,9 @@ class KVCacheManager:
         self._req_num_cached: dict[RequestId, int] = {}  # leading blocks of the table that are registered
         self.query_tokens = 0  # prompt tokens looked up at admissions
         self.hit_tokens = 0  # of which served from the cache
+        self.events = events  # kv_events.KVEventSink or None: told of every registration, eviction and reset
+        if events is not None:
+            events.cleared()  # a new pool: whatever an earlier pool of this process had registered is gone
 
     # --- counts ------------------------------------------------------------------------------------------------
     @property
@@ -146,6 +152,8 @@ class KVCacheManager:
             block_id, _ = self._free_cached.popitem(last=False)  # evict the least recently freed cached block
             block = self.blocks[block_id]
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed([block.block_hash])
             block.block_hash = None
         self.blocks[block_id].ref_cnt = 1
         return block_id
@@ -160,13 +168,28 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = self.hash_blocks(request)
+        stored: list[int] = []  # block indices of the request newly registered here, in order
         for i in range(done, num_full):
             block = self.blocks[table[i]]
             if block.block_hash is not None or hashes[i] in self._cached:
                 continue  # already registered (a hit), or the same content was computed into another block
             block.block_hash = hashes[i]
             self._cached[hashes[i]] = block.block_id
+            stored.append(i)
         self._req_num_cached[request.request_id] = num_full
+        if self.events is not None and stored:
+            self._tell_stored(request, hashes, stored)
+
+    def _tell_stored(self, request: Request, hashes: Sequence[BlockHash], stored: list[int]) -> None:
+        """One ``stored`` call per run of consecutive block indices (each run's parent is the block before it)."""
+        bs, tokens = self.block_size, request.all_token_ids
+        start = 0
+        for k in range(1, len(stored) + 1):
+            if k == len(stored) or stored[k] != stored[k - 1] + 1:
+                first, last = stored[start], stored[k - 1]
+                self.events.stored(list(hashes[first:last + 1]), hashes[first - 1] if first else None,
+                                   list(tokens[first * bs:(last + 1) * bs]))
+                start = k
 
     def free(self, request_id: RequestId) -> None:
         """Releases the request's blocks, tail first; cached ones stay findable until evicted."""
@@ -186,5 +209,7 @@ class KVCacheManager:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         self._free_cached.clear()
         self._free_uncached = collections.deque(b.block_id for b in self.blocks if b.ref_cnt == 0)

@@ -93,6 +93,22 @@ class SchedulerMetrics:
         self.requests_waiting = Gauge("mmcast_requests_waiting", "Requests queued for admission.", registry=r)
         self.kv_blocks_used = Gauge("mmcast_kv_blocks_used", "KV blocks referenced by running requests.", registry=r)
         self.kv_blocks_total = Gauge("mmcast_kv_blocks_capacity", "KV blocks in the group's pool (the prefix-cache size).", registry=r)
+        self.kv_events = Counter("mmcast_kv_events_total", "Prefix-cache events published (--kv-events-endpoint), "
+                                 "by vLLM event type.", ["type"], registry=r)
+        self.kv_events_dropped = Counter("mmcast_kv_events_dropped_total", "Prefix-cache events dropped because "
+                                         "the publisher's queue was full (--kv-events-queue).", registry=r)
+        self.kv_event_bytes = Counter("mmcast_kv_event_bytes_total", "msgpack payload bytes of the published "
+                                      "prefix-cache event batches.", registry=r)
+        # What the Gateway API Inference Extension's endpoint picker reads beside the queue, running and KV gauges
+        # (its model-server protocol; vLLM's vllm:cache_config_info and vllm:lora_requests_info): 1-valued infos.
+        self.cache_config_info = Gauge("mmcast_cache_config_info", "The KV pool's geometry, in the labels (value 1): "
+                                       "block_size in tokens, num_gpu_blocks the blocks of the pool.",
+                                       ["block_size", "num_gpu_blocks"], registry=r)
+        self._cache_config: tuple[int, int] | None = None
+        self.lora_info = Gauge("mmcast_lora_requests_info", "LoRA adapters, in the labels (value 1): mmcast serves none "
+                               "(max_lora 0, no running or waiting adapters).",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.lora_info.labels("0", "", "").set(1)
         self.kv_usage = Gauge(
             "mmcast_kv_cache_usage_ratio",
             "KV blocks used / KV blocks in the pool, 0 to 1 (mmcast_kv_blocks_used / mmcast_kv_blocks_capacity).",
@@ -168,6 +184,13 @@ class SchedulerMetrics:
         self.http_in_flight = Gauge("mmcast_http_requests_in_flight", "HTTP API requests being answered.",
                                     registry=r)
         self._init_labels()
+
+    def set_cache_config(self, block_size: int, num_blocks: int) -> None:
+        """The pool's geometry as the info metric's labels; only the current pool's series remains."""
+        if self._cache_config != (block_size, num_blocks):
+            self.cache_config_info.clear()
+            self.cache_config_info.labels(str(block_size), str(num_blocks)).set(1)
+            self._cache_config = (block_size, num_blocks)
 
     def frontend_counter(self, name: str) -> Counter:
         return self.frontend[name]

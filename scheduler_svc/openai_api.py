@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from common.errors import IMAGE_RESOURCE, InvalidArgument, MmcastError, NotFound, Status, Unavailable
 from mmcast.v1 import generation_pb2
-from scheduler_svc import openai_errors, openai_schema, request_parsing
+from scheduler_svc import affinity_key, openai_errors, openai_schema, request_parsing
 from scheduler_svc.completion import MAX_TOKENS_FIELD, Chunk, Completion, CompletionRequest, Completions
 from scheduler_svc.openai_errors import HttpError
 from scheduler_svc.request_parsing import ImageContent, TextContent, Turn
@@ -110,6 +110,7 @@ class _Call:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     uuid_fields: dict = dataclasses.field(default_factory=dict)  # sha256 hex -> the field that referenced it
     inline: list = dataclasses.field(default_factory=list)  # (sha256 hex, bytes) of images sent inline
+    affinity: str = ""  # the conversation key the client's headers chose ("" none: computed at admission)
 
     @property
     def object_id(self) -> str:
@@ -181,6 +182,10 @@ class OpenAIApi:
                                 f"{self.model_name!r} (GET /v1/models)", type="not_found_error", param="model",
                                 code="model_not_found")
             call = _Call(self._client_id(request), tenant, body.model, kind, {})
+            try:
+                call.affinity = affinity_key.client_key(request.headers.get)
+            except InvalidArgument as err:
+                raise HttpError(400, err.message, param=err.fields[0], code="invalid_value") from None
             req = await self._completion_request(call, body, received)
             completion = await self._until_disconnect(request, self.completions.admit(req))
             self._keep_inline(call)
@@ -229,7 +234,7 @@ class OpenAIApi:
         request_parsing.check_cache_salt(body.cache_salt or "")
         sampling, default_max = self._sampling(call, body)
         common = dict(client_id=call.client_id, tenant=call.tenant, sampling=sampling, received=received,
-                      cache_salt=body.cache_salt or "", default_max_tokens=default_max)
+                      cache_salt=body.cache_salt or "", default_max_tokens=default_max, affinity=call.affinity)
         if call.kind == "text":
             prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(
                 body.prompt[0], str) else body.prompt
@@ -399,7 +404,7 @@ class OpenAIApi:
             choice["text"] = text
             choice["logprobs"] = self._text_logprobs(chunks) if logprobs else None
         out = {**self._envelope(call), "choices": [choice], "usage": self._usage(completion)}
-        return JSONResponse(out, headers={"x-request-id": call.client_id})
+        return JSONResponse(out, headers=self._headers(call, completion))
 
     async def _stream(self, request: Request, call: _Call, completion: Completion, include_usage: bool) -> Response:
         chunks = completion.chunks()
@@ -414,7 +419,7 @@ class OpenAIApi:
             await chunks.aclose()
             return self._internal(call)
         return StreamingResponse(self._events(call, completion, chunks, first, include_usage),
-                                 media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": call.client_id})
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **self._headers(call, completion)})
 
     async def _events(self, call: _Call, completion: Completion, chunks: AsyncIterator, first,
                       include_usage: bool) -> AsyncIterator[bytes]:
@@ -467,6 +472,12 @@ class OpenAIApi:
             await chunks.aclose()
 
     # --- helpers ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _headers(call: _Call, completion: Completion) -> dict:
+        """An answer's headers: its request id, and the conversation key for a client routing through a proxy
+        (it sends it back as the x-mmcast-affinity request header on later turns: affinity_key.py)."""
+        return {"x-request-id": call.client_id, affinity_key.AFFINITY_HEADER: completion.affinity}
+
     def _tenant(self, request: Request) -> str:
         if self.tokens is None:
             return ""

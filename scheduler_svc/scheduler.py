@@ -97,8 +97,9 @@ class StepOutputError(FailedPrecondition):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, group: GroupBudget, uses_mrope: bool, eos_token_ids,
-                 *, max_model_len: int | None = None) -> None:
+                 *, max_model_len: int | None = None, kv_events=None) -> None:
         self.config = config
+        self.kv_events = kv_events  # kv_events.KVEventSink or None: every prefix-cache change, for outside pickers
         self.uses_mrope = uses_mrope
         self.eos_token_ids = frozenset(eos_token_ids)
         self._model_max_len = max_model_len
@@ -128,7 +129,7 @@ class Scheduler:
             raise ValueError("max_model_len is unknown: set --max-model-len or pass the model config's")
         self.max_model_len = min(lengths)
         old = getattr(self, "kv", None)
-        self.kv = KVCacheManager(self.kv_blocks, cfg.block_size)
+        self.kv = KVCacheManager(self.kv_blocks, cfg.block_size, events=self.kv_events)
         if old is not None:  # the counters are cumulative across reconnects
             self.kv.query_tokens, self.kv.hit_tokens = old.query_tokens, old.hit_tokens
         self.planner = TransferPlanner(cfg.transfer_mode, self.uses_mrope, group.num_ranks,

@@ -83,9 +83,18 @@ class SchedulerServer:
         eos = self.frontend.eos_token_ids
         self._Request, self._SamplingParams = Request, SamplingParams
 
+        # Prefix-cache events for outside pickers (--kv-events-endpoint): every core of this process feeds one sink.
+        self.kv_events = None
+        if config.kv_events_endpoint:
+            from scheduler_svc.kv_events import KVEventPublisher, KVEventSink
+
+            sink = KVEventSink(config.block_size, config.kv_events_queue, self.metrics)
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_topic, sink, self.metrics)
+
         def core_factory(budget):
             return Scheduler(
-                config, budget, uses_mrope=self.uses_mrope, eos_token_ids=eos, max_model_len=self.frontend.max_model_len
+                config, budget, uses_mrope=self.uses_mrope, eos_token_ids=eos, max_model_len=self.frontend.max_model_len,
+                kv_events=self.kv_events.sink if self.kv_events else None,
             )
 
         self.group = WorkerGroup(
@@ -247,6 +256,8 @@ class SchedulerServer:
         await self.server.start()
         if self.http is not None:
             self.http_port = await self.http.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
         self.engine.start()
         log.info("scheduler listening", extra={"port": self.port, "http_port": self.http_port,
                                                "workers": ",".join(c.workers), "transfer_mode": c.transfer_mode})
@@ -269,6 +280,8 @@ class SchedulerServer:
         if self.health_server is not None:
             await self.health_server.stop(grace=None)
         await self.engine.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
         log.info("scheduler stopped")
 
 

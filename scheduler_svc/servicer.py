@@ -20,7 +20,7 @@ from common import rich_status
 from common.errors import InvalidArgument, MmcastError, ResourceExhausted, Status
 from common.rich_status import grpc_code
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, logprob_pb2
-from scheduler_svc import request_parsing
+from scheduler_svc import affinity_key, request_parsing
 from scheduler_svc.completion import Completion, CompletionRequest, Completions
 from scheduler_svc.tenancy import scoped_request_id
 
@@ -63,7 +63,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
         return tenant
 
     def _completion_request(self, request: generation_pb2.GenerateRequest, client_id: str, tenant: str,
-                            received: float) -> CompletionRequest:
+                            received: float, context) -> CompletionRequest:
         request_parsing.check_request_id(request.request_id)
         request_parsing.check_cache_salt(request.cache_salt)
         sampling = request_parsing.parse_sampling(
@@ -73,9 +73,11 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             vocab_size=self.frontend.vocab_size,
         )
         turns = request_parsing.parse_messages(request.messages, max_images=self.config.max_images_per_request)
+        metadata = dict(context.invocation_metadata() or ())
         return CompletionRequest(client_id=client_id, tenant=tenant, sampling=sampling, received=received,
                                  turns=turns, cache_salt=request.cache_salt,
-                                 add_generation_prompt=not request.continue_final_message)
+                                 add_generation_prompt=not request.continue_final_message,
+                                 affinity=affinity_key.client_key(metadata.get))
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         received = time.monotonic()
@@ -84,7 +86,8 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             tenant = self._tenant(context)
             log_extra = {"request_id": scoped_request_id(tenant, client_id)}
-            completion = await self.completions.admit(self._completion_request(request, client_id, tenant, received))
+            completion = await self.completions.admit(self._completion_request(request, client_id, tenant, received,
+                                                                                 context))
         except MmcastError as err:
             log.info("request rejected: %s", err.message, extra={**log_extra, "code": err.status.value})
             await rich_status.abort(context, err)
@@ -102,8 +105,16 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def _stream(self, completion: Completion, client_id: str, context):
         return_logprobs = completion.sampling.return_logprobs
+        # The conversation key, for a client that routes through a proxy without the SDK: it sends it back as the
+        # x-mmcast-affinity request header on its later turns (scheduler_svc/affinity_key.py). Sent with the first
+        # message, not before: a failure before the first token stays a trailers-only status that gRPC's retry
+        # policy (and a proxy's) may still retry, which response headers would commit.
+        headers_sent = False
         try:
             async for chunk in completion.chunks():
+                if not headers_sent:
+                    await context.send_initial_metadata(((affinity_key.AFFINITY_HEADER, completion.affinity),))
+                    headers_sent = True
                 delta = generation_pb2.TokenDelta(token_ids=chunk.token_ids, text=chunk.text)
                 if return_logprobs:
                     for tok, (logprob, top) in zip(chunk.token_ids, chunk.logprobs, strict=False):
@@ -119,6 +130,8 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             await rich_status.abort(context, err)
         final = self._final(completion)
         final.request_id = client_id
+        if not headers_sent:
+            await context.send_initial_metadata(((affinity_key.AFFINITY_HEADER, completion.affinity),))
         yield generation_pb2.GenerateResponse(final=final)
 
     @staticmethod

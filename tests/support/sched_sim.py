@@ -248,14 +248,15 @@ class Harness:
 
     def __init__(self, mode: str, *, num_ranks: int = 2, kv_blocks: int = 256, encoder_tokens: int = 4096,
                  payload_bytes: int = 1 << 20, block_size: int = 16, max_batched: int = 8192, max_seqs: int = 64,
-                 max_model_len: int = 65536, keep_plans: bool = False, placement: str = "replicated") -> None:
+                 max_model_len: int = 65536, keep_plans: bool = False, placement: str = "replicated",
+                 kv_events=None) -> None:
         self.mode = mode
         self.sharded = placement == "sharded"
         self.config = SchedulerConfig(transfer_mode=mode, block_size=block_size, max_num_batched_tokens=max_batched,
                                       max_num_seqs=max_seqs, max_model_len=max_model_len,
                                       encoder_placement=placement)
         self.group = GroupBudget(num_ranks, kv_blocks, encoder_tokens, payload_bytes)
-        self.sched = Scheduler(self.config, self.group, uses_mrope=True, eos_token_ids={EOS})
+        self.sched = Scheduler(self.config, self.group, uses_mrope=True, eos_token_ids={EOS}, kv_events=kv_events)
         self.salts: dict[str, str | None] = {}
         self.log: list[StepRecord] = []
         self.outputs: dict[str, list[int]] = {}
