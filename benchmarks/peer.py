@@ -33,6 +33,9 @@ from benchmarks.peer_workloads import LoadPlan, Parts
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 ENGINES = ("vllm", "mmcast_tp1", "mmcast_tp2")
+# Also accepted by --engines: mmcast_tp1_threads1, the one rank with one intra-op thread instead of its default two
+# on this 2-core VM (the profile's finding: see the README's "Beside vLLM").
+EXTRA_ENGINES = ("mmcast_tp1_threads1",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +160,9 @@ def start_engine(name: str, model: str, logs: str):
     if name == "vllm":
         return Vllm(model, os.path.join(logs, "vllm.log"))
     if name.startswith("mmcast_tp"):
-        tp = int(name.removeprefix("mmcast_tp"))
-        return Mmcast(model, tp, os.path.join(logs, name))
-    raise ValueError(f"engine {name!r}; choose from {ENGINES}")
+        tp, _, threads = name.removeprefix("mmcast_tp").partition("_threads")
+        return Mmcast(model, int(tp), os.path.join(logs, name), int(threads) if threads else None)
+    raise ValueError(f"engine {name!r}; choose from {ENGINES + EXTRA_ENGINES}")
 
 
 def versions() -> dict:
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         which.add_argument(f"--{name}", dest="plan", action="store_const", const=name, help=f"the {name} plan")
     parser.add_argument("--width", choices=("head64", "real"), default="head64",
                         help="head64: the tiny recipe with 64-wide heads; real: 2 layers at Qwen2-VL-2B widths")
-    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {ENGINES}")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {ENGINES + EXTRA_ENGINES}")
     parser.add_argument("--slo-ms", type=float, default=None,
                         help="p99 TTFT service level of the load workload (default 1000 ms head64, 5000 ms real)")
     parser.add_argument("--profile", action="store_true", help="then profile mmcast TP 1 under py-spy")

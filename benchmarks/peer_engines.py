@@ -128,10 +128,11 @@ class Vllm:
 
 
 class Mmcast:
-    def __init__(self, model_dir: str, tp: int, log_dir: str) -> None:
+    def __init__(self, model_dir: str, tp: int, log_dir: str, threads: int | None = None) -> None:
         self.model_dir = model_dir
         self.tp = tp
-        self.name = f"mmcast_tp{tp}"
+        self.threads = threads  # the ranks' --threads; None: their default (the CPUs divided among the ranks)
+        self.name = f"mmcast_tp{tp}" + (f"_threads{threads}" if threads else "")
         self.log_dir = log_dir
         self.group = None
         self.startup_s = 0.0
@@ -149,7 +150,8 @@ class Mmcast:
 
         t0 = time.monotonic()
         self.group = LocalGroup(self.model_dir, self.tp, "lazy", http_port=0, kv_blocks=MMCAST_KV_BLOCKS,
-                                log_dir=self.log_dir)  # fmt: skip
+                                log_dir=self.log_dir,
+                                worker_args=("--threads", str(self.threads)) if self.threads else ())  # fmt: skip
         self.group.__enter__()
         self.startup_s = time.monotonic() - t0
         return self

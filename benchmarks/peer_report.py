@@ -243,7 +243,7 @@ def write_markdown(path: str, meta: dict, results: dict, analysis: dict, figures
 
 # --- plot --------------------------------------------------------------------------------------------------------
 
-_COLOURS = {"vllm": "tab:blue", "mmcast_tp1": "tab:green", "mmcast_tp2": "tab:olive"}
+_COLOURS = {"vllm": "tab:blue", "mmcast_tp1": "tab:green", "mmcast_tp2": "tab:olive", "mmcast_tp1_threads1": "tab:red"}
 
 
 def write_plots(directory: str, results: dict, analysis: dict, slo_ms: float) -> list[str]:
