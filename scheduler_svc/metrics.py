@@ -202,3 +202,5 @@ class SchedulerMetrics:
             self.payload_bytes_saved.labels(reason)
         for disposition in ("sent", "stripped", "rank_cached", "encoder_shared"):
             self.mm_items.labels(disposition)
+        for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):  # vLLM's event types (kv_events.py)
+            self.kv_events.labels(kind)
