@@ -31,9 +31,9 @@ import pytest
 
 from mmcast.v1 import generation_pb2, generation_pb2_grpc
 from mmcast_client.affinity import conversation_key, session_key
-from mmcast_local.supervisor import LocalGroup
 from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.envoy import Envoy, replica_of
+from tests.support.replicas import replicas
 
 pytestmark = pytest.mark.slow
 
@@ -81,14 +81,8 @@ class Conversation:
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir):
-    started = [LocalGroup(tiny_model_dir, 1, "lazy", http_port=0, ready_timeout=600).start() for _ in range(REPLICAS)]
-    try:
-        for g in started:
-            g.wait_ready()
+    with replicas(tiny_model_dir, REPLICAS, http_port=0, ready_timeout=600) as started:
         yield started
-    finally:
-        for g in started:
-            g.stop()
 
 
 def grpc_turn(stub, conv: Conversation) -> tuple[int, int, dict]:

@@ -20,6 +20,7 @@ from mmcast_client import Client
 from mmcast_local.supervisor import LocalGroup
 from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.oracle import GENERATE, Oracle, assert_matches, scrape, user_turn
+from tests.support.replicas import replicas
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +47,8 @@ def oracle(tiny_model_dir) -> Oracle:
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir):
-    started = [LocalGroup(tiny_model_dir, 1, "lazy", ready_timeout=240).start() for _ in range(REPLICAS)]
-    try:
-        for g in started:
-            g.wait_ready()
+    with replicas(tiny_model_dir, REPLICAS, ready_timeout=240) as started:
         yield started
-    finally:
-        for g in started:
-            g.stop()
 
 
 def target(groups) -> str:
