@@ -33,9 +33,9 @@ from benchmarks.peer_workloads import LoadPlan, Parts
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 ENGINES = ("vllm", "mmcast_tp1", "mmcast_tp2")
-# Also accepted by --engines: mmcast_tp1_threads1, the one rank with one intra-op thread instead of its default two
-# on this 2-core VM (the profile's finding: see the README's "Beside vLLM").
-EXTRA_ENGINES = ("mmcast_tp1_threads1",)
+# Also accepted by --engines: mmcast_tp1_threadsK, the one rank with K intra-op threads instead of its default (the
+# CPUs less the one serve-local reserves for the scheduler and clients: one on this 2-core VM; threads2 is every core).
+EXTRA_ENGINES = ("mmcast_tp1_threads1", "mmcast_tp1_threads2")
 
 
 @dataclasses.dataclass(frozen=True)

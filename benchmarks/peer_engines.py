@@ -131,7 +131,7 @@ class Mmcast:
     def __init__(self, model_dir: str, tp: int, log_dir: str, threads: int | None = None) -> None:
         self.model_dir = model_dir
         self.tp = tp
-        self.threads = threads  # the ranks' --threads; None: their default (the CPUs divided among the ranks)
+        self.threads = threads  # the ranks' --threads; None: their default (the CPUs less one, divided among the ranks)
         self.name = f"mmcast_tp{tp}" + (f"_threads{threads}" if threads else "")
         self.log_dir = log_dir
         self.group = None

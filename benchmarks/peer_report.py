@@ -243,7 +243,8 @@ def write_markdown(path: str, meta: dict, results: dict, analysis: dict, figures
 
 # --- plot --------------------------------------------------------------------------------------------------------
 
-_COLOURS = {"vllm": "tab:blue", "mmcast_tp1": "tab:green", "mmcast_tp2": "tab:olive", "mmcast_tp1_threads1": "tab:red"}
+_COLOURS = {"vllm": "tab:blue", "mmcast_tp1": "tab:green", "mmcast_tp2": "tab:olive", "mmcast_tp1_threads1": "tab:red",
+            "mmcast_tp1_threads2": "tab:purple"}
 
 
 def write_plots(directory: str, results: dict, analysis: dict, slo_ms: float) -> list[str]:

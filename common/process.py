@@ -87,9 +87,10 @@ def available_cpus(cgroup_root: str | None = None) -> int:
     return max(1, count)
 
 
-def default_threads(local_ranks: int, cgroup_root: str | None = None) -> int:
-    """Torch threads of one of ``local_ranks`` processes sharing this process's CPUs: an equal share, at least 1."""
-    return max(1, available_cpus(cgroup_root) // max(1, local_ranks))
+def default_threads(local_ranks: int, cgroup_root: str | None = None, reserved: int = 0) -> int:
+    """Torch threads of one of ``local_ranks`` processes sharing this process's CPUs, after ``reserved`` CPUs are left
+    to the other processes beside them: an equal share, at least 1."""
+    return max(1, (available_cpus(cgroup_root) - reserved) // max(1, local_ranks))
 
 
 def iso_time(unix_seconds: float) -> str:

@@ -209,8 +209,10 @@ class LocalGroup:
         self.env = dict(os.environ if env is None else env)
         self.env.update(ALLOCATOR_ENV)
         self.env.update({"MMCAST_ALLOCATOR_ENV_SET": "1", "PYTHONUNBUFFERED": "1"})
-        # The tp ranks share this machine's CPUs: each takes an equal share of torch threads by default.
+        # The tp ranks share this machine's CPUs with the scheduler and the clients: each rank takes an equal share
+        # of torch threads by default, after one CPU is left to the rest (as vLLM's CPU engine reserves one).
         self.env.setdefault("MMCAST_LOCAL_RANKS", str(tp))
+        self.env.setdefault("MMCAST_RESERVED_CPUS", "1")
         if _is_loopback(host):  # the ranks' gloo (CPU) / NCCL (GPU) sockets: loopback like every other port
             self.env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
         self.token_file = self._write_secret()  # removed by stop()

@@ -61,8 +61,13 @@ class WorkerConfig:
         section=_GROUP,
     )
     threads: int = setting(
-        0, "torch intra-op threads (0: the CPUs this process may use, by affinity and cgroup quota, divided by "
-        "--local-ranks; resolved at start)", min=0, max=1024, section=_GROUP,
+        0, "torch intra-op threads (0: the CPUs this process may use, by affinity and cgroup quota, less "
+        "--reserved-cpus, divided by --local-ranks, at least 1; resolved at start)", min=0, max=1024, section=_GROUP,
+    )
+    reserved_cpus: int = setting(
+        0, "CPUs the default --threads leaves to other processes on the machine (serve-local sets 1: its scheduler "
+        "and clients run beside the ranks, and a rank's parallel regions stall on every descheduled thread)",
+        min=0, max=1024, section=_GROUP,
     )
     local_ranks: int = setting(
         1, "ranks of the group sharing this machine's CPUs (serve-local sets it; divides the default threads)",
@@ -129,7 +134,7 @@ class WorkerConfig:
         if not _DEVICES.match(self.device):
             raise invalid("device", self.device, "auto, cpu, cuda or cuda:N")
         if self.threads == 0:  # a rank started alone cannot know its neighbours: --local-ranks tells it
-            object.__setattr__(self, "threads", default_threads(self.local_ranks))
+            object.__setattr__(self, "threads", default_threads(self.local_ranks, reserved=self.reserved_cpus))
         self._check_security()
         for name in ("metrics_host", "dist_bind_host"):
             if not _HOST.match(getattr(self, name)) or (name == "metrics_host" and not self.metrics_host):

@@ -7,11 +7,13 @@ tower keeps ``sdpa``). Each decoder layer calls ``paged_attention`` with the ste
 (rotary already applied); it
 
 1. writes the new keys and values into their pool slots (``slot = block_id * block_size + offset``), and
-2. attends each request's queries to its keys read from the pool through its block table: a maximal run of
-   consecutive block ids is one view of the pool (no copy), so a request whose blocks are contiguous attends with
-   one ``scaled_dot_product_attention`` over a view; one with several runs gets its scores per run, one softmax over
-   the concatenated scores, and the values summed per run. Nothing gathers a request's cache, pads it, or copies it
-   back. Queries of a window attend causally to their own window (bottom-right aligned after the computed prefix).
+2. attends each request's queries to its keys read from the pool through its block table with one
+   ``scaled_dot_product_attention``: a request whose blocks are one run of consecutive ids attends over a view of
+   the pool (no copy); one whose table is fragmented (a cached prefix and new blocks, decodes of interleaved
+   requests taking every other block) has its context rows gathered by one ``index_select`` per layer for keys and
+   one for values. The copy is bounded by one request's context and nothing is written back; it replaces a matmul
+   per run, which on CPU cost 5-20x a contiguous decode at 64 runs (``benchmarks/paged_attention.py``).
+   Queries of a window attend causally to their own window (bottom-right aligned after the computed prefix).
 
 What a step needs travels as the ``paged_step`` keyword of the language model's forward, which transformers hands on
 to the attention function of every layer unchanged.
@@ -28,9 +30,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTN_IMPLEMENTATION = "mmcast_paged"
-# Scores held at once per request and layer on the multi-run path (float elements): a long prefill chunk over a
-# fragmented block table is split into query slices below this, so its score matrix never grows with the chunk.
-MAX_SCORE_ELEMENTS = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +40,7 @@ class Span:
     end: int  # one past its last; end - start new tokens, computed after ``context - (end - start)`` older ones
     context: int  # tokens the window's last query attends to (computed prefix + the window)
     runs: tuple[tuple[int, int], ...]  # (first pool row, rows) per run of consecutive blocks; rows sum to context
+    rows: torch.Tensor | None = None  # (context,) int64 pool rows in order, where there are several runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,12 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
         positions = torch.arange(start, end)
         table = torch.as_tensor(list(block_ids[start // block_size : -(-end // block_size)]), dtype=torch.long)
         slots.append(table[positions // block_size - start // block_size] * block_size + positions % block_size)
-        spans.append(Span(packed, packed + end - start, end, block_runs(block_ids, end, block_size)))
+        runs = block_runs(block_ids, end, block_size)
+        rows = None
+        if len(runs) > 1:
+            table = torch.as_tensor(list(block_ids[: -(-end // block_size)]), dtype=torch.long)
+            rows = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:end].to(pool.device)
+        spans.append(Span(packed, packed + end - start, end, runs, rows))
         packed += end - start
     device = pool.device
     return PagedStep(pool, torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long), tuple(spans))
@@ -90,47 +95,18 @@ def _allowed(rows: torch.Tensor, context: int, window: int, device) -> torch.Ten
     return torch.arange(context, device=device)[None, :] <= limit[:, None]
 
 
-def _attend_runs(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], allowed, scaling: float):
-    """Exact softmax attention of ``q`` ([kv_heads, groups * n, d]) over keys/values split in runs (views)."""
-    scores = torch.cat([torch.matmul(q, k.transpose(-1, -2)) for k in keys], dim=-1) * scaling
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = None
-    offset = 0
-    for v in values:
-        part = torch.matmul(probs[..., offset : offset + v.shape[-2]], v)
-        out = part if out is None else out + part
-        offset += v.shape[-2]
-    return out
-
-
 def _attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, span: Span, scaling: float) -> torch.Tensor:
     """Attention of one window's queries ``q`` ([heads, n, d]) over its pool rows; returns [heads, n, d]."""
-    heads, n, dim = q.shape
-    kv_heads = k_layer.shape[0]
-    groups = heads // kv_heads
-    keys = [k_layer[:, first : first + rows] for first, rows in span.runs]
-    values = [v_layer[:, first : first + rows] for first, rows in span.runs]
-    if len(keys) == 1:
-        mask = None if n == 1 else _allowed(torch.arange(n, device=q.device), span.context, n, q.device)
-        return F.scaled_dot_product_attention(
-            q[None], keys[0][None], values[0][None], attn_mask=mask, scale=scaling, enable_gqa=groups > 1
-        )[0]
-    # Several runs: scores per run, one softmax. Query heads sharing a KV head are stacked on the row axis, so each
-    # run is one batched matmul over KV heads against a view of the pool.
-    out = q.new_empty(q.shape)
-    step = max(1, MAX_SCORE_ELEMENTS // max(1, heads * span.context))
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        rows = hi - lo
-        grouped = q[:, lo:hi].reshape(kv_heads, groups * rows, dim)
-        allowed = None
-        if n > 1:
-            allowed = _allowed(torch.arange(lo, hi, device=q.device), span.context, n, q.device).repeat(groups, 1)
-        part = _attend_runs(grouped, keys, values, allowed, scaling)
-        out[:, lo:hi] = part.reshape(heads, rows, dim)
-    return out
+    n = q.shape[1]
+    if span.rows is None:
+        (first, rows), = span.runs
+        keys, values = k_layer[:, first : first + rows], v_layer[:, first : first + rows]
+    else:
+        keys, values = k_layer.index_select(1, span.rows), v_layer.index_select(1, span.rows)
+    mask = None if n == 1 else _allowed(torch.arange(n, device=q.device), span.context, n, q.device)
+    return F.scaled_dot_product_attention(
+        q[None], keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=q.shape[0] > k_layer.shape[0]
+    )[0]
 
 
 def paged_attention(

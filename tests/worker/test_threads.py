@@ -54,6 +54,10 @@ def test_the_default_splits_the_cpus_among_the_local_ranks(eight_cpus):
     assert load_config(["--local-ranks", "16"], env).threads == 1  # at least one
     assert load_config(["--threads", "3", "--local-ranks", "2"], env).threads == 3  # an explicit value stays
     assert default_threads(4) == 2
+    assert load_config(["--reserved-cpus", "1"], env).threads == 7  # one CPU left to the scheduler and clients
+    assert load_config(["--reserved-cpus", "2", "--local-ranks", "2"], env).threads == 3
+    assert load_config(["--reserved-cpus", "8"], env).threads == 1  # at least one
+    assert load_config(["--threads", "2", "--reserved-cpus", "7"], env).threads == 2
 
 
 def test_the_default_follows_the_real_machine(tmp_path):
@@ -65,6 +69,7 @@ def test_the_default_follows_the_real_machine(tmp_path):
 @pytest.mark.parametrize(("kwargs", "needle"), [
     ({"local_ranks": 0}, "local_ranks=0 (--local-ranks): must be in [1, 1024]"),
     ({"threads": -1}, "threads=-1 (--threads): must be in [0, 1024]"),
+    ({"reserved_cpus": -1}, "reserved_cpus=-1 (--reserved-cpus): must be in [0, 1024]"),
 ])
 def test_bad_thread_settings_name_the_flag(kwargs, needle):
     with pytest.raises(ValueError) as info:
@@ -74,6 +79,7 @@ def test_bad_thread_settings_name_the_flag(kwargs, needle):
 
 def test_serve_local_tells_its_ranks_how_many_share_the_machine(tmp_path):
     group = LocalGroup(tmp_path / "model", tp=3, log_dir=tmp_path / "logs", env={"PATH": os.environ["PATH"]})
-    assert group.env["MMCAST_LOCAL_RANKS"] == "3"
-    mine = LocalGroup(tmp_path / "model", tp=3, log_dir=tmp_path / "logs", env={"MMCAST_LOCAL_RANKS": "6"})
-    assert mine.env["MMCAST_LOCAL_RANKS"] == "6"  # the operator's own setting wins
+    assert group.env["MMCAST_LOCAL_RANKS"] == "3" and group.env["MMCAST_RESERVED_CPUS"] == "1"
+    mine = LocalGroup(tmp_path / "model", tp=3, log_dir=tmp_path / "logs",
+                      env={"MMCAST_LOCAL_RANKS": "6", "MMCAST_RESERVED_CPUS": "0"})
+    assert mine.env["MMCAST_LOCAL_RANKS"] == "6" and mine.env["MMCAST_RESERVED_CPUS"] == "0"  # the operator's wins

@@ -97,9 +97,7 @@ def _reference_attention(q, keys, values, context, window, scaling):
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
 
 
-@pytest.mark.parametrize("max_scores", [1 << 24, 40])  # the second splits a multi-run window into query slices
-def test_paged_attention_writes_slots_and_reads_fragmented_tables_in_place(monkeypatch, max_scores):
-    monkeypatch.setattr(paged_attention, "MAX_SCORE_ELEMENTS", max_scores)
+def test_paged_attention_writes_slots_and_reads_fragmented_tables():
     torch.manual_seed(0)
     block, heads, kv_heads, dim = 4, 4, 2, 8
     pool = kv_pool.KVPool(num_layers=2, kv_heads=kv_heads, head_dim=dim, num_blocks=16, block_size=block,
@@ -110,6 +108,10 @@ def test_paged_attention_writes_slots_and_reads_fragmented_tables_in_place(monke
     windows = [([2, 3, 4], 5, 6), ([9, 0, 1, 12], 13, 1), ([15, 7], 0, 7)]
     step = paged_attention.plan_step(pool.data, [(ids, a, a + n) for ids, a, n in windows], block)
     assert step.slots.tolist() == [13, 14, 15, 16, 17, 18, 49, 60, 61, 62, 63, 28, 29, 30]
+    # the contiguous window reads a view; the fragmented ones gather their context rows in table order
+    assert step.spans[0].rows is None
+    assert step.spans[1].rows.tolist() == [*range(36, 40), *range(0, 8), 48, 49]
+    assert step.spans[2].rows.tolist() == [*range(60, 64), *range(28, 31)]
     tokens = sum(n for *_, n in windows)
     q, k, v = torch.randn(1, heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim)
     module = torch.nn.Module()
