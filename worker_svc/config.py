@@ -69,6 +69,11 @@ class WorkerConfig:
         "and clients run beside the ranks, and a rank's parallel regions stall on every descheduled thread)",
         min=0, max=1024, section=_GROUP,
     )
+    cpu_allreduce: str = setting(
+        "auto", "all-reduce of CPU ranks: auto (through shared memory where every rank of the group can open one "
+        "segment under /dev/shm, gloo otherwise) or gloo (always over loopback/network TCP)",
+        choices=("auto", "gloo"), section=_GROUP,
+    )
     local_ranks: int = setting(
         1, "ranks of the group sharing this machine's CPUs (serve-local sets it; divides the default threads)",
         min=1, max=1024, section=_GROUP,

@@ -22,6 +22,7 @@ import urllib.parse
 import torch
 import torch.distributed as dist
 
+from worker_svc import shm_allreduce
 from worker_svc.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class Group:
             )
         # Votes travel on a CPU (gloo) group even when the model's collectives use NCCL.
         self._vote_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+        if backend == "gloo" and config.cpu_allreduce == "auto":
+            shm_allreduce.install(config.group_timeout_seconds)
         log.info("process group formed", extra={"backend": backend, "world_size": self.world_size})
 
     def agree(self, error_code: int, epoch: int = 0, step_id: int = 0) -> int:
