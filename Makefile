@@ -40,6 +40,7 @@ proto-check: install
 lint: install tools
 	$(BIN)/ruff check .
 	$(BIN)/mypy tests/typing_checks
+	$(BIN)/python scripts/check_client_surface.py
 	.tools/bin/buf lint proto
 	.tools/bin/buf breaking proto --against proto/baseline.json
 

@@ -15,71 +15,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, Unpack, overload
 
 import grpc
 import grpc.aio
 
 from mmcast.v1 import generation_pb2_grpc as pb_grpc
 from mmcast_client import _core
-from mmcast_client._core import NOT_GIVEN, NotGiven
+from mmcast_client._core import NOT_GIVEN, ClientOptions, GenerateOptions, NotGiven
 from mmcast_client.errors import InvalidArgument
-from mmcast_client.images import ImageStore
-from mmcast_client.types import Backoff, Delta, Result
+from mmcast_client.types import Delta, Result
 
 
-class AsyncClient:
+class AsyncClient(_core.ClientShell):
     """A connection to one scheduler or several replicas: `await generate(...)`, `upload_image`,
     `get_server_info`; `async with`. Every argument as for `Client` (mmcast_client/client.py); `channel` is a
     `grpc.aio` channel, `interceptors` are `grpc.aio` client interceptors (not with `channel`)."""
 
     def __init__(
-        self,
-        target: str = "",
-        *,
-        timeout: float | None | NotGiven = NOT_GIVEN,
-        first_token_timeout: float | None = _core.DEFAULT_FIRST_TOKEN_TIMEOUT,
-        max_message_bytes: int = _core.DEFAULT_MAX_MESSAGE_BYTES,
-        retries: int = 3,
-        backoff: Backoff | float = Backoff(),
-        upload_images: bool = True,
-        tls: bool | None = None,
-        root_certificates: bytes | None = None,
-        private_key: bytes | None = None,
-        certificate_chain: bytes | None = None,
-        token: str | None = None,
-        metadata: Sequence[tuple[str, str]] = (),
-        options: Sequence[tuple[str, Any]] = (),
-        channel: grpc.aio.Channel | None = None,
-        interceptors: Sequence[Any] = (),
-        wait_for_ready: bool | None = None,
-        image_store: ImageStore | None = None,
+        self, target: str = "", *, channel: grpc.aio.Channel | None = None, **options: Unpack[ClientOptions]
     ) -> None:
-        if channel is not None and interceptors:
+        if channel is not None and options.get("interceptors"):
             raise ValueError("interceptors= cannot be added to a grpc.aio channel= already made; make it with them")
-        self._core = _core.ClientCore(
-            target,
-            timeout=timeout,
-            first_token_timeout=first_token_timeout,
-            max_message_bytes=max_message_bytes,
-            retries=retries,
-            backoff=backoff,
-            upload_images=upload_images,
-            tls=tls,
-            root_certificates=root_certificates,
-            private_key=private_key,
-            certificate_chain=certificate_chain,
-            token=token,
-            metadata=metadata,
-            options=options,
-            channel=channel,
-            interceptors=interceptors,
-            wait_for_ready=wait_for_ready,
-            image_store=image_store,
-        )
-        s = self.settings = self._core.settings
-        self.images = self._core.images
-        self._owns_channel = channel is None
+        super().__init__(target, channel, options)
+        s = self.settings
         interceptors_ = list(s.interceptors) or None
         if channel is not None:
             self._channel = channel
@@ -90,17 +49,10 @@ class AsyncClient:
                 s.target, s.credentials, options=s.options, interceptors=interceptors_
             )
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
-        self.closed = False
-
-    @property
-    def target(self) -> str:
-        return self.settings.target
 
     async def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self._owns_channel:
-                await self._channel.close()
+        if self._begin_close():
+            await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -132,142 +84,37 @@ class AsyncClient:
 
     @overload
     async def generate(
-        self,
-        messages: str | Sequence[dict],
-        *,
-        max_tokens: int,
-        images: Sequence[Any] | None = ...,
-        temperature: float = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool = ...,
-        logprobs: int | None = ...,
-        return_logprobs: bool | None = ...,
-        request_id: str | None = ...,
-        cache_salt: str | None = ...,
-        continue_final_message: bool = ...,
-        stream: Literal[False] = ...,
-        timeout: float | None | NotGiven = ...,
-        first_token_timeout: float | None | NotGiven = ...,
-        session_id: str | None = ...,
+        self, messages: str | Sequence[dict], *, stream: Literal[False] = ..., **options: Unpack[GenerateOptions]
     ) -> Result: ...
-
     @overload
     async def generate(
-        self,
-        messages: str | Sequence[dict],
-        *,
-        max_tokens: int,
-        images: Sequence[Any] | None = ...,
-        temperature: float = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool = ...,
-        logprobs: int | None = ...,
-        return_logprobs: bool | None = ...,
-        request_id: str | None = ...,
-        cache_salt: str | None = ...,
-        continue_final_message: bool = ...,
-        stream: Literal[True],
-        timeout: float | None | NotGiven = ...,
-        first_token_timeout: float | None | NotGiven = ...,
-        session_id: str | None = ...,
+        self, messages: str | Sequence[dict], *, stream: Literal[True], **options: Unpack[GenerateOptions]
     ) -> AsyncGenerationStream: ...
-
     @overload
     async def generate(
-        self,
-        messages: str | Sequence[dict],
-        *,
-        max_tokens: int,
-        images: Sequence[Any] | None = ...,
-        temperature: float = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool = ...,
-        logprobs: int | None = ...,
-        return_logprobs: bool | None = ...,
-        request_id: str | None = ...,
-        cache_salt: str | None = ...,
-        continue_final_message: bool = ...,
-        stream: bool,
-        timeout: float | None | NotGiven = ...,
-        first_token_timeout: float | None | NotGiven = ...,
-        session_id: str | None = ...,
+        self, messages: str | Sequence[dict], *, stream: bool, **options: Unpack[GenerateOptions]
     ) -> Result | AsyncGenerationStream: ...
-
     async def generate(
-        self,
-        messages: str | Sequence[dict],
-        *,
-        max_tokens: int,
-        images: Sequence[Any] | None = None,
-        temperature: float = 0.0,
-        top_p: float | None = 1.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        logprobs: int | None = None,
-        return_logprobs: bool | None = None,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        continue_final_message: bool = False,
-        stream: bool = False,
-        timeout: float | None | NotGiven = NOT_GIVEN,
-        first_token_timeout: float | None | NotGiven = NOT_GIVEN,
-        session_id: str | None = None,
+        self, messages: str | Sequence[dict], *, stream: bool = False, **options: Unpack[GenerateOptions]
     ) -> Result | AsyncGenerationStream:
         """As `Client.generate`; stream=True returns an AsyncGenerationStream (`async for delta in stream`)."""
         started = time.monotonic()
         # Reading files and encoding PIL images can take tens of milliseconds: keep them off the event loop.
-        prepared = await asyncio.to_thread(self._core.prepare_messages, messages, images)
-        state = self._core.start_generate(
-            prepared,
-            started=started,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            logprobs=logprobs,
-            return_logprobs=return_logprobs,
-            request_id=request_id,
-            cache_salt=cache_salt,
-            continue_final_message=continue_final_message,
-            timeout=timeout,
-            first_token_timeout=first_token_timeout,
-            session_id=session_id,
-        )
+        o = self._core.generate_options(options)
+        prepared = await asyncio.to_thread(self._core.prepare_messages, messages, o["images"])
+        state = self._core.start_generate(prepared, started, o)
         s = AsyncGenerationStream(self, state)
         if stream:
             return s
         async with s:
             async for _ in s:
                 pass
-        if s.result is None:
-            raise _core.no_final_error(s.request_id)
-        return s.result
+        return s._final()
 
     async def _unary(self, method: Any, request: Any, deadline: _core.Deadline, metadata: Any) -> Any:
         """One unary (or client-streaming) call; gRPC retries UNAVAILABLE per the channel's retry policy."""
         try:
-            return await method(
-                request, timeout=deadline.remaining(), metadata=metadata, wait_for_ready=self.settings.wait_for_ready
-            )
+            return await method(request, **self._core.unary_call(deadline, metadata))
         except grpc.RpcError as e:
             raise self._core.error(e) from None
 
@@ -282,17 +129,11 @@ class AsyncClient:
         self._core.uploaded(sha, reply)
 
 
-class AsyncGenerationStream:
+class AsyncGenerationStream(_core.StreamShell):
     """As `GenerationStream`, for `async for`; `.result` after the last delta; `cancel()` stops it early."""
 
     def __init__(self, client: AsyncClient, state: _core.GenerateState) -> None:
-        self.request_id = state.request_id
-        self.affinity_key = state.key  # the x-mmcast-affinity value its calls carry
-        self.result: Result | None = None
-        self.cancelled = False
-        self._client = client
-        self._state = state
-        self._call: Any = None
+        super().__init__(client, state)
         self._iter = self._run()
 
     def __aiter__(self) -> AsyncIterator[Delta]:
@@ -327,24 +168,17 @@ class AsyncGenerationStream:
             request = await asyncio.to_thread(state.attempt_request)
             if self.cancelled:
                 return
-            call = client._stub.Generate(
-                request,
-                timeout=state.call_timeout(),
-                metadata=state.metadata,
-                wait_for_ready=client.settings.wait_for_ready,
-            )
-            self._call = call
+            call = self._call = client._stub.Generate(request, **state.generate_call())
             wait = state.first_token_wait()
             timer = (
                 None if wait is None else asyncio.get_running_loop().call_later(wait, self._first_token_overdue, call)
             )
             try:
                 async for response in call:
-                    out = state.on_response(response)
-                    if isinstance(out, Delta):
-                        yield out
-                    elif isinstance(out, Result):
-                        self.result = out
+                    delta = self._on_response(response)
+                    if delta is not None:
+                        yield delta
+                    elif self.result is not None:
                         await call.code()  # the OK status that follows the final message: the RPC completes normally
                         return
                 if self.cancelled:

@@ -29,19 +29,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, Unpack, overload
 
 import grpc
 
 from mmcast.v1 import generation_pb2_grpc as pb_grpc
 from mmcast_client import _core
-from mmcast_client._core import NOT_GIVEN, NotGiven
+from mmcast_client._core import NOT_GIVEN, ClientOptions, GenerateOptions, NotGiven
 from mmcast_client.errors import InvalidArgument
-from mmcast_client.images import ImageStore
-from mmcast_client.types import Backoff, Delta, Result
+from mmcast_client.types import Delta, Result
 
 
-class Client:
+class Client(_core.ClientShell):
     """A connection to one scheduler or several replicas: `generate`, `upload_image`, `get_server_info`; `close()`
     or `with`.
 
@@ -57,50 +56,10 @@ class Client:
     """
 
     def __init__(
-        self,
-        target: str = "",
-        *,
-        timeout: float | None | NotGiven = NOT_GIVEN,
-        first_token_timeout: float | None = _core.DEFAULT_FIRST_TOKEN_TIMEOUT,
-        max_message_bytes: int = _core.DEFAULT_MAX_MESSAGE_BYTES,
-        retries: int = 3,
-        backoff: Backoff | float = Backoff(),
-        upload_images: bool = True,
-        tls: bool | None = None,
-        root_certificates: bytes | None = None,
-        private_key: bytes | None = None,
-        certificate_chain: bytes | None = None,
-        token: str | None = None,
-        metadata: Sequence[tuple[str, str]] = (),
-        options: Sequence[tuple[str, Any]] = (),
-        channel: grpc.Channel | None = None,
-        interceptors: Sequence[Any] = (),
-        wait_for_ready: bool | None = None,
-        image_store: ImageStore | None = None,
+        self, target: str = "", *, channel: grpc.Channel | None = None, **options: Unpack[ClientOptions]
     ) -> None:
-        self._core = _core.ClientCore(
-            target,
-            timeout=timeout,
-            first_token_timeout=first_token_timeout,
-            max_message_bytes=max_message_bytes,
-            retries=retries,
-            backoff=backoff,
-            upload_images=upload_images,
-            tls=tls,
-            root_certificates=root_certificates,
-            private_key=private_key,
-            certificate_chain=certificate_chain,
-            token=token,
-            metadata=metadata,
-            options=options,
-            channel=channel,
-            interceptors=interceptors,
-            wait_for_ready=wait_for_ready,
-            image_store=image_store,
-        )
-        s = self.settings = self._core.settings
-        self.images = self._core.images
-        self._owns_channel = channel is None
+        super().__init__(target, channel, options)
+        s = self.settings
         if channel is not None:
             self._channel = channel
         elif s.credentials is None:
@@ -109,18 +68,11 @@ class Client:
             self._channel = grpc.secure_channel(s.target, s.credentials, options=s.options)
         calls = grpc.intercept_channel(self._channel, *s.interceptors) if s.interceptors else self._channel
         self._stub = pb_grpc.GenerationServiceStub(calls)
-        self.closed = False
-
-    @property
-    def target(self) -> str:
-        return self.settings.target
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self._owns_channel:
-                self._channel.close()
+        if self._begin_close():
+            self._channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -156,101 +108,18 @@ class Client:
 
     @overload
     def generate(
-        self,
-        messages: str | Sequence[dict],
-        *,
-        max_tokens: int,
-        images: Sequence[Any] | None = ...,
-        temperature: float = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool = ...,
-        logprobs: int | None = ...,
-        return_logprobs: bool | None = ...,
-        request_id: str | None = ...,
-        cache_salt: str | None = ...,
-        continue_final_message: bool = ...,
-        stream: Literal[False] = ...,
-        timeout: float | None | NotGiven = ...,
-        first_token_timeout: float | None | NotGiven = ...,
-        session_id: str | None = ...,
+        self, messages: str | Sequence[dict], *, stream: Literal[False] = ..., **options: Unpack[GenerateOptions]
     ) -> Result: ...
-
     @overload
     def generate(
-        self,
-        messages: str | Sequence[dict],
-        *,
-        max_tokens: int,
-        images: Sequence[Any] | None = ...,
-        temperature: float = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool = ...,
-        logprobs: int | None = ...,
-        return_logprobs: bool | None = ...,
-        request_id: str | None = ...,
-        cache_salt: str | None = ...,
-        continue_final_message: bool = ...,
-        stream: Literal[True],
-        timeout: float | None | NotGiven = ...,
-        first_token_timeout: float | None | NotGiven = ...,
-        session_id: str | None = ...,
+        self, messages: str | Sequence[dict], *, stream: Literal[True], **options: Unpack[GenerateOptions]
     ) -> GenerationStream: ...
-
     @overload
     def generate(
-        self,
-        messages: str | Sequence[dict],
-        *,
-        max_tokens: int,
-        images: Sequence[Any] | None = ...,
-        temperature: float = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool = ...,
-        logprobs: int | None = ...,
-        return_logprobs: bool | None = ...,
-        request_id: str | None = ...,
-        cache_salt: str | None = ...,
-        continue_final_message: bool = ...,
-        stream: bool,
-        timeout: float | None | NotGiven = ...,
-        first_token_timeout: float | None | NotGiven = ...,
-        session_id: str | None = ...,
+        self, messages: str | Sequence[dict], *, stream: bool, **options: Unpack[GenerateOptions]
     ) -> Result | GenerationStream: ...
-
     def generate(
-        self,
-        messages: str | Sequence[dict],
-        *,
-        max_tokens: int,
-        images: Sequence[Any] | None = None,
-        temperature: float = 0.0,
-        top_p: float | None = 1.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        logprobs: int | None = None,
-        return_logprobs: bool | None = None,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        continue_final_message: bool = False,
-        stream: bool = False,
-        timeout: float | None | NotGiven = NOT_GIVEN,
-        first_token_timeout: float | None | NotGiven = NOT_GIVEN,
-        session_id: str | None = None,
+        self, messages: str | Sequence[dict], *, stream: bool = False, **options: Unpack[GenerateOptions]
     ) -> Result | GenerationStream:
         """Generates one chat completion. `messages`: chat dicts, or a prompt string (with `images=` shown first).
 
@@ -263,43 +132,21 @@ class Client:
         message); give one where many conversations open alike.
         """
         started = time.monotonic()
-        state = self._core.start_generate(
-            self._core.prepare_messages(messages, images),
-            started=started,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            logprobs=logprobs,
-            return_logprobs=return_logprobs,
-            request_id=request_id,
-            cache_salt=cache_salt,
-            continue_final_message=continue_final_message,
-            timeout=timeout,
-            first_token_timeout=first_token_timeout,
-            session_id=session_id,
-        )
+        o = self._core.generate_options(options)
+        state = self._core.start_generate(self._core.prepare_messages(messages, o["images"]), started, o)
         s = GenerationStream(self, state)
-        if stream:
-            return s
-        with s:
-            for _ in s:
-                pass
-        if s.result is None:
-            raise _core.no_final_error(s.request_id)
-        return s.result
+        if not stream:
+            with s:
+                for _ in s:
+                    pass
+            return s._final()
+        return s
 
     # -- internals -------------------------------------------------------------------------------------------------
     def _unary(self, method: Any, request: Any, deadline: _core.Deadline, metadata: Any) -> Any:
         """One unary (or client-streaming) call; gRPC retries UNAVAILABLE per the channel's retry policy."""
         try:
-            return method(
-                request, timeout=deadline.remaining(), metadata=metadata, wait_for_ready=self.settings.wait_for_ready
-            )
+            return method(request, **self._core.unary_call(deadline, metadata))
         except grpc.RpcError as e:
             raise self._core.error(e) from None
 
@@ -314,20 +161,14 @@ class Client:
         self._core.uploaded(sha, reply)
 
 
-class GenerationStream:
+class GenerationStream(_core.StreamShell):
     """An in-flight generation: iterate for Deltas; `.result` after the last one; `cancel()` to stop it early.
 
     Use it as a context manager (or exhaust it) so an abandoned stream is cancelled on the server.
     """
 
     def __init__(self, client: Client, state: _core.GenerateState) -> None:
-        self.request_id = state.request_id
-        self.affinity_key = state.key  # the x-mmcast-affinity value its calls carry
-        self.result: Result | None = None
-        self.cancelled = False
-        self._client = client
-        self._state = state
-        self._call: Any = None
+        super().__init__(client, state)
         self._lock = threading.Lock()
         self._iter = self._run()
 
@@ -368,13 +209,7 @@ class GenerationStream:
             with self._lock:
                 if self.cancelled:
                     return
-                call = client._stub.Generate(
-                    request,
-                    timeout=state.call_timeout(),
-                    metadata=state.metadata,
-                    wait_for_ready=client.settings.wait_for_ready,
-                )
-                self._call = call
+                call = self._call = client._stub.Generate(request, **state.generate_call())
             wait = state.first_token_wait()
             timer = None if wait is None else threading.Timer(wait, self._first_token_overdue, (call,))
             if timer is not None:
@@ -383,11 +218,10 @@ class GenerationStream:
             try:
                 for response in call:
                     with self._lock:  # ordered against the first-token timer
-                        out = state.on_response(response)
-                    if isinstance(out, Delta):
-                        yield out
-                    elif isinstance(out, Result):
-                        self.result = out
+                        delta = self._on_response(response)
+                    if delta is not None:
+                        yield delta
+                    elif self.result is not None:
                         for _ in call:  # the server ends the stream right after the final message: read its
                             pass  # OK status, so the RPC completes normally instead of being cancelled
                         return

@@ -4,9 +4,11 @@ carries balancing, retries and health checking), deadlines, request building, up
 stream's responses into deltas and a Result, and the mapping of gRPC errors to the SDK's exceptions. Nothing here
 does I/O on the network.
 
-Modules: client_settings.py (settings, service config, credentials check), deadlines.py, request_building.py,
+Modules: options.py (the keyword surface: ClientOptions, GenerateOptions and their defaults), client_settings.py
+(settings, service config, credentials check), deadlines.py, request_building.py,
 response_folding.py; this one holds `ClientCore` (a client without its channel) and `GenerateState` (one generate
-call from first upload to final message), which the shells drive.
+call from first upload to final message), which the shells drive, and `ClientShell`/`StreamShell`, the state
+both shells inherit.
 
 Retries. UNAVAILABLE is retried by gRPC itself, from the channel's service config (`retryPolicy`: at most
 `retries` more attempts, exponential backoff with gRPC's jitter); a stream is retried only until the server has
@@ -20,7 +22,7 @@ NOT_FOUND, and the request is sent once more with the images inline.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -45,6 +47,13 @@ from mmcast_client._core.client_settings import (
     target_hosts,
 )
 from mmcast_client._core.deadlines import Deadline, first_token_deadline_error
+from mmcast_client._core.options import (
+    CLIENT_DEFAULTS,
+    GENERATE_DEFAULTS,
+    ClientOptions,
+    GenerateOptions,
+    with_defaults,
+)
 from mmcast_client._core.request_building import (
     UPLOAD_CHUNK_BYTES,
     affinity_key,
@@ -64,7 +73,7 @@ from mmcast_client._core.response_folding import Accumulator, no_final_error
 from mmcast_client.errors import Internal, MmcastError, NotFound, Unavailable, from_rpc_error
 from mmcast_client.images import SHA_PREFIX, ImageRef, ImageStore
 from mmcast_client.messages import Prepared, normalize, prepare
-from mmcast_client.types import Backoff, Delta, Result
+from mmcast_client.types import Delta, Result
 
 __all__ = [
     "DEFAULT_FIRST_TOKEN_TIMEOUT",
@@ -77,8 +86,12 @@ __all__ = [
     "Accumulator",
     "ChannelSettings",
     "ClientCore",
+    "ClientOptions",
+    "ClientShell",
+    "GenerateOptions",
     "Deadline",
     "GenerateState",
+    "StreamShell",
     "InsecureTokenWarning",
     "NotGiven",
     "ServerInfo",
@@ -98,57 +111,27 @@ __all__ = [
 
 
 class ClientCore:
-    """What a client is, without its channel: settings, image bookkeeping, and the building of each call."""
+    """What a client is, without its channel: settings, image bookkeeping, and the building of each call.
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float | None | NotGiven,
-        first_token_timeout: float | None,
-        max_message_bytes: int,
-        retries: int,
-        backoff: Backoff | float,
-        upload_images: bool,
-        tls: bool | None,
-        root_certificates: bytes | None,
-        private_key: bytes | None,
-        certificate_chain: bytes | None,
-        token: str | None,
-        metadata: Sequence[tuple[str, str]],
-        options: Sequence[tuple[str, Any]],
-        channel: Any,
-        interceptors: Sequence[Any],
-        wait_for_ready: bool | None,
-        image_store: ImageStore | None,
-    ) -> None:
-        self.settings = channel_settings(
-            target,
-            timeout=timeout,
-            first_token_timeout=first_token_timeout,
-            max_message_bytes=max_message_bytes,
-            retries=retries,
-            backoff=backoff,
-            upload_images=upload_images,
-            tls=tls,
-            root_certificates=root_certificates,
-            private_key=private_key,
-            certificate_chain=certificate_chain,
-            token=token,
-            metadata=metadata,
-            options=options,
-            wait_for_ready=wait_for_ready,
-            interceptors=interceptors,
-            channel=channel,
-        )
-        # stacklevel 3: ClientCore.__init__, the shell's __init__, the caller.
+    `shell`: the class name the user called (in TypeErrors); `options`: the constructor's keywords (`ClientOptions`).
+    """
+
+    def __init__(self, shell: str, target: str, channel: Any, options: Mapping[str, Any]) -> None:
+        resolved = with_defaults(shell, options, ClientOptions, CLIENT_DEFAULTS)
+        self.settings = channel_settings(target, channel, resolved)
+        # stacklevel 4: ClientCore.__init__, ClientShell.__init__, the shell's __init__, the caller.
         if channel is not None:
-            warnings.warn(affinity.OWN_CHANNEL_WARNING, UserWarning, stacklevel=3)
+            warnings.warn(affinity.OWN_CHANNEL_WARNING, UserWarning, stacklevel=4)
         else:
             insecure = insecure_token_message(self.settings)
             if insecure is not None:
-                warnings.warn(insecure, InsecureTokenWarning, stacklevel=3)
-        self.images = image_store if image_store is not None else ImageStore()
+                warnings.warn(insecure, InsecureTokenWarning, stacklevel=4)
+        store = resolved["image_store"]
+        self.images = store if store is not None else ImageStore()
+
+    def unary_call(self, deadline: Deadline, metadata: Any) -> dict[str, Any]:
+        """The keywords of one unary (or client-streaming) gRPC call."""
+        return {"timeout": deadline.remaining(), "metadata": metadata, "wait_for_ready": self.settings.wait_for_ready}
 
     # -- unary calls -------------------------------------------------------------------------------------------------
     def unary_deadline(self, timeout: float | None | NotGiven) -> Deadline:
@@ -176,32 +159,19 @@ class ClientCore:
         return SHA_PREFIX + ref.sha256
 
     # -- generate ----------------------------------------------------------------------------------------------------
+    @staticmethod
+    def generate_options(options: Mapping[str, Any]) -> dict[str, Any]:
+        """`generate`'s keywords checked against `GenerateOptions`, every default filled in."""
+        return with_defaults("generate", options, GenerateOptions, GENERATE_DEFAULTS)
+
     def prepare_messages(self, messages: str | Sequence[dict], images: Sequence[Any] | None) -> Prepared:
         """Resolves every image (reads files, encodes arrays): the part of generate() that may block."""
         return prepare(normalize(messages, images), self.images)
 
-    def start_generate(
-        self,
-        prepared: Prepared,
-        *,
-        started: float,
-        max_tokens: int,
-        temperature: float,
-        top_p: float | None,
-        top_k: int | None,
-        seed: int | None,
-        stop: str | Sequence[str] | None,
-        stop_token_ids: Sequence[int] | None,
-        ignore_eos: bool,
-        logprobs: int | None,
-        return_logprobs: bool | None,
-        request_id: str | None,
-        cache_salt: str | None,
-        continue_final_message: bool,
-        timeout: float | None | NotGiven,
-        first_token_timeout: float | None | NotGiven,
-        session_id: str | None,
-    ) -> GenerateState:
+    def start_generate(self, prepared: Prepared, started: float, options: Mapping[str, Any]) -> GenerateState:
+        """One generate call's state; `options`: its keywords (`GenerateOptions`, checked by `generate_options`)."""
+        o = options
+        timeout, first_token_timeout = o["timeout"], o["first_token_timeout"]
         if timeout is NOT_GIVEN:
             timeout = self.settings.generate_timeout
         else:
@@ -211,23 +181,23 @@ class ClientCore:
         else:
             check_timeout("first_token_timeout", first_token_timeout)
         request = pb.GenerateRequest(
-            request_id=request_id or new_request_id(),
+            request_id=o["request_id"] or new_request_id(),
             sampling=sampling_params(
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                seed=seed,
-                stop=stop,
-                stop_token_ids=stop_token_ids,
-                ignore_eos=ignore_eos,
-                logprobs=resolve_logprobs(logprobs, return_logprobs),
+                max_tokens=o["max_tokens"],
+                temperature=o["temperature"],
+                top_p=o["top_p"],
+                top_k=o["top_k"],
+                seed=o["seed"],
+                stop=o["stop"],
+                stop_token_ids=o["stop_token_ids"],
+                ignore_eos=o["ignore_eos"],
+                logprobs=resolve_logprobs(o["logprobs"], o["return_logprobs"]),
             ),
-            cache_salt=cache_salt or "",
-            continue_final_message=continue_final_message,
+            cache_salt=o["cache_salt"] or "",
+            continue_final_message=o["continue_final_message"],
         )
         deadline = Deadline(timeout, first_token_timeout, start=started)
-        return GenerateState(self, prepared, request, deadline, started, affinity_key(prepared, session_id))
+        return GenerateState(self, prepared, request, deadline, started, affinity_key(prepared, o["session_id"]))
 
     def error(self, rpc_error: grpc.RpcError) -> MmcastError:
         return map_rpc_error(rpc_error)
@@ -301,6 +271,14 @@ class GenerateState:
         self.deadline.remaining(before_first_token=not self.acc.tokens_seen)  # raises when one has passed
         return self.deadline.remaining(before_first_token=False)
 
+    def generate_call(self) -> dict[str, Any]:
+        """The keywords of this attempt's Generate call."""
+        return {
+            "timeout": self.call_timeout(),
+            "metadata": self.metadata,
+            "wait_for_ready": self.core.settings.wait_for_ready,
+        }
+
     def first_token_wait(self) -> float | None:
         """Seconds until the first-token timer should fire; None: no timer."""
         return None if self.acc.tokens_seen else self.deadline.first_token_wait()
@@ -346,3 +324,51 @@ class GenerateState:
             )
             return
         raise self.acc.partial(error)
+
+
+class ClientShell:
+    """What `Client` and `AsyncClient` share besides their I/O: the core, the settings, the image record and the
+    closed flag. `options`: the constructor's keywords (`ClientOptions`)."""
+
+    def __init__(self, target: str, channel: Any, options: Mapping[str, Any]) -> None:
+        self._core = ClientCore(type(self).__name__, target, channel, options)
+        self.settings = self._core.settings
+        self.images = self._core.images
+        self._owns_channel = channel is None  # a channel the caller made is the caller's to close
+        self.closed = False
+
+    @property
+    def target(self) -> str:
+        return self.settings.target
+
+    def _begin_close(self) -> bool:
+        """Marks the client closed; True when the shell should now close its channel (first call, its own)."""
+        first, self.closed = not self.closed, True
+        return first and self._owns_channel
+
+
+class StreamShell:
+    """What `GenerationStream` and `AsyncGenerationStream` share: identity, outcome, and the call in flight."""
+
+    def __init__(self, client: Any, state: GenerateState) -> None:
+        self.request_id = state.request_id
+        self.affinity_key = state.key  # the x-mmcast-affinity value its calls carry
+        self.result: Result | None = None
+        self.cancelled = False
+        self._client = client
+        self._state = state
+        self._call: Any = None
+
+    def _final(self) -> Result:
+        """The Result of a stream read to its end (an error when the server never sent the final message)."""
+        if self.result is None:
+            raise no_final_error(self.request_id)
+        return self.result
+
+    def _on_response(self, response: pb.GenerateResponse) -> Delta | None:
+        """A delta to yield, or None; sets `result` on the final message (the shell then reads the call's status)."""
+        out = self._state.on_response(response)
+        if isinstance(out, Result):
+            self.result = out
+            return None
+        return out

@@ -8,7 +8,7 @@ import enum
 import ipaddress
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any, Final
 
 import grpc
@@ -145,33 +145,21 @@ def check_timeout(name: str, value: float | None) -> None:
         raise ValueError(f"{name}={value!r} must be > 0 seconds, or None for no limit")
 
 
-def channel_settings(
-    target: str,
-    *,
-    timeout: float | None | NotGiven,
-    first_token_timeout: float | None,
-    max_message_bytes: int,
-    retries: int,
-    backoff: Backoff | float,
-    upload_images: bool,
-    tls: bool | None,
-    root_certificates: bytes | None,
-    private_key: bytes | None,
-    certificate_chain: bytes | None,
-    token: str | None,
-    metadata: Sequence[tuple[str, str]],
-    options: Sequence[tuple[str, Any]] = (),
-    wait_for_ready: bool | None = None,
-    interceptors: Sequence[Any] = (),
-    channel: Any = None,
-) -> ChannelSettings:
+def channel_settings(target: str, channel: Any, options: Mapping[str, Any]) -> ChannelSettings:
+    """Checks a client's constructor keywords once. `options`: every key of `ClientOptions` (mmcast_client/_core/
+    options.py), defaults filled in."""
+    timeout, first_token_timeout = options["timeout"], options["first_token_timeout"]
+    max_message_bytes, retries, backoff = options["max_message_bytes"], options["retries"], options["backoff"]
+    tls, token = options["tls"], options["token"]
+    root_certificates, private_key = options["root_certificates"], options["private_key"]
+    certificate_chain = options["certificate_chain"]
     if not target and channel is None:
         raise ValueError("target is empty; pass HOST:PORT of an mmcast scheduler (or several: ipv4:h:p1,h:p2)")
     if channel is not None:
         conflicts = [
             name
             for name, given in (
-                ("options", bool(options)),
+                ("options", bool(options["options"])),
                 ("tls", tls is not None),
                 ("root_certificates", root_certificates is not None),
                 ("private_key", private_key is not None),
@@ -181,7 +169,7 @@ def channel_settings(
         ]
         if conflicts:
             raise ValueError(f"channel= is a channel already made; {', '.join(conflicts)} cannot change it")
-    options = tuple((str(k), v) for k, v in options)
+    channel_options = tuple((str(k), v) for k, v in options["options"])
     if timeout is not NOT_GIVEN:
         check_timeout("timeout", timeout)
     check_timeout("first_token_timeout", first_token_timeout)
@@ -201,7 +189,7 @@ def channel_settings(
         credentials = grpc.ssl_channel_credentials(
             root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain
         )
-    md = tuple(metadata)
+    md = tuple(options["metadata"])
     if token:
         md += (("authorization", f"Bearer {token}"),)
     return ChannelSettings(
@@ -213,10 +201,10 @@ def channel_settings(
         backoff,
         credentials,
         md,
-        upload_images,
-        options,
-        wait_for_ready,
-        tuple(interceptors),
+        options["upload_images"],
+        channel_options,
+        options["wait_for_ready"],
+        tuple(options["interceptors"]),
     )
 
 
