@@ -82,9 +82,9 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from common.families import qwen2_vl
+    from common.families import qwen2_vl, qwen3_vl
 
-    return qwen2_vl.FAMILIES
+    return (*qwen2_vl.FAMILIES, *qwen3_vl.FAMILIES)
 
 
 def all_families() -> tuple[Family, ...]:
