@@ -9,8 +9,9 @@ covers the processor files), so both paths give identical ``pixel_values`` and `
 
 - ``open``: the header checks of ``common.image_header`` (format whitelist, pixels, tokens; nothing decoded).
 - ``grid``: the ``image_grid_thw`` the processor will produce, from the header's upright size and the processor's
-  own resize rule (``smart_resize`` with its patch size, merge size and min/max pixels): the frontend builds the
-  prompt and the M-RoPE metadata from it without decoding a pixel.
+  own resize rule (the model family's ``image_grid``, ``common/families/``; for the Qwen-VL families
+  ``smart_resize`` with its patch size, merge size and min/max pixels): the frontend builds the prompt and the
+  M-RoPE metadata from it without decoding a pixel.
 - ``process``: decode, EXIF orientation applied as transformers' ``load_image`` does, then the processor on the
   image in its own mode (its ``convert_to_rgb`` composites transparency onto white, converts palette/CMYK/16-bit).
   Any failure is ``InvalidArgument`` naming the field.
@@ -24,6 +25,7 @@ import torch
 from PIL import ImageOps
 
 from common.errors import InvalidArgument
+from common.families import Family
 from common.image_header import ImageHeader, ImageHeaderReader, reason
 
 __all__ = ["ImageHeader", "ImageInput"]
@@ -32,8 +34,11 @@ __all__ = ["ImageHeader", "ImageInput"]
 class ImageInput:
     """Header checks, grid prediction and preprocessing for one model's image processor."""
 
-    def __init__(self, image_processor, formats: Sequence[str], max_pixels: int) -> None:
+    def __init__(self, image_processor, formats: Sequence[str], max_pixels: int, family: Family | None = None) -> None:
+        from common.families.qwen2_vl import QWEN2_VL
+
         self.image_processor = image_processor
+        self.family = QWEN2_VL if family is None else family  # its grid rule; None: the Qwen2-VL processor's
         self.headers = ImageHeaderReader(formats, max_pixels, image_processor)
         self.patch_size = int(image_processor.patch_size)
         self.merge_size = int(image_processor.merge_size)
@@ -44,13 +49,7 @@ class ImageInput:
 
     def grid(self, header: ImageHeader) -> torch.Tensor:
         """``image_grid_thw`` (1, 3) int64 the processor gives an image of the header's (upright) size."""
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-        size = self.image_processor.size
-        factor = self.patch_size * self.merge_size
-        height, width = smart_resize(header.height, header.width, factor, min_pixels=size["shortest_edge"],
-                                     max_pixels=size["longest_edge"])
-        return torch.tensor([[1, height // self.patch_size, width // self.patch_size]], dtype=torch.int64)
+        return self.family.image_grid(self.image_processor, header.height, header.width)
 
     def process(self, image, field: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pixel_values, image_grid_thw)`` of an image ``open`` returned; decodes it (and frees the pixels)."""

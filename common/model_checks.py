@@ -1,8 +1,8 @@
 """What a checkpoint's ``config.json`` allows, checked before any weight is loaded: one rule for ``serve-local``,
 the scheduler and every rank.
 
-- The model type is one mmcast serves (``SUPPORTED_MODEL_TYPES``: the Qwen2-VL family, whose M-RoPE positions,
-  vision tower and processor the services implement) and the checkpoint has a vision tower (``vision_config``).
+- The model type is one mmcast serves (``SUPPORTED_MODEL_TYPES``: those of the families in ``common/families/``,
+  each of which says how its positions, vision tower and processor are served) and the checkpoint has a vision tower (``vision_config``).
 - A tensor-parallel size ``tp`` shards the decoder when its attention heads divide by ``tp``, its KV heads divide
   by ``tp`` or ``tp`` divides by its KV heads, and its MLP width (``intermediate_size``) divides by ``tp``.
   With more ranks than KV heads, each KV head is replicated on ``tp / kv_heads`` consecutive ranks, which are
@@ -22,9 +22,10 @@ import json
 import os
 from typing import Any
 
+from common.families import supported_model_types
 from common.rope import config_get
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_MODEL_TYPES = supported_model_types()
 
 
 class ModelConfigError(ValueError):

@@ -2,8 +2,9 @@
 needs.
 
 Where torchvision is installed this is ``AutoProcessor.from_pretrained(model_dir)``. Without it, transformers 5.24
-cannot build a Qwen2-VL-family processor (every one gets a torchvision video processor), so the processor class of
-the folder's config is loaded through its own ``from_pretrained`` with the video processor left out: the same
+cannot build a Qwen2-VL-family processor (every one gets a torchvision video processor), so the processor class the
+model family names (``common/families/``: ``load_processor_class``; by default the folder config's own class) is
+loaded through its own ``from_pretrained`` with the video processor left out: the same
 resolution of every other part — the image processor from ``preprocessor_config.json`` (or ``processor_config.json``),
 the tokenizer, and the chat template from ``chat_template.jinja``, ``chat_template.json`` or
 ``processor_config.json``. A template that only ``tokenizer_config.json`` holds (older checkpoints) is what the
@@ -41,13 +42,15 @@ def image_only(processor_class):
 
 def _from_pretrained(model_dir: Path):
     from transformers import AutoConfig, AutoProcessor
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
     from transformers.utils import is_torchvision_available
 
     if is_torchvision_available():
         return AutoProcessor.from_pretrained(model_dir)
-    processor_class = PROCESSOR_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
-    return image_only(processor_class).from_pretrained(model_dir)
+    from common.families import Family, family_for_type
+
+    config = AutoConfig.from_pretrained(model_dir)
+    family = family_for_type(config.model_type) or Family()  # an unserved type fails later, naming itself
+    return family.load_processor_class(config).from_pretrained(model_dir)
 
 
 def _has_image_processor(model_dir: Path) -> bool:

@@ -6,7 +6,8 @@ rank computes whole-prompt positions from those grids only for M-RoPE models (``
 twice with different rules, a model where they disagreed would reach the ranks with stripped items that lack
 the grids their positions need. Both sides therefore call :func:`uses_mrope` on the same ``config.json``.
 
-Rule: M-RoPE when the model type (of the model or of its text part) is one of the Qwen2-VL family's, or when
+Rule: M-RoPE when the model type (of the model or of its text part) is that of a family whose positions are M-RoPE
+(``common/families/``: ``Family.uses_mrope``), or when
 the rope parameters (``rope_parameters``, or the older ``rope_scaling``) of the model or of its ``text_config``
 carry ``mrope_section`` — also per layer type (transformers 5.x may nest rope parameters by layer type). The
 model-type arm matters: transformers 5.x's default ``Qwen2VLConfig`` carries no ``mrope_section`` at all (the
@@ -18,8 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.families import all_families
+
 # The model types (and their text parts' types) whose positions are M-RoPE.
-MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text"})
+MROPE_MODEL_TYPES = frozenset(
+    t for f in all_families() if f.uses_mrope for t in (*f.model_types, *f.text_model_types)
+)
 
 
 def config_get(obj: Any, name: str) -> Any:

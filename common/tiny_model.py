@@ -1,4 +1,4 @@
-"""The embedded default model of mmcast: a tiny, randomly initialised Qwen2-VL (or Qwen2.5-VL).
+"""The embedded default model of mmcast: a tiny, randomly initialised Qwen2-VL (or Qwen2.5-VL, or Qwen3-VL).
 
 `build_tiny_model` writes a complete Hugging Face model folder — `config.json`, `model.safetensors` (float32),
 `generation_config.json`, a byte-level BPE tokenizer trained here on `common/data/tiny_corpus.txt`, the Qwen2-VL
@@ -6,6 +6,13 @@ chat template and the Qwen2-VL image processor with the real Qwen2-VL-2B-Instruc
 architecture is the real one, only narrow (hidden 128, 2 decoder layers, 8 query / 4 KV heads of width 16, a 2-block
 vision tower, a 1024-token vocabulary with the Qwen2-VL special tokens at its top), so the folder is ~2.5 MB and
 runs on a CPU in milliseconds. Nothing is downloaded.
+
+``variant="qwen3_vl"`` is the same recipe on Qwen3-VL's architecture (``common/families/qwen3_vl.py``): interleaved
+M-RoPE (``mrope_interleaved``), per-head q/k norms, a vision tower of patch 16 with learned position embeddings and
+two DeepStack mergers (``deepstack_visual_indexes`` [0, 1]: features of both vision blocks are added after decoder
+layers 0 and 1), and Qwen3-VL's image preprocessing (patch 16, mean/std 0.5) except its minimum of 256x256 pixels,
+lowered to Qwen2-VL's 56x56 so the tests' small images stay a few tokens (a 112x84 image is 12 tokens in every
+variant). Its chat template is the Qwen2-VL one above.
 
 Everything downstream loads it as it would load a local Qwen2-VL-2B-Instruct checkpoint, with no
 `trust_remote_code`: `AutoModelForImageTextToText.from_pretrained(path)` for the model and
@@ -37,7 +44,7 @@ import pathlib
 import shutil
 import tempfile
 
-VARIANTS = ("qwen2_vl", "qwen2_5_vl")
+VARIANTS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 WIDTHS = ("tiny", "real", "head64")
 DEFAULT_KV_HEADS = 4
 KV_HEAD_CHOICES = (1, 2, 4, 8)  # divisors of the 8 query heads
@@ -138,6 +145,14 @@ _TEXT_CONFIG = {
     "pad_token_id": SPECIAL_TOKEN_IDS["<|endoftext|>"],
 }
 
+# Qwen3-VL-2B-Instruct's preprocessor_config.json, but with Qwen2-VL's minimum pixels (module docstring).
+QWEN3_IMAGE_PROCESSOR_SETTINGS = {
+    **IMAGE_PROCESSOR_SETTINGS,
+    "patch_size": 16,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
 _VISION_CONFIGS = {
     # Output width (`hidden_size` here) is the text model's hidden size.
     "qwen2_vl": {
@@ -168,6 +183,28 @@ _VISION_CONFIGS = {
         "tokens_per_second": 2,
         "initializer_range": 0.02,
     },
+    # `out_hidden_size` is the text model's width; 64 learned position embeddings (an 8x8 grid, interpolated to
+    # each image's); both blocks feed a DeepStack merger.
+    "qwen3_vl": {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 128,
+        "num_heads": 4,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0, 1],
+        "initializer_range": 0.02,
+    },
+}
+
+# Qwen3-VL's text part: head_dim explicit, interleaved M-RoPE, no sliding-window settings.
+_QWEN3_TEXT = {
+    "head_dim": 16,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
+                        "mrope_interleaved": True},
 }
 
 
@@ -287,6 +324,8 @@ def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS,
     }
     if variant == "qwen2_vl":
         from transformers import Qwen2VLConfig as config_class
+    elif variant == "qwen3_vl":
+        from transformers import Qwen3VLConfig as config_class
     else:
         from transformers import Qwen2_5_VLConfig as config_class
     if width != "tiny":
@@ -298,8 +337,12 @@ def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS,
             dtype="float32",
             **token_ids,
         )
+    text = {**_TEXT_CONFIG, "num_key_value_heads": kv_heads}
+    if variant == "qwen3_vl":
+        text = {k: v for k, v in text.items() if k not in ("use_sliding_window", "max_window_layers")}
+        text.update(_QWEN3_TEXT)
     return config_class(
-        text_config={**_TEXT_CONFIG, "num_key_value_heads": kv_heads},
+        text_config=text,
         vision_config=dict(_VISION_CONFIGS[variant]),
         tie_word_embeddings=False,
         dtype="float32",
@@ -312,6 +355,10 @@ def _processor_class(variant: str):
         from transformers import Qwen2VLProcessor
 
         return Qwen2VLProcessor
+    if variant == "qwen3_vl":
+        from transformers import Qwen3VLProcessor
+
+        return Qwen3VLProcessor
     from transformers import Qwen2_5_VLProcessor
 
     return Qwen2_5_VLProcessor
@@ -325,7 +372,8 @@ def build_processor(variant: str = "qwen2_vl", tokenizer=None):
     from common.processor import image_only
 
     tokenizer = build_tokenizer() if tokenizer is None else tokenizer
-    image_processor = Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR_SETTINGS)
+    settings = QWEN3_IMAGE_PROCESSOR_SETTINGS if variant == "qwen3_vl" else IMAGE_PROCESSOR_SETTINGS
+    image_processor = Qwen2VLImageProcessorPil(**settings)
     return image_only(_processor_class(variant))(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
     )

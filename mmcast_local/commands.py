@@ -17,6 +17,8 @@ from mmcast_client.cli import Command
 
 DEFAULT_TINY_MODEL_DIR = "~/.cache/mmcast/tiny-qwen2-vl"
 TRANSFER_MODES = ("full", "strip", "lazy")
+# make-tiny-model --family NAME -> the tiny model variant (common/tiny_model.py) it builds
+FAMILY_VARIANTS = {"qwen2-vl": "qwen2_vl", "qwen2.5-vl": "qwen2_5_vl", "qwen3-vl": "qwen3_vl"}
 
 
 class _Terminated(Exception):
@@ -30,7 +32,10 @@ def _raise_terminated(signum, frame):
 # -- make-tiny-model ---------------------------------------------------------------------------------------------
 def add_make_tiny_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="output folder (created; left alone if it already holds the model)")
-    p.add_argument("--variant", choices=("qwen2_vl", "qwen2_5_vl"), default="qwen2_vl", help="architecture")
+    p.add_argument("--family", choices=tuple(FAMILY_VARIANTS), default=None,
+                   help="model family (default qwen2-vl; the families of common/families/)")
+    p.add_argument("--variant", choices=tuple(FAMILY_VARIANTS.values()), default=None,
+                   help="the same choice by transformers model type (qwen2_vl, qwen2_5_vl, qwen3_vl)")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
     p.add_argument(
         "--kv-heads",
@@ -44,7 +49,10 @@ def add_make_tiny_model_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from common.tiny_model import ensure_tiny_model  # torch + transformers: only here
 
-    path = ensure_tiny_model(os.path.expanduser(args.dir), variant=args.variant, seed=args.seed, kv_heads=args.kv_heads)
+    if args.family and args.variant and FAMILY_VARIANTS[args.family] != args.variant:
+        raise SystemExit(f"--family {args.family} and --variant {args.variant} name different models; give one")
+    variant = FAMILY_VARIANTS[args.family] if args.family else (args.variant or "qwen2_vl")
+    path = ensure_tiny_model(os.path.expanduser(args.dir), variant=variant, seed=args.seed, kv_heads=args.kv_heads)
     print(path)
     return 0
 

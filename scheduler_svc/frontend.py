@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from common.errors import InvalidArgument, ResourceExhausted
+from common.families import family_of
 from common.hashing import item_identifier
 from common.ids import ItemId
 from common.image_header import ImageHeader
@@ -158,7 +159,8 @@ class Frontend:
             pending_per_tenant=config.max_pending_upload_bytes_per_tenant,
         )
         self.cache = ByteLRU(config.processor_cache_bytes)
-        self.images = ImageInput(self.image_processor, config.image_formats, config.max_image_pixels)
+        self.family = family_of(model_config)  # its header rule (common/families/)
+        self.images = ImageInput(self.image_processor, config.image_formats, config.max_image_pixels, self.family)
         self.headers = self.images.headers
         self.encoded = config.payload_encoding == "encoded"  # header-only: the ranks decode (common/image_input.py)
         self._decode_slots = threading.BoundedSemaphore(config.max_concurrent_decodes)

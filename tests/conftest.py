@@ -39,6 +39,15 @@ def tiny_model_25_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return _tiny_model(tmp_path_factory, "qwen2_5_vl")
 
 
+@pytest.fixture(scope="session")
+def tiny_model_q3_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Folder of the embedded tiny Qwen3-VL (seed 0), built once per session."""
+    return _tiny_model(tmp_path_factory, "qwen3_vl")
+
+
+_TINY_FIXTURES = {"qwen2_vl": "tiny_model_dir", "qwen2_5_vl": "tiny_model_25_dir", "qwen3_vl": "tiny_model_q3_dir"}
+
+
 # --- worker fixtures: one loaded model and one in-process rank per tiny variant, shared by the worker tests ---
 
 _WORKER_ENVS: dict = {}
@@ -77,13 +86,12 @@ class WorkerEnv:
 def _worker_env(request: pytest.FixtureRequest, variant: str) -> WorkerEnv:
     env = _WORKER_ENVS.get(variant)
     if env is None:
-        fixture = "tiny_model_dir" if variant == "qwen2_vl" else "tiny_model_25_dir"
-        env = _WORKER_ENVS[variant] = WorkerEnv(request.getfixturevalue(fixture))
+        env = _WORKER_ENVS[variant] = WorkerEnv(request.getfixturevalue(_TINY_FIXTURES[variant]))
         request.session.config.add_cleanup(env.rank.stop)
     return env
 
 
-@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def worker_env(request: pytest.FixtureRequest) -> WorkerEnv:
     """An in-process rank (world size 1) of each tiny variant, with its oracle model."""
     return _worker_env(request, request.param)
@@ -97,7 +105,7 @@ def worker_env_q2(request: pytest.FixtureRequest) -> WorkerEnv:
 
 @pytest.fixture(scope="session")
 def worker_env_for(request: pytest.FixtureRequest):
-    """``worker_env_for("qwen2_vl" | "qwen2_5_vl")``: the shared env of a variant, for tests parametrized by name."""
+    """``worker_env_for("qwen2_vl" | "qwen2_5_vl" | "qwen3_vl")``: the shared env of a variant, for tests parametrized by name."""
     return lambda variant: _worker_env(request, variant)
 
 

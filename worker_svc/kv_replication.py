@@ -21,9 +21,9 @@ from common.model_checks import DecoderShape
 _KV_PROJECTIONS = ("k_proj", "v_proj")
 
 
-def tp_plan_override(model_config, tp: int) -> dict[str, str] | None:
+def tp_plan_override(model_config, tp: int, base_plan: dict[str, str] | None = None) -> dict[str, str] | None:
     """The ``DistributedConfig(tp_plan=...)`` override that replicates ``k_proj``/``v_proj`` when ``tp`` exceeds
-    the KV heads, else None (the model's own plan unchanged).
+    the KV heads, else None (the plan unchanged). ``base_plan``: the family's plan, when it replaces the model's.
 
     The plan's keys are the model's module paths (``model.language_model.layers.*.self_attn.k_proj``), read from
     a skeleton of the model built on the meta device (no memory, no weights).
@@ -34,7 +34,10 @@ def tp_plan_override(model_config, tp: int) -> dict[str, str] | None:
 
     with torch.device("meta"):
         skeleton = AutoModelForImageTextToText.from_config(model_config)
-    override = {key: "replicate" for key in skeleton.tp_plan if key.rsplit(".", 1)[-1] in _KV_PROJECTIONS}
+    plan = base_plan if base_plan is not None else skeleton.tp_plan
+    override = {key: "replicate" for key in plan if key.rsplit(".", 1)[-1] in _KV_PROJECTIONS}
+    if base_plan is not None:
+        override = {**base_plan, **override}
     if not override:
         raise ValueError(f"{type(skeleton).__name__}'s tensor-parallel plan names no k_proj/v_proj to replicate")
     return override

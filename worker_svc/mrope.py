@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from common.multimodal import Modality, MultiModalFeatureSpec
-from common.rope import config_get as _get
 from common.rope import uses_mrope  # noqa: F401  (the shared rule; re-exported for the runner)
 
 _GRID_FIELD = {Modality.IMAGE: "image_grid_thw", Modality.VIDEO: "video_grid_thw"}
@@ -191,8 +190,8 @@ def mrope_positions_for_window(positions: torch.Tensor, start: int, end: int, de
 
 
 def rope_index_kwargs(config: Any) -> dict[str, Any]:
-    """``spatial_merge_size`` and ``tokens_per_second`` of ``mrope_positions`` for a Qwen2-VL-family config."""
-    vision = _get(config, "vision_config")
-    merge = _get(vision, "spatial_merge_size") or _get(config, "spatial_merge_size") or 2
-    tokens_per_second = None if _get(config, "model_type") == "qwen2_vl" else _get(vision, "tokens_per_second")
-    return {"spatial_merge_size": int(merge), "tokens_per_second": tokens_per_second}
+    """``spatial_merge_size`` and ``tokens_per_second`` of ``mrope_positions`` for an M-RoPE family's config (the
+    family's own rule, ``common/families/``)."""
+    from common.families import family_of
+
+    return family_of(config).rope_kwargs(config)

@@ -31,10 +31,11 @@ from collections.abc import Sequence
 import torch
 
 from common import model_checks
+from common.families import family_of
 from common.multimodal import ENCODED_FIELD, Modality, MultiModalFeatureSpec, PayloadEncoding
 from worker_svc import cpu_linear, kv_pool, kv_replication, paged_attention
 from worker_svc.config import WorkerConfig
-from worker_svc.mrope import rope_index_kwargs, uses_mrope
+from worker_svc.mrope import uses_mrope
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +95,16 @@ class ModelRunner:
         kwargs: dict = {"dtype": self.dtype, "local_files_only": True}  # a local folder; never the hub
         model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         shape = model_checks.check_tp(model_config, config.world_size, "--world-size")
+        # What differs by model generation: encoder call, extra decoder inputs, TP plan, positions (common/families/).
+        self.family = family_of(model_config)
         if config.world_size > 1:
             from transformers.distributed import DistributedConfig
 
             if self.device.type == "cuda":
                 os.environ.setdefault("LOCAL_RANK", str(self.device.index or 0))  # transformers binds this device
-            kwargs["distributed_config"] = DistributedConfig(
-                tp_size=config.world_size, tp_plan=kv_replication.tp_plan_override(model_config, config.world_size)
-            )
+            plan = self.family.tp_plan(model_config, config.world_size)
+            override = kv_replication.tp_plan_override(model_config, config.world_size, plan)
+            kwargs["distributed_config"] = DistributedConfig(tp_size=config.world_size, tp_plan=override or plan)
         model = AutoModelForImageTextToText.from_pretrained(config.model, config=model_config, **kwargs)
         # The decoder's attention reads and writes the pool (worker_svc/paged_attention.py); the vision tower keeps
         # the implementation it loaded with.
@@ -144,7 +147,7 @@ class ModelRunner:
             device=self.device,
         )
         self.uses_mrope = uses_mrope(model.config)
-        self.rope_kwargs = rope_index_kwargs(model.config) if self.uses_mrope else {}
+        self.rope_kwargs = self.family.rope_kwargs(model.config) if self.uses_mrope else {}
         vision = getattr(model.config, "vision_config", None)
         channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None)
         try:  # values per patch row of pixel_values: channels x temporal patch x patch x patch
@@ -156,7 +159,8 @@ class ModelRunner:
         # Encoder-output rows as the language model consumes them (``_embeds`` casts to this dtype): the unit of
         # the sharded placement's broadcast, identical on every rank.
         self.row_dtype = self.embed.weight.dtype
-        self.row_width = int(self.embed.embedding_dim)
+        self.hidden = int(self.embed.embedding_dim)
+        self.row_width = self.family.row_width(model.config, self.hidden)
         log.info(
             "model loaded",
             extra={
@@ -206,13 +210,7 @@ class ModelRunner:
         pixels_name, grid_name = ENCODER_FIELDS[feature.modality]
         pixels = feature.data[pixels_name].data.to(self.device, non_blocking=True)
         grid = feature.data[grid_name].data.reshape(-1, 3).to(self.device)
-        inner = self.model.model
-        if feature.modality is Modality.IMAGE:
-            out = inner.get_image_features(pixels, grid, return_dict=True)
-        else:
-            out = inner.get_video_features(pixels, grid, return_dict=True)
-        rows = out.pooler_output
-        return torch.cat(list(rows), dim=0) if isinstance(rows, tuple | list) else rows
+        return self.family.encode(self.model, pixels, grid, video=feature.modality is Modality.VIDEO)
 
     def empty_rows(self, num_rows: int) -> torch.Tensor:
         """A buffer for an item's encoder output received over the group's collective."""
@@ -226,8 +224,24 @@ class ModelRunner:
         if item.mm_rows:
             embeds = embeds.clone()
             for local, rows in item.mm_rows:
-                embeds[local.to(self.device)] = rows.to(self.device, embeds.dtype)
+                embeds[local.to(self.device)] = rows[:, : self.hidden].to(self.device, embeds.dtype)
         return embeds
+
+    def _encoder_kwargs(self, items: Sequence[ForwardInput]) -> dict:
+        """The family's extra text-model inputs for the packed sequence (none for the Qwen2-VL family)."""
+        if self.row_width == self.hidden:
+            return {}
+        indices, rows, base = [], [], 0
+        for it in items:
+            for local, item_rows in it.mm_rows:
+                indices.append(local.to(self.device) + base)
+                rows.append(item_rows.to(self.device))
+            base += len(it.token_ids)
+        if not indices:
+            return {}
+        flat = torch.cat(indices)
+        order = torch.argsort(flat)  # the model takes rows in sequence order
+        return self.family.text_model_kwargs(self.hidden, base, flat[order], torch.cat(rows)[order])
 
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardInput]) -> list[torch.Tensor | None]:
@@ -247,6 +261,7 @@ class ModelRunner:
             attention_mask=self._no_masks,  # the attention masks by span itself; no dense mask is built
             use_cache=False,
             paged_step=step,
+            **self._encoder_kwargs(items),
         ).last_hidden_state[0]
         wanted = [span.end - 1 for span, it in zip(step.spans, items, strict=True) if it.want_logits]
         out: list[torch.Tensor | None] = [None] * len(items)

@@ -165,12 +165,16 @@ class Worker:
     def _image_input(self, hs: worker_pb2.Handshake):
         """The checks and preprocessing of encoded payloads under the scheduler's limits (its --image-formats and
         --max-image-pixels, sent in the handshake); None when it allows no format."""
+        from common.families import family_of
         from common.image_input import ImageInput
+        from common.model_checks import read_config
 
         if not hs.image_formats or self.image_processor is None:
             return None
         formats = [f for f in hs.image_formats if f in _pil_formats()]
-        return ImageInput(self.image_processor, formats, hs.max_image_pixels or 1) if formats else None
+        if not formats:
+            return None
+        return ImageInput(self.image_processor, formats, hs.max_image_pixels or 1, family_of(read_config(self.config.model)))
 
     def close_stream(self, handle: StreamHandle) -> None:
         if self.active is handle:

@@ -39,7 +39,9 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from common.errors import InvalidArgument
+from common.families import family_of
 from common.image_input import ImageInput
+from common.model_checks import read_config
 from common.processor import load_processor
 from scheduler_svc.config import DEFAULT_IMAGE_FORMATS, SchedulerConfig
 from tests.support.images import exif_after_pixels
@@ -146,7 +148,7 @@ class Kit:
     def __init__(self, model_dir) -> None:
         self.reference = AutoImageProcessor.from_pretrained(model_dir)
         self.input = ImageInput(load_processor(model_dir).image_processor, DEFAULT_IMAGE_FORMATS,
-                                SchedulerConfig().max_image_pixels)
+                                SchedulerConfig().max_image_pixels, family_of(read_config(model_dir)))
 
     def processed(self, image) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.reference(images=[image], return_tensors="pt")
@@ -165,7 +167,7 @@ def _clamped_copy(model_dir, tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module", params=["tiny_model_dir", "tiny_model_25_dir"])
+@pytest.fixture(scope="module", params=["tiny_model_dir", "tiny_model_25_dir", "tiny_model_q3_dir"])
 def kits(request, tmp_path_factory):
     """``{clamped: Kit}`` for one model variant, shared by every case."""
     model_dir = request.getfixturevalue(request.param)
@@ -237,7 +239,8 @@ def test_process_bytes_equals_the_processor_fed_the_file_as_sent(kits, name):
         assert not torch.equal(unturned_grid, grid) or not torch.equal(unturned, pixels), name
     if c.clamped:  # the checkpoint's processor would not have downscaled it
         _, full = kits[False].processed(Image.open(io.BytesIO(c.data)))
-        assert int(grid.prod()) <= CLAMPED_MAX_PIXELS // 14**2 < int(full.prod()), (name, grid, full)
+        patch = kit.input.patch_size  # 14, or 16 for Qwen3-VL
+        assert int(grid.prod()) <= CLAMPED_MAX_PIXELS // patch**2 < int(full.prod()), (name, grid, full)
 
 
 def _recording(function, name: str, calls: list[str]):

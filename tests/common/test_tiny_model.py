@@ -14,6 +14,7 @@ from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from common import tiny_model
+from common.families import family_of
 from common.processor import load_processor
 from common.tiny_model import (
     MARKER_FILE,
@@ -64,8 +65,8 @@ def runs_of(ids: torch.Tensor, token_id: int) -> list[tuple[int, int]]:
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
-def variant_dir(request, tiny_model_dir, tiny_model_25_dir) -> pathlib.Path:
-    return {"qwen2_vl": tiny_model_dir, "qwen2_5_vl": tiny_model_25_dir}[request.param]
+def variant_dir(request, tiny_model_dir, tiny_model_25_dir, tiny_model_q3_dir) -> pathlib.Path:
+    return {"qwen2_vl": tiny_model_dir, "qwen2_5_vl": tiny_model_25_dir, "qwen3_vl": tiny_model_q3_dir}[request.param]
 
 
 def file_bytes(folder: pathlib.Path) -> dict[str, bytes]:
@@ -93,14 +94,14 @@ def test_folder_has_the_layout_of_a_hub_checkpoint(variant_dir):
         MARKER_FILE,
     } <= names
     preprocessor = json.loads((variant_dir / "preprocessor_config.json").read_text())
-    assert preprocessor["processor_class"] in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+    assert preprocessor["processor_class"] in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor")
     assert preprocessor["size"] == {"shortest_edge": 3136, "longest_edge": 12845056}
     assert sum(path.stat().st_size for path in variant_dir.iterdir()) < 4 * 2**20
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_reload_gives_bit_identical_parameters(variant, tiny_model_dir, tiny_model_25_dir):
-    folder = {"qwen2_vl": tiny_model_dir, "qwen2_5_vl": tiny_model_25_dir}[variant]
+def test_reload_gives_bit_identical_parameters(variant, tiny_model_dir, tiny_model_25_dir, tiny_model_q3_dir):
+    folder = {"qwen2_vl": tiny_model_dir, "qwen2_5_vl": tiny_model_25_dir, "qwen3_vl": tiny_model_q3_dir}[variant]
     built = build_model(variant, seed=0).state_dict()
     loaded = AutoModelForImageTextToText.from_pretrained(folder).state_dict()
     assert built.keys() == loaded.keys()
@@ -171,7 +172,8 @@ def test_processor_expands_each_image_into_its_placeholder_span(variant_dir):
     # PIL sizes are (width, height): 56x84 stays 84x56 pixels -> 6x4 patches; 112x56 -> 4x8 patches.
     inputs = processor(text=[text], images=[gradient(56, 84), gradient(112, 56)], return_tensors="pt")
     assert inputs["image_grid_thw"].tolist() == [[1, 6, 4], [1, 4, 8]]
-    assert tuple(inputs["pixel_values"].shape) == (6 * 4 + 4 * 8, 3 * 2 * 14 * 14)
+    patch = processor.image_processor.patch_size  # 14 (Qwen2-VL, Qwen2.5-VL) or 16 (Qwen3-VL): same grids here
+    assert tuple(inputs["pixel_values"].shape) == (6 * 4 + 4 * 8, 3 * 2 * patch * patch)
     ids = inputs["input_ids"][0]
     runs = runs_of(ids, IMAGE_PAD)
     merge = processor.image_processor.merge_size
@@ -215,7 +217,8 @@ def test_shapes_divide_for_tensor_parallel_sizes_up_to_4(variant):
     assert head_dim == 16
     assert sum(text.rope_parameters["mrope_section"]) == head_dim // 2
     assert text.max_position_embeddings >= 32768 + 1024
-    plan = type(text).base_model_tp_plan
+    # Qwen3-VL's own plan shards only the embedding; its family supplies the decoder's (common/families/qwen3_vl.py)
+    plan = family_of(config).tp_plan(config, 2) or type(text).base_model_tp_plan
     assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= {key.split(".")[-1] for key in plan}
     for tp_size in (1, 2, 4):
         for name in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size", "vocab_size"):

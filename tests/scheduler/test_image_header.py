@@ -36,7 +36,7 @@ SIZES = [(1, 1), (28, 28), (56, 56), (27, 29), (57, 113), (224, 224), (448, 448)
 SIZES += [(random.Random(i).randint(1, 1100), random.Random(i + 99).randint(1, 1100)) for i in range(25)]
 
 
-@pytest.mark.parametrize("variant", ["tiny_model_dir", "tiny_model_25_dir"])
+@pytest.mark.parametrize("variant", ["tiny_model_dir", "tiny_model_25_dir", "tiny_model_q3_dir"])
 @pytest.mark.parametrize("max_pixels", [None, 150_000])  # the checkpoint's setting, and one most sizes exceed
 def test_header_tokens_equal_the_processors_output(variant, max_pixels, request):
     processor = load_processor(request.getfixturevalue(variant)).image_processor

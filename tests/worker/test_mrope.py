@@ -10,6 +10,8 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
 )
 
 from common.multimodal import (
@@ -63,6 +65,22 @@ def qwen2_vl():
         **_config_kwargs(),
     )
     return Qwen2VLForConditionalGeneration(config).eval()
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl():
+    kwargs = _config_kwargs()
+    text = {**kwargs.pop("text_config"), "head_dim": 16}
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, out_hidden_size=128, num_heads=4,
+                  spatial_merge_size=MERGE, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision, **kwargs)).eval()
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
+def image_model(request):
+    """A model of each family whose image positions mmcast computes with the same rule."""
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +208,7 @@ def prompts(draw):
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompts())
-def test_property_equals_transformers_with_stripped_items(qwen2_vl, prompt):
+def test_property_equals_transformers_with_stripped_items(image_model, prompt):
     ids, features, num_computed = prompt
     if not ids:  # transformers cannot take an empty prompt
         assert mrope_positions(ids, features, MERGE)[0].shape == (3, 0)
@@ -199,8 +217,8 @@ def test_property_equals_transformers_with_stripped_items(qwen2_vl, prompt):
     for f in wire or ():
         if f.payload_state is PayloadState.STRIPPED:
             assert set(f.data) == {"image_grid_thw"}  # only the keep_on_cpu field is left
-    want_pos, want_delta = hf_rope_index(qwen2_vl, ids, features)
-    got_pos, got_delta = ours(qwen2_vl, ids, wire)
+    want_pos, want_delta = hf_rope_index(image_model, ids, features)
+    got_pos, got_delta = ours(image_model, ids, wire)
     assert torch.equal(got_pos, want_pos)
     assert got_delta == want_delta
 
@@ -421,8 +439,10 @@ def test_is_embed_marks_the_vision_block(qwen2_vl):
     assert torch.equal(got, want) and got_delta == want_delta
 
 
-def test_uses_mrope(qwen2_vl, qwen2_5_vl):
-    assert uses_mrope(qwen2_vl.config) and uses_mrope(qwen2_5_vl.config)
+def test_uses_mrope(qwen2_vl, qwen2_5_vl, qwen3_vl):
+    assert uses_mrope(qwen2_vl.config) and uses_mrope(qwen2_5_vl.config) and uses_mrope(qwen3_vl.config)
+    assert uses_mrope(qwen3_vl.config.text_config)
+    assert rope_index_kwargs(qwen3_vl.config) == {"spatial_merge_size": MERGE, "tokens_per_second": None}
     assert uses_mrope(qwen2_vl.config.text_config)
     assert uses_mrope({"model_type": "other", "text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}})
     assert not uses_mrope(LlamaConfig(vocab_size=32, hidden_size=16, num_attention_heads=2, num_hidden_layers=1))

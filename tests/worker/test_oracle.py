@@ -1,5 +1,5 @@
 """Served tokens equal plain transformers ``generate`` on the same checkpoint (tokens exact, log-probabilities within
-1e-3) for both tiny variants, driving an in-process rank over real Step streams: no prefix hit, a hit whose covered
+1e-3) for every tiny variant (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), driving an in-process rank over real Step streams: no prefix hit, a hit whose covered
 images travel stripped, an image straddling the computed boundary, chunked prefill across an image, two requests
 with different hits in one batch; and a negative control proving the comparison can fail."""
 
@@ -155,3 +155,29 @@ def test_encoder_rows_the_rank_keeps_carry_no_autograd_graph(worker_env, sched, 
     assert all(rows.grad_fn is None and not rows.requires_grad for rows in kept)
     assert not [name for name, p in runner.model.named_parameters() if p.requires_grad]
     assert_matches(req, oracle(worker_env.model, prompt))
+
+
+def test_deepstack_levels_reach_the_decoder(worker_env_for):
+    """Qwen3-VL: the rank's encoder rows carry both DeepStack levels and the decoder adds them (the oracle match
+    above depends on it): served without them, the same request leaves the oracle's log-probabilities."""
+    env = worker_env_for("qwen3_vl")
+    runner = env.rank.worker.runner
+    assert (runner.hidden, runner.row_width) == (128, 3 * 128)
+    stream = env.rank.stream(env.model_dir)
+    sched = MiniScheduler([stream])
+    prompt = two_image_prompt(env, seed=70)
+    reference = oracle(env.model, prompt)
+    served = sched.add(prompt, "deepstack")
+    sched.run([served])
+    assert_matches(served, reference)
+    sched.evict_everything()
+    family = runner.family
+    original = family.text_model_kwargs
+    try:
+        family.text_model_kwargs = lambda *args: {}  # the merged rows still replace the placeholders
+        without = sched.add(prompt, "no-deepstack")
+        sched.run([without])
+    finally:
+        family.text_model_kwargs = original
+        stream.close()
+    assert max(abs(a - b) for a, b in zip(without.logprobs, reference[1], strict=True)) > TOL

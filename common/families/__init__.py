@@ -1,0 +1,121 @@
+"""Model families: the one place per family that says how mmcast serves it, chosen from ``config.json``'s
+``model_type``.
+
+A family answers the questions whose answer differs between model generations while the scheduler's decisions and
+the wire stay the same (docs/ARCHITECTURE.md §2.8):
+
+- ``model_types``: the ``model_type`` values of its checkpoints (and of their text parts);
+- ``load_processor_class``: the processor class to load from the folder when torchvision is missing;
+- ``image_grid``: the header-only frontend's rule, image size -> the grid the processor will produce;
+- ``uses_mrope`` / ``rope_kwargs``: whether positions are M-RoPE (then a stripped item keeps its ``keep_on_cpu``
+  grids, which positions need) and the parameters of ``worker_svc.mrope.mrope_positions``;
+- ``encode``: the vision tower's call, giving one row per placeholder token (``row_width`` values a row);
+- ``text_model_kwargs``: how encoder rows enter the language model besides replacing the placeholder embeddings;
+- ``tp_plan``: the tensor-parallel plan for the decoder when the checkpoint's own does not shard it.
+
+Every module of this package defines one ``Family`` subclass and registers an instance in ``FAMILIES``.
+Importing this package imports no torch or transformers: ``common/model_checks.py`` reads ``config.json`` with it
+in milliseconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _get(obj: Any, name: str) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, dict):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+class Family:
+    """The defaults are the Qwen2-VL family's; a family overrides what differs."""
+
+    name: str = ""  # the CLI name (``make-tiny-model --family``)
+    model_types: frozenset[str] = frozenset()  # config.json model_type of the whole checkpoint
+    text_model_types: frozenset[str] = frozenset()  # model_type of its text_config
+    uses_mrope: bool = True  # positions (3, tokens) from every item's grid, cached or not
+
+    # --- frontend --------------------------------------------------------------------------------------------
+
+    def load_processor_class(self, config):
+        """The processor class to load from a model folder when transformers cannot build the full processor
+        (no torchvision); ``config`` is the folder's transformers config."""
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+
+        from common.processor import image_only
+
+        return image_only(PROCESSOR_MAPPING[type(config)])
+
+    def image_grid(self, image_processor, height: int, width: int):
+        """``image_grid_thw`` (1, 3) int64 the processor gives an upright image of ``height`` x ``width``."""
+        raise NotImplementedError
+
+    # --- positions -------------------------------------------------------------------------------------------
+
+    def rope_kwargs(self, config) -> dict[str, Any]:
+        """Keyword arguments of ``mrope_positions`` besides the prompt and its items."""
+        return {}
+
+    # --- encoder and language model --------------------------------------------------------------------------
+
+    def row_width(self, config, hidden: int) -> int:
+        """Values in one encoder-output row (what the encoder cache and the group's broadcast hold)."""
+        return hidden
+
+    def encode(self, model, pixels, grid, video: bool):
+        """The rows ``[placeholder tokens, row_width]`` of one item."""
+        raise NotImplementedError
+
+    def text_model_kwargs(self, hidden: int, length: int, indices, rows) -> dict[str, Any]:
+        """Extra keyword arguments of the text model for a packed sequence of ``length`` tokens whose tokens at
+        ``indices`` (1-D, ascending) take the encoder ``rows`` (same order); the first ``hidden`` values of a row
+        replace the token's embedding (the runner does that for every family)."""
+        return {}
+
+    def tp_plan(self, model_config, tp: int) -> dict[str, str] | None:
+        """A tensor-parallel plan to load the checkpoint with, or None for the checkpoint's own."""
+        return None
+
+
+def _families() -> tuple[Family, ...]:
+    from common.families import qwen2_vl, qwen3_vl
+
+    return (*qwen2_vl.FAMILIES, *qwen3_vl.FAMILIES)
+
+
+def all_families() -> tuple[Family, ...]:
+    """Every family mmcast serves, in the order of the README's table."""
+    return _families()
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(t for f in _families() for t in sorted(f.model_types))
+
+
+def family_for_type(model_type: str | None) -> Family | None:
+    """The family whose checkpoints (or text parts) have ``model_type``; None when mmcast serves none."""
+    for family in _families():
+        if model_type in family.model_types or model_type in family.text_model_types:
+            return family
+    return None
+
+
+def family_of(config: Any) -> Family:
+    """The family of a transformers config or a ``config.json`` dict; ``ValueError`` naming the type otherwise."""
+    model_type = _get(config, "model_type")
+    family = family_for_type(model_type)
+    if family is None:
+        raise ValueError(f"model type {model_type!r} is not served; mmcast serves {', '.join(supported_model_types())}")
+    return family
+
+
+def family_named(name: str) -> Family:
+    """The family of a CLI name (``qwen2-vl``, ``qwen3-vl``, ...)."""
+    for family in _families():
+        if family.name == name:
+            return family
+    raise ValueError(f"family {name!r}; choose one of {[f.name for f in _families()]}")
