@@ -119,3 +119,4 @@ class Group:
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+            shm_allreduce.forget()

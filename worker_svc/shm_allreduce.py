@@ -194,6 +194,11 @@ def _kernel(tensors, process_group, reduce_op, sparse_indices, async_op=True, ti
 _library = None
 
 
+def forget() -> None:
+    """Drops every group's segment: a process group formed again later (same names) opens fresh ones."""
+    _segments.clear()
+
+
 def install(timeout_seconds: float) -> bool:
     """Routes the CPU all-reduces of this process's groups through shared memory where every rank can (idempotent).
     Returns False, and changes nothing, on a machine it does not support."""
