@@ -1,9 +1,12 @@
 """The rank's language model against transformers' static batch: ``python -m benchmarks.rank_engine [--quick]
-[--widths 2b,7b] [--out DIR]`` (``make bench``: both widths; ``make bench-quick``: the short 2B-width form).
+[--widths 2b,7b,qwen3-2b] [--out DIR]`` (``make bench``: every width; ``make bench-quick``: the short 2B-width form).
 
 Checkpoints: 2-layer Qwen2-VL with real widths and random weights, float32 — Qwen2-VL-2B's widths
 (``common.tiny_model``, ``width="real"``) and Qwen2-VL-7B's (hidden 3584, 28 query / 4 KV heads, intermediate 18944,
-vocabulary 152064, untied ``lm_head``; built here), each built once under ``benchmarks/results/.model``.
+vocabulary 152064, untied ``lm_head``; built here), each built once under ``benchmarks/results/.model``. Beside them
+``qwen3-2b``: a 2-layer Qwen3-VL at Qwen3-VL-2B's widths (``common.tiny_model``, ``QWEN3_REAL_WIDTH``: head_dim 128,
+16 query / 8 KV heads, interleaved M-RoPE), the same jobs through the same rank code (its DeepStack inputs are absent
+from text requests, so the figures compare the decoders).
 
 Jobs: N = 1, 4, 16, 32 concurrent text requests with equal (~1k tokens) or mixed prompt lengths (256, 512, 1k, 2k,
 4k in turn), every prompt distinct from its first block on (no prefix-cache hit), greedy, ``ignore_eos``, the same
@@ -70,7 +73,8 @@ PLANS = {
     # rank in 24 GiB (transformers prefills a job in one forward: 16 x 4k tokens at 7B widths holds ~15 GB of MLP
     # activations alone); prefill there costs ~4x.
     "full": (Plan("2b", _jobs((1, 4, 16, 32), 1024, 24, (4, 16, 32), (256, 4096), 8)),
-             Plan("7b", _jobs((1, 16), 1024, 24, (4,), (256,), 8))),
+             Plan("7b", _jobs((1, 16), 1024, 24, (4,), (256,), 8)),
+             Plan("qwen3-2b", _jobs((1, 16), 1024, 24, (16,), (256,), 8))),
 }  # fmt: skip
 
 
@@ -82,6 +86,9 @@ def model_dir(width: str) -> str:
 
     if width == "2b":
         return str(tiny_model.ensure_tiny_model(os.path.join(MODELS, "qwen2_vl-real-width"), width="real"))
+    if width == "qwen3-2b":
+        return str(tiny_model.ensure_tiny_model(os.path.join(MODELS, "qwen3_vl-real-width"), variant="qwen3_vl",
+                                                width="real"))
     out = os.path.join(MODELS, "qwen2_vl-7b-width")
     marker = os.path.join(out, "mmcast_rank_engine.json")
     wanted = {"widths": WIDTH_7B, "recipe": tiny_model.recipe_id()}
@@ -396,7 +403,8 @@ def plot(result: dict, path: str) -> str | None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests N")
         ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"2-layer Qwen2-VL, {width.upper()} widths, float32")
+        model = "Qwen3-VL, 2B" if width == "qwen3-2b" else f"Qwen2-VL, {width.upper()}"
+        ax.set_title(f"2-layer {model} widths, float32")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -418,7 +426,8 @@ def write(out_dir: str, result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.rank_engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the short 2B-width form (make bench-quick)")
-    parser.add_argument("--widths", default="", help="comma-separated subset of 2b,7b (default: the plan's)")
+    parser.add_argument("--widths", default="", help="comma-separated subset of 2b,7b,qwen3-2b (default: the "
+                        "plan's; a width the chosen plan lacks runs with the plan's 2B jobs)")
     parser.add_argument("--out", help="folder for rank_engine.md/.json/.png")
     parser.add_argument("--worker-tree", help="run the group's processes from this source tree (a before/after check)")
     parser.add_argument("--jobs", default="", help="comma-separated subset of the plan's jobs as NAME:N (e.g. "
@@ -433,7 +442,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     plans = PLANS["quick" if args.quick else "full"]
     if args.widths:
-        plans = tuple(p for p in plans if p.width in args.widths.split(","))
+        wanted_widths = args.widths.split(",")
+        unknown = set(wanted_widths) - {p.width for p in PLANS["full"]}
+        if unknown:
+            parser.error(f"--widths {args.widths}: unknown {sorted(unknown)}; choose from 2b, 7b, qwen3-2b")
+        two_b = next(p for p in plans if p.width == "2b")
+        plans = tuple(next((p for p in plans if p.width == w), Plan(w, two_b.jobs)) for w in wanted_widths)
     if args.jobs:
         wanted = set(args.jobs.split(","))
         plans = tuple(Plan(p.width, tuple(j for j in p.jobs if f"{j.name}:{j.n}" in wanted)) for p in plans)

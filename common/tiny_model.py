@@ -28,6 +28,8 @@ by two ranks.
 but only 2 decoder layers and 2 vision blocks, randomly initialised (~1.6 GB in float32). Memory measurements use it:
 a rank's activations, KV pool and caches have their real sizes there (``benchmarks/rank_memory.py``). Its tokenizer
 is the tiny one (1024 tokens at the bottom of the large vocabulary, as Qwen2-VL-2B's 151657 tokens are of 151936).
+For Qwen3-VL, ``width="real"`` takes Qwen3-VL-2B's widths (``QWEN3_REAL_WIDTH``: hidden 2048, 16 query / 8 KV
+heads of width 128, intermediate 6144, a vision tower of width 1024 whose 2 blocks both feed DeepStack).
 
 ``width="head64"`` is the tiny model with heads of width 64 in the decoder and the vision tower (``HEAD64_WIDTH``:
 hidden 256, 4 query / 2 KV heads, a vision tower of width 256 with 4 heads), still 2 layers, 2 vision blocks and the
@@ -226,6 +228,26 @@ REAL_WIDTH = {
 }
 
 
+# width="real" for Qwen3-VL: Qwen3-VL-2B-Instruct's config.json widths, with 2 decoder layers and 2 vision blocks (of
+# 28 and 24), both feeding DeepStack (the checkpoint's 3 levels come from blocks 5, 11 and 17).
+QWEN3_REAL_WIDTH = {
+    "text": {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "initializer_range": 0.02,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                            "mrope_interleaved": True},
+    },
+    "vision": {"depth": 2, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2048,
+               "num_position_embeddings": 2304},
+    "tie_word_embeddings": True,
+}
+
+
 # width="head64": the tiny recipe with head_dim 64 everywhere (vLLM's CPU attention has no kernel for 16). Query,
 # KV and vision heads divide by 2 (TP 1 and 2 shard it; at TP 4 each KV head is held by two ranks, the vision heads
 # split one each).
@@ -248,8 +270,10 @@ def _check_variant(variant: str, width: str = "tiny") -> None:
         raise ValueError(f"variant={variant!r} is not a tiny model variant; choose one of {VARIANTS}")
     if width not in WIDTHS:
         raise ValueError(f"width={width!r} is not a tiny model width; choose one of {WIDTHS}")
-    if width != "tiny" and variant != "qwen2_vl":
+    if width == "head64" and variant != "qwen2_vl":
         raise ValueError(f"width={width!r} is built for Qwen2-VL only; variant={variant!r} must be 'qwen2_vl'")
+    if width == "real" and variant == "qwen2_5_vl":
+        raise ValueError(f"width={width!r} is built for Qwen2-VL and Qwen3-VL; variant={variant!r} is neither")
 
 
 def corpus_path() -> pathlib.Path:
@@ -312,7 +336,8 @@ def _check_kv_heads(kv_heads: int) -> None:
 def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS, width: str = "tiny"):
     """The model config of `variant` with `kv_heads` KV heads, with the special token ids of `build_tokenizer`.
 
-    ``width="real"``: Qwen2-VL-2B's widths and KV heads (``REAL_WIDTH``); ``width="head64"``: ``HEAD64_WIDTH``; for
+    ``width="real"``: Qwen2-VL-2B's widths and KV heads (``REAL_WIDTH``; for Qwen3-VL, Qwen3-VL-2B's:
+    ``QWEN3_REAL_WIDTH``); ``width="head64"``: ``HEAD64_WIDTH``; for
     both, `kv_heads` is not used."""
     _check_variant(variant, width)
     _check_kv_heads(kv_heads)
@@ -329,9 +354,12 @@ def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS,
     else:
         from transformers import Qwen2_5_VLConfig as config_class
     if width != "tiny":
-        widths = REAL_WIDTH if width == "real" else HEAD64_WIDTH
+        widths = HEAD64_WIDTH if width == "head64" else QWEN3_REAL_WIDTH if variant == "qwen3_vl" else REAL_WIDTH
+        text = {**_TEXT_CONFIG, **widths["text"]}
+        if variant == "qwen3_vl":
+            text = {k: v for k, v in text.items() if k not in ("use_sliding_window", "max_window_layers")}
         return config_class(
-            text_config={**_TEXT_CONFIG, **widths["text"]},
+            text_config=text,
             vision_config={**_VISION_CONFIGS[variant], **widths["vision"]},
             tie_word_embeddings=widths["tie_word_embeddings"],
             dtype="float32",

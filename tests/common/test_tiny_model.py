@@ -241,8 +241,24 @@ def test_real_width_config_has_qwen2_vl_2b_widths_and_two_layers():
     assert max(SPECIAL_TOKEN_IDS.values()) < text.vocab_size
     with pytest.raises(ValueError, match="width="):
         build_config("qwen2_vl", width="huge")
-    with pytest.raises(ValueError, match="variant='qwen2_5_vl' must be 'qwen2_vl'"):
+    with pytest.raises(ValueError, match="variant='qwen2_5_vl' is neither"):
         build_config("qwen2_5_vl", width="real")
+    with pytest.raises(ValueError, match="variant='qwen3_vl' must be 'qwen2_vl'"):
+        build_config("qwen3_vl", width="head64")
+
+
+def test_real_width_qwen3_config_has_qwen3_vl_2b_widths_and_deepstack():
+    config = build_config("qwen3_vl", width="real")
+    text, vision = config.text_config, config.vision_config
+    got = {name: getattr(text, name) for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                  "num_key_value_heads", "head_dim", "vocab_size",
+                                                  "num_hidden_layers")}
+    assert got == {"hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "num_hidden_layers": 2}
+    assert text.rope_parameters["mrope_interleaved"] and sum(text.rope_parameters["mrope_section"]) == 128 // 2
+    assert (vision.hidden_size, vision.num_heads, vision.out_hidden_size) == (1024, 16, 2048)
+    assert list(vision.deepstack_visual_indexes) == [0, 1] and vision.depth == 2
+    assert config.tie_word_embeddings
 
 
 def test_head64_config_has_heads_of_width_64_that_tp_2_shards():
