@@ -12,7 +12,9 @@ sends back what it was told:
 
 Half-way (after turn 2 everywhere) the replica serving the most conversations is killed with SIGKILL, without
 waiting for Envoy to notice: its conversations' next turn is a miss on another replica (retried there by Envoy,
-no error reaches the client), then hits again; every other conversation keeps hitting.
+no error reaches the client), then hits again; every other conversation keeps hitting. A conversation without the
+replica header whose turn Envoy retried before the dead replica left its table may move once more, to the survivor
+the table gives its key, and hits there from then on (at most one such move per retried request).
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from mmcast.v1 import generation_pb2, generation_pb2_grpc
 from mmcast_client.affinity import conversation_key, session_key
 from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.envoy import Envoy, replica_of
+from tests.support.oracle import wait_until
 from tests.support.replicas import replicas
 
 pytestmark = pytest.mark.slow
 
 REPLICAS = 3
-TURNS = 4
+TURNS = 5  # two turns after the kill's miss: a conversation moved twice must hit after
 KILL_AFTER = 2  # turns done everywhere before the kill
 PER_KIND = 3  # conversations of each (door, behaviour)
 KINDS = [("grpc", "echo"), ("http", "echo"), ("grpc", "key"), ("http", "key"), ("grpc", "session"),
@@ -165,7 +168,12 @@ def test_envoy_keeps_conversations_on_their_replica_and_a_kill_costs_only_its_ow
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
         groups[victim].stop()  # and it stays down
-        run_all(conversations, range(KILL_AFTER, TURNS), envoy, groups, model)
+        run_all(conversations, range(KILL_AFTER, KILL_AFTER + 1), envoy, groups, model)
+        # The turns after the kill's own are routed once Envoy has taken the dead replica out of its tables.
+        dropped = lambda: all(envoy.stat(f"cluster.{c}.membership_healthy") == REPLICAS - 1  # noqa: E731
+                              for c in ("mmcast_grpc", "mmcast_http"))
+        assert wait_until(dropped, 30, 0.1), "Envoy kept the killed replica in its tables"
+        run_all(conversations, range(KILL_AFTER + 1, TURNS), envoy, groups, model)
         retries = {c: envoy.stat(f"cluster.{c}.upstream_rq_retry") for c in ("mmcast_grpc", "mmcast_http")}
     elapsed = time.monotonic() - started
 
@@ -179,13 +187,26 @@ def test_envoy_keeps_conversations_on_their_replica_and_a_kill_costs_only_its_ow
     for c in stayed:  # the kill cost them nothing: same replica, every turn a hit
         assert {t.replica for t in c.turns[1:]} == {c.turns[1].replica}, (c.n, c.behaviour, c.turns)
         assert all(hit(c, t) for t in range(KILL_AFTER, TURNS)), (c.n, c.behaviour, c.turns)
-    for c in moved:  # one miss on the replica that took it over, then hits there
+    # A moved conversation pays one miss on the replica that took it over, then hits there. One more move is
+    # possible without the replica header: a turn that Envoy retried before the dead replica left its table went to
+    # a survivor chosen by the retry, and once the table drops the dead replica the key's own survivor may be the
+    # other one. Each such move needs a retried request, comes on the first turn routed by the new table, and the
+    # conversation hits on every later turn.
+    moved_again = {}
+    for c in moved:
         assert c.turns[KILL_AFTER].replica != victim
         assert not hit(c, KILL_AFTER), (c.n, c.turns)
-        assert all(hit(c, t) for t in range(KILL_AFTER + 1, TURNS)), (c.n, c.behaviour, c.turns)
+        later = range(KILL_AFTER + 1, TURNS)
+        moves = [t for t in later if c.turns[t].replica != c.turns[t - 1].replica]
+        assert len(moves) <= (0 if c.behaviour == "echo" else 1), (c.n, c.behaviour, c.turns)
+        assert victim not in {c.turns[t].replica for t in later}, (c.n, c.turns)
+        assert all(hit(c, t) for t in later if t not in moves), (c.n, c.behaviour, c.turns)
+        assert moves in ([], [KILL_AFTER + 1]), (c.n, c.behaviour, c.turns)
+        moved_again.update({(c.n, t): c for t in moves})
+    assert len(moved_again) <= sum(retries.values()), (sorted(moved_again), retries)
 
     turn_ids = [(c, t) for c in conversations for t in range(1, TURNS)]
-    kill_cost = {(c.n, KILL_AFTER) for c in moved}  # the one miss each moved conversation pays
+    kill_cost = {(c.n, KILL_AFTER) for c in moved} | set(moved_again)  # the misses the kill cost moved ones
     rates = {}
     for behaviour in ("echo", "key", "session"):
         ids = [(c, t) for c, t in turn_ids if c.behaviour == behaviour]
@@ -194,10 +215,10 @@ def test_envoy_keeps_conversations_on_their_replica_and_a_kill_costs_only_its_ow
                             sum(c.turns[t].cached_tokens > 0 for c, t in ids) / len(ids),
                             sum(hit(c, t) for c, t in unhurt) / len(unhurt))
     print(f"\nenvoy e2e: {len(conversations)} conversations x {TURNS} turns in {elapsed:.1f}s; served before the kill "
-          f"{served}, victim {victim}, moved {len(moved)}; Envoy retries {retries}")
+          f"{served}, victim {victim}, moved {len(moved)} (again: {len(moved_again)}); Envoy retries {retries}")
     for behaviour, (strict, nonzero, unhurt) in rates.items():
         print(f"  {behaviour:8s} turns 2+: {strict:.1%} full-prefix hits, {nonzero:.1%} cached_tokens > 0, "
-              f"{unhurt:.1%} full-prefix hits apart from the kill's one miss per moved conversation")
+              f"{unhurt:.1%} full-prefix hits apart from the misses the kill cost moved conversations")
     # Sending back what the answers carry (or a session id from the start): every turn 2+ a full-prefix hit but for
     # the kill's one miss per moved conversation. (With the kill's misses counted, the share depends on how many
     # conversations the victim held: about 1 - 1/(3 * 3) of turns 2..4 with conversations spread evenly.)
