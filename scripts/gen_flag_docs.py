@@ -99,7 +99,7 @@ def shown_default(f: dataclasses.Field) -> str:
         return f"`{value:g}`"
     if value == "":
         return "empty"
-    if isinstance(value, int) and f.name.endswith("_bytes") and value >= 1024:
+    if isinstance(value, int) and "_bytes" in f.name and value >= 1024:
         words = _size(value)
         return f"`{value}` ({words})" if words else f"`{value}`"
     return f"`{value}`"
