@@ -119,3 +119,26 @@ def test_every_listed_difference_still_differs():
                 differing.add((binary, name))
     stale = sorted(set(CHART_DIFFERS) - differing)
     assert not stale, f"CHART_DIFFERS explains values the chart no longer sets or that equal the default: {stale}"
+
+
+def test_deployment_doc_lists_the_flags_the_chart_passes():
+    """docs/DEPLOYMENT.md §6's "flags passed" row names exactly the flags the default values render, in either
+    layout (with its qualifiers in the prose: `--rank` in a group pod, `--dist-bind-host` there too)."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "DEPLOYMENT.md").read_text()
+    (row,) = [line for line in doc.splitlines() if line.startswith("| flags passed |")]
+    _, scheduler_cell, worker_cell = row.strip().strip("|").split("|")
+    listed = {"scheduler": set(re.findall(r"--[a-z][a-z-]*", scheduler_cell)),
+              "worker": set(re.findall(r"--[a-z][a-z-]*", worker_cell))}
+    rendered: dict[str, set] = {"scheduler": set(), "worker": set()}
+    for sets in LAYOUTS.values():
+        for (binary, name) in _chart_settings(render(sets=sets)):
+            rendered[binary].add("--" + name.replace("_", "-"))
+        rendered["worker"] |= {"--rank"}  # rendered in a group pod, but not a setting _chart_settings compares
+    for binary in ("scheduler", "worker"):
+        assert listed[binary] == rendered[binary], (
+            f"docs/DEPLOYMENT.md §6 'flags passed' ({binary}) differs from what the chart renders: "
+            f"not listed {sorted(rendered[binary] - listed[binary])}, listed but not rendered "
+            f"{sorted(listed[binary] - rendered[binary])}")
