@@ -77,6 +77,12 @@ def env_of(f: dataclasses.Field) -> str:
     return ENV_PREFIX + f.name.upper()
 
 
+def default_of(f: dataclasses.Field) -> Any:
+    """The field's default (a list default's fresh copy); ``dataclasses.MISSING`` for a required setting. Read by
+    the generated documentation (scripts/gen_flag_docs.py) and the chart's checks as well as by ``load``."""
+    return _default(f)
+
+
 def _kind(f: dataclasses.Field) -> str:
     """int, float, bool, list or str, from the annotation (a string under ``from __future__ import annotations``)."""
     name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))

@@ -75,7 +75,8 @@ class SchedulerConfig:
         "decoder ever runs", section=_LIMITS,
     )
     max_concurrent_decodes: int = setting(
-        2, "images decoded and preprocessed at once (each may hold ~1.4 GiB at the default limits: docs/SECURITY.md)",
+        2, "images the frontend decodes and preprocesses at once under --payload-encoding pixels (each may hold "
+        "~1.4 GiB at the default limits: docs/SECURITY.md; under encoded the ranks decode)",
         min=1, max=1024, section=_LIMITS,
     )
     frontend_threads: int = setting(
@@ -114,7 +115,8 @@ class SchedulerConfig:
 
     # --- caches -------------------------------------------------------------------------------------------------
     processor_cache_bytes: int = setting(
-        1 << 30, "bytes of processed images kept so an image seen before is neither decoded, processed nor hashed",
+        1 << 30, "bytes of processed images kept so an image seen before is neither decoded, processed nor hashed "
+        "(--payload-encoding pixels only; encoded images are not decoded by the frontend)",
         min=0, max=_INT_MAX, section=_CACHES,
     )
     upload_store_bytes: int = setting(256 << 20, "bytes of uploaded encoded images kept for reference by hash",
