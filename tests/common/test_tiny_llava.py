@@ -74,9 +74,13 @@ def test_decoder_shards_by_its_own_plan_at_tp_2_and_4(tiny_model_llava_dir):
     text = config.text_config
     assert text.head_dim == 16 and "mrope_section" not in (text.rope_parameters or {})
     assert family_of(config).tp_plan(config, 2) is None  # the checkpoint's own plan
-    plan = type(text).base_model_tp_plan
-    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= {
-        key.split(".")[-1] for key in plan}
+    with torch.device("meta"):  # the plan transformers composes for the whole model (what DistributedConfig applies)
+        plan = AutoModelForImageTextToText.from_config(config).tp_plan
+    decoder = "model.language_model.layers.*."
+    assert {decoder + p: plan.get(decoder + p) for p in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")} == {
+        decoder + "self_attn.q_proj": "colwise", decoder + "self_attn.k_proj": "colwise",
+        decoder + "mlp.down_proj": "rowwise"}
+    assert not any(key.startswith("model.vision_tower") for key in plan)  # the CLIP tower stays whole on every rank
     for tp_size in (1, 2, 4):
         check_checkpoint(tiny_model_llava_dir, tp_size, "--world-size")
         for name in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size", "vocab_size"):
