@@ -221,7 +221,8 @@ class Frontend:
         grid = self.images.grid(pending.header)
         num_tokens = self.images.tokens(grid, pending.header)
         if num_tokens != pending.tokens:  # one resize rule, two uses: they cannot disagree unless the processor does
-            raise InvalidArgument(f"{pending.field}: the image's grid {grid.tolist()} gives {num_tokens} tokens, its "
+            shown = "(none)" if grid is None else grid.tolist()
+            raise InvalidArgument(f"{pending.field}: the image's grid {shown} gives {num_tokens} tokens, its "
                                   f"header {pending.tokens}", field=pending.field)
         pending.image = None
         payload = torch.frombuffer(bytearray(pending.data), dtype=torch.uint8)
