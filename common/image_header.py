@@ -4,10 +4,11 @@
   plugin never runs (PIL's ICO plugin, for one, decodes the embedded image inside ``Image.open``). A refused file is
   named by the first other plugin whose magic-byte check (``accept``) matches its first bytes, without opening it.
 - **Pixels.** ``width * height`` against ``--max-image-pixels`` (decompression bombs).
-- **Tokens.** The placeholder count follows from the header size and the processor's own resize rule
-  (``get_number_of_image_patches``: transformers' ``smart_resize`` with the processor's patch size, merge size and
-  min/max pixels) divided by ``merge_size**2``; ``tests/scheduler/test_image_header.py`` compares it with the
-  processor's output. A GIF, APNG or animated WebP counts its first frame, the only one decoded.
+- **Tokens.** The placeholder count follows from the header size and the processor's own resize rule (the model
+  family's ``image_tokens``, ``common/families/``; for the Qwen-VL families ``get_number_of_image_patches``:
+  transformers' ``smart_resize`` with the processor's patch size, merge size and min/max pixels, divided by
+  ``merge_size**2``; for LLaVA a constant, the processor's count for its fixed crop);
+  ``tests/scheduler/test_image_header.py`` compares it with the processor's output. A GIF, APNG or animated WebP counts its first frame, the only one decoded.
 - **Orientation.** The frontend turns an image upright as transformers' ``load_image`` does
   (``ImageOps.exif_transpose``), so an EXIF orientation of 5-8 (a quarter turn, with or without a mirror) swaps the
   width and height the processor sees; the header's width and height are those. The tag is read from the metadata
@@ -48,22 +49,25 @@ class ImageHeader:
 class ImageHeaderReader:
     """Opens encoded images lazily with the allowed plugins only and predicts their prompt tokens."""
 
-    def __init__(self, formats: Sequence[str], max_pixels: int, image_processor) -> None:
+    def __init__(self, formats: Sequence[str], max_pixels: int, image_processor, tokens_of=None) -> None:
         from PIL import Image
 
         Image.init()
         self.formats = tuple(formats)
         self.max_pixels = max_pixels
         self.image_processor = image_processor
-        self.merge_size = int(image_processor.merge_size)
+        # (height, width) -> placeholder tokens: the model family's rule (common/families/); by default Qwen-VL's.
+        self._tokens_of = tokens_of
         # Other plugins' magic-byte checks, only to name a refused format in the error.
         self._others = [(name, accept) for name, (_, accept) in Image.OPEN.items()
                         if name not in self.formats and accept is not None]
 
     def tokens(self, width: int, height: int) -> int:
         """Placeholder tokens of a ``width`` x ``height`` image (ValueError where the processor refuses the size)."""
+        if self._tokens_of is not None:
+            return self._tokens_of(height, width)
         patches = self.image_processor.get_number_of_image_patches(height, width)
-        return int(patches) // (self.merge_size**2)
+        return int(patches) // (int(self.image_processor.merge_size) ** 2)
 
     def detect(self, data: bytes) -> str | None:
         """The name of a not-allowed format whose signature matches ``data`` (no plugin is opened)."""

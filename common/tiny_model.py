@@ -14,6 +14,9 @@ layers 0 and 1), and Qwen3-VL's image preprocessing (patch 16, mean/std 0.5) exc
 lowered to Qwen2-VL's 56x56 so the tests' small images stay a few tokens (a 112x84 image is 12 tokens in every
 variant). Its chat template is the Qwen2-VL one above.
 
+``variant="llava"`` is llava-1.5's architecture without M-RoPE (``common/tiny_llava.py``): a CLIP tower, a projector
+and a Llama decoder of the same widths, every image 9 tokens.
+
 Everything downstream loads it as it would load a local Qwen2-VL-2B-Instruct checkpoint, with no
 `trust_remote_code`: `AutoModelForImageTextToText.from_pretrained(path)` for the model and
 `common.processor.load_processor(path)` for the processor — `AutoProcessor.from_pretrained(path)` where torchvision is
@@ -46,7 +49,7 @@ import pathlib
 import shutil
 import tempfile
 
-VARIANTS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VARIANTS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 WIDTHS = ("tiny", "real", "head64")
 DEFAULT_KV_HEADS = 4
 KV_HEAD_CHOICES = (1, 2, 4, 8)  # divisors of the 8 query heads
@@ -347,6 +350,10 @@ def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS,
         "vision_start_token_id": SPECIAL_TOKEN_IDS["<|vision_start|>"],
         "vision_end_token_id": SPECIAL_TOKEN_IDS["<|vision_end|>"],
     }
+    if variant == "llava":
+        from common import tiny_llava
+
+        return tiny_llava.build_config(_TEXT_CONFIG, token_ids, kv_heads)
     if variant == "qwen2_vl":
         from transformers import Qwen2VLConfig as config_class
     elif variant == "qwen3_vl":
@@ -379,6 +386,10 @@ def build_config(variant: str = "qwen2_vl", *, kv_heads: int = DEFAULT_KV_HEADS,
 
 
 def _processor_class(variant: str):
+    if variant == "llava":
+        from transformers import LlavaProcessor
+
+        return LlavaProcessor
     if variant == "qwen2_vl":
         from transformers import Qwen2VLProcessor
 
@@ -400,6 +411,10 @@ def build_processor(variant: str = "qwen2_vl", tokenizer=None):
     from common.processor import image_only
 
     tokenizer = build_tokenizer() if tokenizer is None else tokenizer
+    if variant == "llava":
+        from common import tiny_llava
+
+        return tiny_llava.build_processor(tokenizer, CHAT_TEMPLATE)
     settings = QWEN3_IMAGE_PROCESSOR_SETTINGS if variant == "qwen3_vl" else IMAGE_PROCESSOR_SETTINGS
     image_processor = Qwen2VLImageProcessorPil(**settings)
     return image_only(_processor_class(variant))(
@@ -437,6 +452,7 @@ def recipe_id() -> str:
     import transformers
 
     digest = hashlib.sha256(pathlib.Path(__file__).read_bytes())
+    digest.update(pathlib.Path(__file__).with_name("tiny_llava.py").read_bytes())
     digest.update(corpus_path().read_bytes())
     digest.update(f"{torch.__version__} {transformers.__version__} {tokenizers.__version__}".encode())
     return digest.hexdigest()[:16]
@@ -461,6 +477,10 @@ def build_tiny_model(
     (out / MARKER_FILE).unlink(missing_ok=True)
     processor = build_processor(variant)
     build_model(variant, seed=seed, kv_heads=kv_heads, width=width).save_pretrained(out)
+    if variant == "llava":  # its processor_config.json holds the patch size and feature strategy tokens need
+        processor.save_pretrained(out)
+        (out / MARKER_FILE).write_text(json.dumps(_marker(variant, seed, kv_heads, width), sort_keys=True) + "\n")
+        return out
     # The file layout of a Hub Qwen2-VL checkpoint: preprocessor_config.json naming the processor class, next to
     # the tokenizer files and chat_template.jinja (not 5.x's processor_config.json).
     processor.tokenizer.save_pretrained(out)

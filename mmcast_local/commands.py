@@ -18,7 +18,7 @@ from mmcast_client.cli import Command
 DEFAULT_TINY_MODEL_DIR = "~/.cache/mmcast/tiny-qwen2-vl"
 TRANSFER_MODES = ("full", "strip", "lazy")
 # make-tiny-model --family NAME -> the tiny model variant (common/tiny_model.py) it builds
-FAMILY_VARIANTS = {"qwen2-vl": "qwen2_vl", "qwen2.5-vl": "qwen2_5_vl", "qwen3-vl": "qwen3_vl"}
+FAMILY_VARIANTS = {"qwen2-vl": "qwen2_vl", "qwen2.5-vl": "qwen2_5_vl", "qwen3-vl": "qwen3_vl", "llava": "llava"}
 
 
 class _Terminated(Exception):
@@ -35,7 +35,7 @@ def add_make_tiny_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", choices=tuple(FAMILY_VARIANTS), default=None,
                    help="model family (default qwen2-vl; the families of common/families/)")
     p.add_argument("--variant", choices=tuple(FAMILY_VARIANTS.values()), default=None,
-                   help="the same choice by transformers model type (qwen2_vl, qwen2_5_vl, qwen3_vl)")
+                   help="the same choice by transformers model type (qwen2_vl, qwen2_5_vl, qwen3_vl, llava)")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
     p.add_argument(
         "--kv-heads",

@@ -2,8 +2,9 @@
 
 It loads the model folder's HF processor (``common.processor.load_processor``: the parts ``AutoProcessor`` finds,
 without the video processor when torchvision is absent; a folder without an image processor or a chat template stops
-the start) and works with any Qwen2-VL-family processor (an image token the processor expands into
-``grid.prod() / merge_size**2`` placeholders).
+the start) and works with the processor of any family of ``common/families/`` (an image token the processor
+expands into the family's placeholder count: ``grid.prod() / merge_size**2`` for the Qwen-VL families, a constant
+for LLaVA; the item carries the family's grid field, if it has one).
 
 Images enter as the model's processor takes a decoded file: upright (the EXIF orientation applied, as transformers'
 ``load_image`` does), then handed over in their own mode, so the processor's ``convert_to_rgb`` composites
@@ -109,7 +110,7 @@ class _Processed:
 
     identifier: ItemId
     payload: Any  # pixels: (patches, patch_dim) float pixel_values; encoded: the file's bytes, 1-D uint8
-    grid_thw: Any  # (1, 3) int64 tensor: keep_on_cpu metadata
+    grid_thw: Any  # (1, 3) int64 tensor: keep_on_cpu metadata; None for a family without a grid field
     num_tokens: int  # placeholder tokens in the prompt
     encoding: PayloadEncoding = PayloadEncoding.PIXELS
 
@@ -143,7 +144,6 @@ class Frontend:
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         video_token = getattr(self.processor, "video_token", None)
         self._placeholder_tokens = [t for t in (self.image_token, video_token) if t]
-        self.merge_size = int(self.image_processor.merge_size)
         self.processor_settings = json.loads(json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str))
         model_config = AutoConfig.from_pretrained(self.model_dir)
         text_config = getattr(model_config, "text_config", model_config)
@@ -160,7 +160,8 @@ class Frontend:
         )
         self.cache = ByteLRU(config.processor_cache_bytes)
         self.family = family_of(model_config)  # its header rule (common/families/)
-        self.images = ImageInput(self.image_processor, config.image_formats, config.max_image_pixels, self.family)
+        self.images = ImageInput(self.image_processor, config.image_formats, config.max_image_pixels, self.family,
+                                 processor=self.processor)
         self.headers = self.images.headers
         self.encoded = config.payload_encoding == "encoded"  # header-only: the ranks decode (common/image_input.py)
         self._decode_slots = threading.BoundedSemaphore(config.max_concurrent_decodes)
@@ -210,7 +211,7 @@ class Frontend:
                 pixel_values, grid = self.images.process(pending.image, pending.field)
             finally:
                 pending.image = None  # the decoded pixels go now, not when the request's last reference does
-        num_tokens = int(grid[0].prod()) // (self.merge_size**2)
+        num_tokens = self.images.tokens(grid, pending.header)
         identifier = item_identifier(pending.data, self.processor_settings, scope=tenant)
         return _Processed(identifier, pixel_values, grid, num_tokens)
 
@@ -218,9 +219,10 @@ class Frontend:
         """``--payload-encoding encoded``: the file as sent is the payload; its grid and placeholder count come from
         the header and the processor's resize rule, the rank that encodes it preprocesses it. Nothing is decoded."""
         grid = self.images.grid(pending.header)
-        num_tokens = int(grid[0].prod()) // (self.merge_size**2)
+        num_tokens = self.images.tokens(grid, pending.header)
         if num_tokens != pending.tokens:  # one resize rule, two uses: they cannot disagree unless the processor does
-            raise InvalidArgument(f"{pending.field}: the image's grid {grid.tolist()} gives {num_tokens} tokens, its "
+            shown = "(none)" if grid is None else grid.tolist()
+            raise InvalidArgument(f"{pending.field}: the image's grid {shown} gives {num_tokens} tokens, its "
                                   f"header {pending.tokens}", field=pending.field)
         pending.image = None
         payload = torch.frombuffer(bytearray(pending.data), dtype=torch.uint8)
@@ -440,10 +442,11 @@ class Frontend:
             token_ids += [self.image_token_id] * image.num_tokens
             prev = pos + 1
             name = ENCODED_FIELD if image.encoding is PayloadEncoding.ENCODED else "pixel_values"
-            data = MultiModalKwargsItem({
-                name: MultiModalFieldElem(image.payload, keep_on_cpu=False, kind=FieldKind.FLAT),
-                "image_grid_thw": MultiModalFieldElem(image.grid_thw, keep_on_cpu=True, kind=FieldKind.BATCHED),
-            })
+            fields = {name: MultiModalFieldElem(image.payload, keep_on_cpu=False, kind=FieldKind.FLAT)}
+            if self.family.grid_field is not None:  # the grid M-RoPE positions need; a fixed-size family has none
+                fields[self.family.grid_field] = MultiModalFieldElem(image.grid_thw, keep_on_cpu=True,
+                                                                     kind=FieldKind.BATCHED)
+            data = MultiModalKwargsItem(fields)
             features.append(MultiModalFeatureSpec(
                 data, Modality.IMAGE, image.identifier, PlaceholderRange(offset, image.num_tokens),
                 payload_nbytes=int(image.payload.nbytes), encoding=image.encoding,

@@ -45,7 +45,14 @@ def tiny_model_q3_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return _tiny_model(tmp_path_factory, "qwen3_vl")
 
 
-_TINY_FIXTURES = {"qwen2_vl": "tiny_model_dir", "qwen2_5_vl": "tiny_model_25_dir", "qwen3_vl": "tiny_model_q3_dir"}
+@pytest.fixture(scope="session")
+def tiny_model_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Folder of the embedded tiny LLaVA (seed 0; no M-RoPE), built once per session."""
+    return _tiny_model(tmp_path_factory, "llava")
+
+
+_TINY_FIXTURES = {"qwen2_vl": "tiny_model_dir", "qwen2_5_vl": "tiny_model_25_dir", "qwen3_vl": "tiny_model_q3_dir",
+                  "llava": "tiny_model_llava_dir"}
 
 
 # --- worker fixtures: one loaded model and one in-process rank per tiny variant, shared by the worker tests ---
@@ -91,7 +98,7 @@ def _worker_env(request: pytest.FixtureRequest, variant: str) -> WorkerEnv:
     return env
 
 
-@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"])
 def worker_env(request: pytest.FixtureRequest) -> WorkerEnv:
     """An in-process rank (world size 1) of each tiny variant, with its oracle model."""
     return _worker_env(request, request.param)
@@ -105,7 +112,7 @@ def worker_env_q2(request: pytest.FixtureRequest) -> WorkerEnv:
 
 @pytest.fixture(scope="session")
 def worker_env_for(request: pytest.FixtureRequest):
-    """``worker_env_for("qwen2_vl" | "qwen2_5_vl" | "qwen3_vl")``: the shared env of a variant, for tests parametrized by name."""
+    """``worker_env_for("qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "llava")``: the shared env of a variant, for tests parametrized by name."""
     return lambda variant: _worker_env(request, variant)
 
 

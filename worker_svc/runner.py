@@ -11,10 +11,11 @@ The language model runs on ``inputs_embeds`` built here: the token embeddings of
 rows of this window scattered at their placeholder positions. This is what the model's own merge does
 (``masked_scatter`` at the image-token positions) but by position rather than by token id, so it also holds for
 ``is_embed`` ranges, for a window that cuts an image, and for a batch whose rows cover different items.
-Positions are always given explicitly (sliced from the whole prompt's M-RoPE positions).
+Positions are always given explicitly: sliced from the whole prompt's M-RoPE positions, or for a family without
+M-RoPE (LLaVA) each token's index.
 
 One forward per step: the windows of every request (prefill chunks and decode tokens alike) are packed into one
-sequence of batch 1, positions ``(3, 1, tokens)``; the library's text model runs it with the attention function of
+sequence of batch 1, positions ``(3, 1, tokens)`` (``(1, tokens)`` without M-RoPE); the library's text model runs it with the attention function of
 ``worker_svc/paged_attention.py`` (selected for the text config only), which writes each token's KV at the slot its
 block table gives and attends per request over views of the pool. The final norm's output is kept only at the
 last token of windows that sample, and only those rows go through ``lm_head``. On a one-rank float32 CPU group the
@@ -40,18 +41,23 @@ from worker_svc.mrope import uses_mrope
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Payload field names the processor produces per modality: (pixels, grid).
+# Payload field names the processor produces per modality: (pixels, grid). A family without a grid field
+# (``Family.grid_field`` None: LLaVA) has the pixels alone.
 ENCODER_FIELDS = {
     Modality.IMAGE: ("pixel_values", "image_grid_thw"),
     Modality.VIDEO: ("pixel_values_videos", "video_grid_thw"),
 }
 
 
-def encoder_fields(feature: MultiModalFeatureSpec) -> tuple[str, str]:
-    """The fields a rank needs to encode the item: (payload, grid) — the file's bytes for an encoded image."""
+def encoder_fields(feature: MultiModalFeatureSpec, family=None) -> tuple[str, ...]:
+    """The fields a rank needs to encode the item: payload, then grid where the family has one (``family`` None:
+    the Qwen-VL families') — the payload being the file's bytes for an encoded image."""
+    pixels, grid = ENCODER_FIELDS[feature.modality]
     if feature.encoding is PayloadEncoding.ENCODED:
-        return ENCODED_FIELD, ENCODER_FIELDS[feature.modality][1]
-    return ENCODER_FIELDS[feature.modality]
+        pixels = ENCODED_FIELD
+    if family is not None and family.grid_field is None:
+        return (pixels,)
+    return pixels, grid
 
 
 def resolve_device(name: str, rank: int) -> torch.device:
@@ -148,13 +154,6 @@ class ModelRunner:
         )
         self.uses_mrope = uses_mrope(model.config)
         self.rope_kwargs = self.family.rope_kwargs(model.config) if self.uses_mrope else {}
-        vision = getattr(model.config, "vision_config", None)
-        channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None)
-        try:  # values per patch row of pixel_values: channels x temporal patch x patch x patch
-            self.patch_dim = int(channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
-        except (AttributeError, TypeError):
-            self.patch_dim = None  # unknown: not checked
-        self.merge_size = int(getattr(vision, "spatial_merge_size", 1) or 1)
         self.embed = model.get_input_embeddings()
         # Encoder-output rows as the language model consumes them (``_embeds`` casts to this dtype): the unit of
         # the sharded placement's broadcast, identical on every rank.
@@ -181,24 +180,23 @@ class ModelRunner:
         """Why ``encode`` could not run on this item's fields (their shapes disagree), or None.
 
         Checked while planning, so a malformed item is refused before any rank starts the step."""
-        pixels_name, grid_name = encoder_fields(feature)
-        pixels, grid = feature.data[pixels_name].data, feature.data[grid_name].data
-        if grid.numel() != 3 or grid.dtype.is_floating_point:
-            return f"{grid_name} must hold 3 integers (t, h, w); got {grid.dtype}{tuple(grid.shape)}"
-        t, h, w = (int(v) for v in grid.reshape(-1).tolist())
-        if min(t, h, w) < 1 or h % self.merge_size or w % self.merge_size:
-            return f"{grid_name}=({t}, {h}, {w}) must be positive with h, w multiples of {self.merge_size}"
+        pixels_name, grid_name = ENCODER_FIELDS[feature.modality]
+        if feature.encoding is PayloadEncoding.ENCODED:
+            pixels_name = ENCODED_FIELD
+        pixels = feature.data[pixels_name].data
+        grid = feature.data[grid_name].data if self.family.grid_field is not None else None
+        problem = self.family.grid_problem(self.config, grid, grid_name)
+        if problem is not None:
+            return problem
         if feature.encoding is PayloadEncoding.ENCODED:  # decoded by the item's owner, which checks the rest
             if pixels.dim() != 1 or pixels.dtype != torch.uint8:
                 return f"{pixels_name} must be a 1-D uint8 tensor (the file's bytes); got {pixels.dtype}{tuple(pixels.shape)}"
             return None
-        if pixels.dim() != 2 or not pixels.dtype.is_floating_point:
-            return f"{pixels_name} must be a 2-D float tensor; got {pixels.dtype}{tuple(pixels.shape)}"
-        if pixels.shape[0] != t * h * w:
-            return f"{pixels_name} has {pixels.shape[0]} patch rows; {grid_name}=({t}, {h}, {w}) needs {t * h * w}"
-        if self.patch_dim is not None and pixels.shape[1] != self.patch_dim:
-            return f"{pixels_name} rows have {pixels.shape[1]} values; the vision tower takes {self.patch_dim}"
-        return None
+        return self.family.pixel_problem(self.config, pixels, grid, pixels_name, grid_name)
+
+    def encoder_fields(self, feature: MultiModalFeatureSpec) -> tuple[str, ...]:
+        """The fields this model's vision tower reads of the item (``encoder_fields`` for its family)."""
+        return encoder_fields(feature, self.family)
 
     @torch.inference_mode()
     def encode(self, feature: MultiModalFeatureSpec) -> torch.Tensor:
@@ -209,7 +207,9 @@ class ModelRunner:
         1280x720 image, kept until the item is evicted)."""
         pixels_name, grid_name = ENCODER_FIELDS[feature.modality]
         pixels = feature.data[pixels_name].data.to(self.device, non_blocking=True)
-        grid = feature.data[grid_name].data.reshape(-1, 3).to(self.device)
+        grid = None
+        if self.family.grid_field is not None:
+            grid = feature.data[grid_name].data.reshape(-1, 3).to(self.device)
         return self.family.encode(self.model, pixels, grid, video=feature.modality is Modality.VIDEO)
 
     def empty_rows(self, num_rows: int) -> torch.Tensor:

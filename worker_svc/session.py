@@ -203,11 +203,15 @@ class Session:
             return feature
         data = feature.data[ENCODED_FIELD].data.numpy().tobytes()
         pixels, grid = self.images.process_bytes(data, f"item {ident[:16]}")
-        want = feature.data["image_grid_thw"].data.reshape(1, 3)
-        if not torch.equal(grid, want):
-            raise InvalidArgument(f"item {ident[:16]}: the decoded image has the grid {grid.tolist()[0]}, its header "
-                                  f"gave {want.tolist()[0]}")
-        fields = {"pixel_values": MultiModalFieldElem(pixels), "image_grid_thw": feature.data["image_grid_thw"]}
+        fields = {"pixel_values": MultiModalFieldElem(pixels)}
+        name = self.runner.family.grid_field  # None: a family without a grid (every image one shape)
+        if name is not None:
+            want = feature.data[name].data.reshape(1, 3)
+            if grid is None or not torch.equal(grid, want):
+                got = None if grid is None else grid.tolist()[0]
+                raise InvalidArgument(f"item {ident[:16]}: the decoded image has the grid {got}, its header "
+                                      f"gave {want.tolist()[0]}")
+            fields[name] = feature.data[name]
         return dataclasses.replace(feature, data=MultiModalKwargsItem(fields), encoding=PayloadEncoding.PIXELS)
 
     def _encode_step(self, plan: _Plan, outcome: StepOutcome) -> set[ItemId]:

@@ -18,7 +18,6 @@ from common.multimodal import PayloadEncoding
 from mmcast.v1 import worker_pb2
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.request_state import RequestState, admit, check_blocks, check_prefix_written, check_tokens
-from worker_svc.runner import encoder_fields
 from worker_svc.step_errors import StepError, code
 
 Payloads = dict[ItemId, dict[str, torch.Tensor]]  # identifier -> field name -> tensor
@@ -254,7 +253,7 @@ def check_local_encoder_input(
     if feature.encoding is PayloadEncoding.ENCODED and not images_allowed:
         raise StepError(code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}] is an encoded image, but the handshake "
                         "allowed no image format", item_identifier=ident)
-    missing = [n for n in encoder_fields(feature) if feature.data is None or n not in feature.data]
+    missing = [n for n in runner.encoder_fields(feature) if feature.data is None or n not in feature.data]
     if missing:
         raise StepError(
             code.MISSING_PAYLOAD,

@@ -76,6 +76,7 @@ class Worker:
         self.gate = EpochGate()
         self.runner = None
         self.image_processor = None
+        self.processor = None
         self.group: Group | None = None
         self.identity: RankIdentity | None = None
         self.active: StreamHandle | None = None
@@ -108,7 +109,8 @@ class Worker:
         # The model folder's own image processor, as the frontend loads it: encoded payloads are preprocessed here.
         from common.processor import load_processor
 
-        self.image_processor = load_processor(self.config.model).image_processor
+        self.processor = load_processor(self.config.model)  # the whole processor: some families count tokens there
+        self.image_processor = self.processor.image_processor
         self.ready = True
 
     def ack(self) -> worker_pb2.HandshakeAck:
@@ -174,7 +176,8 @@ class Worker:
         formats = [f for f in hs.image_formats if f in _pil_formats()]
         if not formats:
             return None
-        return ImageInput(self.image_processor, formats, hs.max_image_pixels or 1, family_of(read_config(self.config.model)))
+        return ImageInput(self.image_processor, formats, hs.max_image_pixels or 1,
+                          family_of(read_config(self.config.model)), processor=self.processor)
 
     def close_stream(self, handle: StreamHandle) -> None:
         if self.active is handle:

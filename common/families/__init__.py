@@ -6,9 +6,14 @@ the wire stay the same (docs/ARCHITECTURE.md §2.8):
 
 - ``model_types``: the ``model_type`` values of its checkpoints (and of their text parts);
 - ``load_processor_class``: the processor class to load from the folder when torchvision is missing;
-- ``image_grid``: the header-only frontend's rule, image size -> the grid the processor will produce;
+- ``grid_field``: the name of an image's grid field (``image_grid_thw``), or None for a family whose processor
+  gives none (a fixed-size family: every image is the same tensor shape and the same number of tokens);
+- ``image_tokens`` / ``image_grid`` / ``grid_tokens``: the header-only frontend's rules, image size -> the
+  placeholder count and the grid the processor will produce, and a processed grid -> its placeholder count;
 - ``uses_mrope`` / ``rope_kwargs``: whether positions are M-RoPE (then a stripped item keeps its ``keep_on_cpu``
-  grids, which positions need) and the parameters of ``worker_svc.mrope.mrope_positions``;
+  grids, which positions need, and ``worker_svc.mrope.mrope_positions`` takes these parameters); otherwise
+  positions are 1-D (``arange``) and a prefix-covered item keeps no field at all;
+- ``grid_problem`` / ``pixel_problem``: the rank's shape checks of an item before the encoder runs;
 - ``encode``: the vision tower's call, giving one row per placeholder token (``row_width`` values a row);
 - ``text_model_kwargs``: how encoder rows enter the language model besides replacing the placeholder embeddings;
 - ``tp_plan``: the tensor-parallel plan for the decoder when the checkpoint's own does not shard it.
@@ -38,6 +43,7 @@ class Family:
     model_types: frozenset[str] = frozenset()  # config.json model_type of the whole checkpoint
     text_model_types: frozenset[str] = frozenset()  # model_type of its text_config
     uses_mrope: bool = True  # positions (3, tokens) from every item's grid, cached or not
+    grid_field: str | None = "image_grid_thw"  # an image's keep_on_cpu grid field; None: the family has none
 
     # --- frontend --------------------------------------------------------------------------------------------
 
@@ -51,8 +57,51 @@ class Family:
         return image_only(PROCESSOR_MAPPING[type(config)])
 
     def image_grid(self, image_processor, height: int, width: int):
-        """``image_grid_thw`` (1, 3) int64 the processor gives an upright image of ``height`` x ``width``."""
+        """``image_grid_thw`` (1, 3) int64 the processor gives an upright image of ``height`` x ``width``; None
+        for a family without a grid field."""
         raise NotImplementedError
+
+    def image_tokens(self, processor, image_processor, height: int, width: int) -> int:
+        """Placeholder tokens the processor gives an upright image of ``height`` x ``width`` (``processor``: the
+        whole processor, or None where only the image processor is known). ValueError where it refuses the size.
+
+        The default is the Qwen-VL rule: the image processor's own patch count over ``merge_size**2``."""
+        patches = image_processor.get_number_of_image_patches(height, width)
+        return int(patches) // (int(image_processor.merge_size) ** 2)
+
+    def grid_tokens(self, image_processor, grid) -> int:
+        """Placeholder tokens of an image whose processed grid is ``grid`` (the family's ``grid_field``)."""
+        return int(grid.reshape(-1).prod()) // (int(image_processor.merge_size) ** 2)
+
+    def grid_problem(self, config, grid, grid_name: str) -> str | None:
+        """Why an item's grid field (``grid_name``, None when the item has none) is unusable, or None. Checked for
+        encoded and pixel payloads alike. The Qwen-VL rule: (t, h, w), positive, h and w multiples of the merge."""
+        if grid is None or grid.numel() != 3 or grid.dtype.is_floating_point:
+            got = "no such field" if grid is None else f"{grid.dtype}{tuple(grid.shape)}"
+            return f"{grid_name} must hold 3 integers (t, h, w); got {got}"
+        merge = int(getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1) or 1)
+        t, h, w = (int(v) for v in grid.reshape(-1).tolist())
+        if min(t, h, w) < 1 or h % merge or w % merge:
+            return f"{grid_name}=({t}, {h}, {w}) must be positive with h, w multiples of {merge}"
+        return None
+
+    def pixel_problem(self, config, pixels, grid, pixels_name: str, grid_name: str) -> str | None:
+        """Why a pixel payload ``pixels`` (its grid already passed ``grid_problem``) cannot go through the vision
+        tower, or None. The Qwen-VL rule: one row per patch of the grid, each row one patch's values."""
+        if pixels.dim() != 2 or not pixels.dtype.is_floating_point:
+            return f"{pixels_name} must be a 2-D float tensor; got {pixels.dtype}{tuple(pixels.shape)}"
+        t, h, w = (int(v) for v in grid.reshape(-1).tolist())
+        if pixels.shape[0] != t * h * w:
+            return f"{pixels_name} has {pixels.shape[0]} patch rows; {grid_name}=({t}, {h}, {w}) needs {t * h * w}"
+        vision = getattr(config, "vision_config", None)
+        channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None)
+        try:  # values per patch row: channels x temporal patch x patch x patch
+            patch_dim = int(channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        except (AttributeError, TypeError):
+            return None  # unknown: not checked
+        if pixels.shape[1] != patch_dim:
+            return f"{pixels_name} rows have {pixels.shape[1]} values; the vision tower takes {patch_dim}"
+        return None
 
     # --- positions -------------------------------------------------------------------------------------------
 
@@ -82,9 +131,9 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from common.families import qwen2_vl, qwen3_vl
+    from common.families import llava, qwen2_vl, qwen3_vl
 
-    return (*qwen2_vl.FAMILIES, *qwen3_vl.FAMILIES)
+    return (*qwen2_vl.FAMILIES, *qwen3_vl.FAMILIES, *llava.FAMILIES)
 
 
 def all_families() -> tuple[Family, ...]:
@@ -114,7 +163,7 @@ def family_of(config: Any) -> Family:
 
 
 def family_named(name: str) -> Family:
-    """The family of a CLI name (``qwen2-vl``, ``qwen3-vl``, ...)."""
+    """The family of a CLI name (``qwen2-vl``, ``qwen3-vl``, ``llava``, ...)."""
     for family in _families():
         if family.name == name:
             return family

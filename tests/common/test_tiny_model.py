@@ -1,5 +1,6 @@
-"""The embedded tiny Qwen2-VL / Qwen2.5-VL: deterministic builds, the from_pretrained round trip, the processor's
-placeholder spans, generation, and the shape constraints tensor parallelism relies on."""
+"""The embedded tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL: deterministic builds, the from_pretrained round trip, the
+processor's placeholder spans, generation, and the shape constraints tensor parallelism relies on (the tiny LLaVA's:
+tests/common/test_tiny_llava.py)."""
 
 import concurrent.futures
 import json
@@ -19,7 +20,6 @@ from common.processor import load_processor
 from common.tiny_model import (
     MARKER_FILE,
     SPECIAL_TOKEN_IDS,
-    VARIANTS,
     VOCAB_SIZE,
     build_config,
     build_model,
@@ -27,6 +27,7 @@ from common.tiny_model import (
     ensure_tiny_model,
 )
 
+VARIANTS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # the Qwen-VL ones; LLaVA has its own file
 IMAGE_PAD = SPECIAL_TOKEN_IDS["<|image_pad|>"]
 VISION_START = SPECIAL_TOKEN_IDS["<|vision_start|>"]
 VISION_END = SPECIAL_TOKEN_IDS["<|vision_end|>"]
@@ -297,8 +298,8 @@ def test_ensure_refuses_another_build_and_foreign_folders(tiny_model_dir, tmp_pa
         ensure_tiny_model(tiny_model_dir, seed=1)
     with pytest.raises(ValueError, match="variant"):
         ensure_tiny_model(tiny_model_dir, variant="qwen2_5_vl")
-    with pytest.raises(ValueError, match="variant='llava'"):
-        ensure_tiny_model(tmp_path / "x", variant="llava")
+    with pytest.raises(ValueError, match="variant='gemma3'"):
+        ensure_tiny_model(tmp_path / "x", variant="gemma3")
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")

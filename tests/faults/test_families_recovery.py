@@ -7,7 +7,7 @@ streaming requests, each with its own image, run until every one has tokens; ran
 supervisor restarts the group, the scheduler requeues each request with the tokens it already sent, and each stream
 must finish with the tokens and log-probabilities of the checkpoint run whole in transformers. A recomputed request
 re-encodes its image on the new group (the rank caches died with it): the family's encoder rows (for Qwen3-VL the
-DeepStack levels too) must come back exact.
+DeepStack levels too) must come back exact, and its positions too (LLaVA: 1-D, its items travel with no grid).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from tests.support.oracle import Oracle, assert_matches, scrape, user_turn, wait
 pytestmark = pytest.mark.slow
 
 TP = 2
-N_TOKENS = 32  # long enough that the kill lands mid-generation
+N_TOKENS = 128  # long enough that the kill lands mid-generation
 STREAMS = 3
-SIZE = (160, 128)  # a 32-pixel grid step: 5 x 4 merged patches for Qwen3-VL
+SIZE = (160, 128)  # Qwen3-VL: a 32-pixel grid step, 5 x 4 merged patches; LLaVA crops it to its square
 # Family checkpoints (fixtures of tests/conftest.py) whose recovery runs here; the default model's is in test_e2e.py.
-FAMILY_MODELS = ("tiny_model_q3_dir",)
+FAMILY_MODELS = ("tiny_model_q3_dir", "tiny_model_llava_dir")
 
 
 def messages(k: int) -> list[dict]:

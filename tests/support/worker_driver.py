@@ -94,18 +94,22 @@ def process_prompt(processor, segments, image_token_id: int) -> Prompt:
     if images:
         is_image = inputs["input_ids"][0] == image_token_id
         starts = [i for i in range(len(ids)) if is_image[i] and (i == 0 or not is_image[i - 1])]
-        grids = inputs["image_grid_thw"]
-        rows = grids.prod(-1).tolist()
+        # Each image's placeholder run, as the processor expanded it (the images are separated by other tokens).
+        lengths = []
+        for start in starts:
+            end = start
+            while end < len(ids) and is_image[end]:
+                end += 1
+            lengths.append(end - start)
+        grids = inputs.get("image_grid_thw")  # None for a family without a grid (LLaVA: one (3, H, W) per image)
+        rows = grids.prod(-1).tolist() if grids is not None else [1] * len(starts)
         pixels = torch.split(inputs["pixel_values"], rows)
-        merge = processor.image_processor.merge_size
         for index, start in enumerate(starts):
-            length = int(rows[index]) // (merge * merge)
-            data = MultiModalKwargsItem(
-                {
-                    "pixel_values": MultiModalFieldElem(pixels[index].contiguous(), kind=FieldKind.FLAT),
-                    "image_grid_thw": MultiModalFieldElem(grids[index : index + 1].clone(), keep_on_cpu=True),
-                }
-            )
+            length = lengths[index]
+            fields = {"pixel_values": MultiModalFieldElem(pixels[index].contiguous(), kind=FieldKind.FLAT)}
+            if grids is not None:
+                fields["image_grid_thw"] = MultiModalFieldElem(grids[index : index + 1].clone(), keep_on_cpu=True)
+            data = MultiModalKwargsItem(fields)
             ident = ItemId(hashlib.sha256(codec.tensor_bytes(pixels[index].contiguous())).hexdigest())
             features.append(MultiModalFeatureSpec(data, Modality.IMAGE, ident, PlaceholderRange(start, length)))
     return Prompt(ids, features, dict(inputs))
@@ -236,8 +240,10 @@ class MiniScheduler:
     """Drives ranks over real streams. ``mode``: ``lazy`` (payload in the step that encodes the item) or ``full``
     (every uncovered payload at admission)."""
 
-    def __init__(self, streams: list[StreamClient], *, block_size: int = 16, mode: str = "lazy", chunk_size=1 << 20):
+    def __init__(self, streams: list[StreamClient], *, block_size: int = 16, mode: str = "lazy", chunk_size=1 << 20,
+                 uses_mrope: bool = True):
         self.streams = streams
+        self.uses_mrope = uses_mrope  # the model's rule (common/rope.py): what a stripped item keeps
         self.block_size = block_size
         self.mode = mode
         self.chunk_size = chunk_size
@@ -247,6 +253,7 @@ class MiniScheduler:
         self.held: set[str] = set()  # the ranks' payload-cache mirror
         self.sent_payload_ids: list[str] = []  # identifiers whose payload was written, in order
         self.stripped_ids: list[str] = []  # identifiers sent as STRIPPED metadata
+        self.stripped_msgs: list = []  # their MultiModalItem messages, as written to the streams
         # bytes written to each stream, by kind
         self.sent_by_rank = [{"payload": 0, "metadata": 0, "control": len(s.handshake_bytes)} for s in streams]
         self.results: list[list[worker_pb2.StepResponse]] = []
@@ -324,7 +331,7 @@ class MiniScheduler:
             need = -(-end // self.block_size)
             req.block_ids += self.alloc(need - len(req.block_ids))
             if not req.admitted:
-                wire_features = strip_covered_mm_data(req.prompt.features, req.computed, uses_mrope=True)
+                wire_features = strip_covered_mm_data(req.prompt.features, req.computed, uses_mrope=self.uses_mrope)
                 msg = control.new_requests.add(
                     request_id=req.rid,
                     prompt_token_ids=known,
@@ -346,6 +353,8 @@ class MiniScheduler:
                     else:
                         state = PayloadState.DEFERRED
                     msg.mm_items.append(item_proto.feature_to_proto(f, payload_state=state))
+                    if state is PayloadState.STRIPPED:
+                        self.stripped_msgs.append(msg.mm_items[-1])
                 req.admitted = True
                 req.told = len(req.outputs)
                 req.blocks_told = len(req.block_ids)

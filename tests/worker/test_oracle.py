@@ -1,5 +1,5 @@
 """Served tokens equal plain transformers ``generate`` on the same checkpoint (tokens exact, log-probabilities within
-1e-3) for every tiny variant (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), driving an in-process rank over real Step streams: no prefix hit, a hit whose covered
+1e-3) for every tiny variant (Qwen2-VL, Qwen2.5-VL, Qwen3-VL with M-RoPE; LLaVA with 1-D positions), driving an in-process rank over real Step streams: no prefix hit, a hit whose covered
 images travel stripped, an image straddling the computed boundary, chunked prefill across an image, two requests
 with different hits in one batch; and a negative control proving the comparison can fail."""
 
@@ -20,21 +20,28 @@ def assert_matches(req, reference) -> None:
     assert max(diffs) <= TOL, diffs
 
 
+# (offset, length) of the two images of ``two_image_prompt``, by family. Qwen-VL: image 1 112x84 -> grid (1, 6, 8)
+# -> 12 tokens at [28, 40); image 2 56x56 -> 4 tokens at [49, 53). LLaVA: every image is cropped to 42x42 -> 9 tokens.
+TWO_IMAGE_SPANS = {"llava": [(28, 9), (46, 9)]}
+QWEN_SPANS = [(28, 12), (49, 4)]
+
+
 def two_image_prompt(env, seed=0, text="What is in this picture and"):
-    # image 1: 112x84 -> grid (1, 6, 8) -> 12 tokens at [28, 40); image 2: 56x56 -> 4 tokens at [49, 53)
     return env.prompt([noise_image(seed + 1, 112, 84), text, noise_image(seed + 2, 56, 56), "that one?"])
 
 
 @pytest.fixture
 def sched(worker_env):
     stream = worker_env.rank.stream(worker_env.model_dir)
-    yield MiniScheduler([stream])
+    yield MiniScheduler([stream], uses_mrope=worker_env.rank.worker.runner.uses_mrope)
     stream.close()
 
 
 def test_no_prefix_hit(worker_env, sched):
     prompt = two_image_prompt(worker_env)
-    assert [(f.mm_position.offset, f.mm_position.length) for f in prompt.features] == [(28, 12), (49, 4)]
+    family = worker_env.rank.worker.runner.family.name
+    spans = [(f.mm_position.offset, f.mm_position.length) for f in prompt.features]
+    assert spans == TWO_IMAGE_SPANS.get(family, QWEN_SPANS)
     req = sched.add(prompt, "a")
     sched.run([req])
     assert_matches(req, oracle(worker_env.model, prompt))
@@ -52,6 +59,13 @@ def test_prefix_hit_covering_stripped_images_sends_no_payload(worker_env, sched)
     sched.run([second])
     assert sched.sent["payload"] == payload_bytes, "a covered image's payload was sent"
     assert set(sched.stripped_ids) == {f.identifier for f in prompt.features}
+    # What a covered item carries to the rank: M-RoPE families keep exactly their grids (positions of every later
+    # token need them); a family with 1-D positions sends no field at all, only identifier and placeholder range.
+    kept = [sorted(field.name for field in msg.fields) for msg in sched.stripped_msgs]
+    if worker_env.rank.worker.runner.uses_mrope:
+        assert kept == [["image_grid_thw"]] * 2
+    else:
+        assert kept == [[]] * 2
     reference = oracle(worker_env.model, prompt)
     assert_matches(first, reference)
     assert_matches(second, reference)

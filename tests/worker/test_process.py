@@ -1,5 +1,5 @@
 """Real ``mmcast-worker`` processes: a TP=2 group reproduces plain transformers (and so TP=1) for both tiny
-variants (Qwen3-VL under the decoder plan of common/families/qwen3_vl.py), its /metrics byte counters equal what the test client wrote, and a lost peer ends the surviving rank
+variants (Qwen3-VL under the decoder plan of common/families/qwen3_vl.py; LLaVA under its checkpoint's own), its /metrics byte counters equal what the test client wrote, and a lost peer ends the surviving rank
 within the group timeout with one clear log line and a non-zero exit."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 
 # One group per variant for the whole module; the failure tests run last on each and end it.
-_TIMEOUTS = {"qwen2_vl": 3.0, "qwen2_5_vl": 2.0, "qwen3_vl": 2.0}
+_TIMEOUTS = {"qwen2_vl": 3.0, "qwen2_5_vl": 2.0, "qwen3_vl": 2.0, "llava": 2.0}
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +48,13 @@ def groups(worker_env_for, tmp_path_factory):
         group.stop()
 
 
-@pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"])
 def test_tp2_group_reproduces_transformers(variant, worker_env_for, groups):
+    # LLaVA: its Llama decoder is sharded by the checkpoint's own plan; an unsharded k/v projection would not fit
+    # the rank's KV pool of 2 of the 4 KV heads, so the match below needs the plan applied.
     env, group = worker_env_for(variant), groups(variant)
     streams = group.streams()
-    sched = MiniScheduler(streams)
+    sched = MiniScheduler(streams, uses_mrope=env.rank.worker.runner.uses_mrope)
     prompt = env.prompt([noise_image(61, 112, 84), "What is in this picture and", noise_image(62, 56, 56), "that?"])
     cold = sched.add(prompt, "cold", chunk=20)
     sched.run([cold])
