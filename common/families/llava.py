@@ -7,7 +7,7 @@
   same number of placeholder tokens.
 - Header rule: the processor's own count for an image size (``LlavaProcessor._get_num_multimodal_tokens``: patches
   of the crop, plus ``num_additional_image_tokens``, minus the CLS row the ``default`` feature strategy drops) —
-  the same for every size. ``tests/scheduler/test_image_header.py`` compares it with the processor's output.
+  the same for every size. ``tests/scheduler/test_llava_frontend.py`` compares it with the processor's output.
 - No grid field: the processor gives none, and positions need none. A prefix-covered item keeps no field at all
   (``strip_covered_mm_data(..., uses_mrope=False)`` sets its data to None): a rank receives only its identifier and
   placeholder range.
