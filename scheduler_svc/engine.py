@@ -17,9 +17,10 @@ from collections.abc import Callable
 from common import tracing
 from common.errors import REQUEST_RESOURCE, MmcastError, Resource, Status, Unavailable
 from common.ids import RequestId
+from scheduler_svc.accounting import Disposition, RequestUsage
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.rank_streams import GroupDown, PayloadTensors, WorkerGroup
-from scheduler_svc.request import FinishReason, RequestUsage
+from scheduler_svc.request import FinishReason
 from scheduler_svc.scheduler import GroupBudget
 
 log = logging.getLogger(__name__)
@@ -384,15 +385,11 @@ class Engine:
         """Per-step item dispositions and saved bytes, and the core's cumulative counters as deltas."""
         m = self.metrics
         totals = plan.totals()
-        m.mm_items.labels("sent").inc(totals.sent)
-        m.mm_items.labels("stripped").inc(totals.stripped)
-        m.mm_items.labels("rank_cached").inc(totals.rank_cached)
-        if totals.abandoned:
-            m.mm_items.labels("abandoned").inc(totals.abandoned)
-        m.payload_bytes_saved.labels("prefix_covered").inc(totals.bytes_saved_prefix_covered)
-        m.payload_bytes_saved.labels("rank_cached").inc(totals.bytes_saved_rank_cached)
-        m.mm_items.labels("encoder_shared").inc(totals.encoder_shared)
-        m.payload_bytes_saved.labels("encoder_shared").inc(totals.bytes_saved_encoder_shared)
+        for disposition, items, nbytes, saved_reason in totals.by_disposition():
+            if items or disposition is not Disposition.ABANDONED:  # the abandoned series starts with the first one
+                m.mm_items.labels(disposition.value).inc(items)
+            if saved_reason is not None:
+                m.payload_bytes_saved.labels(saved_reason).inc(nbytes)
         m.encoder_items.inc(len(plan.encoder_inputs))
         m.encoder_runs.inc(totals.encoder_runs)
         m.encoder_output_shared_bytes.inc(totals.encoder_output_bytes_shared)

@@ -20,7 +20,8 @@ from typing import Any
 from common.errors import Status
 from common.ids import ItemId, RequestId
 from common.multimodal import MultiModalFeatureSpec
-from scheduler_svc.request import FinishReason, Request, RequestUsage, SamplingParams
+from scheduler_svc.accounting import ItemAccounting, RequestUsage
+from scheduler_svc.request import FinishReason, Request, SamplingParams
 
 
 def payload_nbytes(feature: MultiModalFeatureSpec) -> int:
@@ -67,44 +68,6 @@ class RunningRequestData:
     new_block_ids: list[int]  # blocks appended to the table this step
     num_computed_tokens: int  # tokens computed before this step; equals the rank's own count
     num_scheduled_tokens: int  # tokens to compute this step
-
-
-@dataclasses.dataclass
-class ItemAccounting:
-    """Per-request increments of one step; item counts are summed over ranks (one per item per rank).
-
-    Counted as scheduler_svc/transfer.py's module doc says: a ``sent`` delivery is one payload written to one rank
-    in one step, charged to the first request that needed it then; the others settle, once each, the deliveries
-    ``full`` would have made for the items admitted in a step."""
-
-    sent: int = 0  # item deliveries whose payload travels (at admission in full/strip, when encoded in lazy)
-    stripped: int = 0  # item deliveries whose payload was prefix-covered at admission
-    rank_cached: int = 0  # lazy: deliveries the rank already held (payload, or encoder output so no encoding)
-    abandoned: int = 0  # lazy: deliveries due that no request reached (every holder ended first; not preemptions)
-    payload_bytes_sent: int = 0  # payload tensor bytes written to the ranks (frame overhead excluded)
-    bytes_saved_prefix_covered: int = 0  # payload bytes full would have sent for stripped deliveries
-    bytes_saved_rank_cached: int = 0  # payload bytes full would have sent for rank_cached deliveries
-    encoder_shared: int = 0  # sharded: deliveries no rank needed (the owner's encoder output reached it instead)
-    bytes_saved_encoder_shared: int = 0  # payload bytes full would have sent for encoder_shared deliveries
-    encoder_runs: int = 0  # vision-encoder runs over the group (sharded: 1 per item encoded; replicated: ranks)
-    encoder_output_bytes_shared: int = 0  # sharded: encoder-output bytes the owner broadcasts, summed over receivers
-
-    def add(self, other: ItemAccounting) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def add_to_usage(self, usage: RequestUsage) -> None:
-        usage.items_sent += self.sent
-        usage.items_stripped += self.stripped
-        usage.items_rank_cached += self.rank_cached
-        usage.items_abandoned += self.abandoned
-        usage.payload_bytes_sent += self.payload_bytes_sent
-        usage.payload_bytes_saved_prefix_covered += self.bytes_saved_prefix_covered
-        usage.payload_bytes_saved_rank_cached += self.bytes_saved_rank_cached
-        usage.items_encoder_shared += self.encoder_shared
-        usage.payload_bytes_saved_encoder_shared += self.bytes_saved_encoder_shared
-        usage.encoder_runs += self.encoder_runs
-        usage.encoder_output_bytes_shared += self.encoder_output_bytes_shared
 
 
 @dataclasses.dataclass

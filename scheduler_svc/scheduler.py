@@ -307,12 +307,11 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 finished_ids.append(victim.request_id)
         planner.finish_step()
-        if not (scheduled or finished_ids or planner.evict_payload_ids or self._reset_next):
+        if not (scheduled or finished_ids or planner.mirrors.evict_payload_ids or self._reset_next):
             if self._requests:
                 raise MmcastError(f"internal: {len(self._requests)} requests but nothing schedulable")
             return None
-        for rid, acc in planner.accounting.items():
-            acc.add_to_usage(self._requests[rid].usage)
+        accounting, released = planner.book.take_step(lambda rid: self._requests[rid].usage)
         plan = StepPlan(
             step_id=self._next_step_id,
             new_requests=new_reqs,
@@ -321,16 +320,16 @@ class Scheduler:
             preempted_request_ids=preempted,
             encoder_inputs=planner.encoder_inputs,
             encoder_owners=planner.encoder_owners,
-            evict_payload_ids=list(planner.evict_payload_ids),
-            evict_encoder_ids=planner.evict_encoder_ids,
+            evict_payload_ids=list(planner.mirrors.evict_payload_ids),
+            evict_encoder_ids=planner.mirrors.evict_encoder_ids,
             reset_caches=self._reset_next,
             num_scheduled_tokens={r.request_id: n for r, n in scheduled},
             sampling_request_ids=[r.request_id for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens],
             rank_payloads=planner.rank_payloads,
-            accounting=planner.accounting,
+            accounting=accounting,
             items_examined=planner.items_examined,
             scheduled=scheduled,
-            released=planner.take_released(),
+            released=released,
         )
         plan.control = step_control(plan)
         self._next_step_id += 1
@@ -380,7 +379,7 @@ class Scheduler:
                 f"{sorted(unexpected)}" + (f"; both a token and a failure for {sorted(both)}" if both else "")
             )
         self._outstanding = None
-        self.planner.end_step()
+        self.planner.mirrors.end_step()
         updates = [self._fail_item(self._requests[rid], *bad_items[rid]) for rid in spoiled]
         for r, n in live:
             if r.request_id in spoiled:
@@ -445,7 +444,7 @@ class Scheduler:
         return None
 
     def _finish(self, r: Request, reason: FinishReason) -> None:
-        r.usage.items_abandoned += self.planner.release(r)
+        self.planner.release(r)  # what it abandons goes to its Usage
         self.kv.free(r.request_id)
         self.running.remove(r)
         self._pending_finished.append(r.request_id)
@@ -530,8 +529,8 @@ class Scheduler:
             preemptions=self.num_preemptions,
             prefix_query_tokens=self.kv.query_tokens,
             prefix_hit_tokens=self.kv.hit_tokens,
-            encoder_cache_tokens_used=self.planner.encoder.used,
-            payload_cache_bytes_used=self.planner.payloads[0].used,
+            encoder_cache_tokens_used=self.planner.mirrors.encoder.used,
+            payload_cache_bytes_used=self.planner.mirrors.payloads[0].used,
             steps=self._next_step_id - 1,
         )
 
