@@ -133,6 +133,13 @@ class ItemAccounting:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
+    @classmethod
+    def total(cls, tallies: list[ItemAccounting]) -> ItemAccounting:
+        out = cls()
+        for acc in tallies:
+            out.add(acc)
+        return out
+
     def add_to_usage(self, usage: RequestUsage) -> None:
         for count, nbytes, usage_count, usage_bytes, _ in _FIELDS.values():
             for mine, theirs in ((count, usage_count), (nbytes, usage_bytes)):

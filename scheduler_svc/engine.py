@@ -16,19 +16,20 @@ from collections.abc import Callable
 
 from common import tracing
 from common.errors import REQUEST_RESOURCE, MmcastError, Resource, Status, Unavailable
-from common.ids import RequestId
+from common.ids import ItemId, RequestId
 from scheduler_svc.accounting import Disposition, RequestUsage
+from scheduler_svc.inputs import GroupBudget, Sample, StepOutcome
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.plan_proto import step_control
 from scheduler_svc.rank_streams import GroupDown, PayloadTensors, WorkerGroup
 from scheduler_svc.request import FinishReason
-from scheduler_svc.scheduler import GroupBudget
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class TokenEvent:
-    token_ids: list[int]
+    token_ids: list[int]  # tokens delivered in this event, in order
     logprobs: list  # one (logprob, [(token_id, logprob), ...]) per token, or empty
 
 
@@ -233,7 +234,7 @@ class Engine:
                 continue
             try:
                 with _step_span(plan):
-                    results = await self.group.run_step(plan.step_id, plan.control, self._payloads(plan))
+                    results = await self.group.run_step(plan.step_id, step_control(plan), self._payloads(plan))
             except GroupDown as exc:
                 await self._group_lost(str(exc))
                 continue
@@ -329,18 +330,19 @@ class Engine:
         now = time.monotonic()
         rank0 = results[0]
         self._count_plan(plan)
-        sampled = {
-            s.request_id: (s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top_logprobs])
-            for s in rank0.sampled
-        }
-        failed = {f.request_id: f.message for f in rank0.failures}
-        for request_id, message in failed.items():
+        outcome = StepOutcome(
+            sampled={RequestId(s.request_id): Sample(s.token_id, s.logprob,
+                                                     [(t.token_id, t.logprob) for t in s.top_logprobs])
+                     for s in rank0.sampled},
+            failed={RequestId(f.request_id): f.message for f in rank0.failures},
+            # Items an owner rank could not decode (encoded payloads): every rank skipped the windows reaching them.
+            item_failures={ItemId(f.item_identifier): f.message for r in results for f in r.item_failures},
+        )
+        for request_id, message in outcome.failed.items():
             log.warning("request failed at the worker", extra={"request_id": request_id, "reason": message})
-        # Items an owner rank could not decode (encoded payloads): every rank skipped the windows reaching them.
-        item_failures = {f.item_identifier: f.message for r in results for f in r.item_failures}
-        for ident, message in item_failures.items():
+        for ident, message in outcome.item_failures.items():
             log.warning("image failed at its owner rank", extra={"item": ident[:16], "reason": message})
-        for update in self.core.update_from_output(plan, sampled, failed, item_failures):
+        for update in self.core.update_from_output(plan, outcome):
             self._deliver(update, now)
         for request_id, handle in self.handles.items():
             if request_id in plan.accounting:

@@ -81,7 +81,7 @@ def admission_owners(mirrors: Sequence[BudgetedLRU], sends: Sequence[MultiModalF
             continue  # the same image again in the prompt: one owner, one payload
         rank = choose_owner(mirrors, t, f.identifier, payload_nbytes(f), f.mm_position.get_num_embeds())
         if rank is None:
-            return None
+            return None  # one item without a rank is enough: the admission waits for room
         owners[f.identifier] = rank
     return owners
 

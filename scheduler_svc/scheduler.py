@@ -7,9 +7,10 @@ The service drives it (all calls from one thread or event loop)::
                       uses_mrope=True, eos_token_ids={...}, max_model_len=frontend.max_model_len)
     sched.add_request(request)        # AlreadyExists | ResourceExhausted | InvalidArgument
     plan = sched.schedule()           # StepPlan, or None when there is nothing to tell the ranks
-    # ... rank r gets plan.rank_payloads[r] frames, then plan.control; wait for every rank's StepResult ...
-    updates = sched.update_from_output(plan, {request_id: (token_id, logprob, top_logprobs), ...},  # rank 0's
-                                       failed={request_id: message})  # rank 0's per-request failures
+    # ... the shell maps the plan to protobuf (plan_proto.step_control): rank r gets plan.rank_payloads[r]
+    # frames, then the control; it waits for every rank's StepResult and maps them back to plain data ...
+    updates = sched.update_from_output(plan, StepOutcome(sampled={request_id: Sample(token_id, logprob, top)},
+                                                         failed={request_id: message}))  # rank 0's failures
     #   -> [RequestUpdate]; raises StepOutputError (a FailedPrecondition: recover the group) on a mismatch
     sched.finish_request(request_id, FinishReason.CANCELLED)   # -> final RequestUpdate | None; next plan tells ranks
     poisoned = sched.recover()                                  # group lost: caches gone, running -> waiting as new;
@@ -40,7 +41,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 from common.errors import (
     REQUEST_RESOURCE,
@@ -53,28 +53,14 @@ from common.errors import (
     ResourceExhausted,
     Status,
 )
-from common.ids import RequestId
+from common.ids import ItemId, RequestId
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.inputs import GroupBudget, StepOutcome
 from scheduler_svc.kv_cache import KVCacheManager
 from scheduler_svc.output import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
-from scheduler_svc.plan_proto import step_control
 from scheduler_svc.poison import PoisonIsolator
 from scheduler_svc.request import FinishReason, Request, RequestStatus, validate_sampling
 from scheduler_svc.transfer import TransferPlanner
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupBudget:
-    """What the worker group offers: the minimum over its ranks' handshakes (``rank_streams.WorkerGroup.connect``
-    builds it; tests and benchmarks build it directly)."""
-
-    num_ranks: int  # tensor-parallel ranks (payload mirrors and per-rank payload lists)
-    kv_blocks: int  # blocks in each rank's KV pool
-    encoder_cache_tokens: int  # encoder-output rows each rank holds; also the per-step encoder budget
-    payload_cache_bytes: int  # payload bytes each rank holds
-    max_model_len: int = 0  # context length the ranks' model allows (0 = not reported)
-    max_tensor_bytes: int = 0  # largest single tensor every rank accepts (0 = not reported)
-    encoder_row_bytes: int = 0  # bytes of one encoder-output row (the collective's unit under sharded placement)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +68,7 @@ class SchedulerStats:
     num_running: int  # requests the ranks hold
     num_waiting: int  # requests queued (new, preempted or requeued by a recovery)
     kv_blocks_used: int  # blocks held by requests
-    kv_blocks_total: int
+    kv_blocks_total: int  # blocks in the group's pool (blocks)
     preemptions: int  # preemptions since start (recoveries not included)
     prefix_query_tokens: int  # tokens looked up in the prefix cache at admissions
     prefix_hit_tokens: int  # of which hit
@@ -254,7 +240,7 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is r:
-                    break
+                    break  # it preempted itself: nothing newer is left to free blocks
             if r.status is not RequestStatus.RUNNING:
                 break  # it was the newest and preempted itself: nothing older may be taken from
             appended = kv.allocate(r.request_id, start + n)
@@ -281,7 +267,7 @@ class Scheduler:
                 break  # FCFS: wait for room rather than let later requests overtake
             appended = kv.allocate(r.request_id, computed + n, prefix)
             if appended is None:
-                break
+                break  # out of blocks: FCFS, the head waits and nothing overtakes it
             self.waiting.remove(r)  # the head, unless an isolated suspect is taken out of turn
             self.running.append(r)
             r.status = RequestStatus.RUNNING
@@ -331,7 +317,6 @@ class Scheduler:
             scheduled=scheduled,
             released=released,
         )
-        plan.control = step_control(plan)
         self._next_step_id += 1
         self._reset_next = False
         self._outstanding = plan
@@ -348,21 +333,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     # --- results in ---------------------------------------------------------------------------------------------
-    def update_from_output(self, plan: StepPlan, sampled: Mapping[str, Any],
-                           failed: Mapping[str, str] | None = None,
-                           item_failures: Mapping[str, str] | None = None) -> list[RequestUpdate]:
+    def update_from_output(self, plan: StepPlan, outcome: StepOutcome) -> list[RequestUpdate]:
         """Applies a finished step: computed tokens, new cached blocks, rank 0's sampled tokens, stop checks.
 
-        ``sampled`` maps request id -> ``(token_id, logprob, top_logprobs)`` (a bare token id is accepted too);
-        ``failed`` maps request id -> message for requests rank 0 could not sample: they finish with ERROR
-        (INTERNAL) and the next plan tells the ranks to drop them. ``item_failures`` maps item identifier -> message
-        for encoded images an owner rank could not decode: every request holding one finishes with ERROR
-        (INVALID_ARGUMENT naming the image), without the step's progress (the ranks skipped the windows reaching
-        it, so none of its blocks enters the prefix cache). Raises StepOutputError (changing nothing) when the
-        results do not match the plan.
+        ``outcome.sampled``: rank 0's token of every request whose window reached its end. ``outcome.failed``:
+        requests rank 0 could not sample; they finish with ERROR (INTERNAL) and the next plan tells the ranks to drop
+        them. ``outcome.item_failures``: encoded images an owner rank could not decode; every request holding one
+        finishes with ERROR (INVALID_ARGUMENT naming the image), without the step's progress (the ranks skipped the
+        windows reaching it, so none of its blocks enters the prefix cache). Raises StepOutputError (changing
+        nothing) when the results do not match the plan.
         """
-        failed = failed or {}
-        item_failures = item_failures or {}
+        sampled, failed, item_failures = outcome.sampled, outcome.failed, outcome.item_failures
         if plan is not self._outstanding:
             raise FailedPrecondition(f"step {plan.step_id} is not the step in flight (stale after a recovery?)")
         live = [(r, n) for r, n in plan.scheduled if self._requests.get(r.request_id) is r and not r.is_finished]
@@ -383,7 +364,7 @@ class Scheduler:
         updates = [self._fail_item(self._requests[rid], *bad_items[rid]) for rid in spoiled]
         for r, n in live:
             if r.request_id in spoiled:
-                continue
+                continue  # failed with its image above: its step's progress is void
             r.num_computed_tokens += n
             self.kv.cache_full_blocks(r)
             self.planner.advance(r)
@@ -394,10 +375,12 @@ class Scheduler:
                 updates.append(RequestUpdate(r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage,
                                              error=f"request {r.request_id} failed at the worker: "
                                                    f"{failed[r.request_id]}", error_status=Status.INTERNAL))
-                continue
-            token, logprob, top = _unpack_sample(sampled[r.request_id])
+                continue  # rank 0 could not sample it: it ends here, without a token
+            sample = sampled[r.request_id]
+            token = sample.token_id
             r.append_output(token)
-            update = RequestUpdate(r.request_id, [token], [(logprob, top)] if r.sampling.return_logprobs else None)
+            update = RequestUpdate(r.request_id, [token],
+                                   [(sample.logprob, sample.top_logprobs)] if r.sampling.return_logprobs else None)
             reason = self._stop_reason(r, token)
             if reason is not None:
                 if reason is FinishReason.STOP:
@@ -409,7 +392,7 @@ class Scheduler:
             self.isolator.step_completed({r.request_id: r.num_computed_tokens for r, _ in live})
         return updates
 
-    def _failed_items(self, item_failures: Mapping[str, str]) -> dict[RequestId, tuple[int, str]]:
+    def _failed_items(self, item_failures: Mapping[ItemId, str]) -> dict[RequestId, tuple[int, str]]:
         """Requests holding a failed item: request id -> (index of its first failed image, message)."""
         out: dict[RequestId, tuple[int, str]] = {}
         if not item_failures:
@@ -418,7 +401,7 @@ class Scheduler:
             for k, f in enumerate(r.mm_features):
                 if f.identifier in item_failures:
                     out[rid] = (k, item_failures[f.identifier])
-                    break
+                    break  # the first failed image names the error
         return out
 
     def _fail_item(self, r: Request, index: int, message: str) -> RequestUpdate:
@@ -534,9 +517,3 @@ class Scheduler:
             steps=self._next_step_id - 1,
         )
 
-
-def _unpack_sample(sample: Any) -> tuple[int, float | None, Any]:
-    if isinstance(sample, int):
-        return sample, None, None
-    token, *rest = sample
-    return int(token), (rest[0] if rest else None), (rest[1] if len(rest) > 1 else None)

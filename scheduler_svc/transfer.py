@@ -113,7 +113,7 @@ class TransferPlanner:
         if not sends:
             return True
         if not all(self.mirrors.usable(f.identifier) for f in sends):
-            return False
+            return False  # an id evicted earlier in this step cannot travel in it: admit next step
         if self.sharded:
             owners = placement.admission_owners(self.mirrors.payloads, sends, self._load)
             self._admission_owners = owners or {}
@@ -202,7 +202,7 @@ class TransferPlanner:
             due = self.book.settle(rid, key) if lazy else None  # settled per rank: held here, else sent below
             if self.sharded:
                 owners[i] = self._commit_owner(request, i, window, due)
-                continue
+                continue  # one owner: its payload is handled there, the other ranks get its output
             for rank, mirror in enumerate(self.mirrors.payloads):
                 if not lazy:
                     if mirror.pinned(key) == 0:

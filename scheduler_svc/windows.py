@@ -73,7 +73,7 @@ def plan_window(request: Request, start: int, end: int, mirrors: GroupMirrors, b
             fits = placement.fits_every_rank(mirrors.payloads, room, key, payload_nbytes(f))
         if not fits:
             window.end = max(f.mm_position.offset, start)  # compute up to the item; it waits for room
-            break
+            break  # later items start after it: the window ends here
         window.encode.append(i)
         enc_ids.add(key)
         enc_tokens += tokens
