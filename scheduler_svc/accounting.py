@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from common.ids import ItemId, RequestId
 
@@ -63,17 +63,25 @@ class EncoderRun:
     output_bytes_shared: int  # encoder-output bytes the owner broadcasts, summed over the receiving ranks (bytes)
 
 
-# Per disposition, the tally's count field and bytes field (None: no bytes are counted), then the Usage fields they
-# add to and the reason label of mmcast_broadcast_payload_bytes_saved_total (None: not a saving).
-_FIELDS: dict[Disposition, tuple[str, str | None, str, str | None, str | None]] = {
-    Disposition.SENT: ("sent", "payload_bytes_sent", "items_sent", "payload_bytes_sent", None),
-    Disposition.PREFIX_COVERED: ("stripped", "bytes_saved_prefix_covered", "items_stripped",
-                                 "payload_bytes_saved_prefix_covered", "prefix_covered"),
-    Disposition.RANK_CACHED: ("rank_cached", "bytes_saved_rank_cached", "items_rank_cached",
-                              "payload_bytes_saved_rank_cached", "rank_cached"),
-    Disposition.ENCODER_SHARED: ("encoder_shared", "bytes_saved_encoder_shared", "items_encoder_shared",
-                                 "payload_bytes_saved_encoder_shared", "encoder_shared"),
-    Disposition.ABANDONED: ("abandoned", None, "items_abandoned", None, None),
+class _Names(NamedTuple):
+    """Where one disposition is counted: the one table that names every accounting field (below)."""
+
+    count: str  # ItemAccounting field of its deliveries
+    nbytes: str | None  # ItemAccounting field of their payload bytes (None: no bytes are counted)
+    usage_count: str  # RequestUsage field of its deliveries (the proto Usage's names are servicer.py's)
+    usage_bytes: str | None  # RequestUsage field of their bytes (None: none)
+    saved_reason: str | None  # reason label of mmcast_broadcast_payload_bytes_saved_total (None: not a saving)
+
+
+_FIELDS: dict[Disposition, _Names] = {
+    Disposition.SENT: _Names("sent", "payload_bytes_sent", "items_sent", "payload_bytes_sent", None),
+    Disposition.PREFIX_COVERED: _Names("stripped", "bytes_saved_prefix_covered", "items_stripped",
+                                       "payload_bytes_saved_prefix_covered", "prefix_covered"),
+    Disposition.RANK_CACHED: _Names("rank_cached", "bytes_saved_rank_cached", "items_rank_cached",
+                                    "payload_bytes_saved_rank_cached", "rank_cached"),
+    Disposition.ENCODER_SHARED: _Names("encoder_shared", "bytes_saved_encoder_shared", "items_encoder_shared",
+                                       "payload_bytes_saved_encoder_shared", "encoder_shared"),
+    Disposition.ABANDONED: _Names("abandoned", None, "items_abandoned", None, None),
 }
 _ENCODER_FIELDS = ("encoder_runs", "encoder_output_bytes_shared")  # the same name in the tally and the Usage
 
@@ -99,7 +107,7 @@ class RequestUsage:
     @property
     def payload_bytes_saved(self) -> int:
         """Payload bytes `full` would have sent in addition, every reason together (the public Usage's)."""
-        return sum(getattr(self, f[3]) for f in _FIELDS.values() if f[4] is not None)
+        return sum(getattr(self, n.usage_bytes) for n in _FIELDS.values() if n.usage_bytes and n.saved_reason)
 
 
 @dataclasses.dataclass
@@ -123,11 +131,11 @@ class ItemAccounting:
         if isinstance(event, EncoderRun):
             self.encoder_runs += event.runs
             self.encoder_output_bytes_shared += event.output_bytes_shared
-            return
-        count, nbytes, *_ = _FIELDS[event.disposition]
-        setattr(self, count, getattr(self, count) + 1)
-        if nbytes is not None:
-            setattr(self, nbytes, getattr(self, nbytes) + event.nbytes)
+            return  # encoder work, not a delivery
+        names = _FIELDS[event.disposition]
+        setattr(self, names.count, getattr(self, names.count) + 1)
+        if names.nbytes is not None:
+            setattr(self, names.nbytes, getattr(self, names.nbytes) + event.nbytes)
 
     def add(self, other: ItemAccounting) -> None:
         for f in dataclasses.fields(self):
@@ -141,8 +149,8 @@ class ItemAccounting:
         return out
 
     def add_to_usage(self, usage: RequestUsage) -> None:
-        for count, nbytes, usage_count, usage_bytes, _ in _FIELDS.values():
-            for mine, theirs in ((count, usage_count), (nbytes, usage_bytes)):
+        for n in _FIELDS.values():
+            for mine, theirs in ((n.count, n.usage_count), (n.nbytes, n.usage_bytes)):
                 if mine is not None and theirs is not None:
                     setattr(usage, theirs, getattr(usage, theirs) + getattr(self, mine))
         for name in _ENCODER_FIELDS:
@@ -150,7 +158,8 @@ class ItemAccounting:
 
     def by_disposition(self) -> list[tuple[Disposition, int, int, str | None]]:
         """(disposition, deliveries, bytes, saved-bytes reason label or None) for the metrics."""
-        return [(d, getattr(self, f[0]), getattr(self, f[1]) if f[1] else 0, f[4]) for d, f in _FIELDS.items()]
+        return [(d, getattr(self, n.count), getattr(self, n.nbytes) if n.nbytes else 0, n.saved_reason)
+                for d, n in _FIELDS.items()]
 
 
 @dataclasses.dataclass
@@ -220,14 +229,14 @@ class TransferAccounting:
         or None when it holds none (not lazy, settled already, or a re-send)."""
         due = self._dues.get(request_id, {}).get(key)
         if due is None or not due.open:
-            return None
+            return None  # nothing left to settle: another request or an earlier step did, or none was due
         due.open = False
         return due.nbytes
 
     def first_share(self, key: ItemId) -> bool:
         """sharded full/strip: True the first time in the step (the item's dues settle as shared once per step)."""
         if key in self._shared:
-            return False
+            return False  # settled already in this step (a repeat, or another admission of the same item)
         self._shared.add(key)
         return True
 

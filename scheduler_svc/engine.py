@@ -249,11 +249,9 @@ class Engine:
 
     @property
     def max_model_len(self) -> int:
-        """Context length requests must fit: the model's, capped by what the ranks reported."""
-        budget = self.group.budget
-        if budget is not None and budget.max_model_len:
-            return min(self.model_max_len, budget.max_model_len)
-        return self.model_max_len
+        """Context length requests must fit: the core's, resolved at each connect from the configured length, the
+        model's and what the ranks reported; before the first connect, the configured and the model's."""
+        return self.core.max_model_len if self.core is not None else self.model_max_len
 
     @staticmethod
     def _payloads(plan) -> list[list[PayloadTensors]]:

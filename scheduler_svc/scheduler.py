@@ -54,7 +54,7 @@ from common.errors import (
     Status,
 )
 from common.ids import ItemId, RequestId
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.config import SchedulerConfig, context_length
 from scheduler_svc.inputs import GroupBudget, StepOutcome
 from scheduler_svc.kv_cache import KVCacheManager
 from scheduler_svc.output import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
@@ -110,10 +110,10 @@ class Scheduler:
                                                   "encoder_cache_tokens")
         self.payload_cache_bytes = cfg.effective(cfg.payload_cache_bytes, group.payload_cache_bytes,
                                                  "payload_cache_bytes")
-        lengths = [v for v in (cfg.max_model_len, self._model_max_len, group.max_model_len) if v]
-        if not lengths:
+        # The one resolution at connect: the service reads it back (Engine.max_model_len).
+        self.max_model_len = context_length(cfg.max_model_len, self._model_max_len or 0, group.max_model_len)
+        if not self.max_model_len:
             raise ValueError("max_model_len is unknown: set --max-model-len or pass the model config's")
-        self.max_model_len = min(lengths)
         old = getattr(self, "kv", None)
         self.kv = KVCacheManager(self.kv_blocks, cfg.block_size, events=self.kv_events)
         if old is not None:  # the counters are cumulative across reconnects
@@ -240,7 +240,7 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is r:
-                    break  # it preempted itself: nothing newer is left to free blocks
+                    break  # the newest left was the request itself: requeued, so nothing is left to free
             if r.status is not RequestStatus.RUNNING:
                 break  # it was the newest and preempted itself: nothing older may be taken from
             appended = kv.allocate(r.request_id, start + n)
