@@ -111,7 +111,7 @@ class TransferPlanner:
         """full/strip: whether every rank (sharded: each item's owner) can take the payloads this admission sends."""
         sends = self._admission_sends(request)
         if not sends:
-            return True
+            return True  # nothing travels at admission (lazy, deferred, or every item covered)
         if not all(self.mirrors.usable(f.identifier) for f in sends):
             return False  # an id evicted earlier in this step cannot travel in it: admit next step
         if self.sharded:
@@ -136,7 +136,7 @@ class TransferPlanner:
         if lazy:
             for i in range(request.item_cursor, len(wire)):
                 wire[i] = dataclasses.replace(wire[i], payload_state=PayloadState.DEFERRED)
-            return wire
+            return wire  # deferred: each payload travels with its encoder work (commit_window)
         sends = self._admission_sends(request)
         first = len(features) - len(sends)  # full sends from item 0, strip from the first uncovered item
         if not self.sharded:  # every rank gets every payload, one rank after the other
@@ -242,7 +242,7 @@ class TransferPlanner:
         ``due`` bytes per rank (the owner held it: rank_cached, else sent when queued; the others: encoder_shared)."""
         key, rid = request.mm_features[i].identifier, request.request_id
         if not self._lazy(request):
-            return placement.owner_holding(self.mirrors.payloads, key)
+            return placement.owner_holding(self.mirrors.payloads, key)  # chosen, sent and settled at admission
         rank = window.owners[i]
         if key in self.mirrors.payloads[rank]:
             self.mirrors.pin_for_step(rank, key)
