@@ -54,7 +54,9 @@ def measure_step_flatness(counts: Sequence[int] = (10, 100, 1000, 10_000), decod
                           modes: Sequence[str] = ("lazy", "strip", "full"), num_ranks: int = 2) -> dict:
     """Per mode and item count: decode-step time (p50, p90 µs), items examined per decode step, admission cost."""
     from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.scheduler import GroupBudget, Scheduler
+    from scheduler_svc.inputs import GroupBudget, Sample, StepOutcome
+    from scheduler_svc.plan_proto import step_control
+    from scheduler_svc.scheduler import Scheduler
 
     longest = max(counts) * (_TOKENS_PER_ITEM + _TEXT_BETWEEN) + decode_steps + 16
     out: dict = {"counts": list(counts), "decode_steps": decode_steps, "modes": {}}
@@ -72,8 +74,8 @@ def measure_step_flatness(counts: Sequence[int] = (10, 100, 1000, 10_000), decod
                 plan = sched.schedule()
                 if plan is None:
                     break
-                plan.control.SerializeToString()
-                sched.update_from_output(plan, {rid: 17 for rid in plan.sampling_request_ids})
+                step_control(plan).SerializeToString()
+                sched.update_from_output(plan, StepOutcome({rid: Sample(17) for rid in plan.sampling_request_ids}))
                 elapsed = (time.perf_counter() - t0) * 1e6
                 is_decode = not plan.new_requests and all(n == 1 for n in plan.num_scheduled_tokens.values())
                 if is_decode:

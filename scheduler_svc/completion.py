@@ -83,8 +83,7 @@ def summarize(handle: RequestHandle, finish: FinishEvent, processed, completion_
         cached_tokens=u.cached_tokens,
         images=len(processed.mm_features),
         payload_bytes_broadcast=u.payload_bytes_sent,
-        payload_bytes_saved=(u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached
-                             + u.payload_bytes_saved_encoder_shared),
+        payload_bytes_saved=u.payload_bytes_saved,
         preemptions=u.preemptions,
         time_to_first_token_seconds=ttft,
         total_seconds=now - handle.received_at,

@@ -38,6 +38,13 @@ PROG = "mmcast-scheduler"
 DESCRIPTION = "mmcast scheduler: serves mmcast.v1.GenerationService and drives one tensor-parallel worker group."
 
 
+def context_length(*limits: int) -> int:
+    """The context length requests must fit: the smallest of the known limits (--max-model-len, the model config's
+    max_position_embeddings, what the ranks reported); 0 (unknown) is no limit, and 0 is returned when none is known."""
+    known = [v for v in limits if v]
+    return min(known) if known else 0
+
+
 @dataclasses.dataclass
 class SchedulerConfig:
     """Settings of the scheduler core (frontend, prefix cache, step builder) and of the service around it."""

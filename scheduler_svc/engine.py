@@ -16,18 +16,20 @@ from collections.abc import Callable
 
 from common import tracing
 from common.errors import REQUEST_RESOURCE, MmcastError, Resource, Status, Unavailable
-from common.ids import RequestId
+from common.ids import ItemId, RequestId
+from scheduler_svc.accounting import Disposition, RequestUsage
+from scheduler_svc.inputs import GroupBudget, Sample, StepOutcome
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.plan_proto import step_control
 from scheduler_svc.rank_streams import GroupDown, PayloadTensors, WorkerGroup
-from scheduler_svc.request import FinishReason, RequestUsage
-from scheduler_svc.scheduler import GroupBudget
+from scheduler_svc.request import FinishReason
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class TokenEvent:
-    token_ids: list[int]
+    token_ids: list[int]  # tokens delivered in this event, in order
     logprobs: list  # one (logprob, [(token_id, logprob), ...]) per token, or empty
 
 
@@ -232,7 +234,7 @@ class Engine:
                 continue
             try:
                 with _step_span(plan):
-                    results = await self.group.run_step(plan.step_id, plan.control, self._payloads(plan))
+                    results = await self.group.run_step(plan.step_id, step_control(plan), self._payloads(plan))
             except GroupDown as exc:
                 await self._group_lost(str(exc))
                 continue
@@ -247,11 +249,9 @@ class Engine:
 
     @property
     def max_model_len(self) -> int:
-        """Context length requests must fit: the model's, capped by what the ranks reported."""
-        budget = self.group.budget
-        if budget is not None and budget.max_model_len:
-            return min(self.model_max_len, budget.max_model_len)
-        return self.model_max_len
+        """Context length requests must fit: the core's, resolved at each connect from the configured length, the
+        model's and what the ranks reported; before the first connect, the configured and the model's."""
+        return self.core.max_model_len if self.core is not None else self.model_max_len
 
     @staticmethod
     def _payloads(plan) -> list[list[PayloadTensors]]:
@@ -328,18 +328,19 @@ class Engine:
         now = time.monotonic()
         rank0 = results[0]
         self._count_plan(plan)
-        sampled = {
-            s.request_id: (s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top_logprobs])
-            for s in rank0.sampled
-        }
-        failed = {f.request_id: f.message for f in rank0.failures}
-        for request_id, message in failed.items():
+        outcome = StepOutcome(
+            sampled={RequestId(s.request_id): Sample(s.token_id, s.logprob,
+                                                     [(t.token_id, t.logprob) for t in s.top_logprobs])
+                     for s in rank0.sampled},
+            failed={RequestId(f.request_id): f.message for f in rank0.failures},
+            # Items an owner rank could not decode (encoded payloads): every rank skipped the windows reaching them.
+            item_failures={ItemId(f.item_identifier): f.message for r in results for f in r.item_failures},
+        )
+        for request_id, message in outcome.failed.items():
             log.warning("request failed at the worker", extra={"request_id": request_id, "reason": message})
-        # Items an owner rank could not decode (encoded payloads): every rank skipped the windows reaching them.
-        item_failures = {f.item_identifier: f.message for r in results for f in r.item_failures}
-        for ident, message in item_failures.items():
+        for ident, message in outcome.item_failures.items():
             log.warning("image failed at its owner rank", extra={"item": ident[:16], "reason": message})
-        for update in self.core.update_from_output(plan, sampled, failed, item_failures):
+        for update in self.core.update_from_output(plan, outcome):
             self._deliver(update, now)
         for request_id, handle in self.handles.items():
             if request_id in plan.accounting:
@@ -384,15 +385,11 @@ class Engine:
         """Per-step item dispositions and saved bytes, and the core's cumulative counters as deltas."""
         m = self.metrics
         totals = plan.totals()
-        m.mm_items.labels("sent").inc(totals.sent)
-        m.mm_items.labels("stripped").inc(totals.stripped)
-        m.mm_items.labels("rank_cached").inc(totals.rank_cached)
-        if totals.abandoned:
-            m.mm_items.labels("abandoned").inc(totals.abandoned)
-        m.payload_bytes_saved.labels("prefix_covered").inc(totals.bytes_saved_prefix_covered)
-        m.payload_bytes_saved.labels("rank_cached").inc(totals.bytes_saved_rank_cached)
-        m.mm_items.labels("encoder_shared").inc(totals.encoder_shared)
-        m.payload_bytes_saved.labels("encoder_shared").inc(totals.bytes_saved_encoder_shared)
+        for disposition, items, nbytes, saved_reason in totals.by_disposition():
+            if items or disposition is not Disposition.ABANDONED:  # the abandoned series starts with the first one
+                m.mm_items.labels(disposition.value).inc(items)
+            if saved_reason is not None:
+                m.payload_bytes_saved.labels(saved_reason).inc(nbytes)
         m.encoder_items.inc(len(plan.encoder_inputs))
         m.encoder_runs.inc(totals.encoder_runs)
         m.encoder_output_shared_bytes.inc(totals.encoder_output_bytes_shared)

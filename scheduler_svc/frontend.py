@@ -64,7 +64,7 @@ from common.multimodal import (
     PlaceholderRange,
 )
 from common.rope import uses_mrope
-from scheduler_svc.config import PROMPT_BYTES_PER_TOKEN, SchedulerConfig
+from scheduler_svc.config import PROMPT_BYTES_PER_TOKEN, SchedulerConfig, context_length
 from scheduler_svc.upload_store import ByteLRU, UploadStore
 
 __all__ = ["ChatTurn", "Frontend", "ImagePart", "ProcessedPrompt", "TextPart", "UploadStore"]
@@ -149,8 +149,8 @@ class Frontend:
         text_config = getattr(model_config, "text_config", model_config)
         self.vocab_size = int(text_config.vocab_size)
         model_len = int(getattr(text_config, "max_position_embeddings", 0) or 0)
-        lengths = [v for v in (config.max_model_len, model_len) if v]
-        self.max_model_len = min(lengths) if lengths else 0  # 0: unknown
+        # Before any rank has answered: the configured and the model's; the core narrows it at connect.
+        self.max_model_len = context_length(config.max_model_len, model_len)  # 0: unknown
         self.uses_mrope = uses_mrope(model_config)  # the rule the ranks apply too (common/rope.py)
         self.eos_token_ids = self._eos_token_ids()
         self.max_prompt_bytes = config.max_prompt_bytes or (self.max_model_len * PROMPT_BYTES_PER_TOKEN or 2**31 - 1)

@@ -15,12 +15,12 @@ Caching contract (what the ranks keep between steps, so the plan only carries de
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from common.errors import Status
 from common.ids import ItemId, RequestId
 from common.multimodal import MultiModalFeatureSpec
-from scheduler_svc.request import FinishReason, Request, RequestUsage, SamplingParams
+from scheduler_svc.accounting import ItemAccounting, RequestUsage
+from scheduler_svc.request import FinishReason, Request, SamplingParams
 
 
 def payload_nbytes(feature: MultiModalFeatureSpec) -> int:
@@ -48,10 +48,10 @@ class PayloadSend:
 class NewRequestData:
     """A request the ranks do not hold yet: first admission, or resumption after preemption or recovery."""
 
-    request_id: RequestId
+    request_id: RequestId  # the request's id, unique among in-flight requests
     prompt_token_ids: list[int]  # the whole known sequence: prompt + tokens generated so far
     mm_items: list[MultiModalFeatureSpec]  # wire copies, ordered by position, payload_state set for the ranks
-    sampling: SamplingParams
+    sampling: SamplingParams  # what the ranks need to sample its tokens
     block_ids: list[int]  # the request's whole block table (prefix hits first)
     num_computed_tokens: int  # prefix-hit tokens, block aligned; the ranks gather their KV on admission
     num_scheduled_tokens: int  # tokens to compute this step, from num_computed_tokens on
@@ -62,7 +62,7 @@ class NewRequestData:
 class RunningRequestData:
     """Delta of a request the ranks already hold."""
 
-    request_id: RequestId
+    request_id: RequestId  # a request the ranks hold
     new_token_ids: list[int]  # tokens sampled since the ranks were last told (rank 0 knows them; others not)
     new_block_ids: list[int]  # blocks appended to the table this step
     num_computed_tokens: int  # tokens computed before this step; equals the rank's own count
@@ -70,47 +70,10 @@ class RunningRequestData:
 
 
 @dataclasses.dataclass
-class ItemAccounting:
-    """Per-request increments of one step; item counts are summed over ranks (one per item per rank).
-
-    Counted as scheduler_svc/transfer.py's module doc says: a ``sent`` delivery is one payload written to one rank
-    in one step, charged to the first request that needed it then; the others settle, once each, the deliveries
-    ``full`` would have made for the items admitted in a step."""
-
-    sent: int = 0  # item deliveries whose payload travels (at admission in full/strip, when encoded in lazy)
-    stripped: int = 0  # item deliveries whose payload was prefix-covered at admission
-    rank_cached: int = 0  # lazy: deliveries the rank already held (payload, or encoder output so no encoding)
-    abandoned: int = 0  # lazy: deliveries due that no request reached (every holder ended first; not preemptions)
-    payload_bytes_sent: int = 0  # payload tensor bytes written to the ranks (frame overhead excluded)
-    bytes_saved_prefix_covered: int = 0  # payload bytes full would have sent for stripped deliveries
-    bytes_saved_rank_cached: int = 0  # payload bytes full would have sent for rank_cached deliveries
-    encoder_shared: int = 0  # sharded: deliveries no rank needed (the owner's encoder output reached it instead)
-    bytes_saved_encoder_shared: int = 0  # payload bytes full would have sent for encoder_shared deliveries
-    encoder_runs: int = 0  # vision-encoder runs over the group (sharded: 1 per item encoded; replicated: ranks)
-    encoder_output_bytes_shared: int = 0  # sharded: encoder-output bytes the owner broadcasts, summed over receivers
-
-    def add(self, other: ItemAccounting) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def add_to_usage(self, usage: RequestUsage) -> None:
-        usage.items_sent += self.sent
-        usage.items_stripped += self.stripped
-        usage.items_rank_cached += self.rank_cached
-        usage.items_abandoned += self.abandoned
-        usage.payload_bytes_sent += self.payload_bytes_sent
-        usage.payload_bytes_saved_prefix_covered += self.bytes_saved_prefix_covered
-        usage.payload_bytes_saved_rank_cached += self.bytes_saved_rank_cached
-        usage.items_encoder_shared += self.encoder_shared
-        usage.payload_bytes_saved_encoder_shared += self.bytes_saved_encoder_shared
-        usage.encoder_runs += self.encoder_runs
-        usage.encoder_output_bytes_shared += self.encoder_output_bytes_shared
-
-
-@dataclasses.dataclass
 class StepPlan:
-    """One step for the whole group. Send ``rank_payloads[r]`` frames then ``control`` to rank r, for every r;
-    wait for every rank's StepResult; pass rank 0's sampled tokens to ``Scheduler.update_from_output``."""
+    """One step for the whole group. Send ``rank_payloads[r]`` frames then the control (``plan_proto.step_control``)
+    to rank r, for every r; wait for every rank's StepResult; pass their results to ``Scheduler.update_from_output``
+    as an ``inputs.StepOutcome``."""
 
     step_id: int  # strictly increasing, never reused (also across recoveries)
     new_requests: list[NewRequestData]  # admitted or resumed this step, in admission order
@@ -127,7 +90,6 @@ class StepPlan:
     rank_payloads: list[list[PayloadSend]]  # per rank: items whose payload frames precede the control (each id once)
     accounting: dict[RequestId, ItemAccounting]  # per-request item/byte increments decided by this step
     items_examined: int  # items the step builder looked at: window overlaps + items of admitted requests
-    control: Any = None  # mmcast.v1.worker_pb2.StepControl built from the fields above; identical for every rank
     scheduled: list[tuple[Request, int]] = dataclasses.field(default_factory=list, repr=False)  # core bookkeeping
     # What requests that ended since the previous plan left (abandoned deliveries): already in their Usage, so
     # only the metrics add it (``totals``).
@@ -144,20 +106,17 @@ class StepPlan:
 
     def totals(self) -> ItemAccounting:
         """Accounting summed over requests (what the metrics add)."""
-        out = ItemAccounting()
-        for acc in self.accounting.values():
-            out.add(acc)
-        out.add(self.released)
-        return out
+        return ItemAccounting.total([*self.accounting.values(), self.released])
 
 
 @dataclasses.dataclass
 class RequestUpdate:
     """What a step (or a service-side stop) changed for one request."""
 
-    request_id: RequestId
+    request_id: RequestId  # the request it is about
     new_token_ids: list[int]  # tokens generated by this step, in order (at most one per step)
-    logprobs: list[tuple[float, Any]] | None  # per new token (logprob, top_logprobs) when the request asked for them
+    logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None  # per new token (logprob,
+    # [(token id, logprob), ...] alternatives; natural logs) when the request asked for them
     finished: FinishReason | None = None  # set when the request ended; the scheduler holds nothing of it any more
     stop_token_id: int | None = None  # the EOS/stop token that ended it (it is included in new_token_ids)
     usage: RequestUsage | None = None  # cumulative accounting; set when finished

@@ -20,7 +20,7 @@ import grpc
 from common import codec, item_proto, tracing
 from common.ids import ItemId
 from mmcast.v1 import worker_pb2
-from scheduler_svc.scheduler import GroupBudget
+from scheduler_svc.inputs import GroupBudget
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from common.errors import InvalidArgument
 from common.ids import BlockHash, RequestId
 from common.multimodal import MultiModalFeatureSpec
+from scheduler_svc.accounting import RequestUsage
 
 
 class FinishReason(enum.Enum):
@@ -77,25 +78,6 @@ def validate_sampling(sampling: SamplingParams, num_prompt_tokens: int, max_mode
                               field="sampling.logprobs")
     if sampling.seed < 0 or sampling.seed >= 2**64:
         raise InvalidArgument(f"sampling.seed={sampling.seed} must be in [0, 2^64)", field="sampling.seed")
-
-
-@dataclasses.dataclass
-class RequestUsage:
-    """Cumulative per-request accounting (the service's ``Usage``); item counts are summed over ranks."""
-
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    items_sent: int = 0  # item deliveries with payload
-    items_stripped: int = 0  # item deliveries whose payload was prefix-covered
-    items_rank_cached: int = 0  # item deliveries the ranks already held (payload or encoder output)
-    items_abandoned: int = 0  # deferred items never needed (the request left before reaching them)
-    payload_bytes_sent: int = 0  # payload tensor bytes selected for the ranks for this request
-    payload_bytes_saved_prefix_covered: int = 0  # bytes `full` would have sent for covered items
-    payload_bytes_saved_rank_cached: int = 0  # bytes `full` would have sent for items the ranks held
-    items_encoder_shared: int = 0  # sharded: deliveries replaced by the owner's encoder output on the collective
-    payload_bytes_saved_encoder_shared: int = 0  # bytes `full` would have sent for those
-    encoder_runs: int = 0  # vision-encoder runs over the group for the request's items
-    encoder_output_bytes_shared: int = 0  # encoder-output bytes broadcast over the collective, summed over receivers
-    preemptions: int = 0  # times preempted (or requeued by a recovery) and resumed
 
 
 class Request:

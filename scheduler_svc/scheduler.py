@@ -7,9 +7,10 @@ The service drives it (all calls from one thread or event loop)::
                       uses_mrope=True, eos_token_ids={...}, max_model_len=frontend.max_model_len)
     sched.add_request(request)        # AlreadyExists | ResourceExhausted | InvalidArgument
     plan = sched.schedule()           # StepPlan, or None when there is nothing to tell the ranks
-    # ... rank r gets plan.rank_payloads[r] frames, then plan.control; wait for every rank's StepResult ...
-    updates = sched.update_from_output(plan, {request_id: (token_id, logprob, top_logprobs), ...},  # rank 0's
-                                       failed={request_id: message})  # rank 0's per-request failures
+    # ... the shell maps the plan to protobuf (plan_proto.step_control): rank r gets plan.rank_payloads[r]
+    # frames, then the control; it waits for every rank's StepResult and maps them back to plain data ...
+    updates = sched.update_from_output(plan, StepOutcome(sampled={request_id: Sample(token_id, logprob, top)},
+                                                         failed={request_id: message}))  # rank 0's failures
     #   -> [RequestUpdate]; raises StepOutputError (a FailedPrecondition: recover the group) on a mismatch
     sched.finish_request(request_id, FinishReason.CANCELLED)   # -> final RequestUpdate | None; next plan tells ranks
     poisoned = sched.recover()                                  # group lost: caches gone, running -> waiting as new;
@@ -40,7 +41,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 from common.errors import (
     REQUEST_RESOURCE,
@@ -53,28 +53,14 @@ from common.errors import (
     ResourceExhausted,
     Status,
 )
-from common.ids import RequestId
-from scheduler_svc.config import SchedulerConfig
+from common.ids import ItemId, RequestId
+from scheduler_svc.config import SchedulerConfig, context_length
+from scheduler_svc.inputs import GroupBudget, StepOutcome
 from scheduler_svc.kv_cache import KVCacheManager
 from scheduler_svc.output import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
-from scheduler_svc.plan_proto import step_control
 from scheduler_svc.poison import PoisonIsolator
 from scheduler_svc.request import FinishReason, Request, RequestStatus, validate_sampling
 from scheduler_svc.transfer import TransferPlanner
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupBudget:
-    """What the worker group offers: the minimum over its ranks' handshakes (``rank_streams.WorkerGroup.connect``
-    builds it; tests and benchmarks build it directly)."""
-
-    num_ranks: int  # tensor-parallel ranks (payload mirrors and per-rank payload lists)
-    kv_blocks: int  # blocks in each rank's KV pool
-    encoder_cache_tokens: int  # encoder-output rows each rank holds; also the per-step encoder budget
-    payload_cache_bytes: int  # payload bytes each rank holds
-    max_model_len: int = 0  # context length the ranks' model allows (0 = not reported)
-    max_tensor_bytes: int = 0  # largest single tensor every rank accepts (0 = not reported)
-    encoder_row_bytes: int = 0  # bytes of one encoder-output row (the collective's unit under sharded placement)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +68,7 @@ class SchedulerStats:
     num_running: int  # requests the ranks hold
     num_waiting: int  # requests queued (new, preempted or requeued by a recovery)
     kv_blocks_used: int  # blocks held by requests
-    kv_blocks_total: int
+    kv_blocks_total: int  # blocks in the group's pool (blocks)
     preemptions: int  # preemptions since start (recoveries not included)
     prefix_query_tokens: int  # tokens looked up in the prefix cache at admissions
     prefix_hit_tokens: int  # of which hit
@@ -124,10 +110,10 @@ class Scheduler:
                                                   "encoder_cache_tokens")
         self.payload_cache_bytes = cfg.effective(cfg.payload_cache_bytes, group.payload_cache_bytes,
                                                  "payload_cache_bytes")
-        lengths = [v for v in (cfg.max_model_len, self._model_max_len, group.max_model_len) if v]
-        if not lengths:
+        # The one resolution at connect: the service reads it back (Engine.max_model_len).
+        self.max_model_len = context_length(cfg.max_model_len, self._model_max_len or 0, group.max_model_len)
+        if not self.max_model_len:
             raise ValueError("max_model_len is unknown: set --max-model-len or pass the model config's")
-        self.max_model_len = min(lengths)
         old = getattr(self, "kv", None)
         self.kv = KVCacheManager(self.kv_blocks, cfg.block_size, events=self.kv_events)
         if old is not None:  # the counters are cumulative across reconnects
@@ -254,7 +240,7 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is r:
-                    break
+                    break  # the newest left was the request itself: requeued, so nothing is left to free
             if r.status is not RequestStatus.RUNNING:
                 break  # it was the newest and preempted itself: nothing older may be taken from
             appended = kv.allocate(r.request_id, start + n)
@@ -281,7 +267,7 @@ class Scheduler:
                 break  # FCFS: wait for room rather than let later requests overtake
             appended = kv.allocate(r.request_id, computed + n, prefix)
             if appended is None:
-                break
+                break  # out of blocks: FCFS, the head waits and nothing overtakes it
             self.waiting.remove(r)  # the head, unless an isolated suspect is taken out of turn
             self.running.append(r)
             r.status = RequestStatus.RUNNING
@@ -307,12 +293,11 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 finished_ids.append(victim.request_id)
         planner.finish_step()
-        if not (scheduled or finished_ids or planner.evict_payload_ids or self._reset_next):
+        if not (scheduled or finished_ids or planner.mirrors.evict_payload_ids or self._reset_next):
             if self._requests:
                 raise MmcastError(f"internal: {len(self._requests)} requests but nothing schedulable")
             return None
-        for rid, acc in planner.accounting.items():
-            acc.add_to_usage(self._requests[rid].usage)
+        accounting, released = planner.book.take_step(lambda rid: self._requests[rid].usage)
         plan = StepPlan(
             step_id=self._next_step_id,
             new_requests=new_reqs,
@@ -321,18 +306,17 @@ class Scheduler:
             preempted_request_ids=preempted,
             encoder_inputs=planner.encoder_inputs,
             encoder_owners=planner.encoder_owners,
-            evict_payload_ids=list(planner.evict_payload_ids),
-            evict_encoder_ids=planner.evict_encoder_ids,
+            evict_payload_ids=list(planner.mirrors.evict_payload_ids),
+            evict_encoder_ids=planner.mirrors.evict_encoder_ids,
             reset_caches=self._reset_next,
             num_scheduled_tokens={r.request_id: n for r, n in scheduled},
             sampling_request_ids=[r.request_id for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens],
             rank_payloads=planner.rank_payloads,
-            accounting=planner.accounting,
+            accounting=accounting,
             items_examined=planner.items_examined,
             scheduled=scheduled,
-            released=planner.take_released(),
+            released=released,
         )
-        plan.control = step_control(plan)
         self._next_step_id += 1
         self._reset_next = False
         self._outstanding = plan
@@ -349,21 +333,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     # --- results in ---------------------------------------------------------------------------------------------
-    def update_from_output(self, plan: StepPlan, sampled: Mapping[str, Any],
-                           failed: Mapping[str, str] | None = None,
-                           item_failures: Mapping[str, str] | None = None) -> list[RequestUpdate]:
+    def update_from_output(self, plan: StepPlan, outcome: StepOutcome) -> list[RequestUpdate]:
         """Applies a finished step: computed tokens, new cached blocks, rank 0's sampled tokens, stop checks.
 
-        ``sampled`` maps request id -> ``(token_id, logprob, top_logprobs)`` (a bare token id is accepted too);
-        ``failed`` maps request id -> message for requests rank 0 could not sample: they finish with ERROR
-        (INTERNAL) and the next plan tells the ranks to drop them. ``item_failures`` maps item identifier -> message
-        for encoded images an owner rank could not decode: every request holding one finishes with ERROR
-        (INVALID_ARGUMENT naming the image), without the step's progress (the ranks skipped the windows reaching
-        it, so none of its blocks enters the prefix cache). Raises StepOutputError (changing nothing) when the
-        results do not match the plan.
+        ``outcome.sampled``: rank 0's token of every request whose window reached its end. ``outcome.failed``:
+        requests rank 0 could not sample; they finish with ERROR (INTERNAL) and the next plan tells the ranks to drop
+        them. ``outcome.item_failures``: encoded images an owner rank could not decode; every request holding one
+        finishes with ERROR (INVALID_ARGUMENT naming the image), without the step's progress (the ranks skipped the
+        windows reaching it, so none of its blocks enters the prefix cache). Raises StepOutputError (changing
+        nothing) when the results do not match the plan.
         """
-        failed = failed or {}
-        item_failures = item_failures or {}
+        sampled, failed, item_failures = outcome.sampled, outcome.failed, outcome.item_failures
         if plan is not self._outstanding:
             raise FailedPrecondition(f"step {plan.step_id} is not the step in flight (stale after a recovery?)")
         live = [(r, n) for r, n in plan.scheduled if self._requests.get(r.request_id) is r and not r.is_finished]
@@ -380,11 +360,11 @@ class Scheduler:
                 f"{sorted(unexpected)}" + (f"; both a token and a failure for {sorted(both)}" if both else "")
             )
         self._outstanding = None
-        self.planner.end_step()
+        self.planner.mirrors.end_step()
         updates = [self._fail_item(self._requests[rid], *bad_items[rid]) for rid in spoiled]
         for r, n in live:
             if r.request_id in spoiled:
-                continue
+                continue  # failed with its image above: its step's progress is void
             r.num_computed_tokens += n
             self.kv.cache_full_blocks(r)
             self.planner.advance(r)
@@ -395,10 +375,12 @@ class Scheduler:
                 updates.append(RequestUpdate(r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage,
                                              error=f"request {r.request_id} failed at the worker: "
                                                    f"{failed[r.request_id]}", error_status=Status.INTERNAL))
-                continue
-            token, logprob, top = _unpack_sample(sampled[r.request_id])
+                continue  # rank 0 could not sample it: it ends here, without a token
+            sample = sampled[r.request_id]
+            token = sample.token_id
             r.append_output(token)
-            update = RequestUpdate(r.request_id, [token], [(logprob, top)] if r.sampling.return_logprobs else None)
+            update = RequestUpdate(r.request_id, [token],
+                                   [(sample.logprob, sample.top_logprobs)] if r.sampling.return_logprobs else None)
             reason = self._stop_reason(r, token)
             if reason is not None:
                 if reason is FinishReason.STOP:
@@ -410,7 +392,7 @@ class Scheduler:
             self.isolator.step_completed({r.request_id: r.num_computed_tokens for r, _ in live})
         return updates
 
-    def _failed_items(self, item_failures: Mapping[str, str]) -> dict[RequestId, tuple[int, str]]:
+    def _failed_items(self, item_failures: Mapping[ItemId, str]) -> dict[RequestId, tuple[int, str]]:
         """Requests holding a failed item: request id -> (index of its first failed image, message)."""
         out: dict[RequestId, tuple[int, str]] = {}
         if not item_failures:
@@ -419,7 +401,7 @@ class Scheduler:
             for k, f in enumerate(r.mm_features):
                 if f.identifier in item_failures:
                     out[rid] = (k, item_failures[f.identifier])
-                    break
+                    break  # the first failed image names the error
         return out
 
     def _fail_item(self, r: Request, index: int, message: str) -> RequestUpdate:
@@ -445,7 +427,7 @@ class Scheduler:
         return None
 
     def _finish(self, r: Request, reason: FinishReason) -> None:
-        r.usage.items_abandoned += self.planner.release(r)
+        self.planner.release(r)  # what it abandons goes to its Usage
         self.kv.free(r.request_id)
         self.running.remove(r)
         self._pending_finished.append(r.request_id)
@@ -530,14 +512,8 @@ class Scheduler:
             preemptions=self.num_preemptions,
             prefix_query_tokens=self.kv.query_tokens,
             prefix_hit_tokens=self.kv.hit_tokens,
-            encoder_cache_tokens_used=self.planner.encoder.used,
-            payload_cache_bytes_used=self.planner.payloads[0].used,
+            encoder_cache_tokens_used=self.planner.mirrors.encoder.used,
+            payload_cache_bytes_used=self.planner.mirrors.payloads[0].used,
             steps=self._next_step_id - 1,
         )
 
-
-def _unpack_sample(sample: Any) -> tuple[int, float | None, Any]:
-    if isinstance(sample, int):
-        return sample, None, None
-    token, *rest = sample
-    return int(token), (rest[0] if rest else None), (rest[1] if len(rest) > 1 else None)

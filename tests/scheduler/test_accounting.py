@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler_svc.plan_proto import step_control
 from scheduler_svc.request import FinishReason
 from tests.support.sched_sim import ROW_BYTES, Harness, request, text
 
@@ -190,8 +191,8 @@ def test_sharded_placement_sends_each_new_item_once_to_one_owner(mode):
     assert u.encoder_runs == 2
     sends = {rank: ids for rec in records for rank, ids in rec.sends.items() if ids}
     assert sorted(sends.values()) == [["x"], ["y"]] and len(sends) == 2  # two different owners
-    owners = [e.owner_rank for rec in records for e in rec.plan.control.encoder_inputs]
+    owners = [e.owner_rank for rec in records for e in step_control(rec.plan).encoder_inputs]
     assert sorted(owners) == sorted(sends) and not any(e.replicated for rec in records
-                                                       for e in rec.plan.control.encoder_inputs)
+                                                       for e in step_control(rec.plan).encoder_inputs)
     check_wire(h, [u])
     check_dues(h, [u])

@@ -9,9 +9,11 @@ import pytest
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.inputs import GroupBudget
+from scheduler_svc.plan_proto import step_control
 from scheduler_svc.request import FinishReason, Request, SamplingParams
-from scheduler_svc.scheduler import GroupBudget, Scheduler, StepOutputError
-from tests.support.sched_sim import EOS, Harness, request, text
+from scheduler_svc.scheduler import Scheduler, StepOutputError
+from tests.support.sched_sim import EOS, Harness, outcome, request, text
 
 GROUP = GroupBudget(num_ranks=2, kv_blocks=64, encoder_cache_tokens=64, payload_cache_bytes=2048)
 
@@ -125,15 +127,15 @@ def test_steps_are_synchronous_and_sampled_tokens_must_match_the_plan():
     with pytest.raises(FailedPrecondition, match="still in flight"):
         s.schedule()
     with pytest.raises(StepOutputError, match=r"no token for \['a'\]"):
-        s.update_from_output(plan, {})
+        s.update_from_output(plan, outcome({}))
     with pytest.raises(StepOutputError, match=r"unexpected tokens for \['zz'\]"):
-        s.update_from_output(plan, {"a": 5, "zz": 6})
+        s.update_from_output(plan, outcome({"a": 5, "zz": 6}))
     assert s.get_request("a").num_computed_tokens == 0  # nothing was applied
-    updates = s.update_from_output(plan, {"a": (5, -0.25, [(5, -0.25)])})
+    updates = s.update_from_output(plan, outcome({"a": (5, -0.25, [(5, -0.25)])}))
     assert [(u.request_id, u.new_token_ids, u.logprobs, u.finished) for u in updates] == [("a", [5], None, None)]
     plan = s.schedule()
-    assert plan.control.running[0].new_token_ids == [5] and plan.num_scheduled_tokens == {"a": 1}
-    (update,) = s.update_from_output(plan, {"a": 6})
+    assert step_control(plan).running[0].new_token_ids == [5] and plan.num_scheduled_tokens == {"a": 1}
+    (update,) = s.update_from_output(plan, outcome({"a": 6}))
     assert update.finished is FinishReason.LENGTH and update.usage is not None
 
 
@@ -141,7 +143,7 @@ def test_sampling_reaches_the_ranks_control_top_k_included():
     s = make()
     s.add_request(plain("k", temperature=1.5, top_p=0.5, top_k=7, seed=9, logprobs=2, return_logprobs=True))
     s.add_request(plain("off"))
-    by_id = {m.request_id: m.sampling for m in s.schedule().control.new_requests}
+    by_id = {m.request_id: m.sampling for m in step_control(s.schedule()).new_requests}
     k = by_id["k"]
     assert (k.top_k, k.top_p, k.temperature, k.seed, k.logprobs, k.return_logprobs) == (7, 0.5, 1.5, 9, 2, True)
     assert by_id["off"].top_k == 0  # no cut: the proto's unset value
@@ -153,8 +155,8 @@ def test_eos_stop_tokens_logprobs_and_ignore_eos():
     s.add_request(plain("stop", max_tokens=5, stop_token_ids=(42,)))
     s.add_request(plain("ignore", max_tokens=2, ignore_eos=True))
     plan = s.schedule()
-    got = {u.request_id: u for u in s.update_from_output(plan, {"eos": (EOS, -0.5, [(EOS, -0.5)]), "stop": 42,
-                                                                 "ignore": EOS})}
+    got = {u.request_id: u for u in s.update_from_output(plan, outcome({"eos": (EOS, -0.5, [(EOS, -0.5)]),
+                                                                         "stop": 42, "ignore": EOS}))}
     assert got["eos"].finished is FinishReason.STOP and got["eos"].stop_token_id == EOS
     assert got["eos"].logprobs == [(-0.5, [(EOS, -0.5)])]
     assert got["stop"].finished is FinishReason.STOP and got["stop"].stop_token_id == 42
@@ -168,10 +170,10 @@ def test_finish_during_a_step_and_reusing_the_id_right_away():
     final = s.finish_request("a", FinishReason.CANCELLED)  # the client went away while the step ran
     assert final.finished is FinishReason.CANCELLED and s.stats.kv_blocks_used == 0
     s.add_request(plain("a", max_tokens=1))  # a new request may take the id at once
-    assert s.update_from_output(plan, {"a": 7}) == []  # the old step's token is dropped
+    assert s.update_from_output(plan, outcome({"a": 7})) == []  # the old step's token is dropped
     plan = s.schedule()
     assert plan.finished_request_ids == ["a"] and plan.new_requests == []  # ranks drop the old one first
-    s.update_from_output(plan, {})
+    s.update_from_output(plan, outcome({}))
     plan = s.schedule()
     assert [n.request_id for n in plan.new_requests] == ["a"]
 
@@ -182,7 +184,7 @@ def test_cancelling_a_waiting_request_tells_nobody():
     s.add_request(plain("b"))
     plan = s.schedule()
     assert s.finish_request("b", FinishReason.CANCELLED).finished is FinishReason.CANCELLED
-    s.update_from_output(plan, {"a": 3})
+    s.update_from_output(plan, outcome({"a": 3}))
     assert s.schedule().finished_request_ids == []
 
 
@@ -191,17 +193,17 @@ def test_recover_voids_the_step_in_flight_and_reset_group_fails_what_no_longer_f
     s.add_request(plain("a", n=20, max_tokens=8))
     s.add_request(plain("b", n=100, max_tokens=8))
     plan = s.schedule()
-    s.update_from_output(plan, {"a": 1, "b": 2})
+    s.update_from_output(plan, outcome({"a": 1, "b": 2}))
     stale = s.schedule()
     s.recover()
     with pytest.raises(FailedPrecondition, match="not the step in flight"):
-        s.update_from_output(stale, {"a": 1, "b": 2})
+        s.update_from_output(stale, outcome({"a": 1, "b": 2}))
     assert s.stats.num_running == 0 and s.stats.num_waiting == 2
     failed = s.reset_group(dataclasses.replace(GROUP, kv_blocks=4))  # 64 tokens: b (108) no longer fits
     assert [(u.request_id, u.finished) for u in failed] == [("b", FinishReason.ERROR)]
     assert "KV pool of 64" in failed[0].error
     plan = s.schedule()
-    assert plan.reset_caches and plan.control.reset_caches
+    assert plan.reset_caches and step_control(plan).reset_caches
     (new,) = plan.new_requests
     assert new.request_id == "a" and new.num_output_tokens == 1 and new.prompt_token_ids[-1] == 1
     assert s.stats.kv_blocks_total == 4
@@ -241,9 +243,9 @@ def test_stripped_items_keep_exactly_the_keep_on_cpu_fields_for_mrope_models(use
     for rid in ("r1", "r2"):
         s.add_request(request(rid, segs, max_tokens=1))
         plan = s.schedule()
-        s.update_from_output(plan, {rid: 3})
-        s.update_from_output(s.schedule(), {})  # tells the ranks r1 finished
-    item = plan.control.new_requests[0].mm_items[0]
+        s.update_from_output(plan, outcome({rid: 3}))
+        s.update_from_output(s.schedule(), outcome({}))  # tells the ranks r1 finished
+    item = step_control(plan).new_requests[0].mm_items[0]
     assert item.payload_state == multimodal_pb2.PAYLOAD_STATE_STRIPPED
     assert [f.name for f in item.fields] == (["image_grid_thw"] if uses_mrope else [])
     assert s.get_request("r2") is None  # finished; the scheduler's own copy was never stripped:

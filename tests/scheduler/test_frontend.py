@@ -261,9 +261,10 @@ def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_di
     from common import codec
     from common.item_proto import feature_from_proto
     from mmcast.v1 import worker_pb2
-    from scheduler_svc.plan_proto import item_payload_frames
+    from scheduler_svc.inputs import GroupBudget
+    from scheduler_svc.plan_proto import item_payload_frames, step_control
     from scheduler_svc.request import Request, SamplingParams
-    from scheduler_svc.scheduler import GroupBudget, Scheduler
+    from scheduler_svc.scheduler import Scheduler
 
     fe = make_frontend(tiny_model_dir)
     prompt = fe.process(conversation())
@@ -271,7 +272,7 @@ def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_di
     sched = Scheduler(config, GroupBudget(2, 64, 4096, 64 << 20), fe.uses_mrope, fe.eos_token_ids)
     sched.add_request(Request("r", prompt.token_ids, prompt.mm_features, SamplingParams(max_tokens=2)))
     plan = sched.schedule()
-    control = worker_pb2.StepControl.FromString(plan.control.SerializeToString())
+    control = worker_pb2.StepControl.FromString(step_control(plan).SerializeToString())
     (new,) = control.new_requests
     assert list(new.prompt_token_ids) == prompt.token_ids
     assert [e.item_identifier for e in control.encoder_inputs] == [f.identifier for f in prompt.mm_features[:2]]

@@ -11,9 +11,10 @@ import pytest
 
 from common.errors import Status
 from common.ids import RequestId
+from scheduler_svc.plan_proto import step_control
 from scheduler_svc.poison import PoisonIsolator
 from scheduler_svc.request import FinishReason
-from tests.support.sched_sim import Harness, request, sample_token, text
+from tests.support.sched_sim import Harness, outcome, request, sample_token, text
 
 # --- the decisions -----------------------------------------------------------------------------------------------
 
@@ -209,13 +210,13 @@ def test_a_rank_side_request_failure_is_finished_and_the_ranks_told():
     h = Harness("lazy")
     workload(h, ["a", "b"])
     plan = h.sched.schedule()
-    control = plan.control.SerializeToString()
+    control = step_control(plan).SerializeToString()
     sampled = {}
     for rank in h.ranks:
         got = rank.apply(control, plan.rank_payloads[rank.rank])
         sampled = got if rank.rank == 0 else sampled
     del sampled["b"]
-    updates = {u.request_id: u for u in h.sched.update_from_output(plan, sampled, {"b": "logits all NaN"})}
+    updates = {u.request_id: u for u in h.sched.update_from_output(plan, outcome(sampled, {"b": "logits all NaN"}))}
     assert updates["b"].finished is FinishReason.ERROR and updates["b"].error_status is Status.INTERNAL
     assert updates["b"].error == "request b failed at the worker: logits all NaN"
     assert updates["a"].new_token_ids == [sample_token("a", 20)]

@@ -17,9 +17,10 @@ import time
 import pytest
 
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.inputs import GroupBudget
 from scheduler_svc.request import Request, SamplingParams
-from scheduler_svc.scheduler import GroupBudget, Scheduler
-from tests.support.sched_sim import IMG, Harness, feature, request, sample_token, text
+from scheduler_svc.scheduler import Scheduler
+from tests.support.sched_sim import IMG, Harness, feature, outcome, request, sample_token, text
 
 NUM_ITEMS = 10_000
 ITEM_TOKENS = 4
@@ -49,7 +50,7 @@ def drive(sched: Scheduler, on_step=None) -> list[tuple[int, float, float, dict]
             return out
         sampled = {rid: sample_token(rid, sched.get_request(rid).num_tokens) for rid in plan.sampling_request_ids}
         t2 = time.perf_counter()
-        sched.update_from_output(plan, sampled)
+        sched.update_from_output(plan, outcome(sampled))
         t3 = time.perf_counter()
         out.append((plan.items_examined, t1 - t0, t3 - t2, dict(plan.num_scheduled_tokens)))
         if on_step:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler_svc.plan_proto import step_control
 from scheduler_svc.request import FinishReason
 from tests.support.sched_sim import Harness, Violation, request, text
 
@@ -207,7 +208,7 @@ def test_recovery_first_plan_resets_and_resumes_with_generated_tokens():
     h.lose_group()
     rec = h.step()
     plan = rec.plan
-    assert plan.reset_caches and plan.control.reset_caches
+    assert plan.reset_caches and step_control(plan).reset_caches
     (new,) = plan.new_requests
     assert new.num_output_tokens == len(generated) == 3
     assert new.prompt_token_ids[-3:] == generated
@@ -236,7 +237,7 @@ def test_the_simulated_ranks_catch_a_missing_payload():
     h.add(request("r", [text("p", 20), ("a", 16), text("q", 4)]))
     plan = h.sched.schedule()
     plan.rank_payloads[1].clear()
-    control = plan.control.SerializeToString()
+    control = step_control(plan).SerializeToString()
     h.ranks[0].apply(control, plan.rank_payloads[0])
     with pytest.raises(Violation, match="payload is missing"):
         h.ranks[1].apply(control, plan.rank_payloads[1])

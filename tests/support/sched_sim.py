@@ -17,7 +17,7 @@ import zlib
 
 import torch
 
-from common.ids import ItemId
+from common.ids import ItemId, RequestId
 from common.item_proto import feature_from_proto
 from common.multimodal import (
     FieldKind,
@@ -30,12 +30,21 @@ from common.multimodal import (
 )
 from mmcast.v1 import multimodal_pb2, worker_pb2
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.inputs import GroupBudget, Sample, StepOutcome
+from scheduler_svc.plan_proto import step_control
 from scheduler_svc.request import Request, SamplingParams
-from scheduler_svc.scheduler import GroupBudget, Scheduler
+from scheduler_svc.scheduler import Scheduler
 
 IMG = 1000  # placeholder token id
 EOS = 1001
 ROW_BYTES = 16  # payload bytes per placeholder token of a synthetic item (rows of 4 float32)
+
+
+def outcome(sampled, failed=None) -> StepOutcome:
+    """A step's outcome from the tests' shorthand: request id -> token id or (token id, logprob, top_logprobs);
+    ``failed``: request id -> message."""
+    return StepOutcome({RequestId(r): Sample(*v) if isinstance(v, tuple) else Sample(v) for r, v in sampled.items()},
+                       {RequestId(r): m for r, m in (failed or {}).items()})
 
 
 class Violation(AssertionError):
@@ -286,7 +295,7 @@ class Harness:
 
     def apply(self, plan) -> StepRecord:
         """Runs a scheduled plan on the simulated ranks and feeds rank 0's tokens back to the core."""
-        control = plan.control.SerializeToString()  # once, like the service
+        control = step_control(plan).SerializeToString()  # once, like the service
         totals, sends = plan.totals(), [s for per_rank in plan.rank_payloads for s in per_rank]
         if (totals.sent, totals.payload_bytes_sent) != (len(sends), sum(s.nbytes for s in sends)):
             raise Violation(f"step {plan.step_id}: counted {totals.sent} deliveries / {totals.payload_bytes_sent} "
@@ -299,7 +308,7 @@ class Harness:
         if sorted(sampled) != sorted(plan.sampling_request_ids):
             raise Violation(f"step {plan.step_id}: rank 0 sampled {sorted(sampled)}, plan says "
                             f"{sorted(plan.sampling_request_ids)}")
-        for update in self.sched.update_from_output(plan, sampled):
+        for update in self.sched.update_from_output(plan, outcome(sampled)):
             self.outputs[update.request_id] += update.new_token_ids
             if update.finished is not None:
                 self.finished[update.request_id] = update
