@@ -22,8 +22,7 @@ import json
 import os
 from typing import Any
 
-from common.families import supported_model_types
-from common.rope import config_get
+from common.families import config_get, supported_model_types
 
 SUPPORTED_MODEL_TYPES = supported_model_types()
 

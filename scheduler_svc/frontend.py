@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from common.errors import InvalidArgument, ResourceExhausted
-from common.families import family_of
+from common.families import family_of, uses_mrope
 from common.hashing import item_identifier
 from common.ids import ItemId
 from common.image_header import ImageHeader
@@ -63,7 +63,6 @@ from common.multimodal import (
     PayloadEncoding,
     PlaceholderRange,
 )
-from common.rope import uses_mrope
 from scheduler_svc.config import PROMPT_BYTES_PER_TOKEN, SchedulerConfig, context_length
 from scheduler_svc.upload_store import ByteLRU, UploadStore
 
@@ -151,7 +150,7 @@ class Frontend:
         model_len = int(getattr(text_config, "max_position_embeddings", 0) or 0)
         # Before any rank has answered: the configured and the model's; the core narrows it at connect.
         self.max_model_len = context_length(config.max_model_len, model_len)  # 0: unknown
-        self.uses_mrope = uses_mrope(model_config)  # the rule the ranks apply too (common/rope.py)
+        self.uses_mrope = uses_mrope(model_config)  # the rule the ranks apply too (common/families/__init__.py)
         self.eos_token_ids = self._eos_token_ids()
         self.max_prompt_bytes = config.max_prompt_bytes or (self.max_model_len * PROMPT_BYTES_PER_TOKEN or 2**31 - 1)
         self.uploads = upload_store or UploadStore(

@@ -17,7 +17,7 @@ from common.errors import MmcastError
 from common.ids import ItemId
 from common.multimodal import MultiModalFeatureSpec
 from scheduler_svc.cache_mirrors import BudgetedLRU
-from scheduler_svc.output import payload_nbytes
+from scheduler_svc.step_plan import payload_nbytes
 
 
 @dataclasses.dataclass

@@ -13,8 +13,8 @@ from common import codec
 from common.item_proto import feature_to_proto
 from common.multimodal import MultiModalFeatureSpec
 from mmcast.v1 import worker_pb2
-from scheduler_svc.output import NewRequestData, RunningRequestData
 from scheduler_svc.request import SamplingParams
+from scheduler_svc.step_plan import NewRequestData, RunningRequestData
 
 
 def sampling_to_proto(sampling: SamplingParams) -> worker_pb2.WorkerSampling:

@@ -55,7 +55,7 @@ class ByteCounters:
 class PayloadTensors:
     """One item's payload tensors, written as frames before a step's control on the ranks that need them.
 
-    (``scheduler_svc.output.PayloadSend`` is the plan's decision; the engine turns each into one of these.)"""
+    (``scheduler_svc.step_plan.PayloadSend`` is the plan's decision; the engine turns each into one of these.)"""
 
     identifier: ItemId
     fields: Sequence[tuple[str, object]]  # (field name, torch.Tensor) of the payload (non keep_on_cpu) fields

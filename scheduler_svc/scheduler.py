@@ -57,9 +57,9 @@ from common.ids import ItemId, RequestId
 from scheduler_svc.config import SchedulerConfig, context_length
 from scheduler_svc.inputs import GroupBudget, StepOutcome
 from scheduler_svc.kv_cache import KVCacheManager
-from scheduler_svc.output import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
 from scheduler_svc.poison import PoisonIsolator
 from scheduler_svc.request import FinishReason, Request, RequestStatus, validate_sampling
+from scheduler_svc.step_plan import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
 from scheduler_svc.transfer import TransferPlanner
 
 

@@ -33,8 +33,8 @@ from common.multimodal import MultiModalFeatureSpec, PayloadState, strip_covered
 from scheduler_svc import placement, windows
 from scheduler_svc.accounting import Delivery, Disposition, EncoderRun, TransferAccounting
 from scheduler_svc.cache_mirrors import GroupMirrors
-from scheduler_svc.output import PayloadSend, payload_nbytes
 from scheduler_svc.request import Request
+from scheduler_svc.step_plan import PayloadSend, payload_nbytes
 from scheduler_svc.windows import Window
 
 TRANSFER_MODES = ("full", "strip", "lazy")

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from common.ids import ItemId
 from scheduler_svc import placement
 from scheduler_svc.cache_mirrors import GroupMirrors
-from scheduler_svc.output import payload_nbytes
 from scheduler_svc.request import Request
+from scheduler_svc.step_plan import payload_nbytes
 
 
 @dataclasses.dataclass

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from common.families import uses_mrope  # noqa: F401  (the shared rule; re-exported for the runner)
 from common.multimodal import Modality, MultiModalFeatureSpec
-from common.rope import uses_mrope  # noqa: F401  (the shared rule; re-exported for the runner)
 
 _GRID_FIELD = {Modality.IMAGE: "image_grid_thw", Modality.VIDEO: "video_grid_thw"}
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 
-def _get(obj: Any, name: str) -> Any:
+def config_get(obj: Any, name: str) -> Any:
+    """``obj.name`` for a transformers config, ``obj[name]`` for its ``config.json`` dict; None when absent."""
     if obj is None:
         return None
     if isinstance(obj, dict):
@@ -155,7 +156,7 @@ def family_for_type(model_type: str | None) -> Family | None:
 
 def family_of(config: Any) -> Family:
     """The family of a transformers config or a ``config.json`` dict; ``ValueError`` naming the type otherwise."""
-    model_type = _get(config, "model_type")
+    model_type = config_get(config, "model_type")
     family = family_for_type(model_type)
     if family is None:
         raise ValueError(f"model type {model_type!r} is not served; mmcast serves {', '.join(supported_model_types())}")
@@ -168,3 +169,47 @@ def family_named(name: str) -> Family:
         if family.name == name:
             return family
     raise ValueError(f"family {name!r}; choose one of {[f.name for f in _families()]}")
+
+
+# --- whether positions are M-RoPE: the one rule the scheduler and the ranks share ---------------------------------
+# The answer decides two things that must agree across processes: the scheduler keeps the ``keep_on_cpu`` fields
+# (grids) of every stripped item only for M-RoPE models (``strip_covered_mm_data(..., uses_mrope=...)``), and a
+# rank computes whole-prompt positions from those grids only for M-RoPE models (``worker_svc.mrope``). Decided
+# twice with different rules, a model where they disagreed would reach the ranks with stripped items that lack
+# the grids their positions need. Both sides therefore call :func:`uses_mrope` on the same ``config.json``.
+#
+# Rule: M-RoPE when the model type (of the model or of its text part) is that of a family whose positions are M-RoPE
+# (``common/families/``: ``Family.uses_mrope``), or when
+# the rope parameters (``rope_parameters``, or the older ``rope_scaling``) of the model or of its ``text_config``
+# carry ``mrope_section`` — also per layer type (transformers 5.x may nest rope parameters by layer type). The
+# model-type arm matters: transformers 5.x's default ``Qwen2VLConfig`` carries no ``mrope_section`` at all (the
+# model splits the rotary dimensions by its own default), while checkpoints on the Hub write one in
+# ``rope_scaling``.
+
+
+def _mrope_model_types() -> frozenset[str]:
+    return frozenset(t for f in _families() if f.uses_mrope for t in (*f.model_types, *f.text_model_types))
+
+
+def _has_mrope_section(rope: Any) -> bool:
+    if not isinstance(rope, dict):
+        return False
+    if "mrope_section" in rope:
+        return True
+    return any(isinstance(v, dict) and "mrope_section" in v for v in rope.values())  # per-layer-type parameters
+
+
+def uses_mrope(config: Any) -> bool:
+    """True when the model's positions are M-RoPE (the rule in the comment above).
+
+    ``config`` is a transformers config (the whole model's or its ``text_config``) or ``config.json`` as a dict.
+    """
+    mrope_types = _mrope_model_types()
+    text_config = config_get(config, "text_config")
+    for holder in (config, text_config):
+        if config_get(holder, "model_type") in mrope_types:
+            return True
+        for name in ("rope_parameters", "rope_scaling"):
+            if _has_mrope_section(config_get(holder, name)):
+                return True
+    return False

@@ -22,7 +22,7 @@
 
 from __future__ import annotations
 
-from common.families import Family, _get
+from common.families import Family, config_get
 
 
 class LlavaFamily(Family):
@@ -54,9 +54,9 @@ class LlavaFamily(Family):
         return None  # no grid field: nothing to check
 
     def pixel_problem(self, config, pixels, grid, pixels_name: str, grid_name: str) -> str | None:
-        vision = _get(config, "vision_config")
-        size = int(_get(vision, "image_size") or 0)
-        channels = int(_get(vision, "num_channels") or 3)
+        vision = config_get(config, "vision_config")
+        size = int(config_get(vision, "image_size") or 0)
+        channels = int(config_get(vision, "num_channels") or 3)
         want = (1, channels, size, size)
         if pixels.dim() != 4 or not pixels.dtype.is_floating_point or tuple(pixels.shape) != want:
             return (f"{pixels_name} must be one float image of shape {want} (the vision tower's image_size {size}); "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.families import Family, _get
+from common.families import Family, config_get
 
 
 class Qwen2VLFamily(Family):
@@ -34,9 +34,9 @@ class Qwen2VLFamily(Family):
         return torch.tensor([[1, h // patch, w // patch]], dtype=torch.int64)
 
     def rope_kwargs(self, config) -> dict[str, Any]:
-        vision = _get(config, "vision_config")
-        merge = _get(vision, "spatial_merge_size") or _get(config, "spatial_merge_size") or 2
-        tokens_per_second = _get(vision, "tokens_per_second") if self.temporal_step_by_seconds else None
+        vision = config_get(config, "vision_config")
+        merge = config_get(vision, "spatial_merge_size") or config_get(config, "spatial_merge_size") or 2
+        tokens_per_second = config_get(vision, "tokens_per_second") if self.temporal_step_by_seconds else None
         return {"spatial_merge_size": int(merge), "tokens_per_second": tokens_per_second}
 
     def encode(self, model, pixels, grid, video: bool):

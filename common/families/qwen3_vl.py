@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.families import _get
+from common.families import config_get
 from common.families.qwen2_vl import Qwen2VLFamily
 
 _DECODER = "model.language_model.layers.*."
@@ -41,7 +41,7 @@ TP_PLAN = {
 
 
 def deepstack_levels(config: Any) -> int:
-    return len(_get(_get(config, "vision_config"), "deepstack_visual_indexes") or ())
+    return len(config_get(config_get(config, "vision_config"), "deepstack_visual_indexes") or ())
 
 
 class Qwen3VLFamily(Qwen2VLFamily):

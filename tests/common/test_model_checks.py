@@ -110,7 +110,7 @@ def test_unsupported_or_incomplete_checkpoints_are_refused(tmp_path):
     with pytest.raises(ModelConfigError, match=r"num_key_value_heads=3 must divide num_attention_heads=8"):
         DecoderShape.from_config(hub_config("qwen2_vl", 8, 3, 256))
     assert issubclass(ModelConfigError, ValueError)
-    assert model_checks.SUPPORTED_MODEL_TYPES == ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    assert model_checks.SUPPORTED_MODEL_TYPES == ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 
 
 def test_startup_failure_cause_reads_the_marked_record_or_the_argparse_line():

@@ -1,5 +1,5 @@
 """Which ``google.rpc`` details an error carries (common/rich_status.py), and that the client-API checks name the
-field their message names. Pure: no gRPC server (tests/service/test_errors.py checks the wire)."""
+field their message names. Pure: no gRPC server (tests/service/test_rich_errors_process.py checks the wire)."""
 
 from __future__ import annotations
 

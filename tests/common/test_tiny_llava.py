@@ -9,10 +9,9 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from common import tiny_llava
-from common.families import family_of
+from common.families import family_of, uses_mrope
 from common.model_checks import check_checkpoint
 from common.processor import load_processor
-from common.rope import uses_mrope
 from common.tiny_model import MARKER_FILE, SPECIAL_TOKEN_IDS, build_config, build_model
 from mmcast_client import cli
 from tests.common.test_tiny_model import TWO_IMAGE_CHAT, gradient, runs_of

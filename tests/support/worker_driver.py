@@ -243,7 +243,7 @@ class MiniScheduler:
     def __init__(self, streams: list[StreamClient], *, block_size: int = 16, mode: str = "lazy", chunk_size=1 << 20,
                  uses_mrope: bool = True):
         self.streams = streams
-        self.uses_mrope = uses_mrope  # the model's rule (common/rope.py): what a stripped item keeps
+        self.uses_mrope = uses_mrope  # the model's rule (common/families/__init__.py): what a stripped item keeps
         self.block_size = block_size
         self.mode = mode
         self.chunk_size = chunk_size
