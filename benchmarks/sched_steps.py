@@ -4,7 +4,7 @@ One ``Scheduler`` (the core, in process, no network) serves a growing session: r
 small image items — the previous request's items (a prefix hit) plus new ones — and then decodes
 ``decode_steps`` tokens. A step's work must be proportional to its new items, so the time of a decode step
 (schedule + serializing its control + applying rank 0's token) must stay flat from 10 to 10,000 held items, and
-the planner's ``items_examined`` count of a decode step must stay bounded. Admission steps necessarily touch every
+the decider's ``items_examined`` count of a decode step must stay bounded. Admission steps necessarily touch every
 item once (each item's metadata goes to the ranks), and are reported separately.
 """
 

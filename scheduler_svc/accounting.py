@@ -174,7 +174,7 @@ class _Due:
 
 
 class TransferAccounting:
-    """The dues of every admission and the fold of the delivery events; the transfer planner owns one."""
+    """The dues of every admission and the fold of the delivery events; the transfer decider owns one."""
 
     def __init__(self, num_ranks: int) -> None:
         self.num_ranks = num_ranks

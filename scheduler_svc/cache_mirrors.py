@@ -2,10 +2,10 @@
 row-budgeted LRU whose entries leave only when the scheduler says so, pinned while a step or an unfinished item
 needs them, so the scheduler knows exactly what each rank holds (docs/ARCHITECTURE.md §6). ``GroupMirrors`` holds
 one per rank for payloads (bytes) and one for the group's encoder outputs (rows: every rank ends a step with the
-same outputs), with what the step in flight pins and evicts; the transfer planner (transfer.py) keeps one.
+same outputs), with what the step in flight pins and evicts; the transfer decider (transfer.py) keeps one.
 
 Only unpinned entries are evicted, least recently used first, always by an explicit id in a step's control. What
-the planner pins:
+the decider pins:
 - encoder output: every request item from the step that encodes or reuses it until the request has computed past
   the item's end (a partially computed item keeps its output);
 - payload, full/strip: every uncovered item from admission until computed past it; unpinned payloads are evicted

@@ -60,7 +60,7 @@ from scheduler_svc.kv_cache import KVCacheManager
 from scheduler_svc.poison import PoisonIsolator
 from scheduler_svc.request import FinishReason, Request, RequestStatus, validate_sampling
 from scheduler_svc.step_plan import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
-from scheduler_svc.transfer import TransferPlanner
+from scheduler_svc.transfer import TransferDecider
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ class Scheduler:
         self.kv = KVCacheManager(self.kv_blocks, cfg.block_size, events=self.kv_events)
         if old is not None:  # the counters are cumulative across reconnects
             self.kv.query_tokens, self.kv.hit_tokens = old.query_tokens, old.hit_tokens
-        self.planner = TransferPlanner(cfg.transfer_mode, self.uses_mrope, group.num_ranks,
+        self.decider = TransferDecider(cfg.transfer_mode, self.uses_mrope, group.num_ranks,
                                        self.payload_cache_bytes, self.encoder_cache_tokens,
                                        placement=cfg.encoder_placement, encoder_row_bytes=group.encoder_row_bytes)
 
@@ -213,8 +213,8 @@ class Scheduler:
             raise FailedPrecondition(
                 f"step {self._outstanding.step_id} is still in flight: call update_from_output() or recover() first"
             )
-        kv, planner, bs = self.kv, self.planner, self.config.block_size
-        planner.begin_step()
+        kv, decider, bs = self.kv, self.decider, self.config.block_size
+        decider.begin_step()
         budget = self.config.max_num_batched_tokens
         finished_ids, self._pending_finished = self._pending_finished, []
         preempted: list[RequestId] = []
@@ -230,7 +230,7 @@ class Scheduler:
                 i += 1
                 continue  # an isolated suspect runs alone this step; the others hold their blocks
             start = r.num_computed_tokens
-            window = planner.plan_window(r, start, start + min(r.num_tokens - start, budget))
+            window = decider.plan_window(r, start, start + min(r.num_tokens - start, budget))
             n = window.end - start
             if n <= 0:
                 i += 1
@@ -244,7 +244,7 @@ class Scheduler:
             if r.status is not RequestStatus.RUNNING:
                 break  # it was the newest and preempted itself: nothing older may be taken from
             appended = kv.allocate(r.request_id, start + n)
-            planner.commit_window(r, window)
+            decider.commit_window(r, window)
             deltas.append(RunningRequestData(r.request_id, r.all_token_ids[r.num_tokens_told :], appended, start, n))
             r.num_tokens_told = r.num_tokens
             scheduled.append((r, n))
@@ -260,10 +260,10 @@ class Scheduler:
                 break  # the ranks drop the finished request of the same id with this step; admit it next step
             prefix = kv.find_prefix(r)
             computed = len(prefix) * bs
-            planner.place_cursor(r, computed)
-            window = planner.plan_window(r, computed, computed + min(r.num_tokens - computed, budget))
+            decider.place_cursor(r, computed)
+            window = decider.plan_window(r, computed, computed + min(r.num_tokens - computed, budget))
             n = window.end - computed
-            if n <= 0 or not planner.admission_fits(r):
+            if n <= 0 or not decider.admission_fits(r):
                 break  # FCFS: wait for room rather than let later requests overtake
             appended = kv.allocate(r.request_id, computed + n, prefix)
             if appended is None:
@@ -276,8 +276,8 @@ class Scheduler:
             if not r.admitted_once:
                 r.admitted_once = True
                 r.usage.cached_tokens = computed
-            wire_items = planner.commit_admission(r, computed)
-            planner.commit_window(r, window)
+            wire_items = decider.commit_admission(r, computed)
+            decider.commit_window(r, window)
             new_reqs.append(NewRequestData(r.request_id, list(r.all_token_ids), wire_items, r.sampling, appended,
                                            computed, n, r.num_output_tokens))
             r.num_tokens_told = r.num_tokens
@@ -292,28 +292,28 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 finished_ids.append(victim.request_id)
-        planner.finish_step()
-        if not (scheduled or finished_ids or planner.mirrors.evict_payload_ids or self._reset_next):
+        decider.finish_step()
+        if not (scheduled or finished_ids or decider.mirrors.evict_payload_ids or self._reset_next):
             if self._requests:
                 raise MmcastError(f"internal: {len(self._requests)} requests but nothing schedulable")
             return None
-        accounting, released = planner.book.take_step(lambda rid: self._requests[rid].usage)
+        accounting, released = decider.book.take_step(lambda rid: self._requests[rid].usage)
         plan = StepPlan(
             step_id=self._next_step_id,
             new_requests=new_reqs,
             running=deltas,
             finished_request_ids=finished_ids,
             preempted_request_ids=preempted,
-            encoder_inputs=planner.encoder_inputs,
-            encoder_owners=planner.encoder_owners,
-            evict_payload_ids=list(planner.mirrors.evict_payload_ids),
-            evict_encoder_ids=planner.mirrors.evict_encoder_ids,
+            encoder_inputs=decider.encoder_inputs,
+            encoder_owners=decider.encoder_owners,
+            evict_payload_ids=list(decider.mirrors.evict_payload_ids),
+            evict_encoder_ids=decider.mirrors.evict_encoder_ids,
             reset_caches=self._reset_next,
             num_scheduled_tokens={r.request_id: n for r, n in scheduled},
             sampling_request_ids=[r.request_id for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens],
-            rank_payloads=planner.rank_payloads,
+            rank_payloads=decider.rank_payloads,
             accounting=accounting,
-            items_examined=planner.items_examined,
+            items_examined=decider.items_examined,
             scheduled=scheduled,
             released=released,
         )
@@ -324,7 +324,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free everything, requeue at the front; it is resumed as a new request."""
-        self.planner.release(request, ended=False)
+        self.decider.release(request, ended=False)
         self.kv.free(request.request_id)
         request.reset_progress()
         request.status = RequestStatus.WAITING
@@ -360,14 +360,14 @@ class Scheduler:
                 f"{sorted(unexpected)}" + (f"; both a token and a failure for {sorted(both)}" if both else "")
             )
         self._outstanding = None
-        self.planner.mirrors.end_step()
+        self.decider.mirrors.end_step()
         updates = [self._fail_item(self._requests[rid], *bad_items[rid]) for rid in spoiled]
         for r, n in live:
             if r.request_id in spoiled:
                 continue  # failed with its image above: its step's progress is void
             r.num_computed_tokens += n
             self.kv.cache_full_blocks(r)
-            self.planner.advance(r)
+            self.decider.advance(r)
             if r.request_id not in expected:
                 continue  # a prefill chunk: nothing sampled
             if r.request_id in failed:
@@ -412,7 +412,7 @@ class Scheduler:
             self._finish(r, FinishReason.ERROR)
         else:
             self.finish_request(r.request_id, FinishReason.ERROR)
-        self.planner.forget_encoder(key)
+        self.decider.forget_encoder(key)
         field = r.image_fields[index] if index < len(r.image_fields) else None
         where = field or f"image {index} of the prompt"
         return RequestUpdate(r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage,
@@ -427,7 +427,7 @@ class Scheduler:
         return None
 
     def _finish(self, r: Request, reason: FinishReason) -> None:
-        self.planner.release(r)  # what it abandons goes to its Usage
+        self.decider.release(r)  # what it abandons goes to its Usage
         self.kv.free(r.request_id)
         self.running.remove(r)
         self._pending_finished.append(r.request_id)
@@ -481,7 +481,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(self.running))
         self.running = []
         self.kv.reset_prefix_cache()
-        self.planner.reset()
+        self.decider.reset()
         self._pending_finished = []  # fresh ranks hold no request
         self._reset_next = True
         return poisoned
@@ -512,8 +512,8 @@ class Scheduler:
             preemptions=self.num_preemptions,
             prefix_query_tokens=self.kv.query_tokens,
             prefix_hit_tokens=self.kv.hit_tokens,
-            encoder_cache_tokens_used=self.planner.mirrors.encoder.used,
-            payload_cache_bytes_used=self.planner.mirrors.payloads[0].used,
+            encoder_cache_tokens_used=self.decider.mirrors.encoder.used,
+            payload_cache_bytes_used=self.decider.mirrors.payloads[0].used,
             steps=self._next_step_id - 1,
         )
 

@@ -41,7 +41,7 @@ TRANSFER_MODES = ("full", "strip", "lazy")
 PLACEMENTS = ("sharded", "replicated")
 
 
-class TransferPlanner:
+class TransferDecider:
     """Mirrors plus the per-step decisions; the scheduler calls it in a fixed order per step (see scheduler.py)."""
 
     def __init__(self, mode: str, uses_mrope: bool, num_ranks: int, payload_cache_bytes: int,
@@ -57,7 +57,7 @@ class TransferPlanner:
         self.num_ranks = num_ranks
         self.encoder_cache_tokens = encoder_cache_tokens
         self.mirrors = GroupMirrors(num_ranks, payload_cache_bytes, encoder_cache_tokens)
-        self.book = TransferAccounting(num_ranks)  # the dues and the fold of this planner's delivery events
+        self.book = TransferAccounting(num_ranks)  # the dues and the fold of this decider's delivery events
         self._deferring: set[RequestId] = set()  # strip requests admitted with deferred payloads (too big)
         self._candidate: RequestId | None = None  # the request place_cursor prepared for admission
         self._candidate_defers = False  # whether that strip request's payloads would be deferred

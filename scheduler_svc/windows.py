@@ -3,7 +3,7 @@ scheduled (docs/ARCHITECTURE.md §2.4). An item waits, and the window is cut at 
 step's encoder budget or the encoder-cache mirror has no room for its rows, when its id was evicted earlier in
 the step, or (payloads travelling with the encoder work, lazy) when no rank can take its payload (placement.py).
 
-``plan_window`` only judges: the transfer planner (transfer.py) commits the window it returns.
+``plan_window`` only judges: the transfer decider (transfer.py) commits the window it returns.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A step runs in three phases:
 
-1. ``plan``: checks the whole step against the state *as it will be* after this step's evictions, finishes,
+1. ``check``: checks the whole step against the state *as it will be* after this step's evictions, finishes,
    admissions and deltas — every request id, count, block id, token id, payload and encoder output the step needs
    — without changing anything (one named check per rule, ``worker_svc/step_checks.py``). Every rank sees the
    same control bytes, so every rank reaches the same verdict, and a bad step fails on all ranks before any of
@@ -37,7 +37,7 @@ from worker_svc.step_errors import StepError, code
 log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
-class _Plan:
+class _CheckedStep:
     control: worker_pb2.StepControl
     finished: list[RequestId]
     new: list[RequestState]
@@ -105,9 +105,9 @@ class Session:
             raise StepError(code.BAD_TENSOR, str(exc), item_identifier=frame.item_identifier) from None
 
     def step(self, control: worker_pb2.StepControl) -> StepOutcome:
-        plan = self.plan(control)
-        self.commit(plan)
-        return self.execute(plan)
+        checked = self.check(control)
+        self.commit(checked)
+        return self.execute(checked)
 
     def clear(self) -> None:
         """Drops every request and cache entry of this stream."""
@@ -121,7 +121,7 @@ class Session:
 
     # --- phase 1: validate -----------------------------------------------------------------------------------
 
-    def plan(self, control: worker_pb2.StepControl) -> _Plan:
+    def check(self, control: worker_pb2.StepControl) -> _CheckedStep:
         """Every rule the step must satisfy, in this order (``worker_svc/step_checks.py``); the first broken one
         raises its ``StepError``. Changes nothing but taking the payloads assembled for the step."""
         r = self.runner
@@ -146,7 +146,7 @@ class Session:
         )
         encoder_hits, encoder_queries = checks.check_encoder_outputs_for_windows(windows, encode, encoded_after)
         checks.check_payload_budget(control, incoming, self.payloads)
-        return _Plan(control, finished, new, running, incoming, encode, windows, payload_hits, encoder_hits,
+        return _CheckedStep(control, finished, new, running, incoming, encode, windows, payload_hits, encoder_hits,
                      payload_queries, encoder_queries)
 
     # --- phase 2: bookkeeping --------------------------------------------------------------------------------
@@ -168,30 +168,30 @@ class Session:
             if entry[1] == 0:
                 del self.items[item.identifier]
 
-    def commit(self, plan: _Plan) -> None:
-        control = plan.control
+    def commit(self, checked: _CheckedStep) -> None:
+        control = checked.control
         self.last_step_id = control.step_id
         if control.reset_caches:
             self.payloads.clear()
             self.encoded.clear()
         self.payloads.evict(control.evict_payload_ids)
         self.encoded.evict(control.evict_encoder_ids)
-        self.payloads.merge(plan.incoming)
-        for rid in plan.finished:
+        self.payloads.merge(checked.incoming)
+        for rid in checked.finished:
             self._unregister(self.requests.pop(rid))
-        for state in plan.new:
+        for state in checked.new:
             self.requests[state.request_id] = state
             self._register(state)
-        for state, delta in plan.running:
+        for state, delta in checked.running:
             state.token_ids.extend(delta.new_token_ids)
             state.num_output_tokens += len(delta.new_token_ids)
             state.block_ids.extend(delta.new_block_ids)
         if self.metrics is not None:
             m = self.metrics
-            m.cache_queries.labels(cache="payload").inc(plan.payload_queries)
-            m.cache_hits.labels(cache="payload").inc(plan.payload_hits)
-            m.cache_queries.labels(cache="encoder").inc(plan.encoder_queries)
-            m.cache_hits.labels(cache="encoder").inc(plan.encoder_hits)
+            m.cache_queries.labels(cache="payload").inc(checked.payload_queries)
+            m.cache_hits.labels(cache="payload").inc(checked.payload_hits)
+            m.cache_queries.labels(cache="encoder").inc(checked.encoder_queries)
+            m.cache_hits.labels(cache="encoder").inc(checked.encoder_hits)
 
     # --- phase 3: compute ------------------------------------------------------------------------------------
 
@@ -214,7 +214,7 @@ class Session:
             fields[name] = feature.data[name]
         return dataclasses.replace(feature, data=MultiModalKwargsItem(fields), encoding=PayloadEncoding.PIXELS)
 
-    def _encode_step(self, plan: _Plan, outcome: StepOutcome) -> set[ItemId]:
+    def _encode_step(self, checked: _CheckedStep, outcome: StepOutcome) -> set[ItemId]:
         """Runs the step's encoder work and fills the encoder cache; returns the items that failed (known to every
         rank alike). Each rank first encodes what it owns (every item under replicated placement); with several
         ranks they then exchange one status per item and each owner broadcasts its outputs, in control order."""
@@ -222,7 +222,7 @@ class Session:
         t0 = time.perf_counter()
         rows_of: dict[ItemId, torch.Tensor] = {}
         failures: dict[ItemId, str] = {}
-        for ident, feature, owner in plan.encode:
+        for ident, feature, owner in checked.encode:
             if owner is not None and owner != self.rank:
                 continue
             p0, encoded = time.perf_counter(), feature.encoding is PayloadEncoding.ENCODED
@@ -243,11 +243,11 @@ class Session:
             outcome.encoder_runs += 1
         outcome.encoder_seconds = time.perf_counter() - t0
         failed = set(failures)
-        if self.group is not None and self.group.world_size > 1 and plan.encode:
+        if self.group is not None and self.group.world_size > 1 and checked.encode:
             t1 = time.perf_counter()
-            flags = self.group.any_failed([int(ident in failures) for ident, _, _ in plan.encode])
-            failed = {ident for (ident, _, _), flag in zip(plan.encode, flags, strict=True) if flag}
-            for ident, feature, owner in plan.encode:
+            flags = self.group.any_failed([int(ident in failures) for ident, _, _ in checked.encode])
+            failed = {ident for (ident, _, _), flag in zip(checked.encode, flags, strict=True) if flag}
+            for ident, feature, owner in checked.encode:
                 if owner is None or ident in failed:
                     continue
                 rows = rows_of[ident] if owner == self.rank else r.empty_rows(feature.mm_position.get_num_embeds())
@@ -260,7 +260,7 @@ class Session:
         outcome.item_failures = sorted(failures.items())
         if self.metrics is not None:
             m = self.metrics
-            if plan.encode:
+            if checked.encode:
                 m.encoder_seconds.observe(outcome.encoder_seconds)
             m.encoder_runs.inc(outcome.encoder_runs)
             m.image_failures.inc(len(failures))
@@ -271,11 +271,11 @@ class Session:
                 m.encoder_collective_seconds.observe(outcome.collective_seconds)
         return failed
 
-    def execute(self, plan: _Plan) -> StepOutcome:
+    def execute(self, checked: _CheckedStep) -> StepOutcome:
         r = self.runner
-        outcome = StepOutcome([], 0.0, len(plan.encode))
-        failed_items = self._encode_step(plan, outcome)
-        windows = plan.windows
+        outcome = StepOutcome([], 0.0, len(checked.encode))
+        failed_items = self._encode_step(checked, outcome)
+        windows = checked.windows
         if failed_items:  # every rank skips the same windows: those that reach an item no rank could encode
             windows = [(s, a, b) for s, a, b in windows
                        if not any(s.features[i].identifier in failed_items for i in s.overlapping(a, b))]

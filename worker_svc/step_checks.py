@@ -1,5 +1,5 @@
-"""Phase 1 of a step (``Session.plan``): the rules a step must satisfy before a rank changes anything, one function
-each, in the order ``Session.plan`` applies them.
+"""Phase 1 of a step (``Session.check``): the rules a step must satisfy before a rank changes anything, one function
+each, in the order ``Session.check`` applies them.
 
 Each check reads the rank's state as it will be after the step's evictions, finishes, admissions and deltas and
 raises the ``StepError`` naming the broken rule, the field and the value; none changes the state. Every rank sees

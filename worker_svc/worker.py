@@ -192,15 +192,15 @@ class Worker:
 
     def apply_step(self, handle: StreamHandle, control: worker_pb2.StepControl) -> StepOutcome:
         """Plan, agree with the peers, then commit and execute. Raises ``StepError`` for a refused step."""
-        error, plan = handle.pending_error, None
+        error, checked = handle.pending_error, None
         if error is None:
             try:
-                plan = handle.session.plan(control)
+                checked = handle.session.check(control)
             except StepError as exc:
                 error = exc
-            except Exception as exc:  # a bug in planning: refuse the step rather than run it
-                log.exception("step planning failed", extra={"step_id": control.step_id})
-                error = StepError(code.INTERNAL, f"step {control.step_id}: planning failed: {exc!r}")
+            except Exception as exc:  # a bug in the step checks: refuse the step rather than run it
+                log.exception("step checks failed", extra={"step_id": control.step_id})
+                error = StepError(code.INTERNAL, f"step {control.step_id}: step checks failed: {exc!r}")
         try:
             agreed = self.group.agree(error.code if error else 0, handle.epoch, control.step_id)
         except Exception as exc:  # a lost or silent peer, or one voting on another step (GroupDesync)
@@ -219,8 +219,8 @@ class Worker:
                 "this rank drops the stream's state too",
             )
         try:
-            handle.session.commit(plan)
-            return handle.session.execute(plan)
+            handle.session.commit(checked)
+            return handle.session.execute(checked)
         except StepError:
             raise
         except Exception as exc:
