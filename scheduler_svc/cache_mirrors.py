@@ -13,6 +13,7 @@ the decider pins:
 - payload, lazy: only during the step that encodes it, then kept (LRU) for reuse.
 Everything sent in a step is pinned for that step, so a step never evicts what it sends or uses.
 """
+
 from __future__ import annotations
 
 import collections
@@ -96,7 +97,6 @@ class BudgetedLRU:
         return self._pins.get(key, 0)
 
 
-
 class GroupMirrors:
     """Every rank's payload mirror and the group's encoder mirror, with the step's pins and evictions."""
 
@@ -117,6 +117,11 @@ class GroupMirrors:
         self.payloads = [BudgetedLRU(m.budget) for m in self.payloads]
         self.encoder = BudgetedLRU(self.encoder.budget)
         self.begin_step()
+
+    def forget_encoder(self, key: ItemId) -> None:
+        """Drops an encoder-mirror entry the ranks never stored (its encoding failed), once nothing pins it."""
+        if key in self.encoder and not self.encoder.pinned(key):
+            self.encoder.discard(key)
 
     def usable(self, key: ItemId) -> bool:
         """An id evicted earlier in this step may not be sent or used again in it: the control would carry the id

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from common.errors import MmcastError
 from common.ids import ItemId
 from common.multimodal import MultiModalFeatureSpec
-from scheduler_svc.cache_mirrors import BudgetedLRU
+from scheduler_svc.accounting import Delivery, Disposition, TransferAccounting
+from scheduler_svc.cache_mirrors import BudgetedLRU, GroupMirrors
 from scheduler_svc.step_plan import payload_nbytes
+
+if TYPE_CHECKING:
+    from scheduler_svc.request import Request
+    from scheduler_svc.windows import Window
 
 
 @dataclasses.dataclass
@@ -42,13 +48,15 @@ def least_loaded(ranks: Iterable[int], load: Sequence[int]) -> int | None:
 def choose_owner(mirrors: Sequence[BudgetedLRU], t: Tentative, key: ItemId, nbytes: int, rows: int) -> int | None:
     """sharded: the owner of one item — a rank holding its payload, else the least loaded rank with room for it —
     recorded in ``t``; None when no rank can take it."""
-    rank = least_loaded((r for r, m in enumerate(mirrors) if key in m and m.can_fit(t.extra[r], [*t.keep[r], key])),
-                        t.load)
+    rank = least_loaded(
+        (r for r, m in enumerate(mirrors) if key in m and m.can_fit(t.extra[r], [*t.keep[r], key])), t.load
+    )
     if rank is not None:
         t.keep[rank].append(key)
     else:
-        rank = least_loaded((r for r, m in enumerate(mirrors) if key not in m and m.can_fit(t.extra[r] + nbytes,
-                                                                                              t.keep[r])), t.load)
+        rank = least_loaded(
+            (r for r, m in enumerate(mirrors) if key not in m and m.can_fit(t.extra[r] + nbytes, t.keep[r])), t.load
+        )
         if rank is None:
             return None  # no rank has room for the payload beside what the admission or window already uses
         t.extra[rank] += nbytes
@@ -59,8 +67,11 @@ def choose_owner(mirrors: Sequence[BudgetedLRU], t: Tentative, key: ItemId, nbyt
 def fits_every_rank(mirrors: Sequence[BudgetedLRU], t: Tentative, key: ItemId, nbytes: int) -> bool:
     """replicated: whether every rank can hold the item's payload (held, or room for it); recorded in ``t`` when so."""
     for rank, mirror in enumerate(mirrors):
-        fits = (mirror.can_fit(t.extra[rank], [*t.keep[rank], key]) if key in mirror
-                else mirror.can_fit(t.extra[rank] + nbytes, t.keep[rank]))
+        fits = (
+            mirror.can_fit(t.extra[rank], [*t.keep[rank], key])
+            if key in mirror
+            else mirror.can_fit(t.extra[rank] + nbytes, t.keep[rank])
+        )
         if not fits:
             return False  # one rank without room is enough: every rank must hold it
     for rank, mirror in enumerate(mirrors):
@@ -71,8 +82,9 @@ def fits_every_rank(mirrors: Sequence[BudgetedLRU], t: Tentative, key: ItemId, n
     return True
 
 
-def admission_owners(mirrors: Sequence[BudgetedLRU], sends: Sequence[MultiModalFeatureSpec],
-                     load: Sequence[int]) -> dict[ItemId, int] | None:
+def admission_owners(
+    mirrors: Sequence[BudgetedLRU], sends: Sequence[MultiModalFeatureSpec], load: Sequence[int]
+) -> dict[ItemId, int] | None:
     """sharded full/strip: an owner for every item an admission sends, or None when some item fits no rank."""
     t = Tentative.empty(load)
     owners: dict[ItemId, int] = {}
@@ -101,5 +113,31 @@ def owner_holding(mirrors: Sequence[BudgetedLRU], key: ItemId) -> int:
     for rank, mirror in enumerate(mirrors):
         if mirror.pinned(key):
             return rank
-    raise MmcastError(f"internal: no rank holds the payload of item {key[:16]} (sharded full/strip pins it on its "
-                      "owner at admission)")
+    raise MmcastError(
+        f"internal: no rank holds the payload of item {key[:16]} (sharded full/strip pins it on its owner at admission)"
+    )
+
+
+def commit_owner(
+    mirrors: GroupMirrors,
+    book: TransferAccounting,
+    request: Request,
+    i: int,
+    window: Window,
+    due: int | None,
+    lazy: bool,
+) -> int:
+    """sharded: the owner of the window's encode index ``i``, its held payload pinned for the step; settles a lazy
+    due of ``due`` bytes per rank in ``book`` (the owner held it: rank_cached, else sent when queued; the other
+    ranks: encoder_shared)."""
+    key, rid = request.mm_features[i].identifier, request.request_id
+    if not lazy:
+        return owner_holding(mirrors.payloads, key)  # chosen, sent and settled at admission
+    rank = window.owners[i]
+    if key in mirrors.payloads[rank]:
+        mirrors.pin_for_step(rank, key)
+        if due is not None:
+            book.record(Delivery(rid, key, rank, Disposition.RANK_CACHED, due))
+    if due is not None:
+        book.record_ranks(rid, key, Disposition.ENCODER_SHARED, due, but=rank)
+    return rank

@@ -82,8 +82,16 @@ class StepOutputError(FailedPrecondition):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, group: GroupBudget, uses_mrope: bool, eos_token_ids,
-                 *, max_model_len: int | None = None, kv_events=None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        group: GroupBudget,
+        uses_mrope: bool,
+        eos_token_ids,
+        *,
+        max_model_len: int | None = None,
+        kv_events=None,
+    ) -> None:
         self.config = config
         self.kv_events = kv_events  # kv_events.KVEventSink or None: every prefix-cache change, for outside pickers
         self.uses_mrope = uses_mrope
@@ -106,10 +114,12 @@ class Scheduler:
             raise ValueError(f"num_ranks={group.num_ranks} must be >= 1")
         self.group = group
         self.kv_blocks = cfg.effective(cfg.kv_blocks, group.kv_blocks, "kv_blocks")
-        self.encoder_cache_tokens = cfg.effective(cfg.encoder_cache_tokens, group.encoder_cache_tokens,
-                                                  "encoder_cache_tokens")
-        self.payload_cache_bytes = cfg.effective(cfg.payload_cache_bytes, group.payload_cache_bytes,
-                                                 "payload_cache_bytes")
+        self.encoder_cache_tokens = cfg.effective(
+            cfg.encoder_cache_tokens, group.encoder_cache_tokens, "encoder_cache_tokens"
+        )
+        self.payload_cache_bytes = cfg.effective(
+            cfg.payload_cache_bytes, group.payload_cache_bytes, "payload_cache_bytes"
+        )
         # The one resolution at connect: the service reads it back (Engine.max_model_len).
         self.max_model_len = context_length(cfg.max_model_len, self._model_max_len or 0, group.max_model_len)
         if not self.max_model_len:
@@ -118,9 +128,15 @@ class Scheduler:
         self.kv = KVCacheManager(self.kv_blocks, cfg.block_size, events=self.kv_events)
         if old is not None:  # the counters are cumulative across reconnects
             self.kv.query_tokens, self.kv.hit_tokens = old.query_tokens, old.hit_tokens
-        self.decider = TransferDecider(cfg.transfer_mode, self.uses_mrope, group.num_ranks,
-                                       self.payload_cache_bytes, self.encoder_cache_tokens,
-                                       placement=cfg.encoder_placement, encoder_row_bytes=group.encoder_row_bytes)
+        self.decider = TransferDecider(
+            cfg.transfer_mode,
+            self.uses_mrope,
+            group.num_ranks,
+            self.payload_cache_bytes,
+            self.encoder_cache_tokens,
+            placement=cfg.encoder_placement,
+            encoder_row_bytes=group.encoder_row_bytes,
+        )
 
     # --- requests in ------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -129,22 +145,31 @@ class Scheduler:
         if not rid:
             raise InvalidArgument("request_id is empty", field="request_id")
         if rid in self._requests:
-            raise AlreadyExists(f"request_id={rid!r} is already in flight; ids must be unique among in-flight requests",
-                                resource=Resource(REQUEST_RESOURCE, rid))
+            raise AlreadyExists(
+                f"request_id={rid!r} is already in flight; ids must be unique among in-flight requests",
+                resource=Resource(REQUEST_RESOURCE, rid),
+            )
         if len(self.waiting) >= self.config.max_waiting:
             raise ResourceExhausted(
                 f"the waiting queue is full ({len(self.waiting)} requests, --max-waiting={self.config.max_waiting}); "
-                "retry later", retry_after=RETRY_LATER_SECONDS,
+                "retry later",
+                retry_after=RETRY_LATER_SECONDS,
             )
         if not request.prompt_token_ids:
             raise InvalidArgument("the prompt is empty: at least one token is needed", field="messages")
         if request.num_tokens >= self.max_model_len:
             raise InvalidArgument(
                 f"the prompt has {request.num_tokens} tokens; the context holds {self.max_model_len} "
-                f"(--max-model-len) including at least one generated token", field="messages",
+                f"(--max-model-len) including at least one generated token",
+                field="messages",
             )
-        validate_sampling(request.sampling, request.num_tokens, self.max_model_len,
-                          max_tokens_limit=self.config.max_tokens_limit, max_logprobs=self.config.max_logprobs)
+        validate_sampling(
+            request.sampling,
+            request.num_tokens,
+            self.max_model_len,
+            max_tokens_limit=self.config.max_tokens_limit,
+            max_logprobs=self.config.max_logprobs,
+        )
         self._check_fits_group(request)
         self._requests[rid] = request
         request.status = RequestStatus.WAITING
@@ -169,28 +194,35 @@ class Scheduler:
             if pos.length < 1 or pos.offset < prev_end or pos.end > request.num_prompt_tokens:
                 raise InvalidArgument(
                     f"{where}: placeholder [{pos.offset}, {pos.end}) must be non-empty, after the previous item "
-                    f"(ends at {prev_end}) and inside the prompt ({request.num_prompt_tokens} tokens)", field=field,
+                    f"(ends at {prev_end}) and inside the prompt ({request.num_prompt_tokens} tokens)",
+                    field=field,
                 )
             prev_end = pos.end
             if f.data is None or not f.data.payload_fields():
-                raise InvalidArgument(f"{where} has no payload; the scheduler's copy must keep every item's data",
-                                      field=field)
+                raise InvalidArgument(
+                    f"{where} has no payload; the scheduler's copy must keep every item's data", field=field
+                )
             if pos.get_num_embeds() > self.encoder_cache_tokens:
                 raise ResourceExhausted(
                     f"{where} needs {pos.get_num_embeds()} encoder rows; the ranks' encoder cache holds "
-                    f"{self.encoder_cache_tokens} (--encoder-cache-tokens / the workers' encoder budget)", field=field,
+                    f"{self.encoder_cache_tokens} (--encoder-cache-tokens / the workers' encoder budget)",
+                    field=field,
                 )
             max_tensor = getattr(self.group, "max_tensor_bytes", 0)
             for name, elem in f.data.payload_fields().items():
                 size = elem.data.numel() * elem.data.element_size()
                 if max_tensor and size > max_tensor:
-                    raise ResourceExhausted(f"{where}: {name} has {size} bytes; the ranks accept tensors up to "
-                                            f"{max_tensor} bytes (the workers' max tensor size)", field=field)
+                    raise ResourceExhausted(
+                        f"{where}: {name} has {size} bytes; the ranks accept tensors up to "
+                        f"{max_tensor} bytes (the workers' max tensor size)",
+                        field=field,
+                    )
             nbytes = payload_nbytes(f)
             if nbytes > self.payload_cache_bytes:
                 raise ResourceExhausted(
                     f"{where} has {nbytes} payload bytes; a rank's payload cache holds {self.payload_cache_bytes} "
-                    "(--payload-cache-bytes / the workers' payload budget)", field=field,
+                    "(--payload-cache-bytes / the workers' payload budget)",
+                    field=field,
                 )
             unique[f.identifier] = nbytes
         total = sum(unique.values())
@@ -198,7 +230,8 @@ class Scheduler:
             raise ResourceExhausted(
                 f"the request's images hold {total} payload bytes, more than a rank's payload cache "
                 f"({self.payload_cache_bytes}); --transfer-mode={self.config.transfer_mode} sends them all at "
-                "admission: use --transfer-mode lazy or give the workers a larger payload cache", field="messages",
+                "admission: use --transfer-mode lazy or give the workers a larger payload cache",
+                field="messages",
             )
 
     def get_request(self, request_id: RequestId | str) -> Request | None:
@@ -278,8 +311,18 @@ class Scheduler:
                 r.usage.cached_tokens = computed
             wire_items = decider.commit_admission(r, computed)
             decider.commit_window(r, window)
-            new_reqs.append(NewRequestData(r.request_id, list(r.all_token_ids), wire_items, r.sampling, appended,
-                                           computed, n, r.num_output_tokens))
+            new_reqs.append(
+                NewRequestData(
+                    r.request_id,
+                    list(r.all_token_ids),
+                    wire_items,
+                    r.sampling,
+                    appended,
+                    computed,
+                    n,
+                    r.num_output_tokens,
+                )
+            )
             r.num_tokens_told = r.num_tokens
             scheduled.append((r, n))
             budget -= n
@@ -372,15 +415,24 @@ class Scheduler:
                 continue  # a prefill chunk: nothing sampled
             if r.request_id in failed:
                 self._finish(r, FinishReason.ERROR)
-                updates.append(RequestUpdate(r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage,
-                                             error=f"request {r.request_id} failed at the worker: "
-                                                   f"{failed[r.request_id]}", error_status=Status.INTERNAL))
+                updates.append(
+                    RequestUpdate(
+                        r.request_id,
+                        [],
+                        None,
+                        finished=FinishReason.ERROR,
+                        usage=r.usage,
+                        error=f"request {r.request_id} failed at the worker: {failed[r.request_id]}",
+                        error_status=Status.INTERNAL,
+                    )
+                )
                 continue  # rank 0 could not sample it: it ends here, without a token
             sample = sampled[r.request_id]
             token = sample.token_id
             r.append_output(token)
-            update = RequestUpdate(r.request_id, [token],
-                                   [(sample.logprob, sample.top_logprobs)] if r.sampling.return_logprobs else None)
+            update = RequestUpdate(
+                r.request_id, [token], [(sample.logprob, sample.top_logprobs)] if r.sampling.return_logprobs else None
+            )
             reason = self._stop_reason(r, token)
             if reason is not None:
                 if reason is FinishReason.STOP:
@@ -412,12 +464,19 @@ class Scheduler:
             self._finish(r, FinishReason.ERROR)
         else:
             self.finish_request(r.request_id, FinishReason.ERROR)
-        self.decider.forget_encoder(key)
+        self.decider.mirrors.forget_encoder(key)
         field = r.image_fields[index] if index < len(r.image_fields) else None
         where = field or f"image {index} of the prompt"
-        return RequestUpdate(r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage,
-                             error=f"{where} (item {key[:16]}) could not be used: {message}",
-                             error_status=Status.INVALID_ARGUMENT, error_field=field)
+        return RequestUpdate(
+            r.request_id,
+            [],
+            None,
+            finished=FinishReason.ERROR,
+            usage=r.usage,
+            error=f"{where} (item {key[:16]}) could not be used: {message}",
+            error_status=Status.INVALID_ARGUMENT,
+            error_field=field,
+        )
 
     def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
         if token in r.sampling.stop_token_ids or (not r.sampling.ignore_eos and token in self.eos_token_ids):
@@ -435,8 +494,9 @@ class Scheduler:
         del self._requests[r.request_id]
         self.isolator.forget(r.request_id)
 
-    def finish_request(self, request_id: RequestId | str, reason: FinishReason = FinishReason.CANCELLED,
-                       error: str | None = None) -> RequestUpdate | None:
+    def finish_request(
+        self, request_id: RequestId | str, reason: FinishReason = FinishReason.CANCELLED, error: str | None = None
+    ) -> RequestUpdate | None:
         """Service-side end (stop string, cancellation, deadline): frees everything; the next plan tells the
         ranks. Returns the final update, or None when the id is not in flight."""
         reason = FinishReason(reason)  # also accepts its value: "stop", "length", "cancelled", "error"
@@ -462,16 +522,27 @@ class Scheduler:
         INTERNAL) is returned."""
         poisoned: list[RequestUpdate] = []
         if self._outstanding is not None:
-            step = {r.request_id: r.num_computed_tokens + n for r, n in self._outstanding.scheduled
-                    if self._requests.get(r.request_id) is r}
+            step = {
+                r.request_id: r.num_computed_tokens + n
+                for r, n in self._outstanding.scheduled
+                if self._requests.get(r.request_id) is r
+            }
             convicted = self.isolator.step_failed(step)
             if convicted is not None:
                 r = self._requests[convicted]
                 self._finish(r, FinishReason.ERROR)  # a scheduled request is running until the step's output
-                poisoned.append(RequestUpdate(
-                    r.request_id, [], None, finished=FinishReason.ERROR, usage=r.usage, error_status=Status.INTERNAL,
-                    error=f"request {r.request_id} crashed the worker group twice, the second time running alone; "
-                          "it is failed so that the group keeps serving the other requests"))
+                poisoned.append(
+                    RequestUpdate(
+                        r.request_id,
+                        [],
+                        None,
+                        finished=FinishReason.ERROR,
+                        usage=r.usage,
+                        error_status=Status.INTERNAL,
+                        error=f"request {r.request_id} crashed the worker group twice, the second time running alone; "
+                        "it is failed so that the group keeps serving the other requests",
+                    )
+                )
         self._outstanding = None
         for r in self.running:
             self.kv.free(r.request_id)
@@ -516,4 +587,3 @@ class Scheduler:
             payload_cache_bytes_used=self.decider.mirrors.payloads[0].used,
             steps=self._next_step_id - 1,
         )
-

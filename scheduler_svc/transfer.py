@@ -33,23 +33,29 @@ from common.multimodal import MultiModalFeatureSpec, PayloadState, strip_covered
 from scheduler_svc import placement, windows
 from scheduler_svc.accounting import Delivery, Disposition, EncoderRun, TransferAccounting
 from scheduler_svc.cache_mirrors import GroupMirrors
+from scheduler_svc.config import ENCODER_PLACEMENTS, TRANSFER_MODES
 from scheduler_svc.request import Request
 from scheduler_svc.step_plan import PayloadSend, payload_nbytes
 from scheduler_svc.windows import Window
-
-TRANSFER_MODES = ("full", "strip", "lazy")
-PLACEMENTS = ("sharded", "replicated")
 
 
 class TransferDecider:
     """Mirrors plus the per-step decisions; the scheduler calls it in a fixed order per step (see scheduler.py)."""
 
-    def __init__(self, mode: str, uses_mrope: bool, num_ranks: int, payload_cache_bytes: int,
-                 encoder_cache_tokens: int, placement: str = "replicated", encoder_row_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        mode: str,
+        uses_mrope: bool,
+        num_ranks: int,
+        payload_cache_bytes: int,
+        encoder_cache_tokens: int,
+        placement: str = "replicated",
+        encoder_row_bytes: int = 0,
+    ) -> None:
         if mode not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode={mode!r}; choose one of {TRANSFER_MODES}")
-        if placement not in PLACEMENTS:
-            raise ValueError(f"encoder_placement={placement!r}; choose one of {PLACEMENTS}")
+        if placement not in ENCODER_PLACEMENTS:
+            raise ValueError(f"encoder_placement={placement!r}; choose one of {ENCODER_PLACEMENTS}")
         self.mode = mode
         self.sharded = placement == "sharded"
         self.encoder_row_bytes = encoder_row_bytes  # bytes of one encoder-output row, the handshake's (bytes)
@@ -140,8 +146,9 @@ class TransferDecider:
         sends = self._admission_sends(request)
         first = len(features) - len(sends)  # full sends from item 0, strip from the first uncovered item
         if not self.sharded:  # every rank gets every payload, one rank after the other
-            self._send_at_admission(request, [(rank, k, f) for rank in range(self.num_ranks)
-                                              for k, f in enumerate(sends, start=first)])
+            self._send_at_admission(
+                request, [(rank, k, f) for rank in range(self.num_ranks) for k, f in enumerate(sends, start=first)]
+            )
             return wire
         owners = self._admission_owners  # each payload to its owner only, in the items' order
         self._send_at_admission(request, [(owners[f.identifier], k, f) for k, f in enumerate(sends, start=first)])
@@ -150,8 +157,9 @@ class TransferDecider:
                 continue  # a second occurrence, or admitted beside another request this step: settled once
             rank = owners[f.identifier]
             self._load[rank] += f.mm_position.get_num_embeds()
-            self.book.record_ranks(request.request_id, f.identifier, Disposition.ENCODER_SHARED, payload_nbytes(f),
-                                   but=rank)
+            self.book.record_ranks(
+                request.request_id, f.identifier, Disposition.ENCODER_SHARED, payload_nbytes(f), but=rank
+            )
         return wire
 
     def _send_at_admission(self, request: Request, sends: list[tuple[int, int, MultiModalFeatureSpec]]) -> None:
@@ -180,8 +188,16 @@ class TransferDecider:
     # --- windows -----------------------------------------------------------------------------------------------
     def plan_window(self, request: Request, start: int, end: int) -> Window:
         """Cuts ``[start, end)`` before the first item whose encoder work cannot be scheduled; changes nothing."""
-        window = windows.plan_window(request, start, end, self.mirrors, self.encoder_cache_tokens - self.encoder_tokens,
-                                     self._load, lazy=self._lazy(request), sharded=self.sharded)
+        window = windows.plan_window(
+            request,
+            start,
+            end,
+            self.mirrors,
+            self.encoder_cache_tokens - self.encoder_tokens,
+            self._load,
+            lazy=self._lazy(request),
+            sharded=self.sharded,
+        )
         self.items_examined += window.examined
         return window
 
@@ -201,13 +217,15 @@ class TransferDecider:
             key = features[i].identifier
             due = self.book.settle(rid, key) if lazy else None  # settled per rank: held here, else sent below
             if self.sharded:
-                owners[i] = self._commit_owner(request, i, window, due)
+                owners[i] = placement.commit_owner(self.mirrors, self.book, request, i, window, due, lazy)
                 continue  # one owner: its payload is handled there, the other ranks get its output
             for rank, mirror in enumerate(self.mirrors.payloads):
                 if not lazy:
                     if mirror.pinned(key) == 0:
-                        raise MmcastError(f"internal: rank {rank} does not hold the payload of item {key[:16]} "
-                                          f"({self.mode} mode sends it at admission)")
+                        raise MmcastError(
+                            f"internal: rank {rank} does not hold the payload of item {key[:16]} "
+                            f"({self.mode} mode sends it at admission)"
+                        )
                 elif key in mirror:  # held since an earlier step (this step's sends come with encoding = reuse)
                     self.mirrors.pin_for_step(rank, key)
                     if due is not None:
@@ -236,21 +254,6 @@ class TransferDecider:
         reached = window.encode + window.reuse
         if reached:
             request.pin_end = max(request.pin_end, max(reached) + 1)
-
-    def _commit_owner(self, request: Request, i: int, window: Window, due: int | None) -> int:
-        """sharded: the owner of encode index ``i``, its held payload pinned for the step; settles a lazy due of
-        ``due`` bytes per rank (the owner held it: rank_cached, else sent when queued; the others: encoder_shared)."""
-        key, rid = request.mm_features[i].identifier, request.request_id
-        if not self._lazy(request):
-            return placement.owner_holding(self.mirrors.payloads, key)  # chosen, sent and settled at admission
-        rank = window.owners[i]
-        if key in self.mirrors.payloads[rank]:
-            self.mirrors.pin_for_step(rank, key)
-            if due is not None:
-                self.book.record(Delivery(rid, key, rank, Disposition.RANK_CACHED, due))
-        if due is not None:
-            self.book.record_ranks(rid, key, Disposition.ENCODER_SHARED, due, but=rank)
-        return rank
 
     # --- progress and release ----------------------------------------------------------------------------------
     def advance(self, request: Request) -> None:
@@ -283,11 +286,6 @@ class TransferDecider:
         self.book.release(request, ended)
         self._deferring.discard(request.request_id)
         request.item_cursor = request.pin_end = n
-
-    def forget_encoder(self, key: ItemId) -> None:
-        """Drops an encoder-mirror entry the ranks never stored (its encoding failed), once nothing pins it."""
-        if key in self.mirrors.encoder and not self.mirrors.encoder.pinned(key):
-            self.mirrors.encoder.discard(key)
 
     def reset(self) -> None:
         """The ranks lost every cache (recovery): empty mirrors, no step in flight."""
