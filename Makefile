@@ -39,6 +39,7 @@ proto-check: install
 # (proto/baseline.json). A deliberate breaking change regenerates the baseline with `make proto-baseline`.
 lint: install tools
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy tests/typing_checks
 	$(BIN)/python scripts/check_client_surface.py
 	.tools/bin/buf lint proto

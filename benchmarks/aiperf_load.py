@@ -33,8 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 SEED = 250_000  # the load's images; the warm-up's are SEED + 10_000 + k
 # Metrics of the table: (label, AIPerf's key in profile_export_aiperf.json, sdk_load's key).
-METRICS = (("TTFT (ms)", "time_to_first_token"), ("ITL = TPOT (ms)", "inter_token_latency"),
-           ("request latency (ms)", "request_latency"))
+METRICS = (
+    ("TTFT (ms)", "time_to_first_token"),
+    ("ITL = TPOT (ms)", "inter_token_latency"),
+    ("request latency (ms)", "request_latency"),
+)
 
 
 class ServeLocal:
@@ -53,7 +56,7 @@ class ServeLocal:
                 break
             self.log.write(line)
             if line.startswith("READY "):
-                self.ready = json.loads(line[len("READY "):])
+                self.ready = json.loads(line[len("READY ") :])
                 return
         self.stop()
         raise RuntimeError(f"serve-local did not print READY (log: {log_path})")
@@ -98,9 +101,17 @@ def warm_http(base_url: str, served: str, images) -> None:
     for k in range(2):
         with open(images.path(SEED + 10_000 + k), "rb") as f:
             url = data_url(f.read(), "jpeg")
-        client.chat.completions.create(model=served, max_tokens=4, extra_body={"ignore_eos": True}, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": "Warm up."}]}])
+        client.chat.completions.create(
+            model=served,
+            max_tokens=4,
+            extra_body={"ignore_eos": True},
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Warm up."}],
+                }
+            ],
+        )
     client.close()
 
 
@@ -125,22 +136,32 @@ def measure(args) -> dict:
     dataset = os.path.join(args.out, "load.jsonl")
     entries = sdk_load.write_dataset(dataset, images, args.requests, SEED)
     served = os.path.basename(os.path.normpath(args.model_dir))  # serve-local's default --served-model-name
-    out: dict = {"settings": {"requests": args.requests, "concurrency": args.concurrency,
-                              "max_tokens": args.max_tokens, "image": "448x448 jpeg", "model": served}}
+    out: dict = {
+        "settings": {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "image": "448x448 jpeg",
+            "model": served,
+        }
+    }
 
     load0 = [round(x, 2) for x in os.getloadavg()]
     server = ServeLocal(args.model_dir, os.path.join(args.out, "serve-local-http.log"))
     try:
         base_url = server.ready["openai_base_url"]
         warm_http(base_url, served, images)
-        cmd = aiperf_command(args.aiperf, served, base_url, args.model_dir, dataset, args,
-                             os.path.join(args.out, "aiperf"))
+        cmd = aiperf_command(
+            args.aiperf, served, base_url, args.model_dir, dataset, args, os.path.join(args.out, "aiperf")
+        )
         out["aiperf_command"] = shlex.join(cmd)
         print(f"[aiperf] {out['aiperf_command']}", file=sys.stderr, flush=True)
         cpu0 = _cpu_seconds_of_children()
         t0 = time.monotonic()
         with open(os.path.join(args.out, "aiperf.log"), "w") as log:
-            rc = subprocess.run(cmd, env=aiperf_env(), stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+            rc = subprocess.run(
+                cmd, env=aiperf_env(), stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
+            ).returncode
         out["aiperf_wall_s"] = time.monotonic() - t0
         out["aiperf_cpu_s"] = _cpu_seconds_of_children() - cpu0  # the tool's own processes, on the same 2 cores
         if rc != 0:
@@ -157,7 +178,11 @@ def measure(args) -> dict:
         out["sdk"] = sdk_load.run(server.ready["target"], entries, args.concurrency, args.max_tokens)
     finally:
         server.stop()
-    out["loadavg"] = {"before_aiperf": load0, "after_aiperf": load1, "after_sdk": [round(x, 2) for x in os.getloadavg()]}
+    out["loadavg"] = {
+        "before_aiperf": load0,
+        "after_aiperf": load1,
+        "after_sdk": [round(x, 2) for x in os.getloadavg()],
+    }
     return out
 
 
@@ -169,35 +194,49 @@ def _fmt(d: dict | None, key: str) -> str:
 def markdown(result: dict) -> str:
     a, s = result["aiperf"], result["sdk"]
     st = result["settings"]
-    lines = [f"{st['requests']} requests, each one new {st['image']} and a question, {st['concurrency']} in flight, "
-             f"streamed, greedy, `ignore_eos`, {st['max_tokens']} output tokens; model `{st['model']}` (the embedded "
-             "tiny Qwen2-VL), TP1, a fresh `serve-local` per client. AIPerf on the OpenAI HTTP door (images as data: "
-             "URLs); the SDK on gRPC (images uploaded once, by hash after).", "",
-             "| metric | AIPerf → HTTP p50 | p90 | p99 | avg | SDK → gRPC p50 | p90 | p99 | avg |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{st['requests']} requests, each one new {st['image']} and a question, {st['concurrency']} in flight, "
+        f"streamed, greedy, `ignore_eos`, {st['max_tokens']} output tokens; model `{st['model']}` (the embedded "
+        "tiny Qwen2-VL), TP1, a fresh `serve-local` per client. AIPerf on the OpenAI HTTP door (images as data: "
+        "URLs); the SDK on gRPC (images uploaded once, by hash after).",
+        "",
+        "| metric | AIPerf → HTTP p50 | p90 | p99 | avg | SDK → gRPC p50 | p90 | p99 | avg |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, key in METRICS:
         x, y = a.get(key), s.get(key)
-        lines.append(f"| {label} | {_fmt(x, 'p50')} | {_fmt(x, 'p90')} | {_fmt(x, 'p99')} | {_fmt(x, 'avg')} | "
-                     f"{_fmt(y, 'p50')} | {_fmt(y, 'p90')} | {_fmt(y, 'p99')} | {_fmt(y, 'avg')} |")
+        lines.append(
+            f"| {label} | {_fmt(x, 'p50')} | {_fmt(x, 'p90')} | {_fmt(x, 'p99')} | {_fmt(x, 'avg')} | "
+            f"{_fmt(y, 'p50')} | {_fmt(y, 'p90')} | {_fmt(y, 'p99')} | {_fmt(y, 'avg')} |"
+        )
     a_rps, a_tps = a["request_throughput"]["avg"], a["output_token_throughput"]["avg"]
-    lines += [f"| request throughput (req/s) | {a_rps:.2f} | | | | {s['request_throughput']:.2f} | | | |",
-              f"| output token throughput (tok/s) | {a_tps:.1f} | | | | {s['output_token_throughput']:.1f} | | | |",
-              f"| requests completed / errors | {a['request_count']['avg']:.0f} / "
-              f"{sum(e.get('count', 0) for e in a.get('error_summary') or [])} | | | | {s['request_count']} / "
-              f"{len(s['errors'])} | | | |", "",
-              f"AIPerf's own processes used {result['aiperf_cpu_s']:.0f} CPU seconds in {result['aiperf_wall_s']:.0f} s "
-              "of wall time on the same 2 cores as the server (the SDK client runs in one process). Load average "
-              f"(1, 5, 15 min) before AIPerf {result['loadavg']['before_aiperf']}, after it "
-              f"{result['loadavg']['after_aiperf']}, after the SDK run {result['loadavg']['after_sdk']}.", "",
-              "```bash", result["aiperf_command"], "```"]
+    lines += [
+        f"| request throughput (req/s) | {a_rps:.2f} | | | | {s['request_throughput']:.2f} | | | |",
+        f"| output token throughput (tok/s) | {a_tps:.1f} | | | | {s['output_token_throughput']:.1f} | | | |",
+        f"| requests completed / errors | {a['request_count']['avg']:.0f} / "
+        f"{sum(e.get('count', 0) for e in a.get('error_summary') or [])} | | | | {s['request_count']} / "
+        f"{len(s['errors'])} | | | |",
+        "",
+        f"AIPerf's own processes used {result['aiperf_cpu_s']:.0f} CPU seconds in {result['aiperf_wall_s']:.0f} s "
+        "of wall time on the same 2 cores as the server (the SDK client runs in one process). Load average "
+        f"(1, 5, 15 min) before AIPerf {result['loadavg']['before_aiperf']}, after it "
+        f"{result['loadavg']['after_aiperf']}, after the SDK run {result['loadavg']['after_sdk']}.",
+        "",
+        "```bash",
+        result["aiperf_command"],
+        "```",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.aiperf_load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--aiperf", default=os.path.join(ROOT, ".venv-aiperf", "bin", "aiperf"))
-    parser.add_argument("--model-dir", default=os.path.join(RESULTS, ".model", "mmcast-tiny"),
-                        help="model folder (mmcast make-tiny-model DIR); its name is the served model name")
+    parser.add_argument(
+        "--model-dir",
+        default=os.path.join(RESULTS, ".model", "mmcast-tiny"),
+        help="model folder (mmcast make-tiny-model DIR); its name is the served model name",
+    )
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)

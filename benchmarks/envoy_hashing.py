@@ -55,21 +55,28 @@ def measure(policy: str, keys: int, upstreams: int = 3) -> tuple[int, int, int]:
         servers.append(server)
     config = yaml.safe_load(CONFIG.read_text())
     config["admin"]["address"]["socket_address"].update(address="127.0.0.1", port_value=admin)
-    config["static_resources"]["listeners"][0]["address"]["socket_address"].update(address="127.0.0.1",
-                                                                                    port_value=listen)
+    config["static_resources"]["listeners"][0]["address"]["socket_address"].update(
+        address="127.0.0.1", port_value=listen
+    )
     for cluster in config["static_resources"]["clusters"]:
         cluster.update(type="STATIC", lb_policy=policy)
         cluster.pop("dns_lookup_family", None)
         targets = up if cluster["name"] == "mmcast_http" else [1]  # the gRPC cluster is not used here
-        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-            for p in targets]}]
+        cluster["load_assignment"]["endpoints"] = [
+            {
+                "lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+                    for p in targets
+                ]
+            }
+        ]
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "envoy.yaml"
         path.write_text(yaml.safe_dump(config))
         envoy = subprocess.Popen([str(ENVOY), "-c", str(path), "--disable-hot-restart", "--log-level", "error"])
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=5) as client:
+
                 def where() -> dict[int, str]:
                     return {k: client.get("/health", headers={"x-session-id": f"user-{k}"}).text for k in range(keys)}
 
@@ -109,8 +116,10 @@ def main() -> None:
     args = parser.parse_args()
     for policy in ("RING_HASH", "MAGLEV"):
         on_gone, on_survivors, moved = measure(policy, args.keys)
-        print(f"{policy:9s}: {on_gone} keys on the upstream that left, {on_survivors} on the survivors, "
-              f"{moved} of these moved to another survivor")
+        print(
+            f"{policy:9s}: {on_gone} keys on the upstream that left, {on_survivors} on the survivors, "
+            f"{moved} of these moved to another survivor"
+        )
 
 
 if __name__ == "__main__":

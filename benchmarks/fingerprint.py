@@ -50,8 +50,10 @@ def main() -> None:
         inproc_s = time.perf_counter() - t
     assert cold == sidecar == inproc
     total = size * args.files / (1 << 30)
-    print(f"{total:.1f} GiB in {args.files} files: no cache {cold_s:.2f} s ({total / cold_s:.2f} GiB/s), "
-          f"sidecar cache {sidecar_s * 1e3:.1f} ms, in-process cache {inproc_s * 1e3:.2f} ms")
+    print(
+        f"{total:.1f} GiB in {args.files} files: no cache {cold_s:.2f} s ({total / cold_s:.2f} GiB/s), "
+        f"sidecar cache {sidecar_s * 1e3:.1f} ms, in-process cache {inproc_s * 1e3:.2f} ms"
+    )
 
 
 if __name__ == "__main__":

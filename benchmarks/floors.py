@@ -132,8 +132,7 @@ class _Receivers:
         if shm_path:
             args += ["--shm-path", shm_path]
         self.procs = [
-            subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True, cwd=_repo_root())
-            for _ in range(count)
+            subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True, cwd=_repo_root()) for _ in range(count)
         ]
         self.ports: list[int] = []
         deadline = time.monotonic() + _READY_TIMEOUT_S

@@ -25,8 +25,7 @@ def solid_png(width: int, height: int, *, rgb: bool = True, value: int = 0x5A) -
     parts = [z.compress(row) for _ in range(height)]
     parts.append(z.flush())
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2 if rgb else 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", b"".join(parts))
-            + _chunk(b"IEND", b""))
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", b"".join(parts)) + _chunk(b"IEND", b"")
 
 
 def ico_around(png: bytes) -> bytes:

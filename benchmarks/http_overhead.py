@@ -46,8 +46,12 @@ from benchmarks import stats
 
 GRPC_UPLOAD, GRPC_INLINE, HTTP_DATA, HTTP_UUID = "grpc-upload", "grpc-inline", "http-data", "http-uuid"
 DOORS = (GRPC_UPLOAD, GRPC_INLINE, HTTP_DATA, HTTP_UUID)
-LABEL = {GRPC_UPLOAD: "SDK, upload once", GRPC_INLINE: "SDK, bytes inline", HTTP_DATA: "openai, data: URLs",
-         HTTP_UUID: "openai, uuid refs"}
+LABEL = {
+    GRPC_UPLOAD: "SDK, upload once",
+    GRPC_INLINE: "SDK, bytes inline",
+    HTTP_DATA: "openai, data: URLs",
+    HTTP_UUID: "openai, uuid refs",
+}
 SCENARIO_DOORS = {  # text has no images: one client per door; a new image has no earlier send to refer to
     "text": (GRPC_UPLOAD, HTTP_DATA),
     "new_image": (GRPC_UPLOAD, GRPC_INLINE, HTTP_DATA),
@@ -58,8 +62,11 @@ SCENARIO_DOORS = {  # text has no images: one client per door; a new image has n
 PAIRS = {
     "text": ((HTTP_DATA, GRPC_UPLOAD, True),),
     "new_image": ((HTTP_DATA, GRPC_INLINE, True), (HTTP_DATA, GRPC_UPLOAD, False)),
-    "cached_conversation": ((HTTP_DATA, GRPC_INLINE, True), (HTTP_UUID, GRPC_UPLOAD, True),
-                            (HTTP_DATA, GRPC_UPLOAD, False)),
+    "cached_conversation": (
+        (HTTP_DATA, GRPC_INLINE, True),
+        (HTTP_UUID, GRPC_UPLOAD, True),
+        (HTTP_DATA, GRPC_UPLOAD, False),
+    ),
 }
 TARGET = 1.15  # HTTP TTFT p50 <= 1.15x the gRPC SDK's, like for like
 SEED = 240_000  # far from the other benchmarks' seeds
@@ -94,8 +101,11 @@ def kind_label(kind: ImageKind) -> str:
 
 
 def planned_requests(plan: Plan) -> int:
-    per_round = len(SCENARIO_DOORS["text"]) + len(plan.new_images) * len(SCENARIO_DOORS["new_image"]) + len(
-        plan.ns) * len(DOORS)
+    per_round = (
+        len(SCENARIO_DOORS["text"])
+        + len(plan.new_images) * len(SCENARIO_DOORS["new_image"])
+        + len(plan.ns) * len(DOORS)
+    )
     warm = 2 * len(DOORS) + len(plan.ns) * len(DOORS)
     equality = len(plan.new_images) * len(SCENARIO_DOORS["new_image"]) + 2 * len(plan.ns) * len(DOORS)
     return plan.repeats * per_round + warm + equality
@@ -113,8 +123,10 @@ class Doors:
 
         self.max_tokens = max_tokens
         self.pids = group.pids
-        self.sdk = {GRPC_UPLOAD: Client(group.target, timeout=600),
-                    GRPC_INLINE: Client(group.target, timeout=600, upload_images=False)}
+        self.sdk = {
+            GRPC_UPLOAD: Client(group.target, timeout=600),
+            GRPC_INLINE: Client(group.target, timeout=600, upload_images=False),
+        }
         self.openai = openai.OpenAI(base_url=group.openai_base_url, api_key="unused", max_retries=0, timeout=600)
         self.model = self.openai.models.list().data[0].id
         self.held: set[str] = set()  # paths http-uuid sent as data: URLs in an admitted request
@@ -138,25 +150,37 @@ class Doors:
     def _sdk(self, door: str, messages: list[dict]) -> dict:
         t0 = time.perf_counter()
         first, parts = None, []
-        with self.sdk[door].generate(messages, max_tokens=self.max_tokens, ignore_eos=True, cache_salt=door,
-                                     stream=True) as s:
+        with self.sdk[door].generate(
+            messages, max_tokens=self.max_tokens, ignore_eos=True, cache_salt=door, stream=True
+        ) as s:
             for delta in s:
                 if first is None and delta.text:
                     first = time.perf_counter()
                 parts.append(delta.text)
         end = time.perf_counter()
         u = s.result.usage
-        return {"ttft_ms": ((first or end) - t0) * 1e3, "total_ms": (end - t0) * 1e3, "text": "".join(parts),
-                "completion_tokens": u.completion_tokens, "prompt_tokens": u.prompt_tokens,
-                "cached_tokens": u.cached_tokens}
+        return {
+            "ttft_ms": ((first or end) - t0) * 1e3,
+            "total_ms": (end - t0) * 1e3,
+            "text": "".join(parts),
+            "completion_tokens": u.completion_tokens,
+            "prompt_tokens": u.prompt_tokens,
+            "cached_tokens": u.cached_tokens,
+        }
 
     def _http(self, door: str, messages: list[dict]) -> dict:
         t0 = time.perf_counter()
         body, sent = self._openai_messages(door, messages)
         first, parts, usage = None, [], None
         stream = self.openai.chat.completions.create(
-            model=self.model, messages=body, max_tokens=self.max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "cache_salt": door})
+            model=self.model,
+            messages=body,
+            max_tokens=self.max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "cache_salt": door},
+        )
         with stream:
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -168,9 +192,14 @@ class Doors:
         end = time.perf_counter()
         self.held.update(sent)
         cached = usage.prompt_tokens_details.cached_tokens if usage and usage.prompt_tokens_details else 0
-        return {"ttft_ms": ((first or end) - t0) * 1e3, "total_ms": (end - t0) * 1e3, "text": "".join(parts),
-                "completion_tokens": usage.completion_tokens if usage else 0,
-                "prompt_tokens": usage.prompt_tokens if usage else 0, "cached_tokens": cached}
+        return {
+            "ttft_ms": ((first or end) - t0) * 1e3,
+            "total_ms": (end - t0) * 1e3,
+            "text": "".join(parts),
+            "completion_tokens": usage.completion_tokens if usage else 0,
+            "prompt_tokens": usage.prompt_tokens if usage else 0,
+            "cached_tokens": cached,
+        }
 
     def _openai_messages(self, door: str, messages: list[dict]) -> tuple[list[dict], list[str]]:
         out, sent = [], []
@@ -210,8 +239,13 @@ def _seed(door: str, cell: int, i: int) -> int:
     return SEED + _DOOR_STRIDE * (DOORS.index(door) + 1) + _CELL_STRIDE * cell + i
 
 
-def measure(model_dir: str, images, plan: Plan, on_request: Callable[[dict], None] | None = None,
-            log: Callable[[str], None] = lambda _m: None) -> dict:
+def measure(
+    model_dir: str,
+    images,
+    plan: Plan,
+    on_request: Callable[[dict], None] | None = None,
+    log: Callable[[str], None] = lambda _m: None,
+) -> dict:
     """Base64 costs in process, then one group: warm-up, the timed rounds, the equality requests."""
     from benchmarks.scenarios import assistant, filler, question, user
     from mmcast_local.supervisor import LocalGroup
@@ -232,12 +266,21 @@ def measure(model_dir: str, images, plan: Plan, on_request: Callable[[dict], Non
     for r in range(1, plan.repeats + 1):
         cells = [("text", "", 0, d, [user([], f"{text_head} {question(r)}")]) for d in SCENARIO_DOORS["text"]]
         for k, kind in new_cells:
-            cells += [("new_image", kind_label(kind), 1, d, [user([path(kind, _seed(d, k, r))], question(r))])
-                      for d in SCENARIO_DOORS["new_image"]]
+            cells += [
+                ("new_image", kind_label(kind), 1, d, [user([path(kind, _seed(d, k, r))], question(r))])
+                for d in SCENARIO_DOORS["new_image"]
+            ]
         for j, n in enumerate(plan.ns):
-            cells += [("cached_conversation", kind_label(JPEG_448), n, d,
-                       [*heads[(d, j)], user([path(JPEG_448, _seed(d, 100 + j, 500 + r))], question(r))])
-                      for d in DOORS]
+            cells += [
+                (
+                    "cached_conversation",
+                    kind_label(JPEG_448),
+                    n,
+                    d,
+                    [*heads[(d, j)], user([path(JPEG_448, _seed(d, 100 + j, 500 + r))], question(r))],
+                )
+                for d in DOORS
+            ]
         timed.append(cells)
     eq_seed = SEED + 90_000
     equal_new = [(kind, [user([path(kind, eq_seed + k)], question(99))]) for k, kind in new_cells]
@@ -251,6 +294,7 @@ def measure(model_dir: str, images, plan: Plan, on_request: Callable[[dict], Non
         started = time.monotonic() - t0
         doors = Doors(group, plan.max_tokens)
         try:
+
             def send(door: str, messages: list[dict], **meta) -> dict:
                 rec = {**meta, "door": door, **doors.send(door, messages)}
                 records.append(rec)
@@ -260,8 +304,14 @@ def measure(model_dir: str, images, plan: Plan, on_request: Callable[[dict], Non
 
             for door in DOORS:  # connections, channels, the tokenizer's and the encoder's first calls
                 send(door, [user([], "Warm up.")], scenario="warmup", image="", n=0, index=0)
-                send(door, [user([path(JPEG_448, _seed(door, 99, 0))], "Warm up.")], scenario="warmup",
-                     image="", n=1, index=0)
+                send(
+                    door,
+                    [user([path(JPEG_448, _seed(door, 99, 0))], "Warm up.")],
+                    scenario="warmup",
+                    image="",
+                    n=1,
+                    index=0,
+                )
             for (door, j), head in heads.items():  # the conversations' earlier images into the prefix cache
                 send(door, [*head, user([], question(0))], scenario="warmup", image="", n=plan.ns[j] - 1, index=0)
             log("http overhead: warmed; timed rounds")
@@ -279,13 +329,26 @@ def measure(model_dir: str, images, plan: Plan, on_request: Callable[[dict], Non
             for n, head, newest in equal_conv:
                 for door in DOORS:
                     send(door, [*head, user([], question(0))], scenario="warmup", image="", n=n - 1, index=-1)
-                    send(door, [*head, user([newest], question(98))], scenario="cached_conversation",
-                         image=kind_label(JPEG_448), n=n, index=-1)
+                    send(
+                        door,
+                        [*head, user([newest], question(98))],
+                        scenario="cached_conversation",
+                        image=kind_label(JPEG_448),
+                        n=n,
+                        index=-1,
+                    )
         finally:
             doors.close()
-    return {"plan": dataclasses.asdict(plan), "records": records, "decode": decode, "startup_seconds": started,
-            "seconds": time.monotonic() - t0, "loadavg_before": load,
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()], **analyze(records, decode)}
+    return {
+        "plan": dataclasses.asdict(plan),
+        "records": records,
+        "decode": decode,
+        "startup_seconds": started,
+        "seconds": time.monotonic() - t0,
+        "loadavg_before": load,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        **analyze(records, decode),
+    }
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -306,9 +369,21 @@ def decode_costs(images, kinds: Sequence[ImageKind], repeats: int) -> list[dict]
         with open(images.path(SEED + 80_000, kind[0], kind[1]), "rb") as f:
             data = f.read()
         url = data_url(data, kind[1])
-        payload = url[url.index(",") + 1:]
-        body_obj = {"model": "m", "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in the picture?"}]}]}
+        payload = url[url.index(",") + 1 :]
+        body_obj = {
+            "model": "m",
+            "max_tokens": 4,
+            "stream": True,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "What is in the picture?"},
+                    ],
+                }
+            ],
+        }
         body = json.dumps(body_obj).encode()
         rows.append({
             "image": kind_label(kind), "file_bytes": len(data), "base64_chars": len(payload), "body_bytes": len(body),
@@ -348,12 +423,30 @@ def analyze(records: Sequence[dict], decode: Sequence[dict]) -> dict:
             num = [by_door[http][i]["ttft_ms"] for i in both]
             den = [by_door[grpc][i]["ttft_ms"] for i in both]
             ratio, lo, hi = stats.paired_ratio_ci(num, den)
-            ratios.append({"scenario": key[0], "image": key[1], "n": key[2], "http": http, "grpc": grpc,
-                           "like_for_like": like, "ratio": ratio, "ci_low": lo, "ci_high": hi, "pairs": len(both),
-                           "http_p50": stats.median(num), "grpc_p50": stats.median(den),
-                           "ratio_p90": stats.percentile(num, 90) / stats.percentile(den, 90)})
-    return {"rows": rows, "ratios": ratios, "targets": targets(ratios), "equality": equality(records),
-            "decode_share": decode_share(decode, rows)}
+            ratios.append(
+                {
+                    "scenario": key[0],
+                    "image": key[1],
+                    "n": key[2],
+                    "http": http,
+                    "grpc": grpc,
+                    "like_for_like": like,
+                    "ratio": ratio,
+                    "ci_low": lo,
+                    "ci_high": hi,
+                    "pairs": len(both),
+                    "http_p50": stats.median(num),
+                    "grpc_p50": stats.median(den),
+                    "ratio_p90": stats.percentile(num, 90) / stats.percentile(den, 90),
+                }
+            )
+    return {
+        "rows": rows,
+        "ratios": ratios,
+        "targets": targets(ratios),
+        "equality": equality(records),
+        "decode_share": decode_share(decode, rows),
+    }
 
 
 def equality(records: Sequence[dict]) -> dict:
@@ -363,8 +456,11 @@ def equality(records: Sequence[dict]) -> dict:
     for r in records:
         if (r["scenario"] == "text" and r["index"] > 0) or (r["scenario"] != "warmup" and r["index"] == -1):
             groups[(r["scenario"], r["image"], r["n"], r["index"])][r["door"]] = (r["text"], r["completion_tokens"])
-    mismatches = [{"key": list(k), "answers": {d: list(v) for d, v in doors.items()}}
-                  for k, doors in groups.items() if len(set(doors.values())) > 1]
+    mismatches = [
+        {"key": list(k), "answers": {d: list(v) for d, v in doors.items()}}
+        for k, doors in groups.items()
+        if len(set(doors.values())) > 1
+    ]
     checked = sum(len(d) > 1 for d in groups.values())
     return {"checked": checked, "mismatches": mismatches, "ok": checked > 0 and not mismatches}
 
@@ -385,25 +481,44 @@ def targets(ratios: Sequence[dict]) -> list[dict]:
         if r["like_for_like"]:
             by_cell[(r["scenario"], r["image"], r["n"])].append(r)
     for (scenario, image, n), rs in by_cell.items():
-        measured = "; ".join(f"{r['http']} ÷ {r['grpc']} {r['ratio']:.2f}× [{r['ci_low']:.2f}, {r['ci_high']:.2f}] "
-                             f"({r['http_p50']:.1f} / {r['grpc_p50']:.1f} ms)" for r in rs)
-        out.append({"name": f"HTTP TTFT p50 ≤ {TARGET}× gRPC SDK: {_cell_name(scenario, image, n)}",
-                    "target": f"≤ {TARGET}×", "measured": measured,
-                    "status": "met" if all(r["ratio"] <= TARGET for r in rs) else "MISSED"})
+        measured = "; ".join(
+            f"{r['http']} ÷ {r['grpc']} {r['ratio']:.2f}× [{r['ci_low']:.2f}, {r['ci_high']:.2f}] "
+            f"({r['http_p50']:.1f} / {r['grpc_p50']:.1f} ms)"
+            for r in rs
+        )
+        out.append(
+            {
+                "name": f"HTTP TTFT p50 ≤ {TARGET}× gRPC SDK: {_cell_name(scenario, image, n)}",
+                "target": f"≤ {TARGET}×",
+                "measured": measured,
+                "status": "met" if all(r["ratio"] <= TARGET for r in rs) else "MISSED",
+            }
+        )
     return out
 
 
 def decode_share(decode: Sequence[dict], rows: Sequence[dict]) -> list[dict]:
     """Each base64 row beside the HTTP door's TTFT p50 on a new image of that kind (when the run timed one)."""
-    ttft = {r["image"]: r["doors"][HTTP_DATA]["ttft"]["p50"] for r in rows
-            if r["scenario"] == "new_image" and HTTP_DATA in r["doors"]}
+    ttft = {
+        r["image"]: r["doors"][HTTP_DATA]["ttft"]["p50"]
+        for r in rows
+        if r["scenario"] == "new_image" and HTTP_DATA in r["doors"]
+    }
     out = []
     for d in decode:
         client = d["client_encode_ms"] + d["client_json_ms"]
         server = d["server_parse_ms"] + d["b64decode_ms"] + d["sha256_ms"]
         t = ttft.get(d["image"])
-        out.append({**d, "client_ms": client, "server_ms": server, "http_ttft_p50_ms": t,
-                    "client_share": client / t if t else None, "server_share": server / t if t else None})
+        out.append(
+            {
+                **d,
+                "client_ms": client,
+                "server_ms": server,
+                "http_ttft_p50_ms": t,
+                "client_share": client / t if t else None,
+                "server_share": server / t if t else None,
+            }
+        )
     return out
 
 
@@ -413,42 +528,66 @@ def _pct(v: float | None) -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = ["Client-side TTFT (request built → first content token), ms, p50 / p90 over "
-             f"{result['plan']['repeats']} interleaved rounds; scheduler CPU ms per request (p50) in brackets.", "",
-             "| scenario | " + " | ".join(LABEL[d] for d in DOORS) + " |", "|---|" + "---|" * len(DOORS)]
+    lines = [
+        "Client-side TTFT (request built → first content token), ms, p50 / p90 over "
+        f"{result['plan']['repeats']} interleaved rounds; scheduler CPU ms per request (p50) in brackets.",
+        "",
+        "| scenario | " + " | ".join(LABEL[d] for d in DOORS) + " |",
+        "|---|" + "---|" * len(DOORS),
+    ]
     for row in result["rows"]:
         cells = []
         for d in DOORS:
             v = row["doors"].get(d)
             cpu = v and v["scheduler_cpu_ms_p50"]
-            cells.append("–" if v is None else f"{v['ttft']['p50']:.1f} / {v['ttft']['p90']:.1f}"
-                         + (f" [{cpu:.1f}]" if cpu is not None else ""))
+            cells.append(
+                "–"
+                if v is None
+                else f"{v['ttft']['p50']:.1f} / {v['ttft']['p90']:.1f}" + (f" [{cpu:.1f}]" if cpu is not None else "")
+            )
         lines.append(f"| {_cell_name(row['scenario'], row['image'], row['n'])} | " + " | ".join(cells) + " |")
-    lines += ["", "HTTP ÷ gRPC TTFT (ratio of p50s, 95 % bootstrap interval over paired rounds; p90 ratio beside). "
-              "Like for like: the same bytes on both doors (data: URLs against inline bytes, uuid against hash "
-              "references).", "", "| scenario | HTTP door | gRPC door | like for like | p50 ratio [95 % CI] | "
-              "p90 ratio |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "HTTP ÷ gRPC TTFT (ratio of p50s, 95 % bootstrap interval over paired rounds; p90 ratio beside). "
+        "Like for like: the same bytes on both doors (data: URLs against inline bytes, uuid against hash "
+        "references).",
+        "",
+        "| scenario | HTTP door | gRPC door | like for like | p50 ratio [95 % CI] | p90 ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in result["ratios"]:
-        lines.append(f"| {_cell_name(r['scenario'], r['image'], r['n'])} | {LABEL[r['http']]} | {LABEL[r['grpc']]} | "
-                     f"{'yes' if r['like_for_like'] else 'no'} | {r['ratio']:.2f}× [{r['ci_low']:.2f}, "
-                     f"{r['ci_high']:.2f}] | {r['ratio_p90']:.2f}× |")
+        lines.append(
+            f"| {_cell_name(r['scenario'], r['image'], r['n'])} | {LABEL[r['http']]} | {LABEL[r['grpc']]} | "
+            f"{'yes' if r['like_for_like'] else 'no'} | {r['ratio']:.2f}× [{r['ci_low']:.2f}, "
+            f"{r['ci_high']:.2f}] | {r['ratio_p90']:.2f}× |"
+        )
     lines += ["", "| target | goal | measured | status |", "|---|---|---|---|"]
     lines += [f"| {t['name']} | {t['target']} | {t['measured']} | {t['status']} |" for t in result["targets"]]
-    lines += ["", "Base64 per image, in process (median ms; client: `b64encode` into the data: URL + `json.dumps` of "
-              "the body; server: the door's pydantic parse of the body (`json.loads` beside it), "
-              "`b64decode(validate=True)`, sha256), and as a share of the HTTP door's TTFT p50 on one new image of "
-              "that kind (– where the plan timed none).", "",
-              "| image | file | base64 | client encode + JSON | server parse (json.loads) | b64decode | sha256 | "
-              "server total | share of TTFT: client / server |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Base64 per image, in process (median ms; client: `b64encode` into the data: URL + `json.dumps` of "
+        "the body; server: the door's pydantic parse of the body (`json.loads` beside it), "
+        "`b64decode(validate=True)`, sha256), and as a share of the HTTP door's TTFT p50 on one new image of "
+        "that kind (– where the plan timed none).",
+        "",
+        "| image | file | base64 | client encode + JSON | server parse (json.loads) | b64decode | sha256 | "
+        "server total | share of TTFT: client / server |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for d in result["decode_share"]:
-        lines.append(f"| {d['image']} | {d['file_bytes'] / 1e3:.1f} kB | {d['base64_chars'] / 1e3:.1f} kB | "
-                     f"{d['client_encode_ms']:.3f} + {d['client_json_ms']:.3f} | {d['server_parse_ms']:.3f} "
-                     f"({d['json_loads_ms']:.3f}) | {d['b64decode_ms']:.3f} | {d['sha256_ms']:.3f} | "
-                     f"{d['server_ms']:.3f} | {_pct(d['client_share'])} / {_pct(d['server_share'])} |")
+        lines.append(
+            f"| {d['image']} | {d['file_bytes'] / 1e3:.1f} kB | {d['base64_chars'] / 1e3:.1f} kB | "
+            f"{d['client_encode_ms']:.3f} + {d['client_json_ms']:.3f} | {d['server_parse_ms']:.3f} "
+            f"({d['json_loads_ms']:.3f}) | {d['b64decode_ms']:.3f} | {d['sha256_ms']:.3f} | "
+            f"{d['server_ms']:.3f} | {_pct(d['client_share'])} / {_pct(d['server_share'])} |"
+        )
     eq = result["equality"]
-    lines += ["", f"Equal answers across doors: {'yes' if eq['ok'] else 'NO'} ({eq['checked']} requests sent through "
-              f"every door; {len(eq['mismatches'])} mismatches). Load average before / after: "
-              f"{result['loadavg_before']} / {result['loadavg_after']}."]
+    lines += [
+        "",
+        f"Equal answers across doors: {'yes' if eq['ok'] else 'NO'} ({eq['checked']} requests sent through "
+        f"every door; {len(eq['mismatches'])} mismatches). Load average before / after: "
+        f"{result['loadavg_before']} / {result['loadavg_after']}.",
+    ]
     return "\n".join(lines)
 
 

@@ -105,8 +105,17 @@ def groups(tps: Sequence[int], variants: Sequence[str] = tuple(VARIANTS)) -> tup
     return tuple((tp, v) for tp in tps for v in variants if not (tp == 1 and v == "encoded+replicated"))
 
 
-def run_variant(model_dir: str, tp: int, variant: str, sets: Sequence[ImageSet], images, *, max_tokens: int,
-                kv_blocks: int, on_record: Callable) -> dict:
+def run_variant(
+    model_dir: str,
+    tp: int,
+    variant: str,
+    sets: Sequence[ImageSet],
+    images,
+    *,
+    max_tokens: int,
+    kv_blocks: int,
+    on_record: Callable,
+) -> dict:
     """One fresh group of ``variant`` at ``tp``: warm-up, then every request of ``plan_requests``; returns what the
     group cost to start."""
     from benchmarks.scenarios import Session, question, user
@@ -125,16 +134,37 @@ def run_variant(model_dir: str, tp: int, variant: str, sets: Sequence[ImageSet],
         session = Session(group, tp, "lazy", max_tokens, on_record, variant=variant)
         try:
             files = [f for k in range(len(sets)) for f in paths(k, 0, 0, 1)]  # every size and format once
-            session.run([user(files, question(0))], scenario="new_images", kind="warm", n=len(files), index=0,
-                        image="+".join(s.label for s in sets), image_bytes=_size(files))
+            session.run(
+                [user(files, question(0))],
+                scenario="new_images",
+                kind="warm",
+                n=len(files),
+                index=0,
+                image="+".join(s.label for s in sets),
+                image_bytes=_size(files),
+            )
             for k, s, r, j, n in plan_requests(sets):
                 files = paths(k, r, j, n)
-                session.run([user(files, question(r))], scenario="new_images", kind="image", n=n, index=r,
-                            image=s.label, image_bytes=_size(files))
+                session.run(
+                    [user(files, question(r))],
+                    scenario="new_images",
+                    kind="image",
+                    n=n,
+                    index=r,
+                    image=s.label,
+                    image_bytes=_size(files),
+                )
         finally:
             session.close()
-    return {"scenario": "new_images", "tp": tp, "mode": "lazy", "variant": variant, "startup_seconds": started,
-            "seconds": time.monotonic() - t0, "loadavg": load}
+    return {
+        "scenario": "new_images",
+        "tp": tp,
+        "mode": "lazy",
+        "variant": variant,
+        "startup_seconds": started,
+        "seconds": time.monotonic() - t0,
+        "loadavg": load,
+    }
 
 
 def _size(files: Sequence[str]) -> int:
@@ -269,8 +299,12 @@ def targets(comps: Sequence[dict]) -> list[dict]:
     out = []
 
     def row(name: str, goal: str, measured: str, ok: bool | None) -> dict:
-        return {"name": name, "target": goal, "measured": measured,
-                "status": {True: "met", False: "MISSED", None: "not measured"}[ok]}
+        return {
+            "name": name,
+            "target": goal,
+            "measured": measured,
+            "status": {True: "met", False: "MISSED", None: "not measured"}[ok],
+        }
 
     head = f"{CANDIDATE} vs {BASELINE}, TP{TARGET_TP}"
     byte_hit = [c for c in at if c["image"] == BYTES_TARGET_IMAGE and c["bytes"] is not None]
@@ -336,7 +370,9 @@ def markdown(analysis: dict) -> str:
                   "| TP | image | payload bytes | scheduler CPU | TTFT slope | encoder runs | collective bytes |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
         for c in comps:
-            lines.append(f"| {c['tp']} | {c['image']} | {_x(c['bytes'])} | {_x(c['cpu'])} | {_x(c['ttft'])} | "
-                         f"{_n(c['encoder_runs_base'])} → {_n(c['encoder_runs_cand'])} | "
-                         f"{_b(c['collective_bytes_base'])} → {_b(c['collective_bytes_cand'])} |")
+            lines.append(
+                f"| {c['tp']} | {c['image']} | {_x(c['bytes'])} | {_x(c['cpu'])} | {_x(c['ttft'])} | "
+                f"{_n(c['encoder_runs_base'])} → {_n(c['encoder_runs_cand'])} | "
+                f"{_b(c['collective_bytes_base'])} → {_b(c['collective_bytes_cand'])} |"
+            )
     return "\n".join(lines)

@@ -76,8 +76,17 @@ def case(modules: dict, width: str, context: int, window: int, repeats: int, see
                 start = time.perf_counter()
                 module._attend(q, k_layer, v_layer, span, scaling)
                 best = min(best, time.perf_counter() - start)
-            out.append({"tree": tree, "width": width, "context": context, "window": window, "table": table_name,
-                        "runs": len(span.runs), "us": best * 1e6})
+            out.append(
+                {
+                    "tree": tree,
+                    "width": width,
+                    "context": context,
+                    "window": window,
+                    "table": table_name,
+                    "runs": len(span.runs),
+                    "us": best * 1e6,
+                }
+            )
     return out
 
 
@@ -102,13 +111,17 @@ def table(records: list[dict]) -> str:
     by = {(r["tree"], r["width"], r["context"], r["window"], r["table"]): r for r in records}
     trees = sorted({r["tree"] for r in records}, key=lambda t: t != "this")
     head = "| width | context | window | runs |" + "".join(
-        f" {t} contiguous µs | {t} fragmented µs | {t} fragmented / contiguous |" for t in trees)
+        f" {t} contiguous µs | {t} fragmented µs | {t} fragmented / contiguous |" for t in trees
+    )
     lines = [head, "|" + "---|" * (4 + 3 * len(trees))]
     for width, context, window in sorted({(r["width"], r["context"], r["window"]) for r in records}):
         runs = by[(trees[0], width, context, window, "fragmented")]["runs"]
         row = f"| {width} | {context} | {window} | {runs} |"
         for t in trees:
-            c, f = by[(t, width, context, window, "contiguous")]["us"], by[(t, width, context, window, "fragmented")]["us"]
+            c, f = (
+                by[(t, width, context, window, "contiguous")]["us"],
+                by[(t, width, context, window, "fragmented")]["us"],
+            )
             row += f" {c:.0f} | {f:.0f} | {f / c:.2f} |"
         lines.append(row)
     return "\n".join(lines)

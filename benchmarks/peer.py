@@ -135,19 +135,26 @@ async def drive(engine, plan: Plan, parts: Parts, log) -> dict:
 
     try:
         await step("warmup", peer_workloads.warmup(client, parts))
-        out["cached"] = await step("cached", peer_workloads.cached(client, parts, plan.cached_ns, plan.cached_repeats,
-                                                                   plan.max_tokens, texts))
+        out["cached"] = await step(
+            "cached", peer_workloads.cached(client, parts, plan.cached_ns, plan.cached_repeats, plan.max_tokens, texts)
+        )
         new_ns = {size: plan.new_ns[f"{size[0]}x{size[1]}"] for size in plan.new_sizes}
         out["new"] = {}
         for size, ns in new_ns.items():
-            out["new"].update(await step(f"new {size[0]}x{size[1]}", peer_workloads.new_images(
-                client, parts, [size], ns, plan.new_repeats, plan.max_tokens, texts)))
+            out["new"].update(
+                await step(
+                    f"new {size[0]}x{size[1]}",
+                    peer_workloads.new_images(client, parts, [size], ns, plan.new_repeats, plan.max_tokens, texts),
+                )
+            )
         out["load"] = []
         for i in range(len(plan.load.rates)):
-            out["load"].append(await step(f"load {plan.load.rates[i]:g}/s",
-                                          peer_workloads.load(client, parts, plan.load, i, texts)))
-        out["sliding"] = await step("sliding", peer_workloads.sliding(client, parts, plan.sliding_turns, plan.window,
-                                                                      plan.max_tokens, texts))
+            out["load"].append(
+                await step(f"load {plan.load.rates[i]:g}/s", peer_workloads.load(client, parts, plan.load, i, texts))
+            )
+        out["sliding"] = await step(
+            "sliding", peer_workloads.sliding(client, parts, plan.sliding_turns, plan.window, plan.max_tokens, texts)
+        )
     finally:
         await client.close()
     out["engine_cpu_s"] = cpu
@@ -225,11 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group()
     for name in PLANS:
         which.add_argument(f"--{name}", dest="plan", action="store_const", const=name, help=f"the {name} plan")
-    parser.add_argument("--width", choices=("head64", "real"), default="head64",
-                        help="head64: the tiny recipe with 64-wide heads; real: 2 layers at Qwen2-VL-2B widths")
+    parser.add_argument(
+        "--width",
+        choices=("head64", "real"),
+        default="head64",
+        help="head64: the tiny recipe with 64-wide heads; real: 2 layers at Qwen2-VL-2B widths",
+    )
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {ENGINES + EXTRA_ENGINES}")
-    parser.add_argument("--slo-ms", type=float, default=None,
-                        help="p99 TTFT service level of the load workload (default 1000 ms head64, 5000 ms real)")
+    parser.add_argument(
+        "--slo-ms",
+        type=float,
+        default=None,
+        help="p99 TTFT service level of the load workload (default 1000 ms head64, 5000 ms real)",
+    )
     parser.add_argument("--profile", action="store_true", help="then profile mmcast TP 1 under py-spy")
     parser.add_argument("--out", help="output folder (default benchmarks/results/<timestamp>-peer)")
     args = parser.parse_args(argv)

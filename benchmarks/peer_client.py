@@ -95,8 +95,16 @@ class Client:
         if not chunks or usage is None:
             raise RuntimeError(f"stream ended without content or usage (chunks {len(chunks)}, usage {usage})")
         details = usage.prompt_tokens_details
-        return Reply(chunks[0], e2e, "".join(parts), chunks, usage.prompt_tokens,
-                     details.cached_tokens if details is not None else None, usage.completion_tokens, t0)
+        return Reply(
+            chunks[0],
+            e2e,
+            "".join(parts),
+            chunks,
+            usage.prompt_tokens,
+            details.cached_tokens if details is not None else None,
+            usage.completion_tokens,
+            t0,
+        )
 
     async def close(self) -> None:
         await self._client.close()

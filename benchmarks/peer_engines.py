@@ -69,8 +69,14 @@ class Vllm:
         exe = os.path.join(PEER_VENV, "bin", "vllm")
         if not os.path.exists(exe):
             raise FileNotFoundError(f"{exe} is missing: run `bash scripts/install-vllm-peer.sh` (make bench-peer does)")
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_HOST_IP": "127.0.0.1",
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+            "VLLM_HOST_IP": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+        }
         # the project's allocator settings (common/process.py) are mmcast's tuning; vLLM runs with its own defaults
         for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "PYTHONPATH"):
             env.pop(key, None)

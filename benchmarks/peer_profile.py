@@ -37,7 +37,7 @@ def _frame_name(frame: str) -> str:
     parts = path.split("/")
     for anchor in ("site-packages", "scheduler_svc", "worker_svc", "common", "mmcast_local"):
         if anchor in parts:
-            path = "/".join(parts[parts.index(anchor) + (anchor == "site-packages"):])
+            path = "/".join(parts[parts.index(anchor) + (anchor == "site-packages") :])
             break
     else:
         path = "/".join(parts[-2:])
@@ -63,8 +63,12 @@ def summarise(path: str) -> dict:
                 if not any(p in name for p in _PLUMBING):
                     inclusive[name] += n
             self_time[names[-1]] += n
-    return {"samples": total, "threads": threads.most_common(6), "inclusive": inclusive.most_common(TOP),
-            "self": self_time.most_common(TOP)}
+    return {
+        "samples": total,
+        "threads": threads.most_common(6),
+        "inclusive": inclusive.most_common(TOP),
+        "self": self_time.most_common(TOP),
+    }
 
 
 def _markdown(summaries: dict, seconds: float) -> str:
@@ -101,8 +105,9 @@ def run(plan, model_dir: str, parts, out_dir: str, log) -> dict:
                 t0 = time.monotonic()
                 texts: dict = {}
                 size = plan.new_sizes[0]
-                await peer_workloads.new_images(client, parts, [size], plan.new_ns[f"{size[0]}x{size[1]}"], 1,
-                                                plan.max_tokens, texts)
+                await peer_workloads.new_images(
+                    client, parts, [size], plan.new_ns[f"{size[0]}x{size[1]}"], 1, plan.max_tokens, texts
+                )
                 await peer_workloads.load(client, parts, plan.load, len(plan.load.rates) - 1, texts)
                 nonlocal seconds
                 seconds = time.monotonic() - t0

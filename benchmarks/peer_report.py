@@ -97,18 +97,27 @@ def analyze(results: dict, model_dir: str, slo_ms: float) -> dict:
         if v is None:
             break
         ratios["cached_ttft_slope_ratio" + suffix] = _ratio(m["cached_ttft_slope_ms"], v["cached_ttft_slope_ms"])
-        ratios["new_image_ttft_ratio" + suffix] = _ratio(m["new_image_ttft_slope_ms"].get("448x448"),
-                                                         v["new_image_ttft_slope_ms"].get("448x448"))
+        ratios["new_image_ttft_ratio" + suffix] = _ratio(
+            m["new_image_ttft_slope_ms"].get("448x448"), v["new_image_ttft_slope_ms"].get("448x448")
+        )
         for size in m["new_image_ttft_slope_ms"]:
             if size != "448x448":
-                ratios[f"new_image_ttft_ratio_{size}" + suffix] = _ratio(m["new_image_ttft_slope_ms"][size],
-                                                                         v["new_image_ttft_slope_ms"].get(size))
-        ratios["throughput_at_slo_ratio" + suffix] = _ratio(m["at_slo"]["request_throughput"],
-                                                            v["at_slo"]["request_throughput"])
-        ratios["sliding_ttft_ratio" + suffix] = _ratio(m["sliding_ttft_mean_after_window_ms"],
-                                                       v["sliding_ttft_mean_after_window_ms"])
-    return {"figures": figures, "ratios": ratios, "goals": goals(figures, ratios),
-            "agreement": agreement(results, model_dir), "slo_ttft_p99_ms": slo_ms}
+                ratios[f"new_image_ttft_ratio_{size}" + suffix] = _ratio(
+                    m["new_image_ttft_slope_ms"][size], v["new_image_ttft_slope_ms"].get(size)
+                )
+        ratios["throughput_at_slo_ratio" + suffix] = _ratio(
+            m["at_slo"]["request_throughput"], v["at_slo"]["request_throughput"]
+        )
+        ratios["sliding_ttft_ratio" + suffix] = _ratio(
+            m["sliding_ttft_mean_after_window_ms"], v["sliding_ttft_mean_after_window_ms"]
+        )
+    return {
+        "figures": figures,
+        "ratios": ratios,
+        "goals": goals(figures, ratios),
+        "agreement": agreement(results, model_dir),
+        "slo_ttft_p99_ms": slo_ms,
+    }
 
 
 def _fmt(x, digits: int = 2) -> str:
@@ -122,28 +131,43 @@ def goals(figures: dict, ratios: dict) -> list[dict]:
         out.append({"name": name, "status": "n/a" if ok is None else ("met" if ok else "missed"), "measured": measured})
 
     r = ratios.get("cached_ttft_slope_ratio")
-    goal("TP1 cached-image TTFT slope <= vLLM's", None if r is None else r <= 1,
-         f"ratio {_fmt(r)} ({_fmt(figures.get('mmcast_tp1', {}).get('cached_ttft_slope_ms'))} vs "
-         f"{_fmt(figures.get('vllm', {}).get('cached_ttft_slope_ms'))} ms/image)")
+    goal(
+        "TP1 cached-image TTFT slope <= vLLM's",
+        None if r is None else r <= 1,
+        f"ratio {_fmt(r)} ({_fmt(figures.get('mmcast_tp1', {}).get('cached_ttft_slope_ms'))} vs "
+        f"{_fmt(figures.get('vllm', {}).get('cached_ttft_slope_ms'))} ms/image)",
+    )
     r = ratios.get("new_image_ttft_ratio")
     m = figures.get("mmcast_tp1", {}).get("new_image_ttft_slope_ms", {}).get("448x448")
     v = figures.get("vllm", {}).get("new_image_ttft_slope_ms", {}).get("448x448")
-    goal("TP1 TTFT per new 448x448 image <= vLLM's", None if r is None else r <= 1,
-         f"ratio {_fmt(r)} ({_fmt(m, 1)} vs {_fmt(v, 1)} ms/image)")
+    goal(
+        "TP1 TTFT per new 448x448 image <= vLLM's",
+        None if r is None else r <= 1,
+        f"ratio {_fmt(r)} ({_fmt(m, 1)} vs {_fmt(v, 1)} ms/image)",
+    )
     r = ratios.get("throughput_at_slo_ratio")
     m, v = (figures.get(e, {}).get("at_slo", {}) for e in ("mmcast_tp1", "vllm"))
-    goal("TP1 request throughput at the SLO >= vLLM's", None if r is None else r >= 1,
-         f"ratio {_fmt(r)} ({_fmt(m.get('request_throughput'), 3)} req/s at {m.get('rate')}/s offered vs "
-         f"{_fmt(v.get('request_throughput'), 3)} at {v.get('rate')}/s)")
+    goal(
+        "TP1 request throughput at the SLO >= vLLM's",
+        None if r is None else r >= 1,
+        f"ratio {_fmt(r)} ({_fmt(m.get('request_throughput'), 3)} req/s at {m.get('rate')}/s offered vs "
+        f"{_fmt(v.get('request_throughput'), 3)} at {v.get('rate')}/s)",
+    )
     t1, t2 = figures.get("mmcast_tp1"), figures.get("mmcast_tp2")
     if t1 and t2:
-        pairs = [("cached slope", t1["cached_ttft_slope_ms"], t2["cached_ttft_slope_ms"]),
-                 ("new-image slope", t1["new_image_ttft_slope_ms"].get("448x448"),
-                  t2["new_image_ttft_slope_ms"].get("448x448")),
-                 ("sliding TTFT", t1["sliding_ttft_mean_after_window_ms"], t2["sliding_ttft_mean_after_window_ms"])]
+        pairs = [
+            ("cached slope", t1["cached_ttft_slope_ms"], t2["cached_ttft_slope_ms"]),
+            (
+                "new-image slope",
+                t1["new_image_ttft_slope_ms"].get("448x448"),
+                t2["new_image_ttft_slope_ms"].get("448x448"),
+            ),
+            ("sliding TTFT", t1["sliding_ttft_mean_after_window_ms"], t2["sliding_ttft_mean_after_window_ms"]),
+        ]
         ok = all(b is not None and a is not None and b <= a for _, a, b in pairs)
-        goal("TP2 no worse than TP1 per request", ok,
-             "; ".join(f"{n} TP2/TP1 {_fmt(_ratio(b, a))}" for n, a, b in pairs))
+        goal(
+            "TP2 no worse than TP1 per request", ok, "; ".join(f"{n} TP2/TP1 {_fmt(_ratio(b, a))}" for n, a, b in pairs)
+        )
     return out
 
 
@@ -168,13 +192,20 @@ def tables(results: dict, analysis: dict) -> str:
         by_n = {int(k): v for k, v in c["ttft_p50_by_n"].items()}
         cached = [r["cached_tokens"] for r in c["rows"] if r["n"] == ns[-1]]
         prompt = [r["prompt_tokens"] for r in c["rows"] if r["n"] == ns[-1]]
-        lines.append(f"| {name} | " + " | ".join(_fmt(by_n.get(n), 1) for n in ns)
-                     + f" | {_ci(c['slope'])} | {cached[0] if cached else '–'} of {prompt[0] if prompt else '–'} |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(_fmt(by_n.get(n), 1) for n in ns)
+            + f" | {_ci(c['slope'])} | {cached[0] if cached else '–'} of {prompt[0] if prompt else '–'} |"
+        )
     for size in next(iter(results.values()))["new"]:
         ns = sorted({int(n) for res in results.values() for n in res["new"][size]["ttft_p50_by_n"]})
-        lines += ["", f"New {size} JPEGs (never seen) per request: client TTFT p50, ms", "",
-                  "| engine | " + " | ".join(f"N={n}" for n in ns) + " | slope ms/new image [95 % CI] |",
-                  "|---|" + "---:|" * (len(ns) + 1)]
+        lines += [
+            "",
+            f"New {size} JPEGs (never seen) per request: client TTFT p50, ms",
+            "",
+            "| engine | " + " | ".join(f"N={n}" for n in ns) + " | slope ms/new image [95 % CI] |",
+            "|---|" + "---:|" * (len(ns) + 1),
+        ]
         for name in names:
             r = results[name]["new"][size]
             by_n = {int(k): v for k, v in r["ttft_p50_by_n"].items()}
@@ -193,43 +224,62 @@ def tables(results: dict, analysis: dict) -> str:
                 f"| {name} | {p['rate']:g} | {p['completed']}/{p['offered']} | {p['ttft_p50_ms']:.0f} | "
                 f"{p['ttft_p99_ms']:.0f} | {_fmt(p['tpot_p50_ms'], 1)} | {_fmt(p['itl_p50_ms'], 1)} / "
                 f"{_fmt(p['itl_p99_ms'], 1)} | {p['request_throughput']:.3f} | {p['output_token_throughput']:.1f} | "
-                f"{p['conversation_wait_p99_ms']:.0f} | {'yes' if p['holds_slo'] else 'no'} |")
+                f"{p['conversation_wait_p99_ms']:.0f} | {'yes' if p['holds_slo'] else 'no'} |"
+            )
     lines += ["", "| engine | highest rate held | req/s there |", "|---|---:|---:|"]
     for name in names:
         s = analysis["figures"][name]["at_slo"]
         lines.append(f"| {name} | {s['rate'] if s['rate'] is not None else 'none'} | {s['request_throughput']:.3f} |")
     s0 = next(iter(results.values()))["sliding"]
-    lines += ["", f"Sliding window ({len(s0['rows'])} turns, last {s0['window']} images kept): client TTFT, ms", "",
-              "| engine | mean, all turns | mean after the window fills | cached tokens per turn after it (mean) |",
-              "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        f"Sliding window ({len(s0['rows'])} turns, last {s0['window']} images kept): client TTFT, ms",
+        "",
+        "| engine | mean, all turns | mean after the window fills | cached tokens per turn after it (mean) |",
+        "|---|---:|---:|---:|",
+    ]
     for name in names:
         s = results[name]["sliding"]
         after = [r["cached_tokens"] or 0 for r in s["rows"] if r["turn"] > s["window"]]
-        lines.append(f"| {name} | {s['ttft_mean_ms']:.1f} | {_fmt(s['ttft_mean_after_window_ms'], 1)} | "
-                     f"{_fmt(sum(after) / len(after) if after else None, 0)} |")
+        lines.append(
+            f"| {name} | {s['ttft_mean_ms']:.1f} | {_fmt(s['ttft_mean_after_window_ms'], 1)} | "
+            f"{_fmt(sum(after) / len(after) if after else None, 0)} |"
+        )
     lines += ["", "| ratio (mmcast / vLLM) | value |", "|---|---:|"]
     lines += [f"| `{k}` | {_fmt(v)} |" for k, v in analysis["ratios"].items()]
     lines += ["", "| goal | measured | status |", "|---|---|---|"]
     lines += [f"| {g['name']} | {g['measured']} | {g['status']} |" for g in analysis["goals"]]
     if analysis["agreement"]:
-        lines += ["", "Greedy tokens against vLLM's (same inputs, random weights)", "",
-                  "| engine | requests with equal tokens | vLLM's tokens matched up to the first difference | "
-                  "trailing U+FFFD only one side |", "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "Greedy tokens against vLLM's (same inputs, random weights)",
+            "",
+            "| engine | requests with equal tokens | vLLM's tokens matched up to the first difference | "
+            "trailing U+FFFD only one side |",
+            "|---|---:|---:|---:|",
+        ]
         for name, a in analysis["agreement"].items():
-            lines.append(f"| {name} | {a['equal']}/{a['requests']} | {_fmt(100 * (a['token_prefix_share'] or 0), 1)} % "
-                         f"| {a['trailing_incomplete_char']} |")
+            lines.append(
+                f"| {name} | {a['equal']}/{a['requests']} | {_fmt(100 * (a['token_prefix_share'] or 0), 1)} % "
+                f"| {a['trailing_incomplete_char']} |"
+            )
     return "\n".join(lines)
 
 
 def write_markdown(path: str, meta: dict, results: dict, analysis: dict, figures: list[str]) -> None:
     m = meta["machine"]
-    head = [f"# mmcast beside vLLM — {meta['timestamp']}", "",
-            f"Plan `{meta['plan']['name']}`, checkpoint `{meta['model_dir']}` (width {meta['width']}, float32), "
-            f"commit {meta['git']['commit'][:10]}{' (dirty)' if meta['git']['dirty'] else ''}, "
-            f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB. Versions: {meta['versions']}.",
-            f"Load average before {m['loadavg_before']}, after {m['loadavg_after']}; whole run "
-            f"{meta['wall_seconds'] / 60:.1f} min.", "",
-            "| engine | start-up s | load average at start → end | engine CPU s per workload |", "|---|---:|---|---|"]
+    head = [
+        f"# mmcast beside vLLM — {meta['timestamp']}",
+        "",
+        f"Plan `{meta['plan']['name']}`, checkpoint `{meta['model_dir']}` (width {meta['width']}, float32), "
+        f"commit {meta['git']['commit'][:10]}{' (dirty)' if meta['git']['dirty'] else ''}, "
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB. Versions: {meta['versions']}.",
+        f"Load average before {m['loadavg_before']}, after {m['loadavg_after']}; whole run "
+        f"{meta['wall_seconds'] / 60:.1f} min.",
+        "",
+        "| engine | start-up s | load average at start → end | engine CPU s per workload |",
+        "|---|---:|---|---|",
+    ]
     for name, res in results.items():
         cpu = ", ".join(f"{k} {v:.1f}" for k, v in res["engine_cpu_s"].items())
         head.append(f"| {name} | {res['startup_s']:.1f} | {res['loadavg_start']} → {res['loadavg_end']} | {cpu} |")
@@ -243,8 +293,13 @@ def write_markdown(path: str, meta: dict, results: dict, analysis: dict, figures
 
 # --- plot --------------------------------------------------------------------------------------------------------
 
-_COLOURS = {"vllm": "tab:blue", "mmcast_tp1": "tab:green", "mmcast_tp2": "tab:olive", "mmcast_tp1_threads1": "tab:red",
-            "mmcast_tp1_threads2": "tab:purple"}
+_COLOURS = {
+    "vllm": "tab:blue",
+    "mmcast_tp1": "tab:green",
+    "mmcast_tp2": "tab:olive",
+    "mmcast_tp1_threads1": "tab:red",
+    "mmcast_tp1_threads2": "tab:purple",
+}
 
 
 def write_plots(directory: str, results: dict, analysis: dict, slo_ms: float) -> list[str]:
@@ -262,17 +317,21 @@ def write_plots(directory: str, results: dict, analysis: dict, slo_ms: float) ->
         axes[0].plot(*zip(*pts, strict=True), "-o", color=colour, label=name)
         for size, r in res["new"].items():
             pts = sorted((int(n), v) for n, v in r["ttft_p50_by_n"].items())
-            axes[1].plot(*zip(*pts, strict=True), "-o" if size == "448x448" else "--s", color=colour,
-                         label=f"{name} {size}")
+            axes[1].plot(
+                *zip(*pts, strict=True), "-o" if size == "448x448" else "--s", color=colour, label=f"{name} {size}"
+            )
         load = [p for p in res["load"] if p.get("completed")]
         if load:
-            axes[2].plot([p["rate"] for p in load], [p["ttft_p99_ms"] for p in load], "-o", color=colour,
-                         label=f"{name} p99")
-            axes[2].plot([p["rate"] for p in load], [p["ttft_p50_ms"] for p in load], ":^", color=colour,
-                         label=f"{name} p50")
+            axes[2].plot(
+                [p["rate"] for p in load], [p["ttft_p99_ms"] for p in load], "-o", color=colour, label=f"{name} p99"
+            )
+            axes[2].plot(
+                [p["rate"] for p in load], [p["ttft_p50_ms"] for p in load], ":^", color=colour, label=f"{name} p50"
+            )
         rows = res["sliding"]["rows"]
-        axes[3].plot([r["turn"] for r in rows], [r["ttft_ms"] for r in rows], "-o", markersize=3, color=colour,
-                     label=name)
+        axes[3].plot(
+            [r["turn"] for r in rows], [r["ttft_ms"] for r in rows], "-o", markersize=3, color=colour, label=name
+        )
     axes[2].axhline(slo_ms, color="k", lw=0.8, ls="--", label=f"SLO {slo_ms:.0f} ms")
     titles = (("cached images, then a new question", "images in the prompt N", "TTFT p50 (ms)"),
               ("new images per request", "new images N", "TTFT p50 (ms)"),

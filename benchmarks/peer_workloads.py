@@ -134,8 +134,16 @@ async def load(client: Client, parts: Parts, plan: LoadPlan, rate_index: int, te
         finally:
             histories[c] = messages + [assistant()]
         texts[f"load/{rate:g}/k{k}"] = reply.text
-        return _row(reply, k=k, conversation=c, turn=turn, at_s=at, wait_ms=(sent - start - at) * 1e3,
-                    end_s=sent + reply.e2e_ms / 1e3 - start, itl_ms=reply.itl_ms)
+        return _row(
+            reply,
+            k=k,
+            conversation=c,
+            turn=turn,
+            at_s=at,
+            wait_ms=(sent - start - at) * 1e3,
+            end_s=sent + reply.e2e_ms / 1e3 - start,
+            itl_ms=reply.itl_ms,
+        )
 
     tasks: list[asyncio.Task] = []
     last: list[asyncio.Task | None] = [None] * plan.conversations
@@ -145,8 +153,13 @@ async def load(client: Client, parts: Parts, plan: LoadPlan, rate_index: int, te
         tasks.append(task)
     rows = await asyncio.gather(*tasks)
     ok = [r for r in rows if "failed" not in r]
-    return {"rate": rate, "offered": total, **summarise_load(ok, len(rows) - len(ok)),
-            "failures": [r for r in rows if "failed" in r][:5], "rows": ok}
+    return {
+        "rate": rate,
+        "offered": total,
+        **summarise_load(ok, len(rows) - len(ok)),
+        "failures": [r for r in rows if "failed" in r][:5],
+        "rows": ok,
+    }
 
 
 def summarise_load(rows: list[dict], failed: int) -> dict:
@@ -175,7 +188,7 @@ async def sliding(client: Client, parts: Parts, turns: int, window: int, max_tok
     rows = []
     for t in range(turns):
         turn = user([parts(SEEDS["sliding"] + t)], question(t))
-        kept = kept[-(window - 1):] if window > 1 else []
+        kept = kept[-(window - 1) :] if window > 1 else []
         messages = [m for pair in kept for m in pair] + [turn]
         reply = await client.chat(messages, max_tokens)
         rows.append(_row(reply, turn=t + 1, images=len(kept) + 1))

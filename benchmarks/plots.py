@@ -25,8 +25,12 @@ def write_plots(directory: str, analysis: dict) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
-    paths = [_ttft_vs_n(directory, analysis), _bytes(directory, analysis), _turns(directory, analysis),
-             _new_images(directory, analysis)]
+    paths = [
+        _ttft_vs_n(directory, analysis),
+        _bytes(directory, analysis),
+        _turns(directory, analysis),
+        _new_images(directory, analysis),
+    ]
     return [p for p in paths if p]
 
 
@@ -45,13 +49,17 @@ def _ttft_vs_n(directory: str, analysis: dict) -> str | None:
     for ax, tp in zip(axes[0], tps, strict=True):
         for mode, colour in _COLOURS.items():
             for client, style in (("sdk", "-o"), ("resend", ":^")):
-                pts = sorted((r["n"], r["ttft_p50_ms"]) for r in rows
-                             if (r["tp"], r["mode"], r["client"]) == (tp, mode, client))
+                pts = sorted(
+                    (r["n"], r["ttft_p50_ms"]) for r in rows if (r["tp"], r["mode"], r["client"]) == (tp, mode, client)
+                )
                 if pts:
                     label = mode if client == "sdk" else f"{mode}, resend bytes"
                     ax.plot(*zip(*pts, strict=True), style, color=colour, label=label)
-            ctrl = sorted((r["n"], r["control_p50_ms"]) for r in rows
-                          if (r["tp"], r["mode"], r["client"]) == (tp, mode, "sdk") and r["control_p50_ms"])
+            ctrl = sorted(
+                (r["n"], r["control_p50_ms"])
+                for r in rows
+                if (r["tp"], r["mode"], r["client"]) == (tp, mode, "sdk") and r["control_p50_ms"]
+            )
             if ctrl:
                 ax.plot(*zip(*ctrl, strict=True), "--", color=colour, alpha=0.5, label=f"{mode}, text control")
         ax.set_title(f"cached floor, TP={tp}")
@@ -81,8 +89,9 @@ def _bytes(directory: str, analysis: dict) -> str | None:
         bars = axes[0].bar([x - 0.2 for x in xs], payload, 0.4, label="payload")
         for bar, value in zip(bars, payload, strict=True):
             if value <= 1e-6:  # nothing sent: drawn at the axis floor
-                axes[0].annotate("0 B", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
-                                 fontsize=7)
+                axes[0].annotate(
+                    "0 B", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=7
+                )
         axes[0].bar([x + 0.2 for x in xs], metadata, 0.4, label="metadata")
         axes[0].set_xticks(list(xs), labels, rotation=30, fontsize=8)
         axes[0].set_yscale("log")
@@ -90,9 +99,14 @@ def _bytes(directory: str, analysis: dict) -> str | None:
         axes[0].set_title(f"cached floor at N={max(x['n'] for x in rows)}, per timed request")
         axes[0].legend(fontsize=8)
     for t in turns:
-        axes[1].plot(range(1, t["turns"] + 1), [b / 1e6 for b in t["payload_bytes"]],
-                     ("-" if t["tp"] == 1 else "--") + ("o" if t["scenario"] == "conversation" else "s"),
-                     markersize=3, color=_COLOURS[t["mode"]], label=f"{t['scenario']} TP{t['tp']} {t['mode']}")
+        axes[1].plot(
+            range(1, t["turns"] + 1),
+            [b / 1e6 for b in t["payload_bytes"]],
+            ("-" if t["tp"] == 1 else "--") + ("o" if t["scenario"] == "conversation" else "s"),
+            markersize=3,
+            color=_COLOURS[t["mode"]],
+            label=f"{t['scenario']} TP{t['tp']} {t['mode']}",
+        )
     axes[1].set_xlabel("turn")
     axes[1].set_ylabel("payload MB broadcast")
     axes[1].set_title("payload per request, by turn")
@@ -114,8 +128,14 @@ def _turns(directory: str, analysis: dict) -> str | None:
             if t["scenario"] != scenario:
                 continue
             style = ("-" if t["tp"] == 1 else "--") + ("o" if t["client"] == "sdk" else "^")
-            ax.plot(range(1, t["turns"] + 1), t["ttft_ms"], style, color=_COLOURS[t["mode"]], markersize=3,
-                    label=f"TP{t['tp']} {t['mode']} {t['client']}")
+            ax.plot(
+                range(1, t["turns"] + 1),
+                t["ttft_ms"],
+                style,
+                color=_COLOURS[t["mode"]],
+                markersize=3,
+                label=f"TP{t['tp']} {t['mode']} {t['client']}",
+            )
         ax.set_title(scenario.replace("_", " "))
         ax.set_xlabel("turn")
         ax.set_ylabel("client TTFT (ms)")
@@ -141,13 +161,23 @@ def _new_images(directory: str, analysis: dict) -> str | None:
         xs = [i + (v - (len(variants) - 1) / 2) * width for i in range(len(cases))]
         got = [by.get((*case, variant)) for case in cases]
         colour = _VARIANT_COLOURS.get(variant)
-        axes[0].bar(xs, [max(r["payload_bytes_wire"] or 1, 1) / 1e3 if r else 0 for r in got], width, color=colour,
-                    label=f"{variant}: payload")
+        axes[0].bar(
+            xs,
+            [max(r["payload_bytes_wire"] or 1, 1) / 1e3 if r else 0 for r in got],
+            width,
+            color=colour,
+            label=f"{variant}: payload",
+        )
         shared = [(x, r["collective_bytes"] / 1e3) for x, r in zip(xs, got, strict=True) if r and r["collective_bytes"]]
         if shared:
             axes[0].plot(*zip(*shared, strict=True), "k_", markersize=14, mew=2)
-        axes[1].bar(xs, [r["scheduler_cpu_ms"]["slope"] if r and r["scheduler_cpu_ms"] else 0 for r in got], width,
-                    color=colour, label=variant)
+        axes[1].bar(
+            xs,
+            [r["scheduler_cpu_ms"]["slope"] if r and r["scheduler_cpu_ms"] else 0 for r in got],
+            width,
+            color=colour,
+            label=variant,
+        )
     axes[0].plot([], [], "k_", markersize=14, mew=2, label="encoder output shared over the collective")
     labels = [f"TP{tp}\n{image}" for tp, image in cases]
     for ax, title, unit in ((axes[0], "scheduler→ranks bytes per new image (log)", "kB"),
@@ -165,8 +195,13 @@ def _new_images(directory: str, analysis: dict) -> str | None:
             continue
         style = "-o" if r["image"].endswith("jpeg") else "--s"
         pts = sorted((int(n), ms) for n, ms in r["ttft_p50_by_n"].items())
-        axes[2].plot(*zip(*pts, strict=True), style, color=_VARIANT_COLOURS.get(r["variant"]), markersize=4,
-                     label=f"{r['variant']}, {r['image']}")
+        axes[2].plot(
+            *zip(*pts, strict=True),
+            style,
+            color=_VARIANT_COLOURS.get(r["variant"]),
+            markersize=4,
+            label=f"{r['variant']}, {r['image']}",
+        )
     axes[2].set_title(f"new images, TP={top}")
     axes[2].set_xlabel("new images in the request N")
     axes[2].set_ylabel("client TTFT p50 (ms)")

@@ -40,8 +40,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(ROOT, "benchmarks", "results", ".model")
 MIXED = (256, 512, 1024, 2048, 4096)
 # Qwen2-VL-7B-Instruct's config.json widths; 2 decoder layers, the 2B-width recipe's 2 vision blocks.
-WIDTH_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
-            "vocab_size": 152064}
+WIDTH_7B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +92,9 @@ def model_dir(width: str) -> str:
     if width == "2b":
         return str(tiny_model.ensure_tiny_model(os.path.join(MODELS, "qwen2_vl-real-width"), width="real"))
     if width == "qwen3-2b":
-        return str(tiny_model.ensure_tiny_model(os.path.join(MODELS, "qwen3_vl-real-width"), variant="qwen3_vl",
-                                                width="real"))
+        return str(
+            tiny_model.ensure_tiny_model(os.path.join(MODELS, "qwen3_vl-real-width"), variant="qwen3_vl", width="real")
+        )
     out = os.path.join(MODELS, "qwen2_vl-7b-width")
     marker = os.path.join(out, "mmcast_rank_engine.json")
     wanted = {"widths": WIDTH_7B, "recipe": tiny_model.recipe_id()}
@@ -180,8 +186,9 @@ def serve_job(client, rank_metrics: str, job: Job, reqs: list[tuple[str, list[in
 
     def one(i: int) -> None:
         try:
-            stream = client.generate(reqs[i][0], max_tokens=job.new_tokens, temperature=0.0, ignore_eos=True,
-                                     stream=True)
+            stream = client.generate(
+                reqs[i][0], max_tokens=job.new_tokens, temperature=0.0, ignore_eos=True, stream=True
+            )
             for delta in stream:
                 now = time.perf_counter()
                 times[i] += [now] * len(delta.token_ids)
@@ -194,8 +201,9 @@ def serve_job(client, rank_metrics: str, job: Job, reqs: list[tuple[str, list[in
                             all_first.set()
             served = stream.result.usage.prompt_tokens
             if served != len(reqs[i][1]):  # the reference must run the very prompt the frontend built
-                raise RuntimeError(f"request {i}: the server counted {served} prompt tokens, the reference has "
-                                   f"{len(reqs[i][1])}")
+                raise RuntimeError(
+                    f"request {i}: the server counted {served} prompt tokens, the reference has {len(reqs[i][1])}"
+                )
         except BaseException as exc:  # reported after the join
             errors.append(exc)
             all_first.set()
@@ -231,8 +239,13 @@ class Reference:
     load drifts over minutes then weighs on both alike (they never run at the same time)."""
 
     def __init__(self, model: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.rank_engine", "--reference", model],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.rank_engine", "--reference", model],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
 
     def run(self, job: Job, reqs: list) -> dict:
         self.proc.stdin.write(json.dumps({"new_tokens": job.new_tokens, "ids": [ids for _, ids in reqs]}) + "\n")
@@ -251,8 +264,9 @@ class Reference:
             self.proc.wait()
 
 
-def run_jobs(model: str, jobs: list[tuple[Job, list]], log, env: dict | None = None,
-             worker_args: tuple[str, ...] = ()) -> list[tuple[dict, dict]]:
+def run_jobs(
+    model: str, jobs: list[tuple[Job, list]], log, env: dict | None = None, worker_args: tuple[str, ...] = ()
+) -> list[tuple[dict, dict]]:
     """(served, transformers) per job, the two taking turns."""
     from mmcast_client.client import Client
     from mmcast_local.supervisor import LocalGroup
@@ -264,18 +278,29 @@ def run_jobs(model: str, jobs: list[tuple[Job, list]], log, env: dict | None = N
     try:
         # A long prefill step on a loaded 2-core machine can outlast the scheduler's default step timeout (120 s),
         # which would count the group as lost and restart it mid-job.
-        with (LocalGroup(model, tp=1, kv_blocks=blocks, env=env, ready_timeout=900, worker_args=worker_args,
-                         scheduler_args=("--step-timeout-seconds", "1800")) as group,
-              Client(group.target, timeout=3600, first_token_timeout=3600) as client):
+        with (
+            LocalGroup(
+                model,
+                tp=1,
+                kv_blocks=blocks,
+                env=env,
+                ready_timeout=900,
+                worker_args=worker_args,
+                scheduler_args=("--step-timeout-seconds", "1800"),
+            ) as group,
+            Client(group.target, timeout=3600, first_token_timeout=3600) as client,
+        ):
             rank = group.metrics_urls["rank0"]
             client.generate("warm up", max_tokens=2, ignore_eos=True)
             for job, reqs in jobs:
                 served = serve_job(client, rank, job, reqs)
                 plain = reference.run(job, reqs)
-                log(f"{job.name} N={job.n}: decode tok/s mmcast {_rate(served, 'decode'):.1f} (rank step "
+                log(
+                    f"{job.name} N={job.n}: decode tok/s mmcast {_rate(served, 'decode'):.1f} (rank step "
                     f"{served['rank_step_ms']:.1f} ms), transformers {_rate(plain, 'decode'):.1f} (step "
                     f"{plain['step_ms']:.1f} ms); prefill tok/s {_rate(served, 'prefill'):.0f} / "
-                    f"{_rate(plain, 'prefill'):.0f}")
+                    f"{_rate(plain, 'prefill'):.0f}"
+                )
                 out.append((served, plain))
     finally:
         reference.close()
@@ -308,9 +333,14 @@ def _reference_main(model_path: str) -> None:
         clock = Clock()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=job["new_tokens"],
-                                 min_new_tokens=job["new_tokens"], do_sample=False,
-                                 logits_processor=LogitsProcessorList([clock]))
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=job["new_tokens"],
+                min_new_tokens=job["new_tokens"],
+                do_sample=False,
+                logits_processor=LogitsProcessorList([clock]),
+            )
         steps = len(clock.times) - 1
         print(json.dumps({
             "prompt_tokens": sum(len(x) for x in ids),
@@ -358,26 +388,38 @@ def _rate(side: dict, kind: str) -> float:
 
 
 def tables(result: dict) -> str:
-    lines = ["| widths | prompts | N | mean prompt | prefill tok/s mmcast / transformers | decode tok/s mmcast | "
-             "decode tok/s transformers | decode ratio | end-to-end tok/s mmcast / transformers | rank step ms | "
-             "greedy equal |",
-             "|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|"]
+    lines = [
+        "| widths | prompts | N | mean prompt | prefill tok/s mmcast / transformers | decode tok/s mmcast | "
+        "decode tok/s transformers | decode ratio | end-to-end tok/s mmcast / transformers | rank step ms | "
+        "greedy equal |",
+        "|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|",
+    ]
     for r in result["rows"]:
         if r["job"] == "context":
             continue
         s, p = r["served"], r["plain"]
-        lines.append(f"| {r['width'].upper()} | {r['job']} | {r['n']} | {r['mean_prompt']:.0f} | "
-                     f"{_rate(s, 'prefill'):.0f} / {_rate(p, 'prefill'):.0f} | {_rate(s, 'decode'):.1f} | "
-                     f"{_rate(p, 'decode'):.1f} | **{_rate(s, 'decode') / _rate(p, 'decode'):.2f}×** | "
-                     f"{_rate(s, 'total'):.1f} / {_rate(p, 'total'):.1f} | {s['rank_step_ms']:.1f} | "
-                     f"{r['requests_equal']}/{r['n']} |")
-    lines += ["", "| widths | context | rank step ms | transformers step ms | rank µs / attended token | "
-              "transformers µs / attended token | ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted((r for r in result["rows"] if r["n"] == 16 and r["job"] in ("equal", "context")),
-                    key=lambda r: (r["width"], r["mean_prompt"])):
+        lines.append(
+            f"| {r['width'].upper()} | {r['job']} | {r['n']} | {r['mean_prompt']:.0f} | "
+            f"{_rate(s, 'prefill'):.0f} / {_rate(p, 'prefill'):.0f} | {_rate(s, 'decode'):.1f} | "
+            f"{_rate(p, 'decode'):.1f} | **{_rate(s, 'decode') / _rate(p, 'decode'):.2f}×** | "
+            f"{_rate(s, 'total'):.1f} / {_rate(p, 'total'):.1f} | {s['rank_step_ms']:.1f} | "
+            f"{r['requests_equal']}/{r['n']} |"
+        )
+    lines += [
+        "",
+        "| widths | context | rank step ms | transformers step ms | rank µs / attended token | "
+        "transformers µs / attended token | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(
+        (r for r in result["rows"] if r["n"] == 16 and r["job"] in ("equal", "context")),
+        key=lambda r: (r["width"], r["mean_prompt"]),
+    ):
         s, p = r["served"]["rank_step_ms"], r["plain"]["step_ms"]
-        lines.append(f"| {r['width'].upper()} | {r['mean_prompt']:.0f} | {s:.1f} | {p:.1f} | "
-                     f"{1e3 * s / r['attended']:.2f} | {1e3 * p / r['attended']:.2f} | {s / p:.2f} |")
+        lines.append(
+            f"| {r['width'].upper()} | {r['mean_prompt']:.0f} | {s:.1f} | {p:.1f} | "
+            f"{1e3 * s / r['attended']:.2f} | {1e3 * p / r['attended']:.2f} | {s / p:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -398,8 +440,13 @@ def plot(result: dict, path: str) -> str | None:
                 continue
             ns = [r["n"] for r in rows]
             ax.plot(ns, [_rate(r["served"], "decode") for r in rows], style, color="tab:green", label=f"mmcast, {job}")
-            ax.plot(ns, [_rate(r["plain"], "decode") for r in rows], style, color="tab:grey",
-                    label=f"transformers batch, {job}")
+            ax.plot(
+                ns,
+                [_rate(r["plain"], "decode") for r in rows],
+                style,
+                color="tab:grey",
+                label=f"transformers batch, {job}",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests N")
         ax.set_ylabel("decode tokens/s")
@@ -426,15 +473,24 @@ def write(out_dir: str, result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.rank_engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the short 2B-width form (make bench-quick)")
-    parser.add_argument("--widths", default="", help="comma-separated subset of 2b,7b,qwen3-2b (default: the "
-                        "plan's; a width the chosen plan lacks runs with the plan's 2B jobs)")
+    parser.add_argument(
+        "--widths",
+        default="",
+        help="comma-separated subset of 2b,7b,qwen3-2b (default: the "
+        "plan's; a width the chosen plan lacks runs with the plan's 2B jobs)",
+    )
     parser.add_argument("--out", help="folder for rank_engine.md/.json/.png")
     parser.add_argument("--worker-tree", help="run the group's processes from this source tree (a before/after check)")
-    parser.add_argument("--jobs", default="", help="comma-separated subset of the plan's jobs as NAME:N (e.g. "
-                        "equal:16,mixed:16; default: all)")
-    parser.add_argument("--cpu-linear", choices=("onednn", "dense"),
-                        help="the rank's --cpu-linear (default: the rank's own, onednn): dense shows the share of the "
-                        "packed weights")
+    parser.add_argument(
+        "--jobs",
+        default="",
+        help="comma-separated subset of the plan's jobs as NAME:N (e.g. equal:16,mixed:16; default: all)",
+    )
+    parser.add_argument(
+        "--cpu-linear",
+        choices=("onednn", "dense"),
+        help="the rank's --cpu-linear (default: the rank's own, onednn): dense shows the share of the packed weights",
+    )
     parser.add_argument("--reference", help=argparse.SUPPRESS)  # internal: the transformers process
     args = parser.parse_args(argv)
     if args.reference:

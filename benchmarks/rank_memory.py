@@ -51,8 +51,15 @@ def serve(model_dir: str, tp: int, images: list[str]) -> dict:
     answers, tokens = [], []
     with LocalGroup(model_dir, tp=tp, transfer_mode="lazy") as group, Client(group.target, timeout=900) as client:
         for turn, path in enumerate(images):
-            history.append({"role": "user", "content": [{"type": "image", "image": path},
-                                                        {"type": "text", "text": QUESTIONS[turn % len(QUESTIONS)]}]})
+            history.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": path},
+                        {"type": "text", "text": QUESTIONS[turn % len(QUESTIONS)]},
+                    ],
+                }
+            )
             result = client.generate(history, max_tokens=MAX_TOKENS, temperature=0.0, seed=SEED)
             history.append({"role": "assistant", "content": result.text})
             answers.append(result.text)
@@ -64,8 +71,14 @@ def serve(model_dir: str, tp: int, images: list[str]) -> dict:
 def plain_transformers(model_dir: str, images: list[str], answers: list[str]) -> dict:
     """Runs the same conversation in a fresh process with plain transformers; returns its tokens and memory."""
     spec = json.dumps({"model_dir": model_dir, "images": images, "answers": answers})
-    done = subprocess.run([sys.executable, "-m", "benchmarks.rank_memory", "--plain", spec], capture_output=True,
-                          text=True, check=False, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.rank_memory", "--plain", spec],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the plain transformers process failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -86,14 +99,14 @@ def _plain_main(spec: dict) -> None:
     history: list[dict] = []
     tokens = []
     for turn in range(len(spec["images"])):
-        history.append({"role": "user", "content": [{"type": "image"},
-                                                    {"type": "text", "text": QUESTIONS[turn % len(QUESTIONS)]}]})
+        history.append(
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[turn % len(QUESTIONS)]}]}
+        )
         text = processor.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=[text], images=[load_image(p) for p in spec["images"][: turn + 1]],
-                           return_tensors="pt")
+        inputs = processor(text=[text], images=[load_image(p) for p in spec["images"][: turn + 1]], return_tensors="pt")
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
-        tokens.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+        tokens.append(out[0, inputs["input_ids"].shape[1] :].tolist())
         history.append({"role": "assistant", "content": spec["answers"][turn]})
     print(json.dumps({"tokens": tokens, "memory": status_mib(), "after_load": loaded}))
 
@@ -130,12 +143,16 @@ def measure(tps: list[int], model_dir: str = MODEL_DIR, log=print) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| TP | rank peak RSS | rank RSS after | plain transformers peak | rank / plain | tokens equal |",
-             "|---:|---:|---:|---:|---:|:---:|"]
+    lines = [
+        "| TP | rank peak RSS | rank RSS after | plain transformers peak | rank / plain | tokens equal |",
+        "|---:|---:|---:|---:|---:|:---:|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['tp']} | {r['rank_peak_mib']:,.0f} MiB | {r['rank_rss_after_mib']:,.0f} MiB | "
-                     f"{r['plain_peak_mib']:,.0f} MiB | {r['rank_peak_mib'] / r['plain_peak_mib']:.2f} | "
-                     f"{'yes' if r['tokens_equal'] else 'no'} |")
+        lines.append(
+            f"| {r['tp']} | {r['rank_peak_mib']:,.0f} MiB | {r['rank_rss_after_mib']:,.0f} MiB | "
+            f"{r['plain_peak_mib']:,.0f} MiB | {r['rank_peak_mib'] / r['plain_peak_mib']:.2f} | "
+            f"{'yes' if r['tokens_equal'] else 'no'} |"
+        )
     return "\n".join(lines)
 
 

@@ -63,8 +63,13 @@ def mode_equality(records: Sequence[dict]) -> dict:
         if key[0] != "calibration" and len(by_tp) > 1:
             cross += 1
             agree += len(set(by_tp.values())) == 1
-    return {"checked": checked, "mismatches": mismatches, "ok": checked > 0 and not mismatches,
-            "cross_tp_compared": cross, "cross_tp_agree": agree}
+    return {
+        "checked": checked,
+        "mismatches": mismatches,
+        "ok": checked > 0 and not mismatches,
+        "cross_tp_compared": cross,
+        "cross_tp_agree": agree,
+    }
 
 
 def byte_crosscheck(records: Sequence[dict]) -> dict:
@@ -121,8 +126,17 @@ def slopes(records: Sequence[dict]) -> list[dict]:
         if img is None:
             continue
         diff = stats.slope_difference(img, ctrl) if ctrl else None
-        out.append({"scenario": scenario, "tp": tp, "mode": mode, "client": client, "images": img.as_dict(),
-                    "control": ctrl.as_dict() if ctrl else None, "image_specific": diff.as_dict() if diff else None})
+        out.append(
+            {
+                "scenario": scenario,
+                "tp": tp,
+                "mode": mode,
+                "client": client,
+                "images": img.as_dict(),
+                "control": ctrl.as_dict() if ctrl else None,
+                "image_specific": diff.as_dict() if diff else None,
+            }
+        )
     return out
 
 
@@ -169,8 +183,12 @@ def broadcast_cost(slope_rows: Sequence[dict], floors: Sequence[dict], size: str
 
 
 def _target(name: str, target: str, measured: str, ok: bool | None) -> dict:
-    return {"name": name, "target": target, "measured": measured, "status": {True: "met", False: "MISSED",
-                                                                            None: "not measured"}[ok]}
+    return {
+        "name": name,
+        "target": target,
+        "measured": measured,
+        "status": {True: "met", False: "MISSED", None: "not measured"}[ok],
+    }
 
 
 def targets(analysis: dict) -> list[dict]:
@@ -179,11 +197,18 @@ def targets(analysis: dict) -> list[dict]:
     cached = [r for r in tables if r["scenario"] == "cached_floor" and r["mode"] in ("strip", "lazy")]
     if cached:
         worst = max(r["payload_bytes"] for r in cached)
-        rows.append(_target("strip/lazy: payload bytes of fully cached images", "0 B",
-                            f"max {worst:.0f} B per request over {len(cached)} configurations", worst == 0))
+        rows.append(
+            _target(
+                "strip/lazy: payload bytes of fully cached images",
+                "0 B",
+                f"max {worst:.0f} B per request over {len(cached)} configurations",
+                worst == 0,
+            )
+        )
         meta = max(r["metadata_per_image_rank"] for r in cached)
-        rows.append(_target("strip/lazy: metadata per cached image per rank", "≤ 256 B", f"max {meta:.0f} B",
-                            meta <= 256))
+        rows.append(
+            _target("strip/lazy: metadata per cached image per rank", "≤ 256 B", f"max {meta:.0f} B", meta <= 256)
+        )
     else:
         rows.append(_target("strip/lazy: payload bytes of fully cached images", "0 B", "–", None))
     lazy_turns = [t for t in analysis["turns"] if t["mode"] == "lazy" and t["scenario"] == "sliding_window"]
@@ -195,21 +220,36 @@ def targets(analysis: dict) -> list[dict]:
                             "≤ 1", f"sliding window {worst_sw:.2f}, duplicate {worst_dup:.2f}" +
                             ("" if dup else " (duplicate not run)"), max(worst_sw, worst_dup) <= 1.0))  # fmt: skip
     for client, limit in (("sdk", 0.1), ("resend", 0.5)):
-        hits = [s for s in sl if (s["scenario"], s["mode"], s["client"]) == ("cached_floor", "lazy", client)
-                and s["image_specific"]]
+        hits = [
+            s
+            for s in sl
+            if (s["scenario"], s["mode"], s["client"]) == ("cached_floor", "lazy", client) and s["image_specific"]
+        ]
         if not hits:
             rows.append(_target(f"lazy image-specific TTFT slope, {client} client", f"≤ {limit} ms/image", "–", None))
             continue
-        text = "; ".join(f"TP{s['tp']}: {s['image_specific']['slope']:+.3f} ms "
-                         f"[{s['image_specific']['ci_low']:+.3f}, {s['image_specific']['ci_high']:+.3f}]" for s in hits)
+        text = "; ".join(
+            f"TP{s['tp']}: {s['image_specific']['slope']:+.3f} ms "
+            f"[{s['image_specific']['ci_low']:+.3f}, {s['image_specific']['ci_high']:+.3f}]"
+            for s in hits
+        )
         ok = all(s["image_specific"]["slope"] <= limit for s in hits)
-        rows.append(_target(f"lazy image-specific TTFT slope (images − text control), {client} client",
-                            f"≤ {limit} ms/image (point estimate; 95 % CI shown)", text, ok))
+        rows.append(
+            _target(
+                f"lazy image-specific TTFT slope (images − text control), {client} client",
+                f"≤ {limit} ms/image (point estimate; 95 % CI shown)",
+                text,
+                ok,
+            )
+        )
     for mode in MODES:
         hits = [s for s in sl if (s["scenario"], s["mode"], s["client"]) == ("cached_floor", mode, "sdk")]
         if hits:
-            text = "; ".join(f"TP{s['tp']}: {s['images']['slope']:.3f} ms [{s['images']['ci_low']:.3f}, "
-                             f"{s['images']['ci_high']:.3f}]" for s in hits)
+            text = "; ".join(
+                f"TP{s['tp']}: {s['images']['slope']:.3f} ms [{s['images']['ci_low']:.3f}, "
+                f"{s['images']['ci_high']:.3f}]"
+                for s in hits
+            )
             ok = all(s["images"]["ci_low"] > 0 for s in hits) if mode == "full" else None
             rows.append(_target(f"total TTFT slope, {mode} (anchor: {ANCHOR['before_ms_per_image']} before, "
                                 f"{ANCHOR['after_ms_per_image']} after)", "full grows linearly (CI above 0)"
@@ -230,12 +270,24 @@ def targets(analysis: dict) -> list[dict]:
                                 v["flatness"] <= 0.2 and v["items_examined_max"] <= 16))  # fmt: skip
     eq = analysis["equality"]
     rows += analysis.get("new_images", {}).get("targets", [])
-    rows.append(_target("all modes return the same tokens", "no mismatch",
-                        f"{eq['checked']} comparisons, {len(eq['mismatches'])} mismatches (across TP sizes, "
-                        f"informational: {eq['cross_tp_agree']}/{eq['cross_tp_compared']} agree)", eq["ok"]))
+    rows.append(
+        _target(
+            "all modes return the same tokens",
+            "no mismatch",
+            f"{eq['checked']} comparisons, {len(eq['mismatches'])} mismatches (across TP sizes, "
+            f"informational: {eq['cross_tp_agree']}/{eq['cross_tp_compared']} agree)",
+            eq["ok"],
+        )
+    )
     xc = analysis["crosscheck"]
-    rows.append(_target("scheduler byte counters = workers' received bytes", "equal",
-                        f"{xc['requests']} requests, {len(xc['mismatches'])} mismatches", xc["ok"]))
+    rows.append(
+        _target(
+            "scheduler byte counters = workers' received bytes",
+            "equal",
+            f"{xc['requests']} requests, {len(xc['mismatches'])} mismatches",
+            xc["ok"],
+        )
+    )
     return rows
 
 
@@ -300,8 +352,11 @@ def quick_table(analysis: dict) -> str:
         cells = [f"{by_n[n]['control_p50_ms']:.1f}" if n in by_n and by_n[n]["control_p50_ms"] else "–" for n in ns]
         s = sl.get((tp, mode, "sdk"))
         c = s["control"] if s and s["control"] else None
-        lines.append(f"| {tp} | {mode} | text control | " + " | ".join(cells)
-                     + (f" | {c['slope']:.2f} [{c['ci_low']:.2f}, {c['ci_high']:.2f}] | | |" if c else " | – | | |"))
+        lines.append(
+            f"| {tp} | {mode} | text control | "
+            + " | ".join(cells)
+            + (f" | {c['slope']:.2f} [{c['ci_low']:.2f}, {c['ci_high']:.2f}] | | |" if c else " | – | | |")
+        )
     return "\n".join(lines)
 
 
@@ -318,11 +373,18 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
            ]  # fmt: skip
     load = max(meta["machine"]["loadavg_before"][0], (meta["machine"].get("loadavg_after") or [0])[0])
     if load > meta["machine"]["cores"]:
-        out += [f"**Warning:** the 1-minute load average reached {load:.1f} on {meta['machine']['cores']} cores: "
-                "other processes competed for the CPUs, so times (and the floors) are inflated and noisier than on "
-                "an idle machine. Byte counts and token equality are unaffected.", ""]
-    out += ["## Targets (issue 7; new images: issue 15)", "", "| target | goal | measured | status |",
-            "|---|---|---|---|"]
+        out += [
+            f"**Warning:** the 1-minute load average reached {load:.1f} on {meta['machine']['cores']} cores: "
+            "other processes competed for the CPUs, so times (and the floors) are inflated and noisier than on "
+            "an idle machine. Byte counts and token equality are unaffected.",
+            "",
+        ]
+    out += [
+        "## Targets (issue 7; new images: issue 15)",
+        "",
+        "| target | goal | measured | status |",
+        "|---|---|---|---|",
+    ]
     out += [f"| {t['name']} | {t['target']} | {t['measured']} | {t['status']} |" for t in analysis["targets"]]
     fresh = new_images.markdown(analysis.get("new_images") or {"rows": []})
     if fresh:
@@ -339,17 +401,30 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
                 "TP receiver processes (see below): what the `pixels` payload costs at best on each transport. "
                 "`–`: not reported by this build.", "", fresh, ""]  # fmt: skip
     if analysis.get("http_overhead"):
-        out += ["", "## The HTTP door against the gRPC SDK (issue 24)", "",
-                "One fresh group (TP1, defaults), the same requests through the SDK and the `openai` package, "
-                "interleaved request by request (benchmarks/http_overhead.py).", "",
-                http_overhead.markdown(analysis["http_overhead"]), ""]
+        out += [
+            "",
+            "## The HTTP door against the gRPC SDK (issue 24)",
+            "",
+            "One fresh group (TP1, defaults), the same requests through the SDK and the `openai` package, "
+            "interleaved request by request (benchmarks/http_overhead.py).",
+            "",
+            http_overhead.markdown(analysis["http_overhead"]),
+            "",
+        ]
     scale_out = affinity.markdown(analysis.get("affinity"))
     if scale_out:
         out += ["", "## Replicas: ring hash against round robin (issue 16)", "", scale_out, ""]
-    out += ["", "## Cached floor: TTFT (client side, ms) against N cached images", "", quick_table(analysis), "",
-            "The text control has the image prompt's token count (± 1) and is as fully cached; it pays the tokenizer on "
-            "its long text every turn, which the image prompt does not, so an image-specific slope (images − control) "
-            "below zero means the cached images cost less than the same number of cached text tokens.", ""]
+    out += [
+        "",
+        "## Cached floor: TTFT (client side, ms) against N cached images",
+        "",
+        quick_table(analysis),
+        "",
+        "The text control has the image prompt's token count (± 1) and is as fully cached; it pays the tokenizer on "
+        "its long text every turn, which the image prompt does not, so an image-specific slope (images − control) "
+        "below zero means the cached images cost less than the same number of cached text tokens.",
+        "",
+    ]
     out += ["## Bytes per timed request (cached floor, median)", "",
             "| scenario | TP | mode | client | N | payload | metadata | metadata/image/rank | saved | step mean ms |",
             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -366,8 +441,13 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
                        f"{t['ttft_p50_ms']:.1f} | {t['ttft_ms'][-1]:.1f} | {_mb(t['total_payload_bytes'])} | "
                        f"{t['deliveries_per_image_rank']:.2f} |")  # fmt: skip
     if analysis["broadcast"]:
-        out += ["", "## Uncached path: full's per-image broadcast against the floors", "",
-                "| TP | full − strip slope ms/image | gRPC floor ms | ratio | shm floor ms | ratio |", "|---|---|---|---|---|---|"]
+        out += [
+            "",
+            "## Uncached path: full's per-image broadcast against the floors",
+            "",
+            "| TP | full − strip slope ms/image | gRPC floor ms | ratio | shm floor ms | ratio |",
+            "|---|---|---|---|---|---|",
+        ]
         for b in analysis["broadcast"]:
             out.append(f"| {b['tp']} | {b['per_image_ms']:.2f} | {_f(b['grpc_floor_ms'])} | {_x(b['ratio_to_grpc'])} | "
                        f"{_f(b['shm_floor_ms'])} | {_x(b['ratio_to_shm'])} |")  # fmt: skip
@@ -378,10 +458,14 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
                 "| mode | " + " | ".join(f"{c} items p50 / p90" for c in steps["counts"]) + " | items examined max |",
                 "|" + "---|" * (2 + len(steps["counts"]))]  # fmt: skip
         for mode, v in steps["modes"].items():
-            out.append(f"| {mode} | " + " | ".join(f"{r['decode_p50_us']:.1f} / {r['decode_p90_us']:.1f}"
-                                                   for r in v["rows"]) + f" | {v['items_examined_max']} |")
+            out.append(
+                f"| {mode} | "
+                + " | ".join(f"{r['decode_p50_us']:.1f} / {r['decode_p90_us']:.1f}" for r in v["rows"])
+                + f" | {v['items_examined_max']} |"
+            )
         out.append("")
-    out += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots] or ["(plots skipped: matplotlib is "
-                                                                                   "not installed)"]
+    out += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots] or [
+        "(plots skipped: matplotlib is not installed)"
+    ]
     with open(path, "w") as f:
         f.write("\n".join(out) + "\n")

@@ -110,8 +110,15 @@ def planned_requests(plan: Plan, mode: str) -> int:
     return total
 
 
-def run_config(plan: Plan, model_dir: str, tp: int, mode: str, images: Images, on_record: Callable[[Record], None],
-               correctness_only: bool = False) -> dict:
+def run_config(
+    plan: Plan,
+    model_dir: str,
+    tp: int,
+    mode: str,
+    images: Images,
+    on_record: Callable[[Record], None],
+    correctness_only: bool = False,
+) -> dict:
     """Start a group, warm it, run the plan's scenarios; returns what the group cost to start."""
     from mmcast_local.supervisor import LocalGroup
 
@@ -120,8 +127,7 @@ def run_config(plan: Plan, model_dir: str, tp: int, mode: str, images: Images, o
     # The transfer-mode scenarios measure what each mode saves on the heaviest payload: the frontend's pixel_values
     # sent to every rank (--payload-encoding pixels, --encoder-placement replicated). What the defaults cost per new
     # image is benchmarks/new_images.py's subject.
-    with LocalGroup(model_dir, tp=tp, transfer_mode=mode, kv_blocks=plan.kv_blocks,
-                    scheduler_args=PIXEL_PATH) as group:
+    with LocalGroup(model_dir, tp=tp, transfer_mode=mode, kv_blocks=plan.kv_blocks, scheduler_args=PIXEL_PATH) as group:
         started = time.monotonic() - t0
         session = Session(group, tp, mode, plan.max_tokens, on_record)
         try:
@@ -134,8 +140,15 @@ def run_config(plan: Plan, model_dir: str, tp: int, mode: str, images: Images, o
             clients = plan.clients(mode)
             for scenario in ("cached_floor", "duplicate"):
                 if scenario in plan.scenarios:
-                    session.cached_floor(scenario, images, plan.ns, plan.repeats, clients,
-                                         control=scenario == "cached_floor", seed=SEEDS[scenario])
+                    session.cached_floor(
+                        scenario,
+                        images,
+                        plan.ns,
+                        plan.repeats,
+                        clients,
+                        control=scenario == "cached_floor",
+                        seed=SEEDS[scenario],
+                    )
             if "conversation" in plan.scenarios:
                 session.turns("conversation", images, plan.turns, None, clients, SEEDS["conversation"])
             if "sliding_window" in plan.scenarios:
@@ -195,8 +208,7 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
             "image_size": f"{plan.size[0]}x{plan.size[1]}"}  # fmt: skip
     log = lambda msg: print(f"[bench {time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     log(f"plan {plan.name} -> {out_dir}")
-    floor_rows = floors_mod.measure_floors(sizes=plan.floor_sizes, ranks=plan.floor_ranks,
-                                           repeats=plan.floor_repeats)
+    floor_rows = floors_mod.measure_floors(sizes=plan.floor_sizes, ranks=plan.floor_ranks, repeats=plan.floor_repeats)
     floors_md = floors_mod.floors_table(floor_rows)
     log("transport floors\n" + floors_md)
     steps = sched_steps.measure_step_flatness(plan.step_counts, decode_steps=200)
@@ -216,8 +228,9 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     def on_record(rec: Record) -> None:
         records.append(dataclasses.asdict(rec))
         if bar is not None:
-            bar.set_postfix_str(f"TP{rec.tp} {rec.variant or rec.mode} {rec.scenario} N={rec.n} {rec.ttft_ms:.0f} ms",
-                                refresh=False)
+            bar.set_postfix_str(
+                f"TP{rec.tp} {rec.variant or rec.mode} {rec.scenario} N={rec.n} {rec.ttft_ms:.0f} ms", refresh=False
+            )
             bar.update(1)
 
     try:
@@ -228,13 +241,26 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
             for mode in plan.modes:
                 configs.append(run_config(plan, model_dir, tp, mode, images, on_record, correctness_only=True))
         for tp, variant in plan.new_image_groups:
-            configs.append(new_images.run_variant(model_dir, tp, variant, plan.new_image_sets, images,
-                                                  max_tokens=plan.max_tokens, kv_blocks=plan.kv_blocks,
-                                                  on_record=on_record))
+            configs.append(
+                new_images.run_variant(
+                    model_dir,
+                    tp,
+                    variant,
+                    plan.new_image_sets,
+                    images,
+                    max_tokens=plan.max_tokens,
+                    kv_blocks=plan.kv_blocks,
+                    on_record=on_record,
+                )
+            )
         if plan.http_overhead:  # its own fresh group (TP1, defaults); records of its own shape, not Records
-            http_result = http_overhead.measure(model_dir, images, http_overhead.PLANS[plan.http_overhead],
-                                                on_request=lambda _r: bar.update(1) if bar is not None else None,
-                                                log=log)
+            http_result = http_overhead.measure(
+                model_dir,
+                images,
+                http_overhead.PLANS[plan.http_overhead],
+                on_request=lambda _r: bar.update(1) if bar is not None else None,
+                log=log,
+            )
     finally:
         if bar is not None:
             bar.close()
@@ -270,10 +296,22 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     figures = plots.write_plots(out_dir, analysis)
     report.write_markdown(os.path.join(out_dir, "results.md"), meta, analysis, floors_md, figures)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"meta": meta, "configs": configs, "floors": floor_rows, "analysis": analysis, "records": records,
-                   "security": security, "rank_memory": rank_memory, "rank_engine": engine,
-                   "http_overhead_records": http_result["records"] if http_result else []}, f, indent=1,
-                  default=str)
+        json.dump(
+            {
+                "meta": meta,
+                "configs": configs,
+                "floors": floor_rows,
+                "analysis": analysis,
+                "records": records,
+                "security": security,
+                "rank_memory": rank_memory,
+                "rank_engine": engine,
+                "http_overhead_records": http_result["records"] if http_result else [],
+            },
+            f,
+            indent=1,
+            default=str,
+        )
     log(f"wrote {out_dir}/results.md, results.json and {len(figures)} plots")
     return analysis
 
@@ -293,18 +331,24 @@ def main(argv: list[str] | None = None) -> int:
     for t in analysis["targets"] + (http["targets"] if http else []):
         print(f"{t['status']:>12}  {t['name']}: {t['measured']} (target {t['target']})")
     if http and not http["equality"]["ok"]:
-        print(f"FAILED: the HTTP door and the SDK returned different answers: {http['equality']['mismatches'][:3]}",
-              file=sys.stderr)
+        print(
+            f"FAILED: the HTTP door and the SDK returned different answers: {http['equality']['mismatches'][:3]}",
+            file=sys.stderr,
+        )
         return 1
     scale_out = analysis.get("affinity")
     if scale_out and (not scale_out["tokens_equal"] or any(p["failed"] for p in scale_out["policies"])):
-        print("FAILED: the replicas under ring hash and round robin disagreed on tokens or failed requests",
-              file=sys.stderr)
+        print(
+            "FAILED: the replicas under ring hash and round robin disagreed on tokens or failed requests",
+            file=sys.stderr,
+        )
         return 1
     if not analysis["equality"]["ok"]:
-        print(f"FAILED: the transfer modes or new-image variants returned different tokens: "
-              f"{analysis['equality']['mismatches'][:3]}",
-              file=sys.stderr)
+        print(
+            f"FAILED: the transfer modes or new-image variants returned different tokens: "
+            f"{analysis['equality']['mismatches'][:3]}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

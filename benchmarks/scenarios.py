@@ -72,7 +72,7 @@ def parse_metrics(text: str) -> dict[tuple[str, str | None, str | None], float]:
                 continue  # histogram buckets are not needed; _sum and _count are
             out[(s.name, None, None)] = out.get((s.name, None, None), 0.0) + s.value
             if len(labels) == 1:
-                (k, v), = labels.items()
+                ((k, v),) = labels.items()
                 out[(s.name, k, v)] = s.value
     return out
 
@@ -179,7 +179,10 @@ def question(i: int) -> str:
 
 
 def user(paths: Sequence[str], text: str) -> dict:
-    return {"role": "user", "content": [{"type": "image", "image": p} for p in paths] + [{"type": "text", "text": text}]}
+    return {
+        "role": "user",
+        "content": [{"type": "image", "image": p} for p in paths] + [{"type": "text", "text": text}],
+    }
 
 
 def assistant() -> dict:
@@ -193,14 +196,17 @@ def filler(words: int) -> str:
 class Session:
     """One group's clients and scraper; ``run`` times one request and returns its Record."""
 
-    def __init__(self, group, tp: int, mode: str, max_tokens: int, on_record: Callable[[Record], None],
-                 variant: str = "") -> None:
+    def __init__(
+        self, group, tp: int, mode: str, max_tokens: int, on_record: Callable[[Record], None], variant: str = ""
+    ) -> None:
         from mmcast_client.client import Client
 
         self.tp, self.mode, self.max_tokens, self.variant = tp, mode, max_tokens, variant
         self.pids = group.pids  # re-read per request: a restarted process has a new pid
-        self.clients = {"sdk": Client(group.target, timeout=600), "resend": Client(group.target, timeout=600,
-                                                                                    upload_images=False)}
+        self.clients = {
+            "sdk": Client(group.target, timeout=600),
+            "resend": Client(group.target, timeout=600, upload_images=False),
+        }
         self.scraper = Scraper(group.metrics_urls)
         self.on_record = on_record
         self._filler_base: int | None = None  # prompt tokens of filler(0) in the control's conversation shape
@@ -209,8 +215,19 @@ class Session:
         for c in self.clients.values():
             c.close()
 
-    def run(self, messages, *, scenario: str, kind: str, n: int, index: int, client: str = "sdk",
-            max_tokens: int | None = None, image: str = "", image_bytes: int = 0) -> Record:
+    def run(
+        self,
+        messages,
+        *,
+        scenario: str,
+        kind: str,
+        n: int,
+        index: int,
+        client: str = "sdk",
+        max_tokens: int | None = None,
+        image: str = "",
+        image_bytes: int = 0,
+    ) -> Record:
         """One request, timed. Besides the counter deltas, ``metrics`` gets the CPU seconds the scheduler process
         (``scheduler_cpu_seconds``) and all ranks together (``rank_cpu_seconds``) spent while it ran, read inside
         the scrapes so that serving /metrics is not counted (None if a process restarted meanwhile)."""
@@ -245,8 +262,16 @@ class Session:
         words = max(0, prompt_tokens - self._filler_base)
         return [user([], filler(words) + " " + text), assistant(), user([], question(q))]
 
-    def cached_floor(self, scenario: str, images: Images, ns: Sequence[int], repeats: int, clients: Sequence[str],
-                     control: bool, seed: int) -> None:
+    def cached_floor(
+        self,
+        scenario: str,
+        images: Images,
+        ns: Sequence[int],
+        repeats: int,
+        clients: Sequence[str],
+        control: bool,
+        seed: int,
+    ) -> None:
         """Warm every N once (images, then the control), then time ``repeats`` rounds of follow-up questions over
         all N, alternating the order of N each round, so that a drift of the machine's speed does not tilt the
         slope."""
@@ -265,13 +290,15 @@ class Session:
             for n in ns if r % 2 else list(reversed(ns)):
                 head, ctrl_head = heads[n]
                 for client in clients:
-                    self.run([*head, user([], question(r))], scenario=scenario, kind="image", n=n, index=r,
-                             client=client)
+                    self.run(
+                        [*head, user([], question(r))], scenario=scenario, kind="image", n=n, index=r, client=client
+                    )
                 if ctrl_head is not None:
                     self.run([*ctrl_head, user([], question(r))], scenario=scenario, kind="control", n=n, index=r)
 
-    def turns(self, scenario: str, images: Images, turns: int, window: int | None, clients: Sequence[str],
-              seed: int) -> None:
+    def turns(
+        self, scenario: str, images: Images, turns: int, window: int | None, clients: Sequence[str], seed: int
+    ) -> None:
         """One new image per turn; the history is every earlier turn, or the last ``window - 1`` of them."""
         for c, client in enumerate(clients):  # each client its own images: no cache carried between them
             history: list[dict] = []

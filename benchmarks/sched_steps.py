@@ -50,8 +50,12 @@ def _session_request(rid: str, count: int, decode_steps: int):
     return Request(rid, tokens, features, SamplingParams(max_tokens=decode_steps, ignore_eos=True))
 
 
-def measure_step_flatness(counts: Sequence[int] = (10, 100, 1000, 10_000), decode_steps: int = 60,
-                          modes: Sequence[str] = ("lazy", "strip", "full"), num_ranks: int = 2) -> dict:
+def measure_step_flatness(
+    counts: Sequence[int] = (10, 100, 1000, 10_000),
+    decode_steps: int = 60,
+    modes: Sequence[str] = ("lazy", "strip", "full"),
+    num_ranks: int = 2,
+) -> dict:
     """Per mode and item count: decode-step time (p50, p90 µs), items examined per decode step, admission cost."""
     from scheduler_svc.config import SchedulerConfig
     from scheduler_svc.inputs import GroupBudget, Sample, StepOutcome
@@ -62,8 +66,13 @@ def measure_step_flatness(counts: Sequence[int] = (10, 100, 1000, 10_000), decod
     out: dict = {"counts": list(counts), "decode_steps": decode_steps, "modes": {}}
     for mode in modes:
         config = SchedulerConfig(transfer_mode=mode, max_model_len=2 * longest, max_num_batched_tokens=8192)
-        budget = GroupBudget(num_ranks, kv_blocks=4 * longest // 16, encoder_cache_tokens=4 * longest,
-                             payload_cache_bytes=1 << 30, max_model_len=2 * longest)
+        budget = GroupBudget(
+            num_ranks,
+            kv_blocks=4 * longest // 16,
+            encoder_cache_tokens=4 * longest,
+            payload_cache_bytes=1 << 30,
+            max_model_len=2 * longest,
+        )
         sched = Scheduler(config, budget, uses_mrope=True, eos_token_ids={0})
         rows = []
         for k, count in enumerate(counts):  # one session: each request extends the previous one's items

@@ -33,8 +33,10 @@ def write_dataset(path: str, images, count: int, seed: int, size: tuple[int, int
     """``count`` entries, each one never-seen synthetic JPEG and a question; written as AIPerf's single_turn JSONL."""
     from benchmarks.scenarios import question
 
-    entries = [{"text": f"{question(i)} Describe the picture.", "image": os.path.abspath(images.path(seed + i, size))}
-               for i in range(count)]
+    entries = [
+        {"text": f"{question(i)} Describe the picture.", "image": os.path.abspath(images.path(seed + i, size))}
+        for i in range(count)
+    ]
     with open(path, "w") as f:
         for e in entries:
             f.write(json.dumps(e) + "\n")
@@ -47,8 +49,12 @@ def read_dataset(path: str) -> list[dict]:
 
 
 def _one(client, entry: dict, max_tokens: int) -> dict:
-    messages = [{"role": "user", "content": [{"type": "image", "image": entry["image"]},
-                                             {"type": "text", "text": entry["text"]}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": entry["image"]}, {"type": "text", "text": entry["text"]}],
+        }
+    ]
     start = time.perf_counter()
     first = None
     with client.generate(messages, max_tokens=max_tokens, ignore_eos=True, stream=True) as s:
@@ -59,8 +65,14 @@ def _one(client, entry: dict, max_tokens: int) -> dict:
     tokens = s.result.usage.completion_tokens
     ttft = ((first or end) - start) * 1e3
     latency = (end - start) * 1e3
-    return {"start": start, "end": end, "ttft_ms": ttft, "latency_ms": latency, "output_tokens": tokens,
-            "itl_ms": (latency - ttft) / (tokens - 1) if tokens > 1 else None}
+    return {
+        "start": start,
+        "end": end,
+        "ttft_ms": ttft,
+        "latency_ms": latency,
+        "output_tokens": tokens,
+        "itl_ms": (latency - ttft) / (tokens - 1) if tokens > 1 else None,
+    }
 
 
 def run(target: str, entries: Sequence[dict], concurrency: int, max_tokens: int, upload_images: bool = True) -> dict:

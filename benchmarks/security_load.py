@@ -40,8 +40,10 @@ def cases() -> list[tuple[str, str, object]]:
     from mmcast_local.synthetic_images import synthetic_jpeg
 
     def req(*parts, max_tokens=1):
-        return pb.GenerateRequest(messages=[pb.ChatMessage(role=pb.ROLE_USER, content=list(parts))],
-                                  sampling=pb.SamplingParams(max_tokens=max_tokens))
+        return pb.GenerateRequest(
+            messages=[pb.ChatMessage(role=pb.ROLE_USER, content=list(parts))],
+            sampling=pb.SamplingParams(max_tokens=max_tokens),
+        )
 
     def img(data):
         return pb.ContentPart(image=pb.ImageInput(data=data))
@@ -54,9 +56,16 @@ def cases() -> list[tuple[str, str, object]]:
         ("ico-bomb", "13000x13000 .ico", lambda: req(img(hostile.ico_bomb()), txt("Look."))),
         ("png-token-bomb", "5792x5792 PNG, 16384 tokens", lambda: req(img(hostile.png_bomb()), txt("Look."))),
         ("long-text", "7.5 MB of text", lambda: req(txt(english * 170_000))),
-        ("max-text", f"{CONTEXT * 8 - 64} bytes of text, tokenized", lambda: req(txt(english * ((CONTEXT * 8 - 64) // 44)))),
-        ("large-photo", "12 MP JPEG decoded (15301 tokens)",
-         lambda: req(img(synthetic_jpeg(5, (4000, 3000))), txt(english * 150))),
+        (
+            "max-text",
+            f"{CONTEXT * 8 - 64} bytes of text, tokenized",
+            lambda: req(txt(english * ((CONTEXT * 8 - 64) // 44))),
+        ),
+        (
+            "large-photo",
+            "12 MP JPEG decoded (15301 tokens)",
+            lambda: req(img(synthetic_jpeg(5, (4000, 3000))), txt(english * 150)),
+        ),
     ]
 
 
@@ -66,8 +75,10 @@ class Stream:
     def __init__(self, stub) -> None:
         from mmcast.v1 import generation_pb2 as pb
 
-        request = pb.GenerateRequest(messages=[pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(
-            text="Tell a long story.")])], sampling=pb.SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True))
+        request = pb.GenerateRequest(
+            messages=[pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(text="Tell a long story.")])],
+            sampling=pb.SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True),
+        )
         self.call = stub.Generate(request, timeout=600)
         self.times: list[float] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -102,8 +113,15 @@ def _small_request(stub) -> float:
     from mmcast.v1 import generation_pb2 as pb
 
     t0 = time.perf_counter()
-    list(stub.Generate(pb.GenerateRequest(messages=[pb.ChatMessage(role=pb.ROLE_USER, content=[
-        pb.ContentPart(text="hi")])], sampling=pb.SamplingParams(max_tokens=1)), timeout=600))
+    list(
+        stub.Generate(
+            pb.GenerateRequest(
+                messages=[pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(text="hi")])],
+                sampling=pb.SamplingParams(max_tokens=1),
+            ),
+            timeout=600,
+        )
+    )
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -138,9 +156,17 @@ def measure_case(stub, pid: int, name: str, what: str, build) -> dict:
     time.sleep(0.3)
     gap = stream.max_gap_ms(t0, time.perf_counter())
     stream.stop()
-    return {"case": name, "what": what, "code": outcome["code"], "message": outcome.get("message", ""),
-            "request_s": round(t1 - t0, 3), "scheduler_cpu_s": round(cpu1 - cpu0, 3), "peak_rss_mib": round(peak),
-            "small_request_ms": round(small_ms, 1), "max_stream_gap_ms": round(gap, 1)}
+    return {
+        "case": name,
+        "what": what,
+        "code": outcome["code"],
+        "message": outcome.get("message", ""),
+        "request_s": round(t1 - t0, 3),
+        "scheduler_cpu_s": round(cpu1 - cpu0, 3),
+        "peak_rss_mib": round(peak),
+        "small_request_ms": round(small_ms, 1),
+        "max_stream_gap_ms": round(gap, 1),
+    }
 
 
 def measure(model_dir: str, log=print) -> list[dict]:
@@ -171,12 +197,17 @@ PREVIOUS = {  # issue 13, before these checks (same machine class, serve-local d
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| case | input | status | request s | scheduler CPU s | peak RSS MiB | small request ms | "
-             "max stream gap ms | before (issue 13) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | input | status | request s | scheduler CPU s | peak RSS MiB | small request ms | "
+        "max stream gap ms | before (issue 13) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['what']} | {r['code']} | {r['request_s']} | {r['scheduler_cpu_s']} | "
-                     f"{r['peak_rss_mib']} | {r['small_request_ms']} | {r['max_stream_gap_ms']} | "
-                     f"{PREVIOUS.get(r['case'], '')} |")
+        lines.append(
+            f"| {r['case']} | {r['what']} | {r['code']} | {r['request_s']} | {r['scheduler_cpu_s']} | "
+            f"{r['peak_rss_mib']} | {r['small_request_ms']} | {r['max_stream_gap_ms']} | "
+            f"{PREVIOUS.get(r['case'], '')} |"
+        )
     return "\n".join(lines)
 
 

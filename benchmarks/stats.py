@@ -116,8 +116,9 @@ def flatness(values: Sequence[float], reference: float) -> float:
     return max(abs(v - reference) / reference for v in values)
 
 
-def paired_ratio_ci(num: Sequence[float], den: Sequence[float], resamples: int = 2000, seed: int = 0,
-                    q: float = 50) -> tuple[float, float, float]:
+def paired_ratio_ci(
+    num: Sequence[float], den: Sequence[float], resamples: int = 2000, seed: int = 0, q: float = 50
+) -> tuple[float, float, float]:
     """median(num) / median(den) (or another percentile ``q``) with a 95 % percentile-bootstrap interval, resampling
     the *pairs* (num[i], den[i]): samples taken side by side (the same round of an interleaved run) share the
     machine's load of that moment, so a pair is the unit that keeps it. Returns (ratio, low, high); the seed makes

@@ -68,9 +68,7 @@ def encode_tensor(
     if chunk_size <= 0 or chunk_size > MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size={chunk_size} must be in [1, {MAX_CHUNK_SIZE}]")
     data = tensor_bytes(tensor)
-    header = tensor_pb2.TensorHeader(
-        dtype=dtype_to_proto(tensor.dtype), shape=list(tensor.shape), byte_size=len(data)
-    )
+    header = tensor_pb2.TensorHeader(dtype=dtype_to_proto(tensor.dtype), shape=list(tensor.shape), byte_size=len(data))
     if inline or len(data) == 0:
         header.inline_data = data.tobytes()
         return header, []

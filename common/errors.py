@@ -54,8 +54,15 @@ class MmcastError(Exception):
 
     status = Status.INTERNAL
 
-    def __init__(self, message: str, status: Status | None = None, *, field: str | Sequence[str] | None = None,
-                 retry_after: float | None = None, resource: Resource | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: Status | None = None,
+        *,
+        field: str | Sequence[str] | None = None,
+        retry_after: float | None = None,
+        resource: Resource | None = None,
+    ) -> None:
         super().__init__(message)
         if status is not None:
             self.status = status

@@ -55,8 +55,9 @@ _GO_CODE_BY_NUMBER = {status.value[0]: name for status, name in GO_CODE_NAMES.it
 
 class GrpcServerMetrics:
     def __init__(self, registry: CollectorRegistry, services: Iterable[ServiceDescriptor] = ()) -> None:
-        self.started = Counter("grpc_server_started", "Total number of RPCs started on the server.", _LABELS,
-                               registry=registry)
+        self.started = Counter(
+            "grpc_server_started", "Total number of RPCs started on the server.", _LABELS, registry=registry
+        )
         self.handled = Counter(
             "grpc_server_handled",
             "Total number of RPCs completed on the server, regardless of success or failure.",

@@ -161,7 +161,9 @@ def _load_digest_cache(cache_dir: Path | None) -> dict[str, str]:
         data = json.loads((cache_dir / _DIGEST_CACHE_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+    return (
+        {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+    )
 
 
 def _store_digest_cache(cache_dir: Path | None, entries: Mapping[str, str]) -> None:

@@ -59,8 +59,11 @@ class ImageHeaderReader:
         # (height, width) -> placeholder tokens: the model family's rule (common/families/); by default Qwen-VL's.
         self._tokens_of = tokens_of
         # Other plugins' magic-byte checks, only to name a refused format in the error.
-        self._others = [(name, accept) for name, (_, accept) in Image.OPEN.items()
-                        if name not in self.formats and accept is not None]
+        self._others = [
+            (name, accept)
+            for name, (_, accept) in Image.OPEN.items()
+            if name not in self.formats and accept is not None
+        ]
 
     def tokens(self, width: int, height: int) -> int:
         """Placeholder tokens of a ``width`` x ``height`` image (ValueError where the processor refuses the size)."""
@@ -84,10 +87,15 @@ class ImageHeaderReader:
         detected = self.detect(data)
         allowed = ", ".join(self.formats)
         if detected is not None:
-            raise InvalidArgument(f"{field}: {detected} images are not accepted; allowed formats: {allowed} "
-                                  "(--image-formats)", field=field) from None
-        raise InvalidArgument(f"{field}: {len(data)} bytes are not a decodable image of an allowed format ({allowed}, "
-                              f"--image-formats): {reason(exc)}", field=field) from None
+            raise InvalidArgument(
+                f"{field}: {detected} images are not accepted; allowed formats: {allowed} (--image-formats)",
+                field=field,
+            ) from None
+        raise InvalidArgument(
+            f"{field}: {len(data)} bytes are not a decodable image of an allowed format ({allowed}, "
+            f"--image-formats): {reason(exc)}",
+            field=field,
+        ) from None
 
     def open(self, data: bytes, field: str):
         """``(image, header)``: the image opened lazily (nothing decoded), its header checked against every limit
@@ -101,8 +109,10 @@ class ImageHeaderReader:
         except Image.DecompressionBombError as exc:  # PIL's own, far higher limit: the header claims a bomb
             pixels = re.search(r"\((\d+) pixels\)", str(exc))
             claimed = f"{pixels.group(1)} pixels" if pixels else f"over {2 * Image.MAX_IMAGE_PIXELS} pixels"
-            raise InvalidArgument(f"{field}: image header claims {claimed}; the limit is "
-                                  f"{self.max_pixels} (--max-image-pixels)", field=field) from None
+            raise InvalidArgument(
+                f"{field}: image header claims {claimed}; the limit is {self.max_pixels} (--max-image-pixels)",
+                field=field,
+            ) from None
         except Exception as exc:  # PIL raises many types for bad input
             self._refuse_format(data, field, exc)
         width, height = image.size
@@ -113,13 +123,15 @@ class ImageHeaderReader:
         if width * height > self.max_pixels:
             raise InvalidArgument(
                 f"{field}: image is {width}x{height} = {width * height} pixels; the limit is "
-                f"{self.max_pixels} (--max-image-pixels)", field=field,
+                f"{self.max_pixels} (--max-image-pixels)",
+                field=field,
             )
         try:
             tokens = self.tokens(width, height)
         except ValueError as exc:  # e.g. an aspect ratio the resize rule refuses
-            raise InvalidArgument(f"{field}: the {width}x{height} image cannot be preprocessed ({reason(exc)})",
-                                  field=field) from None
+            raise InvalidArgument(
+                f"{field}: the {width}x{height} image cannot be preprocessed ({reason(exc)})", field=field
+            ) from None
         return image, ImageHeader(image.format or "", width, height, tokens)
 
 

@@ -36,8 +36,9 @@ __all__ = ["ImageHeader", "ImageInput"]
 class ImageInput:
     """Header checks, grid prediction and preprocessing for one model's image processor."""
 
-    def __init__(self, image_processor, formats: Sequence[str], max_pixels: int, family: Family | None = None,
-                 processor=None) -> None:
+    def __init__(
+        self, image_processor, formats: Sequence[str], max_pixels: int, family: Family | None = None, processor=None
+    ) -> None:
         """``processor``: the whole processor, which some families' token rule reads (LLaVA's patch size and
         feature strategy live there, not in the image processor)."""
         from common.families.qwen2_vl import QWEN2_VL
@@ -46,7 +47,9 @@ class ImageInput:
         self.family = QWEN2_VL if family is None else family  # its grid rule; None: the Qwen2-VL processor's
         family = self.family
         self.headers = ImageHeaderReader(
-            formats, max_pixels, image_processor,
+            formats,
+            max_pixels,
+            image_processor,
             lambda height, width: family.image_tokens(processor, image_processor, height, width),
         )
         self.patch_size = int(getattr(image_processor, "patch_size", 0) or 0)  # 0: the image processor has none
@@ -74,8 +77,9 @@ class ImageInput:
             ImageOps.exif_transpose(image, in_place=True)
             out = self.image_processor(images=[image], return_tensors="pt")
         except Exception as exc:  # noqa: BLE001 - PIL and the processor raise many types for bad input
-            raise InvalidArgument(f"{field}: the image could not be decoded or preprocessed ({reason(exc)})",
-                                  field=field) from None
+            raise InvalidArgument(
+                f"{field}: the image could not be decoded or preprocessed ({reason(exc)})", field=field
+            ) from None
         finally:
             image.close()
         name = self.family.grid_field
@@ -95,6 +99,7 @@ class ImageInput:
             raise InvalidArgument(
                 f"{field}: the decoded image has a {grid[0, 1]}x{grid[0, 2]} patch grid but its header gave "
                 f"{predicted[0, 1]}x{predicted[0, 2]} (its metadata disagrees with its pixels); re-save it with the "
-                "orientation applied", field=field,
+                "orientation applied",
+                field=field,
             )
         return pixel_values, grid

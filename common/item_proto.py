@@ -67,7 +67,9 @@ def feature_to_proto(
         identifier=feature.identifier,
         modality=_MODALITY_TO_PROTO[feature.modality],
         position=multimodal_pb2.PlaceholderRange(
-            offset=pos.offset, length=pos.length, is_embed=[] if pos.is_embed is None else [bool(x) for x in pos.is_embed]
+            offset=pos.offset,
+            length=pos.length,
+            is_embed=[] if pos.is_embed is None else [bool(x) for x in pos.is_embed],
         ),
         payload_state=_STATE_TO_PROTO[state],
         encoding=_ENCODING_TO_PROTO[feature.encoding],

@@ -116,9 +116,7 @@ def check_serveable(config: Any, flag: str = "--model", model_dir: str | os.Path
         raise ModelConfigError(f"{where}: config.json has no vision_config (a {model_type} checkpoint has one)")
 
 
-def check_tp(
-    config: Any, tp: int, flag: str, given: str | None = None, values: str | None = None
-) -> DecoderShape:
+def check_tp(config: Any, tp: int, flag: str, given: str | None = None, values: str | None = None) -> DecoderShape:
     """The decoder shape when ``tp`` ranks shard it, else ``ModelConfigError``.
 
     ``flag`` names the setting (``--tp``, ``--world-size``). The scheduler, whose TP size is the number of

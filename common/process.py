@@ -18,6 +18,7 @@ ALLOCATOR_ENV = {
 }
 _REEXEC_MARK = "MMCAST_ALLOCATOR_ENV_SET"
 
+
 class StartupError(Exception):
     """A start-up failure a restart cannot cure. Its message is the one line the operator reads: what is wrong, where
     (the flag, the file or the folder) and what to change. Entry points log it with ``startup_failure()`` and exit

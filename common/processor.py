@@ -23,8 +23,12 @@ from pathlib import Path
 from common.process import StartupError
 
 # Where transformers looks for a chat template, in the words of the error that names them.
-TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "processor_config.json (chat_template)",
-                  "tokenizer_config.json (chat_template)")
+TEMPLATE_FILES = (
+    "chat_template.jinja",
+    "chat_template.json",
+    "processor_config.json (chat_template)",
+    "tokenizer_config.json (chat_template)",
+)
 
 
 def image_only(processor_class):

@@ -56,16 +56,29 @@ def status_proto(err: MmcastError) -> status_pb2.Status:
     """The ``google.rpc.Status`` of ``err``: its code, its message, and the details it calls for."""
     details = []
     if err.fields:
-        details.append(_pack(error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=path, description=err.message) for path in err.fields
-        ])))
+        details.append(
+            _pack(
+                error_details_pb2.BadRequest(
+                    field_violations=[
+                        error_details_pb2.BadRequest.FieldViolation(field=path, description=err.message)
+                        for path in err.fields
+                    ]
+                )
+            )
+        )
     delay = retry_delay(err)
     if delay is not None:
         details.append(_pack(error_details_pb2.RetryInfo(retry_delay=_duration(delay))))
     if err.resource is not None:
-        details.append(_pack(error_details_pb2.ResourceInfo(
-            resource_type=err.resource.type, resource_name=err.resource.name, description=err.message,
-        )))
+        details.append(
+            _pack(
+                error_details_pb2.ResourceInfo(
+                    resource_type=err.resource.type,
+                    resource_name=err.resource.name,
+                    description=err.message,
+                )
+            )
+        )
     return status_pb2.Status(code=grpc_code(err).value[0], message=err.message, details=details)
 
 

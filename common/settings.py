@@ -201,8 +201,9 @@ class _HelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
-                             break_on_hyphens=False)
+        return textwrap.fill(
+            " ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        )
 
 
 def build_parser(cls: type, *, prog: str, description: str) -> argparse.ArgumentParser:
@@ -210,7 +211,8 @@ def build_parser(cls: type, *, prog: str, description: str) -> argparse.Argument
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=EPILOG, formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"{prog} {package_version()}")
     parser.add_argument(
-        "--print-config", action="store_true",
+        "--print-config",
+        action="store_true",
         help="print the settings this process would run with (flags over variables over defaults) as JSON and exit",
     )
     sections: dict[str, argparse._ArgumentGroup] = {}
@@ -219,7 +221,10 @@ def build_parser(cls: type, *, prog: str, description: str) -> argparse.Argument
         if title not in sections:
             sections[title] = parser.add_argument_group(title)
         kwargs: dict[str, Any] = {
-            "dest": f.name, "type": _flag_type(f), "default": argparse.SUPPRESS, "metavar": _metavar(f),
+            "dest": f.name,
+            "type": _flag_type(f),
+            "default": argparse.SUPPRESS,
+            "metavar": _metavar(f),
             "help": _help_line(f),
         }
         if _kind(f) == "bool":  # a bare --flag means true; --flag false is accepted too
@@ -228,8 +233,12 @@ def build_parser(cls: type, *, prog: str, description: str) -> argparse.Argument
     return parser
 
 
-def load(cls: type, parser: argparse.ArgumentParser, argv: Sequence[str] | None = None,
-         environ: Mapping[str, str] | None = None) -> Any:
+def load(
+    cls: type,
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Any:
     """``cls`` built from ``argv`` (flags), ``environ`` (``MMCAST_*``) and the defaults, in that order.
 
     A bad flag ends the process as argparse does (status 2, usage and reason on stderr); a bad variable, a

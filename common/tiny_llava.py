@@ -48,8 +48,12 @@ def build_config(text: dict, token_ids: dict, kv_heads: int):
     from transformers import LlavaConfig
 
     llama = {k: v for k, v in text.items() if k not in ("use_sliding_window", "max_window_layers", "rope_parameters")}
-    llama.update(model_type="llama", head_dim=16, num_key_value_heads=kv_heads,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    llama.update(
+        model_type="llama",
+        head_dim=16,
+        num_key_value_heads=kv_heads,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     return LlavaConfig(
         vision_config=dict(VISION_CONFIG),
         text_config=llama,

@@ -208,8 +208,12 @@ _VISION_CONFIGS = {
 # Qwen3-VL's text part: head_dim explicit, interleaved M-RoPE, no sliding-window settings.
 _QWEN3_TEXT = {
     "head_dim": 16,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
-                        "mrope_interleaved": True},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    },
 }
 
 
@@ -242,11 +246,21 @@ QWEN3_REAL_WIDTH = {
         "num_key_value_heads": 8,
         "head_dim": 128,
         "initializer_range": 0.02,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
-                            "mrope_interleaved": True},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
     },
-    "vision": {"depth": 2, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2048,
-               "num_position_embeddings": 2304},
+    "vision": {
+        "depth": 2,
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_heads": 16,
+        "out_hidden_size": 2048,
+        "num_position_embeddings": 2304,
+    },
     "tie_word_embeddings": True,
 }
 
@@ -542,7 +556,9 @@ def ensure_tiny_model(
             # rename(2) replaces a missing or empty directory atomically and fails on a non-empty one.
             os.rename(tmp, out)
         except OSError:
-            if not _complete(out, variant, seed, kv_heads, width):  # another caller's build won the race, or a foreign folder
+            if not _complete(
+                out, variant, seed, kv_heads, width
+            ):  # another caller's build won the race, or a foreign folder
                 raise FileExistsError(
                     f"{out} is not empty but holds no complete tiny model; delete it or pass another folder"
                 ) from None

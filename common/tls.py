@@ -74,8 +74,10 @@ class _PemFiles:
     def _snapshot(self) -> tuple[bytes | None, bytes | None, bytes | None]:
         """The files' bytes now. Bytes rather than mtimes: a rewrite within one timestamp tick keeps the mtime
         (and often the size); a few KB read per new connection is small beside the handshake's own work."""
-        return tuple(read_pem(path, self._flags[path]) if path else None
-                     for path in (self.cert_file, self.key_file, self.ca_file))  # type: ignore[return-value]
+        return tuple(
+            read_pem(path, self._flags[path]) if path else None
+            for path in (self.cert_file, self.key_file, self.ca_file)
+        )  # type: ignore[return-value]
 
     def _check(self, snapshot: tuple[bytes | None, bytes | None, bytes | None]) -> tuple:
         """``snapshot`` if its certificate and key belong together and its CA bundle holds a certificate."""
@@ -132,8 +134,11 @@ class ServerCertificateFiles:
     ``grpc.dynamic_ssl_server_credentials``."""
 
     def __init__(self, cert_file: str, key_file: str, client_ca_file: str = "", *, prefix: str = "--") -> None:
-        self.files = _PemFiles((cert_file, f"{prefix}tls-cert-file"), (key_file, f"{prefix}tls-key-file"),
-                               (client_ca_file, f"{prefix}tls-client-ca-file"))
+        self.files = _PemFiles(
+            (cert_file, f"{prefix}tls-cert-file"),
+            (key_file, f"{prefix}tls-key-file"),
+            (client_ca_file, f"{prefix}tls-client-ca-file"),
+        )
         self.mutual = bool(client_ca_file)
 
     @staticmethod
@@ -147,13 +152,14 @@ class ServerCertificateFiles:
         return None if changed is None else self.configuration(changed)
 
     def credentials(self) -> grpc.ServerCredentials:
-        return grpc.dynamic_ssl_server_credentials(self.configuration(self.files.current), self.fetch,
-                                                   require_client_authentication=self.mutual)
+        return grpc.dynamic_ssl_server_credentials(
+            self.configuration(self.files.current), self.fetch, require_client_authentication=self.mutual
+        )
 
 
-def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "", *, prefix: str = "--") -> (
-    grpc.ServerCredentials | None
-):
+def server_credentials(
+    cert_file: str, key_file: str, client_ca_file: str = "", *, prefix: str = "--"
+) -> grpc.ServerCredentials | None:
     """Server credentials that follow the files (module docstring), or None (plaintext) when no certificate is set.
 
     ``client_ca_file`` set: mutual TLS — a client must present a certificate signed by that CA, or the handshake
@@ -183,8 +189,11 @@ class HttpsContext:
     """
 
     def __init__(self, cert_file: str, key_file: str, client_ca_file: str = "", *, prefix: str = "--") -> None:
-        self.files = _PemFiles((cert_file, f"{prefix}tls-cert-file"), (key_file, f"{prefix}tls-key-file"),
-                               (client_ca_file, f"{prefix}tls-client-ca-file"))
+        self.files = _PemFiles(
+            (cert_file, f"{prefix}tls-cert-file"),
+            (key_file, f"{prefix}tls-key-file"),
+            (client_ca_file, f"{prefix}tls-client-ca-file"),
+        )
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
         if client_ca_file:
@@ -213,9 +222,9 @@ class HttpsContext:
 HTTPS_REFRESH_SECONDS = 2.0  # how often an HTTP port looks for rotated TLS files
 
 
-def https_context(cert_file: str, key_file: str, client_ca_file: str = "", *, prefix: str = "--") -> (
-    HttpsContext | None
-):
+def https_context(
+    cert_file: str, key_file: str, client_ca_file: str = "", *, prefix: str = "--"
+) -> HttpsContext | None:
     """The HTTP port's TLS (the same files and rules as ``server_credentials``), or None (plaintext)."""
     if not _server_tls_on(cert_file, key_file, client_ca_file, prefix):
         return None
@@ -226,8 +235,11 @@ class ChannelCertificateFiles:
     """The CA and optional client certificate/key a channel presents; ``credentials()`` for each new channel."""
 
     def __init__(self, ca_file: str, cert_file: str = "", key_file: str = "", *, prefix: str = "--") -> None:
-        self.files = _PemFiles((cert_file, f"{prefix}tls-cert-file"), (key_file, f"{prefix}tls-key-file"),
-                               (ca_file, f"{prefix}tls-ca-file"))
+        self.files = _PemFiles(
+            (cert_file, f"{prefix}tls-cert-file"),
+            (key_file, f"{prefix}tls-key-file"),
+            (ca_file, f"{prefix}tls-ca-file"),
+        )
         self._credentials = self._build(self.files.current)
 
     @staticmethod
@@ -243,9 +255,9 @@ class ChannelCertificateFiles:
         return self._credentials
 
 
-def channel_files(ca_file: str, cert_file: str = "", key_file: str = "", *, prefix: str = "--") -> (
-    ChannelCertificateFiles | None
-):
+def channel_files(
+    ca_file: str, cert_file: str = "", key_file: str = "", *, prefix: str = "--"
+) -> ChannelCertificateFiles | None:
     """The files a channel's credentials come from, or None (plaintext) when neither a CA nor a client certificate
     is configured. ``ca_file`` empty with a client certificate: the server is verified against the system's roots."""
     check_pair(cert_file, key_file, f"{prefix}tls-cert-file", f"{prefix}tls-key-file")
@@ -254,9 +266,9 @@ def channel_files(ca_file: str, cert_file: str = "", key_file: str = "", *, pref
     return ChannelCertificateFiles(ca_file, cert_file, key_file, prefix=prefix)
 
 
-def channel_credentials(ca_file: str, cert_file: str = "", key_file: str = "", *, prefix: str = "--") -> (
-    grpc.ChannelCredentials | None
-):
+def channel_credentials(
+    ca_file: str, cert_file: str = "", key_file: str = "", *, prefix: str = "--"
+) -> grpc.ChannelCredentials | None:
     """Channel credentials from the files as they are now, or None (plaintext); see ``channel_files``."""
     files = channel_files(ca_file, cert_file, key_file, prefix=prefix)
     return None if files is None else files.credentials()

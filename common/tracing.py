@@ -45,8 +45,11 @@ def configure(component: str, *, exporter=None, environ: Mapping[str, str] = os.
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
     except ImportError:
         raise TracingError(f"{ENV}={value} needs OpenTelemetry: pip install 'mmcast[tracing]'") from None
-    attributes = {"service.name": environ.get("OTEL_SERVICE_NAME") or f"mmcast-{component}",
-                  "mmcast.component": component, **{f"mmcast.{k}": v for k, v in resource.items()}}
+    attributes = {
+        "service.name": environ.get("OTEL_SERVICE_NAME") or f"mmcast-{component}",
+        "mmcast.component": component,
+        **{f"mmcast.{k}": v for k, v in resource.items()},
+    }
     provider = TracerProvider(resource=Resource.create(attributes))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -67,8 +70,10 @@ def _exporters(names: str) -> list:
             continue
         if name not in found:
             hint = " (pip install opentelemetry-exporter-otlp)" if name.startswith("otlp") else ""
-            raise TracingError(f"OTEL_TRACES_EXPORTER names {name!r}, which no installed package provides{hint}; "
-                               f"installed: {', '.join(sorted(found)) or 'none'}")
+            raise TracingError(
+                f"OTEL_TRACES_EXPORTER names {name!r}, which no installed package provides{hint}; "
+                f"installed: {', '.join(sorted(found)) or 'none'}"
+            )
         out.append(found[name].load()())
     return out
 

@@ -145,15 +145,27 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="draw among the K most likely tokens (default: "
-                   "no top-k cut)")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="draw among the K most likely tokens (default: no top-k cut)",
+    )
     p.add_argument("--seed", type=int, default=None, metavar="S")
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens regardless of EOS")
     p.add_argument("--no-upload", action="store_true", help="send image bytes inline instead of uploading by hash")
-    p.add_argument("--timeout", type=float, default=None, help="deadline of the whole request in seconds (default: "
-                   "the SDK's, 60 s per upload and 120 s to the first token)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="deadline of the whole request in seconds (default: "
+        "the SDK's, 60 s per upload and 120 s to the first token)",
+    )
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle that signed the server's certificate (TLS)")
-    p.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate, for a server requiring mutual TLS")
+    p.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="client certificate, for a server requiring mutual TLS"
+    )
     p.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
     p.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")
     p.add_argument(
@@ -195,7 +207,11 @@ def connection_options(args: argparse.Namespace) -> dict:
         token = (_read(args.token_file, "--token-file") or b"").decode().strip()
         if not token:
             raise SystemExit(f"error: --token-file {args.token_file} is empty")
-    roots, key, chain = _read(args.tls_ca, "--tls-ca"), _read(args.tls_key, "--tls-key"), _read(args.tls_cert, "--tls-cert")
+    roots, key, chain = (
+        _read(args.tls_ca, "--tls-ca"),
+        _read(args.tls_key, "--tls-key"),
+        _read(args.tls_cert, "--tls-cert"),
+    )
     tls = True if args.tls or roots or chain else None
     return {"tls": tls, "root_certificates": roots, "private_key": key, "certificate_chain": chain, "token": token}
 

@@ -32,10 +32,18 @@ def _raise_terminated(signum, frame):
 # -- make-tiny-model ---------------------------------------------------------------------------------------------
 def add_make_tiny_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="output folder (created; left alone if it already holds the model)")
-    p.add_argument("--family", choices=tuple(FAMILY_VARIANTS), default=None,
-                   help="model family (default qwen2-vl; the families of common/families/)")
-    p.add_argument("--variant", choices=tuple(FAMILY_VARIANTS.values()), default=None,
-                   help="the same choice by transformers model type (qwen2_vl, qwen2_5_vl, qwen3_vl, llava)")
+    p.add_argument(
+        "--family",
+        choices=tuple(FAMILY_VARIANTS),
+        default=None,
+        help="model family (default qwen2-vl; the families of common/families/)",
+    )
+    p.add_argument(
+        "--variant",
+        choices=tuple(FAMILY_VARIANTS.values()),
+        default=None,
+        help="the same choice by transformers model type (qwen2_vl, qwen2_5_vl, qwen3_vl, llava)",
+    )
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
     p.add_argument(
         "--kv-heads",
@@ -63,8 +71,13 @@ def add_serve_local_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size = worker ranks (default 1)")
     p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="lazy", help="payload transfer (default lazy)")
     p.add_argument("--port", type=int, default=50051, metavar="P", help="scheduler gRPC port (0: a free one)")
-    p.add_argument("--http-port", type=int, default=8000, metavar="H",
-                   help="OpenAI-compatible HTTP API port (default 8000; 0: a free one)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        metavar="H",
+        help="OpenAI-compatible HTTP API port (default 8000; 0: a free one)",
+    )
     p.add_argument("--no-http", action="store_true", help="serve the gRPC API only")
     p.add_argument(
         "--metrics-port-base",

@@ -75,12 +75,23 @@ class _Names(NamedTuple):
 
 _FIELDS: dict[Disposition, _Names] = {
     Disposition.SENT: _Names("sent", "payload_bytes_sent", "items_sent", "payload_bytes_sent", None),
-    Disposition.PREFIX_COVERED: _Names("stripped", "bytes_saved_prefix_covered", "items_stripped",
-                                       "payload_bytes_saved_prefix_covered", "prefix_covered"),
-    Disposition.RANK_CACHED: _Names("rank_cached", "bytes_saved_rank_cached", "items_rank_cached",
-                                    "payload_bytes_saved_rank_cached", "rank_cached"),
-    Disposition.ENCODER_SHARED: _Names("encoder_shared", "bytes_saved_encoder_shared", "items_encoder_shared",
-                                       "payload_bytes_saved_encoder_shared", "encoder_shared"),
+    Disposition.PREFIX_COVERED: _Names(
+        "stripped",
+        "bytes_saved_prefix_covered",
+        "items_stripped",
+        "payload_bytes_saved_prefix_covered",
+        "prefix_covered",
+    ),
+    Disposition.RANK_CACHED: _Names(
+        "rank_cached", "bytes_saved_rank_cached", "items_rank_cached", "payload_bytes_saved_rank_cached", "rank_cached"
+    ),
+    Disposition.ENCODER_SHARED: _Names(
+        "encoder_shared",
+        "bytes_saved_encoder_shared",
+        "items_encoder_shared",
+        "payload_bytes_saved_encoder_shared",
+        "encoder_shared",
+    ),
     Disposition.ABANDONED: _Names("abandoned", None, "items_abandoned", None, None),
 }
 _ENCODER_FIELDS = ("encoder_runs", "encoder_output_bytes_shared")  # the same name in the tally and the Usage
@@ -158,8 +169,10 @@ class ItemAccounting:
 
     def by_disposition(self) -> list[tuple[Disposition, int, int, str | None]]:
         """(disposition, deliveries, bytes, saved-bytes reason label or None) for the metrics."""
-        return [(d, getattr(self, n.count), getattr(self, n.nbytes) if n.nbytes else 0, n.saved_reason)
-                for d, n in _FIELDS.items()]
+        return [
+            (d, getattr(self, n.count), getattr(self, n.nbytes) if n.nbytes else 0, n.saved_reason)
+            for d, n in _FIELDS.items()
+        ]
 
 
 @dataclasses.dataclass
@@ -202,8 +215,9 @@ class TransferAccounting:
     def record(self, event: Delivery | EncoderRun) -> None:
         self.opened(event.request_id).fold(event)
 
-    def record_ranks(self, request_id: RequestId, key: ItemId, disposition: Disposition, nbytes: int,
-                     but: int | None = None) -> None:
+    def record_ranks(
+        self, request_id: RequestId, key: ItemId, disposition: Disposition, nbytes: int, but: int | None = None
+    ) -> None:
         """One event per rank of the group, but the rank ``but`` (sharded: the owner) when it is given."""
         for rank in range(self.num_ranks):
             if rank != but:
@@ -246,8 +260,9 @@ class TransferAccounting:
             if not due.needed:
                 self.record_ranks(due.first, key, Disposition.PREFIX_COVERED, due.nbytes)
 
-    def take_step(self, usage_of: Callable[[RequestId], RequestUsage]) -> tuple[dict[RequestId, ItemAccounting],
-                                                                                   ItemAccounting]:
+    def take_step(
+        self, usage_of: Callable[[RequestId], RequestUsage]
+    ) -> tuple[dict[RequestId, ItemAccounting], ItemAccounting]:
         """Adds the step's tallies to each request's Usage; returns them (the plan's ``accounting``) and what ended
         requests left since the last plan (``released``: already in their Usage, only the metrics add it)."""
         for rid, acc in self.step.items():

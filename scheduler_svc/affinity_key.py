@@ -33,11 +33,14 @@ __all__ = ["AFFINITY_HEADER", "SESSION_HEADER", "client_key", "key_of"]
 
 def _checked(name: str, value: str) -> str:
     if len(value) > MAX_KEY_CHARS:
-        raise InvalidArgument(f"the {name} header has {len(value)} characters; the limit is {MAX_KEY_CHARS}",
-                              field=name)
+        raise InvalidArgument(
+            f"the {name} header has {len(value)} characters; the limit is {MAX_KEY_CHARS}", field=name
+        )
     if not _TOKEN.fullmatch(value):
-        raise InvalidArgument(f"the {name} header {value[:80]!r} may contain only visible ASCII characters "
-                              "(0x21-0x7e), no spaces", field=name)
+        raise InvalidArgument(
+            f"the {name} header {value[:80]!r} may contain only visible ASCII characters (0x21-0x7e), no spaces",
+            field=name,
+        )
     return value
 
 

@@ -68,8 +68,9 @@ class CompletionResult:
     usage: object  # the engine's RequestUsage: per-request item and byte accounting
 
 
-def summarize(handle: RequestHandle, finish: FinishEvent, processed, completion_tokens: int, ttft: float | None,
-              tenant: str) -> RequestSummary:
+def summarize(
+    handle: RequestHandle, finish: FinishEvent, processed, completion_tokens: int, ttft: float | None, tenant: str
+) -> RequestSummary:
     """What the final message and the finished-request log line report, taken once."""
     u = handle.usage
     now = time.monotonic()
@@ -97,8 +98,16 @@ class Completion:
     """An admitted request. Iterate ``chunks()`` once; leaving it early (the client went away) cancels the request
     and frees what it holds. ``result`` is set when the iteration ends normally."""
 
-    def __init__(self, engine: Engine, tokenizer, handle: RequestHandle, processed, sampling: SamplingSpec,
-                 tenant: str, affinity: str = "") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        handle: RequestHandle,
+        processed,
+        sampling: SamplingSpec,
+        tenant: str,
+        affinity: str = "",
+    ) -> None:
         self.engine = engine
         self.affinity = affinity  # the conversation key each door returns as x-mmcast-affinity (affinity_key.py)
         self.tokenizer = tokenizer
@@ -153,8 +162,9 @@ class Completion:
                 log.info("request cancelled by the client", extra={"request_id": handle.request_id})
                 finish = FinishEvent("cancelled")
             if summary is None:  # no result: the client left, or the request failed before its first token
-                summary = summarize(handle, finish or FinishEvent("cancelled"), self.processed, completion_tokens,
-                                    ttft, self.tenant)
+                summary = summarize(
+                    handle, finish or FinishEvent("cancelled"), self.processed, completion_tokens, ttft, self.tenant
+                )
             summary.log(log)
 
     def cancel(self) -> None:
@@ -193,12 +203,19 @@ class Completions:
         context = self.engine.max_model_len
         with tracing.span("mmcast.frontend", request_id=request_id) as current:  # decode, preprocess, tokenize
             if req.prompt is not None:
-                process = functools.partial(self.frontend.process_text, req.prompt, reserve_tokens=reserve,
-                                            context=context)
+                process = functools.partial(
+                    self.frontend.process_text, req.prompt, reserve_tokens=reserve, context=context
+                )
             else:
-                process = functools.partial(self.frontend.process, req.turns,
-                                            add_generation_prompt=req.add_generation_prompt, tenant=req.tenant,
-                                            reserve_tokens=reserve, context=context)
+                process = functools.partial(
+                    self.frontend.process,
+                    req.turns,
+                    add_generation_prompt=req.add_generation_prompt,
+                    tenant=req.tenant,
+                    reserve_tokens=reserve,
+                    context=context,
+                )
+
             # The conversation key hashes the first message's inline images: off the loop, beside the frontend.
             def work():
                 return process(), req.affinity or affinity_key.key_of(req.turns, req.prompt)
@@ -207,8 +224,9 @@ class Completions:
             tracing.set_attributes(current, prompt_tokens=len(processed.token_ids), images=len(processed.mm_features))
         prompt_tokens = len(processed.token_ids)
         if req.default_max_tokens:
-            sampling = dataclasses.replace(sampling, max_tokens=max(1, min(self.config.max_tokens_limit,
-                                                                           context - prompt_tokens)))
+            sampling = dataclasses.replace(
+                sampling, max_tokens=max(1, min(self.config.max_tokens_limit, context - prompt_tokens))
+            )
         if prompt_tokens + sampling.max_tokens > context:
             raise InvalidArgument(
                 f"prompt has {prompt_tokens} tokens and {MAX_TOKENS_FIELD}={sampling.max_tokens}: together "

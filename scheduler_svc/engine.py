@@ -68,8 +68,9 @@ def _step_span(plan):
     """The span of one step (broadcast, every rank's answer); the ranks' spans of it carry the same ids."""
     if not tracing.enabled():
         return tracing.span("mmcast.step")
-    return tracing.span("mmcast.step", request_ids=[str(r) for r in plan.num_scheduled_tokens],
-                        **_plan_attributes(plan))
+    return tracing.span(
+        "mmcast.step", request_ids=[str(r) for r in plan.num_scheduled_tokens], **_plan_attributes(plan)
+    )
 
 
 class Engine:
@@ -147,8 +148,11 @@ class Engine:
                     retry_after=self.reconnect_wait(),
                 )
         if request.request_id in self.handles:
-            raise MmcastError(f"request_id {request.request_id!r} is already in flight", Status.ALREADY_EXISTS,
-                              resource=Resource(REQUEST_RESOURCE, request.request_id))
+            raise MmcastError(
+                f"request_id {request.request_id!r} is already in flight",
+                Status.ALREADY_EXISTS,
+                resource=Resource(REQUEST_RESOURCE, request.request_id),
+            )
         self.core.add_request(request)
         handle = RequestHandle(request.request_id, time.monotonic() if received_at is None else received_at)
         self.handles[request.request_id] = handle
@@ -222,7 +226,9 @@ class Engine:
                 self._wake.clear()
                 woke = asyncio.ensure_future(self._wake.wait())
                 failed = asyncio.ensure_future(self.group.any_failed.wait())
-                done, _ = await asyncio.wait({woke, failed}, timeout=self.keepalive_seconds, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {woke, failed}, timeout=self.keepalive_seconds, return_when=asyncio.FIRST_COMPLETED
+                )
                 woke.cancel()
                 failed.cancel()
                 await asyncio.gather(woke, failed, return_exceptions=True)  # reap them: no pending tasks left
@@ -317,7 +323,8 @@ class Engine:
             return
         err = Unavailable(
             f"worker group down for {down_for:.1f}s, past --group-deadline-seconds={self.group_deadline_seconds:g} "
-            f"({self.last_down_reason})", retry_after=self.reconnect_wait(),
+            f"({self.last_down_reason})",
+            retry_after=self.reconnect_wait(),
         )
         for request_id, handle in list(self.handles.items()):
             self.core.finish_request(request_id, FinishReason.ERROR, error=err.message)
@@ -329,9 +336,12 @@ class Engine:
         rank0 = results[0]
         self._count_plan(plan)
         outcome = StepOutcome(
-            sampled={RequestId(s.request_id): Sample(s.token_id, s.logprob,
-                                                     [(t.token_id, t.logprob) for t in s.top_logprobs])
-                     for s in rank0.sampled},
+            sampled={
+                RequestId(s.request_id): Sample(
+                    s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top_logprobs]
+                )
+                for s in rank0.sampled
+            },
             failed={RequestId(f.request_id): f.message for f in rank0.failures},
             # Items an owner rank could not decode (encoded payloads): every rank skipped the windows reaching them.
             item_failures={ItemId(f.item_identifier): f.message for r in results for f in r.item_failures},

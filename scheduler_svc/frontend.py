@@ -128,8 +128,9 @@ class _Pending:
 
 
 class Frontend:
-    def __init__(self, model_dir: str | Path, config: SchedulerConfig, *, upload_store: UploadStore | None = None,
-                 metrics=None):
+    def __init__(
+        self, model_dir: str | Path, config: SchedulerConfig, *, upload_store: UploadStore | None = None, metrics=None
+    ):
         from transformers import AutoConfig
 
         from common.processor import load_processor
@@ -154,13 +155,16 @@ class Frontend:
         self.eos_token_ids = self._eos_token_ids()
         self.max_prompt_bytes = config.max_prompt_bytes or (self.max_model_len * PROMPT_BYTES_PER_TOKEN or 2**31 - 1)
         self.uploads = upload_store or UploadStore(
-            config.upload_store_bytes, config.max_upload_bytes, pending_total=config.max_pending_upload_bytes,
+            config.upload_store_bytes,
+            config.max_upload_bytes,
+            pending_total=config.max_pending_upload_bytes,
             pending_per_tenant=config.max_pending_upload_bytes_per_tenant,
         )
         self.cache = ByteLRU(config.processor_cache_bytes)
         self.family = family_of(model_config)  # its header rule (common/families/)
-        self.images = ImageInput(self.image_processor, config.image_formats, config.max_image_pixels, self.family,
-                                 processor=self.processor)
+        self.images = ImageInput(
+            self.image_processor, config.image_formats, config.max_image_pixels, self.family, processor=self.processor
+        )
         self.headers = self.images.headers
         self.encoded = config.payload_encoding == "encoded"  # header-only: the ranks decode (common/image_input.py)
         self._decode_slots = threading.BoundedSemaphore(config.max_concurrent_decodes)
@@ -195,7 +199,8 @@ class Frontend:
             raise InvalidArgument(
                 f"{field}: the {header.width}x{header.height} image takes {header.tokens} prompt tokens; the context "
                 f"holds {self.max_model_len} (--max-model-len / the model's max_position_embeddings); send a smaller "
-                "image", field=field,
+                "image",
+                field=field,
             )
         return image, header
 
@@ -221,8 +226,10 @@ class Frontend:
         num_tokens = self.images.tokens(grid, pending.header)
         if num_tokens != pending.tokens:  # one resize rule, two uses: they cannot disagree unless the processor does
             shown = "(none)" if grid is None else grid.tolist()
-            raise InvalidArgument(f"{pending.field}: the image's grid {shown} gives {num_tokens} tokens, its "
-                                  f"header {pending.tokens}", field=pending.field)
+            raise InvalidArgument(
+                f"{pending.field}: the image's grid {shown} gives {num_tokens} tokens, its header {pending.tokens}",
+                field=pending.field,
+            )
         pending.image = None
         payload = torch.frombuffer(bytearray(pending.data), dtype=torch.uint8)
         identifier = item_identifier(pending.data, self.processor_settings, scope=tenant)
@@ -236,7 +243,8 @@ class Frontend:
             if len(data) > self.config.max_upload_bytes:
                 raise ResourceExhausted(
                     f"{field}: image has {len(data)} bytes; the limit is {self.config.max_upload_bytes} "
-                    "(--max-upload-bytes)", field=field,  # a limit of the field: no retry hint
+                    "(--max-upload-bytes)",
+                    field=field,  # a limit of the field: no retry hint
                 )
             sha = hashlib.sha256(data).hexdigest()
         elif not sha:
@@ -295,8 +303,15 @@ class Frontend:
             self.metrics.frontend_counter(name).inc(amount)
 
     # --- prompts ---------------------------------------------------------------------------------------------
-    def process(self, turns, *, add_generation_prompt: bool = True, tenant: str = "", reserve_tokens: int = 1,
-                context: int | None = None) -> ProcessedPrompt:
+    def process(
+        self,
+        turns,
+        *,
+        add_generation_prompt: bool = True,
+        tenant: str = "",
+        reserve_tokens: int = 1,
+        context: int | None = None,
+    ) -> ProcessedPrompt:
         """Chat turns -> token ids with expanded image placeholders and one item per image.
 
         ``tenant`` scopes uploads, processor-cache entries and item identifiers ("" when authentication is off).
@@ -326,11 +341,19 @@ class Frontend:
         if self.max_model_len and len(token_ids) >= self.max_model_len:
             raise InvalidArgument(
                 f"the prompt has {len(token_ids)} tokens; the context holds {self.max_model_len} including at least "
-                "one generated token (--max-model-len / the model's max_position_embeddings)", field="messages",
+                "one generated token (--max-model-len / the model's max_position_embeddings)",
+                field="messages",
             )
-        return ProcessedPrompt(token_ids, features, len(features), [p.key[1] for p in pending], hits,
-                               [] if self.encoded else list(decoded.items()), image_cpu_seconds,
-                               [p.field for p in pending])
+        return ProcessedPrompt(
+            token_ids,
+            features,
+            len(features),
+            [p.key[1] for p in pending],
+            hits,
+            [] if self.encoded else list(decoded.items()),
+            image_cpu_seconds,
+            [p.field for p in pending],
+        )
 
     def process_text(self, prompt: str, *, reserve_tokens: int = 1, context: int | None = None) -> ProcessedPrompt:
         """A plain text prompt (the OpenAI completions API) -> its token ids, tokenized as is: no chat template, no
@@ -340,14 +363,18 @@ class Frontend:
         if size > self.max_prompt_bytes:
             raise InvalidArgument(
                 f"prompt has {size} bytes; the limit is {self.max_prompt_bytes} (--max-prompt-bytes; default the "
-                f"context {self.max_model_len} tokens x {PROMPT_BYTES_PER_TOKEN} bytes)", field="prompt",
+                f"context {self.max_model_len} tokens x {PROMPT_BYTES_PER_TOKEN} bytes)",
+                field="prompt",
             )
         if not prompt.strip():
             raise InvalidArgument("prompt is empty", field="prompt")
         for token in self._placeholder_tokens:
             if token in prompt:
-                raise InvalidArgument(f"prompt contains the placeholder token {token!r}; send images to the chat "
-                                      "completions API as image_url parts", field="prompt")
+                raise InvalidArgument(
+                    f"prompt contains the placeholder token {token!r}; send images to the chat "
+                    "completions API as image_url parts",
+                    field="prompt",
+                )
         tokenizer = self._thread_tokenizer()
         self._count("prompts_tokenized", 1)
         self._count("tokenized_bytes", size)
@@ -377,14 +404,16 @@ class Frontend:
         has_content = False
         for i, turn in enumerate(turns):
             if turn.role not in ROLES:
-                raise InvalidArgument(f"messages[{i}].role={turn.role!r} is not one of {', '.join(ROLES)}",
-                                      field=f"messages[{i}].role")
+                raise InvalidArgument(
+                    f"messages[{i}].role={turn.role!r} is not one of {', '.join(ROLES)}", field=f"messages[{i}].role"
+                )
             content = []
             for j, part in enumerate(turn.parts):
                 if hasattr(part, "text"):
                     if not isinstance(part.text, str):
-                        raise InvalidArgument(f"messages[{i}].content[{j}].text is not a string",
-                                              field=f"messages[{i}].content[{j}].text")
+                        raise InvalidArgument(
+                            f"messages[{i}].content[{j}].text is not a string", field=f"messages[{i}].content[{j}].text"
+                        )
                     size = len(part.text.encode())
                     text_bytes += size
                     if text_bytes > self.max_prompt_bytes:
@@ -398,7 +427,8 @@ class Frontend:
                         if token in part.text:
                             raise InvalidArgument(
                                 f"messages[{i}].content[{j}].text contains the placeholder token {token!r}; "
-                                "send images as image parts", field=f"messages[{i}].content[{j}].text",
+                                "send images as image parts",
+                                field=f"messages[{i}].content[{j}].text",
                             )
                     content.append({"type": "text", "text": part.text})
                     request_bytes += size
@@ -408,7 +438,8 @@ class Frontend:
                 if len(images) >= cfg.max_images_per_request:
                     raise InvalidArgument(
                         f"{field}: more than {cfg.max_images_per_request} images in one request "
-                        "(--max-images-per-request)", field=field,
+                        "(--max-images-per-request)",
+                        field=field,
                     )
                 images.append((field, part))
                 request_bytes += len(getattr(part, "data", None) or b"")
@@ -443,12 +474,19 @@ class Frontend:
             name = ENCODED_FIELD if image.encoding is PayloadEncoding.ENCODED else "pixel_values"
             fields = {name: MultiModalFieldElem(image.payload, keep_on_cpu=False, kind=FieldKind.FLAT)}
             if self.family.grid_field is not None:  # the grid M-RoPE positions need; a fixed-size family has none
-                fields[self.family.grid_field] = MultiModalFieldElem(image.grid_thw, keep_on_cpu=True,
-                                                                     kind=FieldKind.BATCHED)
+                fields[self.family.grid_field] = MultiModalFieldElem(
+                    image.grid_thw, keep_on_cpu=True, kind=FieldKind.BATCHED
+                )
             data = MultiModalKwargsItem(fields)
-            features.append(MultiModalFeatureSpec(
-                data, Modality.IMAGE, image.identifier, PlaceholderRange(offset, image.num_tokens),
-                payload_nbytes=int(image.payload.nbytes), encoding=image.encoding,
-            ))
+            features.append(
+                MultiModalFeatureSpec(
+                    data,
+                    Modality.IMAGE,
+                    image.identifier,
+                    PlaceholderRange(offset, image.num_tokens),
+                    payload_nbytes=int(image.payload.nbytes),
+                    encoding=image.encoding,
+                )
+            )
         token_ids += template_ids[prev:]
         return token_ids, features

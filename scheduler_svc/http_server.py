@@ -79,8 +79,14 @@ class HttpServer:
     def __init__(self, app, *, host: str, port: int, https: tls.HttpsContext | None = None) -> None:
         self.host, self.port, self.https = host, port, https
         self.config = uvicorn.Config(
-            app, lifespan="off", log_config=None, access_log=False, server_header=False, proxy_headers=False,
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, timeout_keep_alive=30,
+            app,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            proxy_headers=False,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+            timeout_keep_alive=30,
         )
         self.server = _Server(self.config)
         self._task: asyncio.Task | None = None

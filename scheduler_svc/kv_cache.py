@@ -187,8 +187,11 @@ class KVCacheManager:
         for k in range(1, len(stored) + 1):
             if k == len(stored) or stored[k] != stored[k - 1] + 1:
                 first, last = stored[start], stored[k - 1]
-                self.events.stored(list(hashes[first:last + 1]), hashes[first - 1] if first else None,
-                                   list(tokens[first * bs:(last + 1) * bs]))
+                self.events.stored(
+                    list(hashes[first : last + 1]),
+                    hashes[first - 1] if first else None,
+                    list(tokens[first * bs : (last + 1) * bs]),
+                )
                 start = k
 
     def free(self, request_id: RequestId) -> None:

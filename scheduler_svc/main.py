@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     if not config.model:
         sys.exit(startup_failure(log, "no model folder: pass --model DIR (or MMCAST_MODEL)"))
     if not config.workers:
-        sys.exit(startup_failure(log, "no worker ranks: pass --workers HOST:PORT,... (or MMCAST_WORKERS), ordered by rank"))
+        sys.exit(
+            startup_failure(log, "no worker ranks: pass --workers HOST:PORT,... (or MMCAST_WORKERS), ordered by rank")
+        )
     try:  # config.json alone, before the processor loads or a rank is dialled; the ranks check the same rule
         n = len(config.workers)
         check_checkpoint(config.model, n, "--workers", given=f"--workers lists {n} rank(s)", values="--workers counts")

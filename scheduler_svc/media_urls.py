@@ -48,8 +48,9 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 
 # Named in the refusal of any other scheme, with the flag that turns each remote kind on.
-ACCEPTED_SCHEMES = ("data:image/<type>;base64,... , http(s):// (--allowed-media-domains), file:// "
-                    "(--allowed-local-media-path)")
+ACCEPTED_SCHEMES = (
+    "data:image/<type>;base64,... , http(s):// (--allowed-media-domains), file:// (--allowed-local-media-path)"
+)
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 # Above this many characters load() decodes a data: URL in a thread: b64decode runs at about 1 GB/s, so a URL up
 # to 1 MiB holds the event loop for about a millisecond and a 32 MiB one would hold it for tens.
@@ -77,8 +78,10 @@ def normalize_domain(entry: str) -> str:
         raise ValueError(f"{entry!r} is not ASCII: write an internationalized name in its xn-- (IDNA) form")
     labels = name.split(".")
     if not all(_LABEL.match(label) for label in labels) or (text.startswith("*.") and len(labels) < 2):
-        raise ValueError(f"{entry!r} is not a host name, an IP address or '*.' and a domain of two labels or more "
-                         "(such as media.example.com or *.example.com)")
+        raise ValueError(
+            f"{entry!r} is not a host name, an IP address or '*.' and a domain of two labels or more "
+            "(such as media.example.com or *.example.com)"
+        )
     return text
 
 
@@ -178,7 +181,9 @@ def _address(text: str) -> IPAddress:
 class MediaPolicy:
     """What image URLs may reach, from the scheduler's settings. The defaults allow data: URLs only."""
 
-    allowed_domains: tuple[str, ...] = ()  # normalized hosts / IP literals / "*.suffix" whose http(s) URLs may be fetched; () = none
+    allowed_domains: tuple[
+        str, ...
+    ] = ()  # normalized hosts / IP literals / "*.suffix" whose http(s) URLs may be fetched; () = none
     local_root: str = ""  # realpath of the directory file:// URLs may read; "" = file URLs refused
     allowed_networks: tuple[IPNetwork, ...] = ()  # non-public networks fetches may still connect to
     max_bytes: int = 32 << 20  # bytes of one image, decoded or fetched or read (--max-upload-bytes)
@@ -206,8 +211,9 @@ class MediaLoader:
     """Turns image URLs into encoded image bytes under a ``MediaPolicy``. One per server; safe to share between
     concurrent requests (each fetch has its own connections)."""
 
-    def __init__(self, policy: MediaPolicy, *, resolver: Resolver = resolve_host,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, policy: MediaPolicy, *, resolver: Resolver = resolve_host, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.policy = policy
         self._resolve = resolver  # the one name lookup of a fetch; its answer is checked, then connected to
         # Built on the first https fetch and kept (loading the CA bundle takes ~20 ms); tests pass their own CA's.
@@ -224,32 +230,44 @@ class MediaLoader:
         # Nothing of the data is copied before its size is checked: a refused URL costs a scan of its header only.
         comma = url.find(",", 5, 5 + _MAX_DATA_HEADER)
         if comma < 0:
-            raise InvalidArgument(f"{field}: {_shown(url)} has no ',' before its data (data:image/png;base64,...)",
-                                  field=field)
+            raise InvalidArgument(
+                f"{field}: {_shown(url)} has no ',' before its data (data:image/png;base64,...)", field=field
+            )
         params = [p.strip().lower() for p in url[5:comma].split(";")]
         mime = params[0]
         if len(params) < 2 or params[-1] != "base64":
-            raise InvalidArgument(f"{field}: {_shown(url)} is not base64-encoded: an image data: URL is "
-                                  "data:image/<type>;base64,<data>", field=field)
-        subtype = mime[len("image/"):] if mime.startswith("image/") else ""
+            raise InvalidArgument(
+                f"{field}: {_shown(url)} is not base64-encoded: an image data: URL is data:image/<type>;base64,<data>",
+                field=field,
+            )
+        subtype = mime[len("image/") :] if mime.startswith("image/") else ""
         if not subtype or not re.fullmatch(r"[a-z0-9][a-z0-9!#$&^_.+-]*", subtype):
-            raise InvalidArgument(f"{field}: media type {mime or '(none)'!r} is not an image; accepted: image/* "
-                                  "(image/png, image/jpeg, image/webp, ...; the format itself is checked against "
-                                  "--image-formats)", field=field)
+            raise InvalidArgument(
+                f"{field}: media type {mime or '(none)'!r} is not an image; accepted: image/* "
+                "(image/png, image/jpeg, image/webp, ...; the format itself is checked against "
+                "--image-formats)",
+                field=field,
+            )
         chars = len(url) - comma - 1
         padding = min(chars, 2 if url.endswith("==") else 1 if url.endswith("=") else 0)
         size = chars * 3 // 4 - padding  # exact for valid base64, which is a multiple of 4 characters
         if size > self.policy.max_bytes:
-            raise ResourceExhausted(f"{field}: the data: URL decodes to {size} bytes; the limit is "
-                                    f"{self.policy.max_bytes} (--max-upload-bytes)", field=field)
+            raise ResourceExhausted(
+                f"{field}: the data: URL decodes to {size} bytes; the limit is "
+                f"{self.policy.max_bytes} (--max-upload-bytes)",
+                field=field,
+            )
         if not chars:
             raise InvalidArgument(f"{field}: the data: URL is empty (no bytes after the ',')", field=field)
         try:
-            data = base64.b64decode(url[comma + 1:], validate=True)
+            data = base64.b64decode(url[comma + 1 :], validate=True)
         except ValueError:  # binascii.Error, and non-ASCII text
-            raise InvalidArgument(f"{field}: the data: URL's data is not valid base64 (standard alphabet A-Z a-z "
-                                  "0-9 + /, '=' padding to a multiple of 4 characters, no whitespace or line "
-                                  "breaks)", field=field) from None
+            raise InvalidArgument(
+                f"{field}: the data: URL's data is not valid base64 (standard alphabet A-Z a-z "
+                "0-9 + /, '=' padding to a multiple of 4 characters, no whitespace or line "
+                "breaks)",
+                field=field,
+            ) from None
         if not data:
             raise InvalidArgument(f"{field}: the data: URL is empty", field=field)
         return data
@@ -267,25 +285,32 @@ class MediaLoader:
             return await self._fetch(url, field)
         if scheme == "file":
             return await asyncio.to_thread(self._read_file, url, field)
-        raise InvalidArgument(f"{field}: {_shown(url)} is not a URL of an accepted scheme; accepted: "
-                              f"{ACCEPTED_SCHEMES}", field=field)
+        raise InvalidArgument(
+            f"{field}: {_shown(url)} is not a URL of an accepted scheme; accepted: {ACCEPTED_SCHEMES}", field=field
+        )
 
     # --- file:// --------------------------------------------------------------------------------------------------
     def _read_file(self, url: str, field: str) -> bytes:
         root = self.policy.local_root
         if not root:
-            raise InvalidArgument(f"{field}: file URLs are off on this server ({_shown(url)}); the operator turns "
-                                  "them on for one directory with --allowed-local-media-path", field=field)
+            raise InvalidArgument(
+                f"{field}: file URLs are off on this server ({_shown(url)}); the operator turns "
+                "them on for one directory with --allowed-local-media-path",
+                field=field,
+            )
         parts = urlsplit(url)
         path = unquote(parts.path)
         if parts.netloc not in ("", "localhost") or not path.startswith("/") or "\0" in path:
-            raise InvalidArgument(f"{field}: {_shown(url)} is not a local absolute file URL (file:///dir/name.png)",
-                                  field=field)
+            raise InvalidArgument(
+                f"{field}: {_shown(url)} is not a local absolute file URL (file:///dir/name.png)", field=field
+            )
         # Symlinks and '..' are resolved first, so only where the path really leads counts.
         real = os.path.realpath(path)
         if os.path.commonpath([real, root]) != root:
-            raise InvalidArgument(f"{field}: {_shown(url)} is outside the directory file URLs may read "
-                                  "(--allowed-local-media-path)", field=field)
+            raise InvalidArgument(
+                f"{field}: {_shown(url)} is outside the directory file URLs may read (--allowed-local-media-path)",
+                field=field,
+            )
         try:
             # O_NOFOLLOW: the resolved path swapped for a symlink since is refused; O_NONBLOCK: a FIFO does not
             # block the open (it is then refused as not a regular file).
@@ -298,8 +323,10 @@ class MediaLoader:
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidArgument(f"{field}: {_shown(url)} is not a regular file", field=field)
             if info.st_size > limit:
-                raise ResourceExhausted(f"{field}: {_shown(url)} has {info.st_size} bytes; the limit is {limit} "
-                                        "(--max-upload-bytes)", field=field)
+                raise ResourceExhausted(
+                    f"{field}: {_shown(url)} has {info.st_size} bytes; the limit is {limit} (--max-upload-bytes)",
+                    field=field,
+                )
             chunks, size = [], 0
             while size <= limit:  # bounded even if the file grew since the fstat
                 chunk = os.read(fd, min(_READ_CHUNK, limit + 1 - size))
@@ -311,8 +338,9 @@ class MediaLoader:
             os.close(fd)
         data = b"".join(chunks)
         if len(data) > limit:
-            raise ResourceExhausted(f"{field}: {_shown(url)} has more than {limit} bytes (--max-upload-bytes)",
-                                    field=field)
+            raise ResourceExhausted(
+                f"{field}: {_shown(url)} has more than {limit} bytes (--max-upload-bytes)", field=field
+            )
         if not data:
             raise InvalidArgument(f"{field}: {_shown(url)} is empty", field=field)
         return data
@@ -321,16 +349,21 @@ class MediaLoader:
     async def _fetch(self, url: str, field: str) -> bytes:
         policy = self.policy
         if not policy.allowed_domains:
-            raise InvalidArgument(f"{field}: remote image URLs are off on this server ({_shown(url)}); send the image "
-                                  "as a data: URL, or the operator allows hosts with --allowed-media-domains",
-                                  field=field)
+            raise InvalidArgument(
+                f"{field}: remote image URLs are off on this server ({_shown(url)}); send the image "
+                "as a data: URL, or the operator allows hosts with --allowed-media-domains",
+                field=field,
+            )
         hops = [url]  # the URL of each hop, the last one being fetched
         try:
             async with asyncio.timeout(policy.timeout_seconds):
                 return await self._follow(hops, field)
         except (TimeoutError, httpx.TimeoutException):
-            raise InvalidArgument(f"{field}: fetching {_shown(hops[-1])} took more than {policy.timeout_seconds} s "
-                                  "(--media-fetch-timeout-seconds)", field=field) from None
+            raise InvalidArgument(
+                f"{field}: fetching {_shown(hops[-1])} took more than {policy.timeout_seconds} s "
+                "(--media-fetch-timeout-seconds)",
+                field=field,
+            ) from None
 
     def _checked_url(self, url: str, field: str, hop: int) -> httpx.URL:
         """The hop's URL, parsed, when its scheme and host may be fetched."""
@@ -367,7 +400,9 @@ class MediaLoader:
                 shown = host if text == host else f"{host} resolves to {text}, which"
                 raise InvalidArgument(
                     f"{field}: {shown} is a {reason} address; image URLs are fetched from public addresses only "
-                    "(--allowed-media-networks names networks allowed besides)", field=field)
+                    "(--allowed-media-networks names networks allowed besides)",
+                    field=field,
+                )
         return addresses
 
     async def _follow(self, hops: list[str], field: str) -> bytes:
@@ -380,8 +415,11 @@ class MediaLoader:
             if isinstance(answer, bytes):
                 return answer
             hops.append(answer.location)
-        raise InvalidArgument(f"{field}: {_shown(hops[0])} redirects more than {self.policy.max_redirects} times "
-                              "(--media-fetch-max-redirects)", field=field)
+        raise InvalidArgument(
+            f"{field}: {_shown(hops[0])} redirects more than {self.policy.max_redirects} times "
+            "(--media-fetch-max-redirects)",
+            field=field,
+        )
 
     async def _get(self, target: httpx.URL, host: str, addresses: list[str], field: str) -> bytes | _Redirect:
         """One GET of ``target`` at the first of ``addresses`` that accepts a connection."""
@@ -399,9 +437,14 @@ class MediaLoader:
                 if target.scheme == "https":
                     extensions["sni_hostname"] = host
                 request = httpx.Request(
-                    "GET", target.copy_with(host=str(_address(address)), fragment=None),
-                    headers={"Host": target.netloc.decode("ascii"), "Accept": "image/*",
-                             "Accept-Encoding": "identity", "User-Agent": "mmcast-media-fetch"},
+                    "GET",
+                    target.copy_with(host=str(_address(address)), fragment=None),
+                    headers={
+                        "Host": target.netloc.decode("ascii"),
+                        "Accept": "image/*",
+                        "Accept-Encoding": "identity",
+                        "User-Agent": "mmcast-media-fetch",
+                    },
                     extensions=extensions,
                 )
                 try:
@@ -412,15 +455,17 @@ class MediaLoader:
                     error = exc
                     continue
                 except httpx.HTTPError as exc:
-                    raise InvalidArgument(f"{field}: fetching from {host} failed: {type(exc).__name__}: {exc}",
-                                          field=field) from None
+                    raise InvalidArgument(
+                        f"{field}: fetching from {host} failed: {type(exc).__name__}: {exc}", field=field
+                    ) from None
                 try:
                     return await self._answer(response, target, host, field)
                 except httpx.TimeoutException:
                     raise
                 except httpx.HTTPError as exc:
-                    raise InvalidArgument(f"{field}: reading from {host} failed: {type(exc).__name__}: {exc}",
-                                          field=field) from None
+                    raise InvalidArgument(
+                        f"{field}: reading from {host} failed: {type(exc).__name__}: {exc}", field=field
+                    ) from None
                 finally:
                     await response.aclose()
             raise InvalidArgument(f"{field}: cannot connect to {host} ({', '.join(addresses)}): {error}", field=field)
@@ -435,25 +480,34 @@ class MediaLoader:
             try:
                 return _Redirect(str(target.join(location)))  # relative to the name, not to the pinned address
             except (httpx.InvalidURL, ValueError):
-                raise InvalidArgument(f"{field}: {host} redirects to {_shown(location)}, not a valid URL",
-                                      field=field) from None
+                raise InvalidArgument(
+                    f"{field}: {host} redirects to {_shown(location)}, not a valid URL", field=field
+                ) from None
         if not 200 <= status < 300:
-            raise InvalidArgument(f"{field}: {host} answered HTTP {status} {response.reason_phrase} for "
-                                  f"{_shown(str(target))}", field=field)
+            raise InvalidArgument(
+                f"{field}: {host} answered HTTP {status} {response.reason_phrase} for {_shown(str(target))}",
+                field=field,
+            )
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):  # a compressed body could expand past any chunk bound when decoded
-            raise InvalidArgument(f"{field}: {host} sent the image with Content-Encoding {encoding!r}; only "
-                                  "identity is accepted", field=field)
+            raise InvalidArgument(
+                f"{field}: {host} sent the image with Content-Encoding {encoding!r}; only identity is accepted",
+                field=field,
+            )
         declared = response.headers.get("content-length", "")
         if declared.strip().isdigit() and int(declared) > limit:
-            raise ResourceExhausted(f"{field}: {host} announces {int(declared)} bytes (Content-Length); the limit is "
-                                    f"{limit} (--max-upload-bytes)", field=field)
+            raise ResourceExhausted(
+                f"{field}: {host} announces {int(declared)} bytes (Content-Length); the limit is "
+                f"{limit} (--max-upload-bytes)",
+                field=field,
+            )
         body = bytearray()
         async for chunk in response.aiter_raw():
             body += chunk
             if len(body) > limit:
-                raise ResourceExhausted(f"{field}: the image from {host} exceeds {limit} bytes (--max-upload-bytes)",
-                                        field=field)
+                raise ResourceExhausted(
+                    f"{field}: the image from {host} exceeds {limit} bytes (--max-upload-bytes)", field=field
+                )
         if not body:
             raise InvalidArgument(f"{field}: {host} answered HTTP {status} with an empty body", field=field)
         return bytes(body)

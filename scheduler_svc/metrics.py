@@ -66,8 +66,7 @@ class SchedulerMetrics:
         )
         self.inter_token_seconds = Histogram(
             "mmcast_inter_token_latency_seconds",
-            "Time between two consecutive tokens of one request, on the server (one sample per token after the "
-            "first).",
+            "Time between two consecutive tokens of one request, on the server (one sample per token after the first).",
             buckets=_ITL_BUCKETS,
             registry=r,
         )
@@ -84,30 +83,55 @@ class SchedulerMetrics:
             registry=r,
         )
         self.step_seconds = Histogram(
-            "mmcast_step_seconds", "Wall time of one step: schedule, broadcast, all ranks' answers.", buckets=_STEP_BUCKETS, registry=r
+            "mmcast_step_seconds",
+            "Wall time of one step: schedule, broadcast, all ranks' answers.",
+            buckets=_STEP_BUCKETS,
+            registry=r,
         )
         self.schedule_seconds = Histogram(
-            "mmcast_schedule_seconds", "Time the scheduler core spends building one step.", buckets=_STEP_BUCKETS, registry=r
+            "mmcast_schedule_seconds",
+            "Time the scheduler core spends building one step.",
+            buckets=_STEP_BUCKETS,
+            registry=r,
         )
         self.requests_running = Gauge("mmcast_requests_running", "Requests holding KV blocks.", registry=r)
         self.requests_waiting = Gauge("mmcast_requests_waiting", "Requests queued for admission.", registry=r)
         self.kv_blocks_used = Gauge("mmcast_kv_blocks_used", "KV blocks referenced by running requests.", registry=r)
-        self.kv_blocks_total = Gauge("mmcast_kv_blocks_capacity", "KV blocks in the group's pool (the prefix-cache size).", registry=r)
-        self.kv_events = Counter("mmcast_kv_events_total", "Prefix-cache events published (--kv-events-endpoint), "
-                                 "by vLLM event type.", ["type"], registry=r)
-        self.kv_events_dropped = Counter("mmcast_kv_events_dropped_total", "Prefix-cache events dropped because "
-                                         "the publisher's queue was full (--kv-events-queue).", registry=r)
-        self.kv_event_bytes = Counter("mmcast_kv_event_bytes_total", "msgpack payload bytes of the published "
-                                      "prefix-cache event batches.", registry=r)
+        self.kv_blocks_total = Gauge(
+            "mmcast_kv_blocks_capacity", "KV blocks in the group's pool (the prefix-cache size).", registry=r
+        )
+        self.kv_events = Counter(
+            "mmcast_kv_events_total",
+            "Prefix-cache events published (--kv-events-endpoint), by vLLM event type.",
+            ["type"],
+            registry=r,
+        )
+        self.kv_events_dropped = Counter(
+            "mmcast_kv_events_dropped_total",
+            "Prefix-cache events dropped because the publisher's queue was full (--kv-events-queue).",
+            registry=r,
+        )
+        self.kv_event_bytes = Counter(
+            "mmcast_kv_event_bytes_total",
+            "msgpack payload bytes of the published prefix-cache event batches.",
+            registry=r,
+        )
         # What the Gateway API Inference Extension's endpoint picker reads beside the queue, running and KV gauges
         # (its model-server protocol; vLLM's vllm:cache_config_info and vllm:lora_requests_info): 1-valued infos.
-        self.cache_config_info = Gauge("mmcast_cache_config_info", "The KV pool's geometry, in the labels (value 1): "
-                                       "block_size in tokens, num_gpu_blocks the blocks of the pool.",
-                                       ["block_size", "num_gpu_blocks"], registry=r)
+        self.cache_config_info = Gauge(
+            "mmcast_cache_config_info",
+            "The KV pool's geometry, in the labels (value 1): "
+            "block_size in tokens, num_gpu_blocks the blocks of the pool.",
+            ["block_size", "num_gpu_blocks"],
+            registry=r,
+        )
         self._cache_config: tuple[int, int] | None = None
-        self.lora_info = Gauge("mmcast_lora_requests_info", "LoRA adapters, in the labels (value 1): mmcast serves none "
-                               "(max_lora 0, no running or waiting adapters).",
-                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.lora_info = Gauge(
+            "mmcast_lora_requests_info",
+            "LoRA adapters, in the labels (value 1): mmcast serves none (max_lora 0, no running or waiting adapters).",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
         self.lora_info.labels("0", "", "").set(1)
         self.kv_usage = Gauge(
             "mmcast_kv_cache_usage_ratio",
@@ -125,14 +149,20 @@ class SchedulerMetrics:
         )
         # The frontend's work, counted where it is done: a refused request must add nothing to these.
         self.frontend = {
-            "images_decoded": Counter("mmcast_frontend_images_decoded_total",
-                                      "Images decoded and preprocessed (processor-cache misses).", registry=r),
-            "decoded_pixels": Counter("mmcast_frontend_decoded_pixels_total",
-                                      "Pixels (width x height) of the images decoded.", registry=r),
-            "prompts_tokenized": Counter("mmcast_frontend_prompts_tokenized_total", "Prompts tokenized.",
-                                         registry=r),
-            "tokenized_bytes": Counter("mmcast_frontend_tokenized_bytes_total",
-                                       "UTF-8 bytes of the rendered chat templates tokenized.", registry=r),
+            "images_decoded": Counter(
+                "mmcast_frontend_images_decoded_total",
+                "Images decoded and preprocessed (processor-cache misses).",
+                registry=r,
+            ),
+            "decoded_pixels": Counter(
+                "mmcast_frontend_decoded_pixels_total", "Pixels (width x height) of the images decoded.", registry=r
+            ),
+            "prompts_tokenized": Counter("mmcast_frontend_prompts_tokenized_total", "Prompts tokenized.", registry=r),
+            "tokenized_bytes": Counter(
+                "mmcast_frontend_tokenized_bytes_total",
+                "UTF-8 bytes of the rendered chat templates tokenized.",
+                registry=r,
+            ),
         }
         self.frontend_image_cpu_seconds = Histogram(
             "mmcast_frontend_image_cpu_seconds",
@@ -141,7 +171,8 @@ class SchedulerMetrics:
             registry=r,
         )
         self.encoder_items = Counter(
-            "mmcast_encoder_items_total", "Items scheduled for the vision encoder (each once, whatever the placement).",
+            "mmcast_encoder_items_total",
+            "Items scheduled for the vision encoder (each once, whatever the placement).",
             registry=r,
         )
         self.encoder_runs = Counter(
@@ -159,7 +190,9 @@ class SchedulerMetrics:
         self.preemptions = Counter("mmcast_preemptions_total", "Requests preempted for lack of KV blocks.", registry=r)
         self.group_up = Gauge("mmcast_worker_group_up", "1 when every rank has completed its handshake.", registry=r)
         self.group_recoveries = Counter(
-            "mmcast_worker_group_recoveries_total", "Times the worker group was lost and its requests requeued.", registry=r
+            "mmcast_worker_group_recoveries_total",
+            "Times the worker group was lost and its requests requeued.",
+            registry=r,
         )
         self.poison_requests = Counter(
             "mmcast_poison_requests_total",
@@ -173,16 +206,19 @@ class SchedulerMetrics:
         self.generation_tokens = Counter("mmcast_generation_tokens_total", "Tokens generated.", registry=r)
         # The OpenAI-compatible HTTP API (openai_api.py); ``route`` is one of HTTP_ROUTES or "other".
         self.http_requests = Counter(
-            "mmcast_http_requests_total", "HTTP API requests answered, by route, method and status code.",
-            ["route", "method", "status"], registry=r,
+            "mmcast_http_requests_total",
+            "HTTP API requests answered, by route, method and status code.",
+            ["route", "method", "status"],
+            registry=r,
         )
         self.http_seconds = Histogram(
             "mmcast_http_request_duration_seconds",
             "HTTP API request received to its response complete (a stream: to its last event), by route and method.",
-            ["route", "method"], buckets=_REQUEST_BUCKETS, registry=r,
+            ["route", "method"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
         )
-        self.http_in_flight = Gauge("mmcast_http_requests_in_flight", "HTTP API requests being answered.",
-                                    registry=r)
+        self.http_in_flight = Gauge("mmcast_http_requests_in_flight", "HTTP API requests being answered.", registry=r)
         self._init_labels()
 
     def set_cache_config(self, block_size: int, num_blocks: int) -> None:

@@ -42,14 +42,32 @@ _UUID = re.compile(r"sha256:([0-9a-f]{64})")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _FINISH = {"stop": "stop", "length": "length"}
 # Parameters of OpenAI's API that mmcast does not implement: accepted at their neutral value only.
-_NEUTRAL = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
-            "logit_bias": (None, {}), "best_of": (None, 1), "min_tokens": (None, 0), "tools": (None, []),
-            "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False), "echo": (None, False),
-            "suffix": (None, "")}
-_SCHEMA_FIELDS = {name for model in (openai_schema.ChatCompletionRequest, openai_schema.CompletionRequest,
-                                     openai_schema.ChatMessage, openai_schema.ImageContentPart,
-                                     openai_schema.TextContentPart, openai_schema.ImageURL, openai_schema.StreamOptions)
-                  for name in model.model_fields}
+_NEUTRAL = {
+    "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0),
+    "repetition_penalty": (None, 1.0),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "min_tokens": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+_SCHEMA_FIELDS = {
+    name
+    for model in (
+        openai_schema.ChatCompletionRequest,
+        openai_schema.CompletionRequest,
+        openai_schema.ChatMessage,
+        openai_schema.ImageContentPart,
+        openai_schema.TextContentPart,
+        openai_schema.ImageURL,
+        openai_schema.StreamOptions,
+    )
+    for name in model.model_fields
+}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -90,12 +108,20 @@ def _check_neutral(body: BaseModel) -> None:
     for name, neutral in _NEUTRAL.items():
         value = getattr(body, name, None)
         if value not in neutral:
-            raise HttpError(400, f"{name}={str(value)[:80]} is not supported by this server; leave it unset",
-                            param=name, code="unsupported")
+            raise HttpError(
+                400,
+                f"{name}={str(value)[:80]} is not supported by this server; leave it unset",
+                param=name,
+                code="unsupported",
+            )
     fmt = getattr(body, "response_format", None)
     if fmt and fmt.get("type", "text") != "text":
-        raise HttpError(400, f"response_format type {str(fmt.get('type'))[:40]!r} is not supported; only 'text'",
-                        param="response_format", code="unsupported")
+        raise HttpError(
+            400,
+            f"response_format type {str(fmt.get('type'))[:40]!r} is not supported; only 'text'",
+            param="response_format",
+            code="unsupported",
+        )
 
 
 @dataclasses.dataclass
@@ -120,8 +146,9 @@ class _Call:
 class OpenAIApi:
     """The routes. ``tokens`` (common.auth.TokenTable or None) and tenants are exactly the gRPC API's."""
 
-    def __init__(self, *, completions: Completions, uploads, media, model_name: str, tokens=None,
-                 max_body_bytes: int) -> None:
+    def __init__(
+        self, *, completions: Completions, uploads, media, model_name: str, tokens=None, max_body_bytes: int
+    ) -> None:
         self.completions = completions
         self.frontend = completions.frontend
         self.config = completions.config
@@ -140,8 +167,11 @@ class OpenAIApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
-        app = Starlette(routes=routes, middleware=middleware or [],
-                        exception_handlers={404: self._not_found, 405: self._method_not_allowed})
+        app = Starlette(
+            routes=routes,
+            middleware=middleware or [],
+            exception_handlers={404: self._not_found, 405: self._method_not_allowed},
+        )
         return app
 
     # --- routes -----------------------------------------------------------------------------------------------
@@ -156,8 +186,13 @@ class OpenAIApi:
             self._tenant(request)
         except MmcastError as err:
             return self._error(openai_errors.from_mmcast(err))
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "mmcast",
-                "max_model_len": self.completions.engine.max_model_len}
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "mmcast",
+            "max_model_len": self.completions.engine.max_model_len,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def chat_completions(self, request: Request) -> Response:
@@ -175,12 +210,22 @@ class OpenAIApi:
             body = await self._read(request, schema)
             _check_neutral(body)
             if body.n != 1:
-                raise HttpError(400, f"n={body.n}: this server returns one choice per request; send n=1 (or omit "
-                                "it) and repeat the request for more", param="n", code="unsupported")
+                raise HttpError(
+                    400,
+                    f"n={body.n}: this server returns one choice per request; send n=1 (or omit "
+                    "it) and repeat the request for more",
+                    param="n",
+                    code="unsupported",
+                )
             if body.model != self.model_name:
-                raise HttpError(404, f"the model {body.model[:120]!r} does not exist here; this server serves "
-                                f"{self.model_name!r} (GET /v1/models)", type="not_found_error", param="model",
-                                code="model_not_found")
+                raise HttpError(
+                    404,
+                    f"the model {body.model[:120]!r} does not exist here; this server serves "
+                    f"{self.model_name!r} (GET /v1/models)",
+                    type="not_found_error",
+                    param="model",
+                    code="model_not_found",
+                )
             call = _Call(self._client_id(request), tenant, body.model, kind, {})
             try:
                 call.affinity = affinity_key.client_key(request.headers.get)
@@ -192,8 +237,11 @@ class OpenAIApi:
         except HttpError as err:
             return self._error(err)
         except MmcastError as err:
-            log.info("request rejected: %s", err.message,
-                     extra={"request_id": call.client_id if call else "", "code": err.status.value})
+            log.info(
+                "request rejected: %s",
+                err.message,
+                extra={"request_id": call.client_id if call else "", "code": err.status.value},
+            )
             return self._error(self._http_error(err, call))
         except _ClientGone:
             return Response(status_code=499)
@@ -209,15 +257,19 @@ class OpenAIApi:
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HttpError(413, f"the request body has {declared} bytes; the limit is {limit} (--max-request-bytes)",
-                            code="request_too_large")
+            raise HttpError(
+                413,
+                f"the request body has {declared} bytes; the limit is {limit} (--max-request-bytes)",
+                code="request_too_large",
+            )
         parts, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise HttpError(413, f"the request body exceeds {limit} bytes (--max-request-bytes)",
-                                    code="request_too_large")
+                    raise HttpError(
+                        413, f"the request body exceeds {limit} bytes (--max-request-bytes)", code="request_too_large"
+                    )
                 parts.append(chunk)
         except ClientDisconnect:
             raise _ClientGone() from None
@@ -233,14 +285,28 @@ class OpenAIApi:
     async def _completion_request(self, call: _Call, body, received: float) -> CompletionRequest:
         request_parsing.check_cache_salt(body.cache_salt or "")
         sampling, default_max = self._sampling(call, body)
-        common = dict(client_id=call.client_id, tenant=call.tenant, sampling=sampling, received=received,
-                      cache_salt=body.cache_salt or "", default_max_tokens=default_max, affinity=call.affinity)
+        common = dict(
+            client_id=call.client_id,
+            tenant=call.tenant,
+            sampling=sampling,
+            received=received,
+            cache_salt=body.cache_salt or "",
+            default_max_tokens=default_max,
+            affinity=call.affinity,
+        )
         if call.kind == "text":
-            prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(
-                body.prompt[0], str) else body.prompt
+            prompt = (
+                body.prompt[0]
+                if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str)
+                else body.prompt
+            )
             if not isinstance(prompt, str):
-                raise HttpError(400, "prompt: token-id prompts are not supported; send the prompt as a string",
-                                param="prompt", code="unsupported")
+                raise HttpError(
+                    400,
+                    "prompt: token-id prompts are not supported; send the prompt as a string",
+                    param="prompt",
+                    code="unsupported",
+                )
             return CompletionRequest(prompt=prompt, **common)
         turns = await self._turns(call, body.messages)
         add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
@@ -264,7 +330,10 @@ class OpenAIApi:
         p = generation_pb2.SamplingParams(
             max_tokens=max_tokens or 1,  # unset: the context decides after tokenizing (CompletionRequest)
             temperature=1.0 if body.temperature is None else body.temperature,
-            stop=stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=top,
+            stop=stop,
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            logprobs=top,
             return_logprobs=return_logprobs,
         )
         if body.top_p is not None:
@@ -273,9 +342,12 @@ class OpenAIApi:
             p.seed = body.seed % 2**64  # the ranks reduce seeds modulo 2^64: a negative seed is as good as any
         if body.top_k is not None and body.top_k > 0:  # vLLM: -1 and 0 mean no cut
             p.top_k = body.top_k
-        spec = request_parsing.parse_sampling(p, max_tokens_limit=self.config.max_tokens_limit,
-                                              max_logprobs=self.config.max_logprobs,
-                                              vocab_size=self.frontend.vocab_size)
+        spec = request_parsing.parse_sampling(
+            p,
+            max_tokens_limit=self.config.max_tokens_limit,
+            max_logprobs=self.config.max_logprobs,
+            vocab_size=self.frontend.vocab_size,
+        )
         if spec.return_logprobs != return_logprobs:  # logprobs > 0 implies them on gRPC; here only when asked
             spec = dataclasses.replace(spec, return_logprobs=return_logprobs)
         return spec, max_tokens is None
@@ -284,11 +356,18 @@ class OpenAIApi:
         turns = []
         for i, m in enumerate(messages):
             if m.content is None:
-                raise HttpError(400, f"messages[{i}].content is missing: tool calls are not supported, send text "
-                                "or image parts", param=f"messages[{i}].content", code="invalid_value")
+                raise HttpError(
+                    400,
+                    f"messages[{i}].content is missing: tool calls are not supported, send text or image parts",
+                    param=f"messages[{i}].content",
+                    code="invalid_value",
+                )
             parts: list[TextContent | ImageContent] = []
-            content = [openai_schema.TextContentPart(type="text", text=m.content)] if isinstance(m.content, str) \
+            content = (
+                [openai_schema.TextContentPart(type="text", text=m.content)]
+                if isinstance(m.content, str)
                 else m.content
+            )
             for j, part in enumerate(content):
                 if part.type == "text":
                     parts.append(TextContent(part.text))
@@ -303,21 +382,34 @@ class OpenAIApi:
         if part.uuid is not None:
             match = _UUID.fullmatch(part.uuid)
             if match is None:
-                raise HttpError(400, f"{where}.uuid={part.uuid[:80]!r} is not 'sha256:' and 64 lowercase hex "
-                                "characters (the sha256 of the image's bytes)", param=f"{where}.uuid",
-                                code="invalid_value")
+                raise HttpError(
+                    400,
+                    f"{where}.uuid={part.uuid[:80]!r} is not 'sha256:' and 64 lowercase hex "
+                    "characters (the sha256 of the image's bytes)",
+                    param=f"{where}.uuid",
+                    code="invalid_value",
+                )
             digest = match.group(1)
         if part.image_url is None:
             if digest is None:
-                raise HttpError(400, f"{field} is null and {where}.uuid is not set: send the image as a URL, or "
-                                "reference one the server holds by its uuid", param=field, code="invalid_value")
+                raise HttpError(
+                    400,
+                    f"{field} is null and {where}.uuid is not set: send the image as a URL, or "
+                    "reference one the server holds by its uuid",
+                    param=field,
+                    code="invalid_value",
+                )
             call.uuid_fields[digest] = f"{where}.uuid"
             return ImageContent(None, digest, field)
         data = await self.media.load(part.image_url.url, f"{field}.url")  # a large data: URL decodes off the loop
         sha = hashlib.sha256(data).hexdigest()
         if digest is not None and digest != sha:
-            raise HttpError(400, f"{where}.uuid=sha256:{digest} does not match the sha256 of the image's bytes "
-                            f"({sha})", param=f"{where}.uuid", code="invalid_value")
+            raise HttpError(
+                400,
+                f"{where}.uuid=sha256:{digest} does not match the sha256 of the image's bytes ({sha})",
+                param=f"{where}.uuid",
+                code="invalid_value",
+            )
         call.inline.append((sha, data))
         return ImageContent(data, None, field)
 
@@ -341,8 +433,17 @@ class OpenAIApi:
         content = []
         for tok, (lp, top) in zip(chunk.token_ids, chunk.logprobs, strict=False):
             s = self._text_of(tok)
-            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": [
-                {"token": self._text_of(t), "logprob": v, "bytes": list(self._text_of(t).encode())} for t, v in top]})
+            content.append(
+                {
+                    "token": s,
+                    "logprob": lp,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {"token": self._text_of(t), "logprob": v, "bytes": list(self._text_of(t).encode())}
+                        for t, v in top
+                    ],
+                }
+            )
         return {"content": content}
 
     def _text_logprobs(self, chunks, offset: int = 0) -> dict:
@@ -360,9 +461,12 @@ class OpenAIApi:
     @staticmethod
     def _usage(completion: Completion) -> dict:
         s = completion.result.summary
-        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-                "total_tokens": s.prompt_tokens + s.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+        return {
+            "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": s.completion_tokens,
+            "total_tokens": s.prompt_tokens + s.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
+        }
 
     def _ended_badly(self, completion: Completion) -> MmcastError | None:
         """The error to report for a completion that did not finish by itself (failed, or cut by the server)."""
@@ -394,8 +498,11 @@ class OpenAIApi:
             return self._error(self._http_error(err, call))
         text = "".join(c.text for c in chunks)
         result = completion.result
-        choice: dict = {"index": 0, "finish_reason": _FINISH[result.finish_reason],
-                        "stop_reason": result.stop_reason or None}
+        choice: dict = {
+            "index": 0,
+            "finish_reason": _FINISH[result.finish_reason],
+            "stop_reason": result.stop_reason or None,
+        }
         logprobs = completion.sampling.return_logprobs
         if call.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
@@ -418,15 +525,21 @@ class OpenAIApi:
         except Exception:
             await chunks.aclose()
             return self._internal(call)
-        return StreamingResponse(self._events(call, completion, chunks, first, include_usage),
-                                 media_type="text/event-stream", headers={**SSE_HEADERS, **self._headers(call, completion)})
+        return StreamingResponse(
+            self._events(call, completion, chunks, first, include_usage),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **self._headers(call, completion)},
+        )
 
-    async def _events(self, call: _Call, completion: Completion, chunks: AsyncIterator, first,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+    async def _events(
+        self, call: _Call, completion: Completion, chunks: AsyncIterator, first, include_usage: bool
+    ) -> AsyncIterator[bytes]:
         """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. When the client disconnects,
         Starlette cancels this generator and the request is cancelled with it (Completion.chunks)."""
-        envelope = {**self._envelope(call), "object": "chat.completion.chunk" if call.kind == "chat"
-                    else "text_completion"}
+        envelope = {
+            **self._envelope(call),
+            "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
+        }
         usage_field = {"usage": None} if include_usage else {}
         logprobs = completion.sampling.return_logprobs
         offset = 0
@@ -436,19 +549,30 @@ class OpenAIApi:
 
         try:
             if call.kind == "chat":
-                yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
+                yield event(
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                )
             chunk = first
             while chunk is not None:
                 if chunk.text or (logprobs and chunk.token_ids):
                     if call.kind == "chat":
-                        yield event({"index": 0, "delta": {"content": chunk.text},
-                                     "logprobs": self._chat_logprobs(chunk) if logprobs else None,
-                                     "finish_reason": None})
+                        yield event(
+                            {
+                                "index": 0,
+                                "delta": {"content": chunk.text},
+                                "logprobs": self._chat_logprobs(chunk) if logprobs else None,
+                                "finish_reason": None,
+                            }
+                        )
                     else:
-                        yield event({"index": 0, "text": chunk.text,
-                                     "logprobs": self._text_logprobs([chunk], offset) if logprobs else None,
-                                     "finish_reason": None})
+                        yield event(
+                            {
+                                "index": 0,
+                                "text": chunk.text,
+                                "logprobs": self._text_logprobs([chunk], offset) if logprobs else None,
+                                "finish_reason": None,
+                            }
+                        )
                     offset += len(chunk.text)
                 chunk = await anext(chunks, None)
             err = self._ended_badly(completion)
@@ -457,8 +581,12 @@ class OpenAIApi:
                 yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
             else:
                 result = completion.result
-                last = {"index": 0, "finish_reason": _FINISH[result.finish_reason],
-                        "stop_reason": result.stop_reason or None, "logprobs": None}
+                last = {
+                    "index": 0,
+                    "finish_reason": _FINISH[result.finish_reason],
+                    "stop_reason": result.stop_reason or None,
+                    "logprobs": None,
+                }
                 last.update({"delta": {}} if call.kind == "chat" else {"text": ""})
                 yield event(last)
                 if include_usage:
@@ -481,8 +609,9 @@ class OpenAIApi:
     def _tenant(self, request: Request) -> str:
         if self.tokens is None:
             return ""
-        tenant, problem = self.tokens.authenticate([("authorization", v) for v in
-                                                    request.headers.getlist("authorization")])
+        tenant, problem = self.tokens.authenticate(
+            [("authorization", v) for v in request.headers.getlist("authorization")]
+        )
         if tenant is None:
             raise MmcastError(problem.replace("metadata", "header"), Status.UNAUTHENTICATED)
         return tenant
@@ -493,8 +622,12 @@ class OpenAIApi:
         try:
             request_parsing.check_request_id(given)
         except InvalidArgument as err:
-            raise HttpError(400, err.message.replace("request_id", "the x-request-id header"),
-                            param="x-request-id", code="invalid_value") from None
+            raise HttpError(
+                400,
+                err.message.replace("request_id", "the x-request-id header"),
+                param="x-request-id",
+                code="invalid_value",
+            ) from None
         return given or uuid.uuid4().hex
 
     @staticmethod
@@ -523,19 +656,33 @@ class OpenAIApi:
 
     def _http_error(self, err: MmcastError, call: _Call | None) -> HttpError:
         names = call.names if call else {}
-        if (isinstance(err, NotFound) and err.resource is not None and err.resource.type == IMAGE_RESOURCE
-                and call and err.resource.name in call.uuid_fields):
+        if (
+            isinstance(err, NotFound)
+            and err.resource is not None
+            and err.resource.type == IMAGE_RESOURCE
+            and call
+            and err.resource.name in call.uuid_fields
+        ):
             field = call.uuid_fields[err.resource.name]
-            return HttpError(404, f"{field}=sha256:{err.resource.name} names no image this server holds (never "
-                             "sent or uploaded by this tenant, or evicted from the upload store, "
-                             "--upload-store-bytes); send the image itself", type="not_found_error", param=field,
-                             code="image_not_found")
+            return HttpError(
+                404,
+                f"{field}=sha256:{err.resource.name} names no image this server holds (never "
+                "sent or uploaded by this tenant, or evicted from the upload store, "
+                "--upload-store-bytes); send the image itself",
+                type="not_found_error",
+                param=field,
+                code="image_not_found",
+            )
         return openai_errors.from_mmcast(err, names)
 
     @staticmethod
     def _error(err: HttpError) -> Response:
-        return Response(openai_errors.body(err.message, err.type, err.param, err.code), status_code=err.status,
-                        media_type="application/json", headers=err.headers)
+        return Response(
+            openai_errors.body(err.message, err.type, err.param, err.code),
+            status_code=err.status,
+            media_type="application/json",
+            headers=err.headers,
+        )
 
     def _internal(self, call: _Call | None) -> Response:
         return self._error(self._internal_error(call))
@@ -545,17 +692,28 @@ class OpenAIApi:
         """Logs the exception being handled under the request id; the client gets the id, not the exception."""
         request_id = call.client_id if call else f"http-{uuid.uuid4().hex}"
         log.exception("unexpected error in the HTTP API", extra={"request_id": request_id})
-        return HttpError(500, f"internal server error (request_id={request_id}); the server log records the cause "
-                         "under this id", type="server_error", code="internal")
+        return HttpError(
+            500,
+            f"internal server error (request_id={request_id}); the server log records the cause under this id",
+            type="server_error",
+            code="internal",
+        )
 
     async def _not_found(self, request: Request, exc) -> Response:
-        return self._error(HttpError(404, f"no route {request.url.path[:200]!r}; this server serves "
-                                     "/v1/chat/completions, /v1/completions, /v1/models and /health",
-                                     type="not_found_error", code="not_found"))
+        return self._error(
+            HttpError(
+                404,
+                f"no route {request.url.path[:200]!r}; this server serves "
+                "/v1/chat/completions, /v1/completions, /v1/models and /health",
+                type="not_found_error",
+                code="not_found",
+            )
+        )
 
     async def _method_not_allowed(self, request: Request, exc) -> Response:
-        return self._error(HttpError(405, f"{request.method} is not allowed on {request.url.path[:200]}",
-                                     code="method_not_allowed"))
+        return self._error(
+            HttpError(405, f"{request.method} is not allowed on {request.url.path[:200]}", code="method_not_allowed")
+        )
 
 
 def _sse(obj: dict) -> bytes:

@@ -32,7 +32,9 @@ _WRITE_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidState
 def _auth_hint(code: grpc.StatusCode) -> str:
     if code != grpc.StatusCode.UNAUTHENTICATED:
         return ""
-    return " (give the scheduler the ranks' token with --worker-token-file, or a client certificate with --worker-tls-*)"
+    return (
+        " (give the scheduler the ranks' token with --worker-token-file, or a client certificate with --worker-tls-*)"
+    )
 
 
 class GroupDown(Exception):
@@ -295,7 +297,10 @@ class WorkerGroup:
             max_model_len=min(a.max_model_len for a in acks),
             encoder_row_bytes=max(a.encoder_output_row_bytes for a in acks),
         )
-        log.info("worker group connected", extra={"epoch": self.epoch, "ranks": self.world_size, **dataclasses.asdict(self.budget)})
+        log.info(
+            "worker group connected",
+            extra={"epoch": self.epoch, "ranks": self.world_size, **dataclasses.asdict(self.budget)},
+        )
         return self.budget
 
     def _check_up(self) -> None:
@@ -322,8 +327,9 @@ class WorkerGroup:
             await self._broadcast(control, rank_payloads, current)
         return await self._await_results(step_id)
 
-    async def _broadcast(self, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadTensors]],
-                         current) -> None:
+    async def _broadcast(
+        self, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadTensors]], current
+    ) -> None:
         """Writes the payload frames each rank needs, then the one serialized control to every rank."""
         # Every item once, in first-seen order; each rank receives its own subsequence of it.
         order: dict[ItemId, PayloadTensors] = {}
@@ -363,7 +369,9 @@ class WorkerGroup:
                 await asyncio.gather(get, return_exceptions=True)
                 if s.failed.is_set():
                     raise GroupDown(s.failure or f"rank {s.rank} failed")
-                raise GroupDown(f"rank {s.rank} ({s.address}): no answer to step {step_id} within {self.step_timeout:.1f}s")
+                raise GroupDown(
+                    f"rank {s.rank} ({s.address}): no answer to step {step_id} within {self.step_timeout:.1f}s"
+                )
             result = get.result()
             if result.step_id != step_id:
                 raise GroupDown(f"rank {s.rank} answered step {result.step_id}, expected {step_id}")
@@ -380,7 +388,9 @@ class WorkerGroup:
         now = time.monotonic()
         for s in self._streams:
             if now - s.last_heard > stale_after:
-                raise GroupDown(f"rank {s.rank} ({s.address}): silent for {now - s.last_heard:.1f}s (keepalives unanswered)")
+                raise GroupDown(
+                    f"rank {s.rank} ({s.address}): silent for {now - s.last_heard:.1f}s (keepalives unanswered)"
+                )
         raw = worker_pb2.StepRequest(keepalive=worker_pb2.Keepalive(sent_unix_nanos=time.time_ns())).SerializeToString()
         await self._write(self._streams, raw, "control")
 

@@ -47,8 +47,14 @@ class SamplingParams:
     return_logprobs: bool = False  # return the sampled token's log-probability (and the top alternatives)
 
 
-def validate_sampling(sampling: SamplingParams, num_prompt_tokens: int, max_model_len: int, *,
-                      max_tokens_limit: int = 0, max_logprobs: int = 20) -> None:
+def validate_sampling(
+    sampling: SamplingParams,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    *,
+    max_tokens_limit: int = 0,
+    max_logprobs: int = 20,
+) -> None:
     """Raises ``InvalidArgument`` naming the field, value, limit and flag for any out-of-range parameter."""
     if sampling.max_tokens < 1:
         raise InvalidArgument(f"sampling.max_tokens={sampling.max_tokens} must be >= 1", field="sampling.max_tokens")
@@ -61,21 +67,26 @@ def validate_sampling(sampling: SamplingParams, num_prompt_tokens: int, max_mode
         raise InvalidArgument(
             f"sampling.max_tokens={sampling.max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds the "
             f"context of {max_model_len} tokens (--max-model-len); ask for at most "
-            f"{max(max_model_len - num_prompt_tokens, 0)}", field="sampling.max_tokens",
+            f"{max(max_model_len - num_prompt_tokens, 0)}",
+            field="sampling.max_tokens",
         )
     if not 0.0 <= sampling.temperature <= 2.0:
-        raise InvalidArgument(f"sampling.temperature={sampling.temperature} must be in [0, 2]",
-                              field="sampling.temperature")
+        raise InvalidArgument(
+            f"sampling.temperature={sampling.temperature} must be in [0, 2]", field="sampling.temperature"
+        )
     if not 0.0 < sampling.top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p={sampling.top_p} must be in (0, 1]", field="sampling.top_p")
     # The scheduler does not know the vocabulary (the frontend's parse_sampling and the ranks check that bound); it
     # keeps a top_k inside what the worker proto's uint32 carries, as it does for the seed's uint64.
     if not 0 <= sampling.top_k < 2**32:
-        raise InvalidArgument(f"sampling.top_k={sampling.top_k} must be in [0, 2^32) (0 = no top-k cut)",
-                              field="sampling.top_k")
+        raise InvalidArgument(
+            f"sampling.top_k={sampling.top_k} must be in [0, 2^32) (0 = no top-k cut)", field="sampling.top_k"
+        )
     if not 0 <= sampling.logprobs <= max_logprobs:
-        raise InvalidArgument(f"sampling.logprobs={sampling.logprobs} must be in [0, {max_logprobs}] (--max-logprobs)",
-                              field="sampling.logprobs")
+        raise InvalidArgument(
+            f"sampling.logprobs={sampling.logprobs} must be in [0, {max_logprobs}] (--max-logprobs)",
+            field="sampling.logprobs",
+        )
     if sampling.seed < 0 or sampling.seed >= 2**64:
         raise InvalidArgument(f"sampling.seed={sampling.seed} must be in [0, 2^64)", field="sampling.seed")
 

@@ -68,8 +68,10 @@ def parse_sampling(
     if p.max_tokens < 1:
         raise InvalidArgument("sampling.max_tokens must be >= 1 (got 0 or unset)", field="sampling.max_tokens")
     if p.max_tokens > max_tokens_limit:
-        raise InvalidArgument(f"sampling.max_tokens={p.max_tokens} exceeds the limit {max_tokens_limit} (--max-tokens-limit)",
-                              field="sampling.max_tokens")
+        raise InvalidArgument(
+            f"sampling.max_tokens={p.max_tokens} exceeds the limit {max_tokens_limit} (--max-tokens-limit)",
+            field="sampling.max_tokens",
+        )
     if not math.isfinite(p.temperature) or not 0.0 <= p.temperature <= 2.0:
         raise InvalidArgument(f"sampling.temperature={p.temperature} must be in [0, 2]", field="sampling.temperature")
     top_p = p.top_p if p.HasField("top_p") else 1.0
@@ -78,24 +80,33 @@ def parse_sampling(
     # Above the vocabulary a top_k would be the same as none; refused so a client's mistake (a model with a smaller
     # vocabulary than it assumed) is told rather than silently sampled without the cut it asked for.
     if p.top_k > vocab_size:
-        raise InvalidArgument(f"sampling.top_k={p.top_k} exceeds the model's vocabulary of {vocab_size} tokens "
-                              "(0 = no top-k cut)", field="sampling.top_k")
+        raise InvalidArgument(
+            f"sampling.top_k={p.top_k} exceeds the model's vocabulary of {vocab_size} tokens (0 = no top-k cut)",
+            field="sampling.top_k",
+        )
     if p.logprobs > max_logprobs:
-        raise InvalidArgument(f"sampling.logprobs={p.logprobs} exceeds the limit {max_logprobs} (--max-logprobs)",
-                              field="sampling.logprobs")
+        raise InvalidArgument(
+            f"sampling.logprobs={p.logprobs} exceeds the limit {max_logprobs} (--max-logprobs)",
+            field="sampling.logprobs",
+        )
     if len(p.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(f"sampling.stop has {len(p.stop)} strings; the limit is {MAX_STOP_STRINGS}",
-                              field="sampling.stop")
+        raise InvalidArgument(
+            f"sampling.stop has {len(p.stop)} strings; the limit is {MAX_STOP_STRINGS}", field="sampling.stop"
+        )
     for i, s in enumerate(p.stop):
         if not s:
             raise InvalidArgument(f"sampling.stop[{i}] is empty", field=f"sampling.stop[{i}]")
         if len(s) > MAX_STOP_STRING_CHARS:
-            raise InvalidArgument(f"sampling.stop[{i}] has {len(s)} characters; the limit is {MAX_STOP_STRING_CHARS}",
-                                  field=f"sampling.stop[{i}]")
+            raise InvalidArgument(
+                f"sampling.stop[{i}] has {len(s)} characters; the limit is {MAX_STOP_STRING_CHARS}",
+                field=f"sampling.stop[{i}]",
+            )
     for i, t in enumerate(p.stop_token_ids):
         if not 0 <= t < vocab_size:
-            raise InvalidArgument(f"sampling.stop_token_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})",
-                                  field=f"sampling.stop_token_ids[{i}]")
+            raise InvalidArgument(
+                f"sampling.stop_token_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})",
+                field=f"sampling.stop_token_ids[{i}]",
+            )
     return SamplingSpec(
         max_tokens=p.max_tokens,
         temperature=float(p.temperature),
@@ -162,13 +173,15 @@ def parse_messages(messages, *, max_images: int) -> list[Turn]:
 
 def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument(f"request_id has {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}",
-                              field="request_id")
+        raise InvalidArgument(
+            f"request_id has {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}", field="request_id"
+        )
     if request_id and not _REQUEST_ID.fullmatch(request_id):
         raise InvalidArgument("request_id may contain only letters, digits and ._:@/+=-", field="request_id")
 
 
 def check_cache_salt(salt: str) -> None:
     if len(salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidArgument(f"cache_salt has {len(salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}",
-                              field="cache_salt")
+        raise InvalidArgument(
+            f"cache_salt has {len(salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}", field="cache_salt"
+        )

@@ -44,7 +44,9 @@ from scheduler_svc.servicer import GenerationServiceServicer
 log = logging.getLogger("mmcast.scheduler")
 
 SERVICE_NAME = "mmcast.v1.GenerationService"
-GUARDED_METHODS = ("/mmcast.v1.GenerationService/",)  # what a bearer token is required for; health and reflection stay open
+GUARDED_METHODS = (
+    "/mmcast.v1.GenerationService/",
+)  # what a bearer token is required for; health and reflection stay open
 
 
 class SchedulerServer:
@@ -93,7 +95,11 @@ class SchedulerServer:
 
         def core_factory(budget):
             return Scheduler(
-                config, budget, uses_mrope=self.uses_mrope, eos_token_ids=eos, max_model_len=self.frontend.max_model_len,
+                config,
+                budget,
+                uses_mrope=self.uses_mrope,
+                eos_token_ids=eos,
+                max_model_len=self.frontend.max_model_len,
                 kv_events=self.kv_events.sink if self.kv_events else None,
             )
 
@@ -124,10 +130,16 @@ class SchedulerServer:
             reconnect_backoff=(config.reconnect_backoff_initial_seconds, config.reconnect_backoff_max_seconds),
             on_group_state=self._on_group_state,
         )
-        self.completions = Completions(engine=self.engine, frontend=self.frontend, config=config,
-                                       tokenizer=self.tokenizer, make_request=self._make_request)
-        self.servicer = GenerationServiceServicer(completions=self.completions, uploads=self.uploads,
-                                                  server_info=self._server_info, tokens=self.tokens)
+        self.completions = Completions(
+            engine=self.engine,
+            frontend=self.frontend,
+            config=config,
+            tokenizer=self.tokenizer,
+            make_request=self._make_request,
+        )
+        self.servicer = GenerationServiceServicer(
+            completions=self.completions, uploads=self.uploads, server_info=self._server_info, tokens=self.tokens
+        )
         self.http: HttpServer | None = None  # the OpenAI-compatible API, when --http-port is set
         if config.http_port:
             self.http = self._http_server()
@@ -144,8 +156,12 @@ class SchedulerServer:
 
         c = self.config
         self.openai = OpenAIApi(
-            completions=self.completions, uploads=self.uploads, media=MediaLoader(MediaPolicy.from_config(c)),
-            model_name=self.model_name, tokens=self.tokens, max_body_bytes=c.max_request_bytes,
+            completions=self.completions,
+            uploads=self.uploads,
+            media=MediaLoader(MediaPolicy.from_config(c)),
+            model_name=self.model_name,
+            tokens=self.tokens,
+            max_body_bytes=c.max_request_bytes,
         )
         app = HttpMetrics(self.openai.app(), self.metrics)
         https = tls.https_context(c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file)
@@ -259,8 +275,15 @@ class SchedulerServer:
         if self.kv_events is not None:
             self.kv_events.start()
         self.engine.start()
-        log.info("scheduler listening", extra={"port": self.port, "http_port": self.http_port,
-                                               "workers": ",".join(c.workers), "transfer_mode": c.transfer_mode})
+        log.info(
+            "scheduler listening",
+            extra={
+                "port": self.port,
+                "http_port": self.http_port,
+                "workers": ",".join(c.workers),
+                "transfer_mode": c.transfer_mode,
+            },
+        )
         return self.port
 
     async def stop(self, drain_seconds: float | None = None) -> None:

@@ -62,8 +62,9 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise MmcastError(problem, Status.UNAUTHENTICATED)
         return tenant
 
-    def _completion_request(self, request: generation_pb2.GenerateRequest, client_id: str, tenant: str,
-                            received: float, context) -> CompletionRequest:
+    def _completion_request(
+        self, request: generation_pb2.GenerateRequest, client_id: str, tenant: str, received: float, context
+    ) -> CompletionRequest:
         request_parsing.check_request_id(request.request_id)
         request_parsing.check_cache_salt(request.cache_salt)
         sampling = request_parsing.parse_sampling(
@@ -74,10 +75,16 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
         )
         turns = request_parsing.parse_messages(request.messages, max_images=self.config.max_images_per_request)
         metadata = dict(context.invocation_metadata() or ())
-        return CompletionRequest(client_id=client_id, tenant=tenant, sampling=sampling, received=received,
-                                 turns=turns, cache_salt=request.cache_salt,
-                                 add_generation_prompt=not request.continue_final_message,
-                                 affinity=affinity_key.client_key(metadata.get))
+        return CompletionRequest(
+            client_id=client_id,
+            tenant=tenant,
+            sampling=sampling,
+            received=received,
+            turns=turns,
+            cache_salt=request.cache_salt,
+            add_generation_prompt=not request.continue_final_message,
+            affinity=affinity_key.client_key(metadata.get),
+        )
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         received = time.monotonic()
@@ -86,8 +93,9 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             tenant = self._tenant(context)
             log_extra = {"request_id": scoped_request_id(tenant, client_id)}
-            completion = await self.completions.admit(self._completion_request(request, client_id, tenant, received,
-                                                                                 context))
+            completion = await self.completions.admit(
+                self._completion_request(request, client_id, tenant, received, context)
+            )
         except MmcastError as err:
             log.info("request rejected: %s", err.message, extra={**log_extra, "code": err.status.value})
             await rich_status.abort(context, err)
@@ -190,12 +198,15 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
                 digest.update(chunk.data)
                 parts.append(chunk.data)
             if size == 0:
-                raise InvalidArgument("upload is empty: send the encoded image bytes in UploadImageRequest.data",
-                                      field="data")
+                raise InvalidArgument(
+                    "upload is empty: send the encoded image bytes in UploadImageRequest.data", field="data"
+                )
             sha = digest.hexdigest()
             if expected and expected != sha:
-                raise InvalidArgument(f"expected_sha256={expected[:80]} does not match the received bytes' sha256 {sha}",
-                                      field="expected_sha256")
+                raise InvalidArgument(
+                    f"expected_sha256={expected[:80]} does not match the received bytes' sha256 {sha}",
+                    field="expected_sha256",
+                )
             data = b"".join(parts)
             parts.clear()
             await self.completions.run_in_executor(self.frontend.check_image_header, data, "upload")

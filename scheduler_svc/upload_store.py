@@ -83,7 +83,8 @@ class PendingUploads:
             if self.total + n > self.total_limit:
                 raise ResourceExhausted(
                     f"unfinished uploads would hold {self.total + n} bytes; the server-wide limit is "
-                    f"{self.total_limit} (--max-pending-upload-bytes); retry later", retry_after=RETRY_LATER_SECONDS,
+                    f"{self.total_limit} (--max-pending-upload-bytes); retry later",
+                    retry_after=RETRY_LATER_SECONDS,
                 )
             self._by_tenant[tenant] = mine
             self.total += n
@@ -109,8 +110,14 @@ class UploadStore:
     uploads, and ``already_present`` says nothing about another tenant's. The byte budget is shared.
     """
 
-    def __init__(self, budget_bytes: int, max_upload_bytes: int | None = None, *, pending_total: int = 128 << 20,
-                 pending_per_tenant: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        max_upload_bytes: int | None = None,
+        *,
+        pending_total: int = 128 << 20,
+        pending_per_tenant: int = 64 << 20,
+    ) -> None:
         self.max_upload_bytes = max_upload_bytes if max_upload_bytes is not None else budget_bytes
         self._lru = ByteLRU(budget_bytes)
         self.pending = PendingUploads(pending_total, pending_per_tenant)  # uploads still being received

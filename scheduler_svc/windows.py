@@ -30,8 +30,17 @@ class Window:
     examined: int = 0  # items looked at to decide (the step's items_examined) (items)
 
 
-def plan_window(request: Request, start: int, end: int, mirrors: GroupMirrors, budget_left: int,
-                load: Sequence[int], *, lazy: bool, sharded: bool) -> Window:
+def plan_window(
+    request: Request,
+    start: int,
+    end: int,
+    mirrors: GroupMirrors,
+    budget_left: int,
+    load: Sequence[int],
+    *,
+    lazy: bool,
+    sharded: bool,
+) -> Window:
     """Cuts ``[start, end)`` before the first item whose encoder work cannot be scheduled; changes nothing.
 
     ``budget_left``: encoder rows the step can still schedule; ``load``: encoder rows given to each rank this step

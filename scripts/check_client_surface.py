@@ -35,8 +35,10 @@ def main() -> int:
         for name in sorted(a.keys() | b.keys()):
             if a.get(name) != b.get(name):
                 problems.append(f"{sync.__name__}.{name} {a.get(name)} != {aio.__name__}.{name} {b.get(name)}")
-    for typed, defaults in ((options.ClientOptions, options.CLIENT_DEFAULTS),
-                            (options.GenerateOptions, options.GENERATE_DEFAULTS)):
+    for typed, defaults in (
+        (options.ClientOptions, options.CLIENT_DEFAULTS),
+        (options.GenerateOptions, options.GENERATE_DEFAULTS),
+    ):
         optional = set(typed.__annotations__) - {"max_tokens"}
         if optional != set(defaults):
             problems.append(f"{typed.__name__}: keys {sorted(optional ^ set(defaults))} lack a default or a key")

@@ -29,8 +29,11 @@ if str(ROOT) not in sys.path:
 
 # (binary, field, note appended to the help text) of the README's table, in its order.
 README_FLAGS: tuple[tuple[str, str, str], ...] = (
-    ("scheduler", "transfer_mode", "a `strip` request whose uncovered payloads exceed a rank's payload cache has "
-                                   "them deferred as `lazy` does"),
+    (
+        "scheduler",
+        "transfer_mode",
+        "a `strip` request whose uncovered payloads exceed a rank's payload cache has them deferred as `lazy` does",
+    ),
     ("scheduler", "payload_encoding", "under `encoded` the frontend reads only image headers"),
     ("scheduler", "encoder_placement", ""),
     ("scheduler", "max_num_batched_tokens", ""),
@@ -39,18 +42,21 @@ README_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("worker", "kv_blocks", ""),
     ("worker", "payload_cache_bytes", ""),
     ("worker", "encoder_cache_tokens", ""),
-    ("worker", "cpu_linear", "1.4–2.5× faster products at decode sizes; a `lm_head` tied to the embedding is kept "
-                             "twice"),
+    (
+        "worker",
+        "cpu_linear",
+        "1.4–2.5× faster products at decode sizes; a `lm_head` tied to the embedding is kept twice",
+    ),
     ("scheduler", "max_images_per_request", ""),
     ("scheduler", "max_image_pixels", ""),
     ("scheduler", "max_upload_bytes", ""),
     ("scheduler", "max_request_bytes", ""),
-    ("scheduler", "allowed_media_domains", "the SSRF rules: [docs/SECURITY.md](docs/SECURITY.md), \"Image URLs\""),
+    ("scheduler", "allowed_media_domains", 'the SSRF rules: [docs/SECURITY.md](docs/SECURITY.md), "Image URLs"'),
     ("scheduler", "allowed_local_media_path", ""),
     ("scheduler", "allowed_media_networks", ""),
     ("scheduler", "group_deadline_seconds", ""),
     ("scheduler", "drain_seconds", ""),
-    ("scheduler", "http_port", "`serve-local` turns it on at 8000; see \"Call it with any OpenAI client\""),
+    ("scheduler", "http_port", '`serve-local` turns it on at 8000; see "Call it with any OpenAI client"'),
     ("scheduler", "served_model_name", ""),
     ("scheduler", "kv_events_endpoint", "for prefix-aware pickers (docs/DEPLOYMENT.md §4)"),
     ("scheduler", "kv_events_topic", ""),
@@ -173,8 +179,9 @@ def main(argv: list[str]) -> int:
             if not check:
                 path.write_text(fresh)
     if check and stale:
-        print(f"stale flag tables in {', '.join(stale)}: run `.venv/bin/python scripts/gen_flag_docs.py`",
-              file=sys.stderr)
+        print(
+            f"stale flag tables in {', '.join(stale)}: run `.venv/bin/python scripts/gen_flag_docs.py`", file=sys.stderr
+        )
         return 1
     print(("stale: " if check else "rewrote: ") + ", ".join(stale) if stale else "flag tables are current")
     return 0

@@ -27,8 +27,10 @@ README = ROOT / "README.md"
 BEGIN, END = "<!-- demo-output:begin -->", "<!-- demo-output:end -->"
 _SIZE = r"\d+(?:\.\d)? (?:B|KiB|MiB|GiB)"
 # The demo's output, line by line (the figures vary from run to run, the shape does not).
-READY = re.compile(r"^local group ready in \d+\.\d s: scheduler \S+:\d+, TP=\d+, transfer mode (full|strip|lazy), "
-                   r"model \S+$")
+READY = re.compile(
+    r"^local group ready in \d+\.\d s: scheduler \S+:\d+, TP=\d+, transfer mode (full|strip|lazy), "
+    r"model \S+$"
+)
 HEADER = re.compile(r"^turn images prompt tok cached tok +TTFT +broadcast +full would +saved$")
 ROW = re.compile(rf"^ *(\d+) +(\d+) +\d+ +\d+ +\d+ms +{_SIZE} +{_SIZE} +(\d+%|-)$")
 TOTAL = re.compile(rf"^payload broadcast over (\d+) turns: {_SIZE} \(the full transfer mode: {_SIZE}\)$")
@@ -43,8 +45,12 @@ def shape_errors(lines: list[str]) -> list[str]:
         return [f"{len(lines)} lines; the demo prints at least 5"]
     errors = []
     ready, header, *rows, total, answer = lines
-    for line, pattern, what in ((ready, READY, "ready line"), (header, HEADER, "table header"),
-                                (total, TOTAL, "totals line"), (answer, ANSWER, "answer line")):
+    for line, pattern, what in (
+        (ready, READY, "ready line"),
+        (header, HEADER, "table header"),
+        (total, TOTAL, "totals line"),
+        (answer, ANSWER, "answer line"),
+    ):
         if not pattern.match(line):
             errors.append(f"{what} {line!r} does not match {pattern.pattern!r}")
     for n, row in enumerate(rows, 1):
@@ -66,8 +72,14 @@ def run_demo() -> str:
     print("running mmcast demo (1-2 minutes) ...", file=sys.stderr)
     # A model folder of its own: the default one (~/.cache/mmcast) may hold the tiny model of another checkout.
     with tempfile.TemporaryDirectory(prefix="mmcast-demo-") as folder:
-        command = [sys.executable, "-c", "import sys; from mmcast_client.cli import main; sys.exit(main())", "demo",
-                   "--model-dir", str(Path(folder) / "tiny-qwen2-vl")]
+        command = [
+            sys.executable,
+            "-c",
+            "import sys; from mmcast_client.cli import main; sys.exit(main())",
+            "demo",
+            "--model-dir",
+            str(Path(folder) / "tiny-qwen2-vl"),
+        ]
         proc = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"mmcast demo exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-4000:]}")
@@ -81,8 +93,10 @@ def block(output: str) -> str:
     errors = shape_errors(lines)
     if errors:
         raise SystemExit("not the demo's output, README.md left alone:\n" + "\n".join(errors))
-    stamp = (f"_A real run ({os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, "
-             f"{time.strftime('%Y-%m-%d')}), written here by `scripts/refresh_demo_output.py`:_")
+    stamp = (
+        f"_A real run ({os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, "
+        f"{time.strftime('%Y-%m-%d')}), written here by `scripts/refresh_demo_output.py`:_"
+    )
     return stamp + "\n\n```\n" + "\n".join(lines) + "\n```"
 
 

@@ -51,8 +51,12 @@ def tiny_model_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Pa
     return _tiny_model(tmp_path_factory, "llava")
 
 
-_TINY_FIXTURES = {"qwen2_vl": "tiny_model_dir", "qwen2_5_vl": "tiny_model_25_dir", "qwen3_vl": "tiny_model_q3_dir",
-                  "llava": "tiny_model_llava_dir"}
+_TINY_FIXTURES = {
+    "qwen2_vl": "tiny_model_dir",
+    "qwen2_5_vl": "tiny_model_25_dir",
+    "qwen3_vl": "tiny_model_q3_dir",
+    "llava": "tiny_model_llava_dir",
+}
 
 
 # --- worker fixtures: one loaded model and one in-process rank per tiny variant, shared by the worker tests ---

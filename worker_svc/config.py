@@ -34,96 +34,157 @@ class WorkerConfig:
     """One rank of the tensor-parallel worker group."""
 
     # --- model and group ----------------------------------------------------------------------------------------
-    model: str = setting(help="model folder (config.json, weights, processor, tokenizer); loaded with from_pretrained",
-                         section=_GROUP, metavar="DIR")
+    model: str = setting(
+        help="model folder (config.json, weights, processor, tokenizer); loaded with from_pretrained",
+        section=_GROUP,
+        metavar="DIR",
+    )
     rank: int = setting(0, "rank of this process in [0, world-size)", min=0, section=_GROUP)
-    world_size: int = setting(1, "tensor-parallel size of the group; every rank loads its shard of the decoder",
-                              min=1, max=1024, section=_GROUP)
+    world_size: int = setting(
+        1,
+        "tensor-parallel size of the group; every rank loads its shard of the decoder",
+        min=1,
+        max=1024,
+        section=_GROUP,
+    )
     dist_init: str = setting(
-        "", "torch.distributed init method (tcp://HOST:PORT, file://PATH, env://), required when world-size > 1",
-        section=_GROUP, metavar="URL",
+        "",
+        "torch.distributed init method (tcp://HOST:PORT, file://PATH, env://), required when world-size > 1",
+        section=_GROUP,
+        metavar="URL",
     )
     dist_bind_host: str = setting(
-        "", "address rank 0's tcp:// rendezvous store binds (empty: every interface, torch's own)", section=_GROUP,
+        "",
+        "address rank 0's tcp:// rendezvous store binds (empty: every interface, torch's own)",
+        section=_GROUP,
         metavar="HOST",
     )
     group_timeout_seconds: float = setting(
-        60.0, "torch.distributed timeout: a lost peer ends the rank after this long", min=0.5, max=86400,
+        60.0,
+        "torch.distributed timeout: a lost peer ends the rank after this long",
+        min=0.5,
+        max=86400,
         section=_GROUP,
     )
-    device: str = setting("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N", section=_GROUP,
-                          metavar="{auto,cpu,cuda,cuda:N}")
-    dtype: str = setting("auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)", choices=_DTYPES,
-                         section=_GROUP)
+    device: str = setting(
+        "auto",
+        "auto (cuda when available, else cpu), cpu, cuda or cuda:N",
+        section=_GROUP,
+        metavar="{auto,cpu,cuda,cuda:N}",
+    )
+    dtype: str = setting(
+        "auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)", choices=_DTYPES, section=_GROUP
+    )
     cpu_linear: str = setting(
-        "onednn", "decoder linear layers of a one-rank float32 CPU group: onednn (weights packed for oneDNN, faster "
-        "at decode batch sizes) or dense (PyTorch's own layout); other ranks are always dense", choices=("onednn", "dense"),
+        "onednn",
+        "decoder linear layers of a one-rank float32 CPU group: onednn (weights packed for oneDNN, faster "
+        "at decode batch sizes) or dense (PyTorch's own layout); other ranks are always dense",
+        choices=("onednn", "dense"),
         section=_GROUP,
     )
     threads: int = setting(
-        0, "torch intra-op threads (0: the CPUs this process may use, by affinity and cgroup quota, less "
-        "--reserved-cpus, divided by --local-ranks, at least 1; resolved at start)", min=0, max=1024, section=_GROUP,
+        0,
+        "torch intra-op threads (0: the CPUs this process may use, by affinity and cgroup quota, less "
+        "--reserved-cpus, divided by --local-ranks, at least 1; resolved at start)",
+        min=0,
+        max=1024,
+        section=_GROUP,
     )
     reserved_cpus: int = setting(
-        0, "CPUs the default --threads leaves to other processes on the machine (serve-local sets 1: its scheduler "
+        0,
+        "CPUs the default --threads leaves to other processes on the machine (serve-local sets 1: its scheduler "
         "and clients run beside the ranks, and a rank's parallel regions stall on every descheduled thread)",
-        min=0, max=1024, section=_GROUP,
+        min=0,
+        max=1024,
+        section=_GROUP,
     )
     cpu_allreduce: str = setting(
-        "auto", "all-reduce of CPU ranks: auto (through shared memory where every rank of the group can open one "
+        "auto",
+        "all-reduce of CPU ranks: auto (through shared memory where every rank of the group can open one "
         "segment under /dev/shm, gloo otherwise) or gloo (always over loopback/network TCP)",
-        choices=("auto", "gloo"), section=_GROUP,
+        choices=("auto", "gloo"),
+        section=_GROUP,
     )
     local_ranks: int = setting(
-        1, "ranks of the group sharing this machine's CPUs (serve-local sets it; divides the default threads)",
-        min=1, max=1024, section=_GROUP,
+        1,
+        "ranks of the group sharing this machine's CPUs (serve-local sets it; divides the default threads)",
+        min=1,
+        max=1024,
+        section=_GROUP,
     )
 
     # --- caches -------------------------------------------------------------------------------------------------
-    kv_blocks: int = setting(1024, "KV pool size in blocks (the scheduler's prefix cache has exactly this many)",
-                             min=1, max=1 << 24, section=_CACHES)
-    block_size: int = setting(16, "tokens per KV block (must equal the scheduler's)", min=1, max=1024,
-                              section=_CACHES)
+    kv_blocks: int = setting(
+        1024,
+        "KV pool size in blocks (the scheduler's prefix cache has exactly this many)",
+        min=1,
+        max=1 << 24,
+        section=_CACHES,
+    )
+    block_size: int = setting(16, "tokens per KV block (must equal the scheduler's)", min=1, max=1024, section=_CACHES)
     payload_cache_bytes: int = setting(
-        2 << 30, "bytes of received payload tensors the rank keeps until the scheduler tells it to evict", min=0,
+        2 << 30,
+        "bytes of received payload tensors the rank keeps until the scheduler tells it to evict",
+        min=0,
         section=_CACHES,
     )
     encoder_cache_tokens: int = setting(
-        65536, "encoder-output rows (LLM tokens) the rank keeps until the scheduler tells it to evict", min=0,
+        65536,
+        "encoder-output rows (LLM tokens) the rank keeps until the scheduler tells it to evict",
+        min=0,
         section=_CACHES,
     )
-    max_tensor_bytes: int = setting(256 << 20, "largest single payload tensor accepted, in bytes", min=1,
-                                    max=1 << 40, section=_CACHES)
+    max_tensor_bytes: int = setting(
+        256 << 20, "largest single payload tensor accepted, in bytes", min=1, max=1 << 40, section=_CACHES
+    )
 
     # --- service ------------------------------------------------------------------------------------------------
-    listen: str = setting("0.0.0.0:50061", "gRPC address of the WorkerService (HOST:PORT; port 0 picks one)",
-                          section=_SERVICE, metavar="HOST:PORT")
+    listen: str = setting(
+        "0.0.0.0:50061",
+        "gRPC address of the WorkerService (HOST:PORT; port 0 picks one)",
+        section=_SERVICE,
+        metavar="HOST:PORT",
+    )
     metrics_port: int = setting(0, "Prometheus /metrics port (0: off)", min=0, max=65535, section=_SERVICE)
-    metrics_host: str = setting("0.0.0.0", "address /metrics binds (127.0.0.1 keeps it local)", section=_SERVICE,
-                                metavar="HOST")
+    metrics_host: str = setting(
+        "0.0.0.0", "address /metrics binds (127.0.0.1 keeps it local)", section=_SERVICE, metavar="HOST"
+    )
     scheduler_id: str = setting("", "accept only this scheduler's streams (empty: any)", section=_SERVICE)
     log_level: str = setting("info", "level of the JSON logs", choices=LOG_LEVELS, section=_SERVICE)
 
     # --- security -----------------------------------------------------------------------------------------------
     tls_cert_file: str = setting(
-        "", "PEM certificate of the Step port (with --tls-key-file: TLS only); re-read when it changes",
-        section=_SECURITY, metavar="PEM",
+        "",
+        "PEM certificate of the Step port (with --tls-key-file: TLS only); re-read when it changes",
+        section=_SECURITY,
+        metavar="PEM",
     )
     tls_key_file: str = setting("", "PEM private key of --tls-cert-file", section=_SECURITY, metavar="PEM")
     tls_client_ca_file: str = setting(
-        "", "PEM CA bundle; the scheduler must present a certificate it signed (mutual TLS)", section=_SECURITY,
+        "",
+        "PEM CA bundle; the scheduler must present a certificate it signed (mutual TLS)",
+        section=_SECURITY,
         metavar="PEM",
     )
     shared_token_file: str = setting(
-        "", "file holding the token every Step stream must carry (authorization: Bearer ...); others get "
-        "UNAUTHENTICATED", section=_SECURITY, metavar="FILE",
+        "",
+        "file holding the token every Step stream must carry (authorization: Bearer ...); others get UNAUTHENTICATED",
+        section=_SECURITY,
+        metavar="FILE",
     )
-    health_port: int = setting(0, "also serve grpc.health.v1 alone, in plaintext, on this port (probes; 0: off)",
-                               min=0, max=65535, section=_SECURITY)
+    health_port: int = setting(
+        0,
+        "also serve grpc.health.v1 alone, in plaintext, on this port (probes; 0: off)",
+        min=0,
+        max=65535,
+        section=_SECURITY,
+    )
     # Only for a port nothing untrusted can reach; a rank refuses to start without authentication unless this is set.
     insecure_allow_unauthenticated: bool = setting(
-        False, "serve Step streams without a token or client certificate (UNSAFE: any peer that reaches the port can "
-        "drive the rank); without it a rank needs --shared-token-file or --tls-client-ca-file", section=_SECURITY,
+        False,
+        "serve Step streams without a token or client certificate (UNSAFE: any peer that reaches the port can "
+        "drive the rank); without it a rank needs --shared-token-file or --tls-client-ca-file",
+        section=_SECURITY,
     )
 
     def __post_init__(self) -> None:
@@ -143,7 +204,9 @@ class WorkerConfig:
         self._check_security()
         for name in ("metrics_host", "dist_bind_host"):
             if not _HOST.match(getattr(self, name)) or (name == "metrics_host" and not self.metrics_host):
-                raise invalid(name, getattr(self, name), "a host name or IP address without a port (e.g. 127.0.0.1, ::1)")
+                raise invalid(
+                    name, getattr(self, name), "a host name or IP address without a port (e.g. 127.0.0.1, ::1)"
+                )
         if not (self.shared_token_file or self.tls_client_ca_file or self.insecure_allow_unauthenticated):
             raise ValueError(
                 "the Step port would serve any peer: set --shared-token-file FILE (a token every Step stream must "

@@ -44,7 +44,9 @@ def tp_plan_override(model_config, tp: int, base_plan: dict[str, str] | None = N
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if all(isinstance(getattr(m, p, None), torch.nn.Linear) for p in _KV_PROJECTIONS)]
+    return [
+        m for m in model.modules() if all(isinstance(getattr(m, p, None), torch.nn.Linear) for p in _KV_PROJECTIONS)
+    ]
 
 
 def keep_rank_kv_heads(model, shape: DecoderShape, tp: int, rank: int) -> int:

@@ -87,7 +87,10 @@ class WorkerMetrics:
             registry=r,
         )
         self.protocol_errors = Counter(
-            "mmcast_worker_protocol_errors_total", "Protocol errors reported to the scheduler, by code.", ["code"], registry=r
+            "mmcast_worker_protocol_errors_total",
+            "Protocol errors reported to the scheduler, by code.",
+            ["code"],
+            registry=r,
         )
         self.handshakes_refused = Counter(
             "mmcast_worker_handshakes_refused_total",

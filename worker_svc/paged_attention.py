@@ -99,7 +99,7 @@ def _attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, span:
     """Attention of one window's queries ``q`` ([heads, n, d]) over its pool rows; returns [heads, n, d]."""
     n = q.shape[1]
     if span.rows is None:
-        (first, rows), = span.runs
+        ((first, rows),) = span.runs
         keys, values = k_layer[:, first : first + rows], v_layer[:, first : first + rows]
     else:
         keys, values = k_layer.index_select(1, span.rows), v_layer.index_select(1, span.rows)
@@ -124,8 +124,9 @@ def paged_attention(
     packed step; returns ([1, T, heads, d], None). Without ``paged_step`` (a plain call of the model, e.g. by a
     test's reference run) it is the library's ``sdpa``."""
     if paged_step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if query.shape[0] != 1:
         raise ValueError(f"the paged step packs every window in one row; got a batch of {query.shape[0]}")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -73,7 +73,9 @@ class Group:
         backend = "nccl" if device.type == "cuda" else "gloo"
         store = _bound_store(config, timeout)
         if store is not None:
-            dist.init_process_group(backend, store=store, rank=config.rank, world_size=config.world_size, timeout=timeout)
+            dist.init_process_group(
+                backend, store=store, rank=config.rank, world_size=config.world_size, timeout=timeout
+            )
         else:
             dist.init_process_group(
                 backend, init_method=config.dist_init, rank=config.rank, world_size=config.world_size, timeout=timeout

@@ -78,8 +78,9 @@ def sampling_from_proto(msg: worker_pb2.WorkerSampling, request_id: str, *, voca
     # The scheduler refuses a top_k above the vocabulary, so one arriving here is a broken or foreign scheduler;
     # the sampler would treat it as no cut, but the rank says so rather than silently sample differently.
     if msg.top_k > vocab_size:
-        raise StepError(code.OUT_OF_RANGE, f"{where}.top_k={msg.top_k} exceeds the vocabulary of {vocab_size} tokens",
-                        request_id)
+        raise StepError(
+            code.OUT_OF_RANGE, f"{where}.top_k={msg.top_k} exceeds the vocabulary of {vocab_size} tokens", request_id
+        )
     return SamplingParams(
         temperature=float(msg.temperature),
         top_p=float(top_p),

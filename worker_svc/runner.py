@@ -134,8 +134,10 @@ class ModelRunner:
         self.text_config = text
         layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
-            raise ValueError(f"{config.model}: decoder layer types {sorted(layer_types)}; the paged attention serves "
-                             "full attention only (use_sliding_window must be false)")
+            raise ValueError(
+                f"{config.model}: decoder layer types {sorted(layer_types)}; the paged attention serves "
+                "full attention only (use_sliding_window must be false)"
+            )
         # Given as the text model's attention_mask: a prepared mask per layer type, so it builds none.
         self._no_masks = {"full_attention": None}
         self.vocab_size = int(text.vocab_size)

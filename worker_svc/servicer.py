@@ -60,8 +60,14 @@ def _rank_step_span(control: worker_pb2.StepControl, rank: int):
     if not tracing.enabled():
         return tracing.span("mmcast.rank_step")
     ids = [r.request_id for r in control.new_requests] + [r.request_id for r in control.running]
-    return tracing.span("mmcast.rank_step", rank=rank, step_id=control.step_id, request_ids=ids,
-                        new_requests=len(control.new_requests), encoder_inputs=len(control.encoder_inputs))
+    return tracing.span(
+        "mmcast.rank_step",
+        rank=rank,
+        step_id=control.step_id,
+        request_ids=ids,
+        new_requests=len(control.new_requests),
+        encoder_inputs=len(control.encoder_inputs),
+    )
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):

@@ -36,6 +36,7 @@ from worker_svc.step_errors import StepError, code
 
 log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass
 class _CheckedStep:
     control: worker_pb2.StepControl
@@ -146,8 +147,19 @@ class Session:
         )
         encoder_hits, encoder_queries = checks.check_encoder_outputs_for_windows(windows, encode, encoded_after)
         checks.check_payload_budget(control, incoming, self.payloads)
-        return _CheckedStep(control, finished, new, running, incoming, encode, windows, payload_hits, encoder_hits,
-                     payload_queries, encoder_queries)
+        return _CheckedStep(
+            control,
+            finished,
+            new,
+            running,
+            incoming,
+            encode,
+            windows,
+            payload_hits,
+            encoder_hits,
+            payload_queries,
+            encoder_queries,
+        )
 
     # --- phase 2: bookkeeping --------------------------------------------------------------------------------
 
@@ -209,8 +221,9 @@ class Session:
             want = feature.data[name].data.reshape(1, 3)
             if grid is None or not torch.equal(grid, want):
                 got = None if grid is None else grid.tolist()[0]
-                raise InvalidArgument(f"item {ident[:16]}: the decoded image has the grid {got}, its header "
-                                      f"gave {want.tolist()[0]}")
+                raise InvalidArgument(
+                    f"item {ident[:16]}: the decoded image has the grid {got}, its header gave {want.tolist()[0]}"
+                )
             fields[name] = feature.data[name]
         return dataclasses.replace(feature, data=MultiModalKwargsItem(fields), encoding=PayloadEncoding.PIXELS)
 
@@ -236,8 +249,9 @@ class Session:
             rows = r.encode(feature)
             want = feature.mm_position.get_num_embeds()
             if rows.shape[0] != want:  # the item's failure, reported like a bad file: the peers must learn of it
-                failures[ident] = (f"item {ident[:16]}: the encoder produced {rows.shape[0]} rows, its placeholder "
-                                   f"range takes {want}")
+                failures[ident] = (
+                    f"item {ident[:16]}: the encoder produced {rows.shape[0]} rows, its placeholder range takes {want}"
+                )
                 continue
             rows_of[ident] = rows if owner is None else rows.to(r.row_dtype)
             outcome.encoder_runs += 1
@@ -277,8 +291,11 @@ class Session:
         failed_items = self._encode_step(checked, outcome)
         windows = checked.windows
         if failed_items:  # every rank skips the same windows: those that reach an item no rank could encode
-            windows = [(s, a, b) for s, a, b in windows
-                       if not any(s.features[i].identifier in failed_items for i in s.overlapping(a, b))]
+            windows = [
+                (s, a, b)
+                for s, a, b in windows
+                if not any(s.features[i].identifier in failed_items for i in s.overlapping(a, b))
+            ]
 
         inputs: list[ForwardInput] = []
         for state, start, end in windows:

@@ -173,8 +173,14 @@ def _kernel(tensors, process_group, reduce_op, sparse_indices, async_op=True, ti
     if name not in _segments and group.size() > 1:
         _segments[name] = _open(group)
     segment = _segments.get(name)
-    if (segment is not None and sparse_indices is None and len(tensors) == 1 and op in _OPS
-            and tensors[0].is_contiguous() and segment.fits(tensors[0])):
+    if (
+        segment is not None
+        and sparse_indices is None
+        and len(tensors) == 1
+        and op in _OPS
+        and tensors[0].is_contiguous()
+        and segment.fits(tensors[0])
+    ):
         segment.all_reduce(tensors[0], _OPS[op])
         calls["shared_memory"] += 1
         future = torch.futures.Future()

@@ -231,8 +231,11 @@ def check_owner(enc: worker_pb2.EncoderInput, ident: ItemId, world_size: int) ->
     """A sharded item's owner is a rank of the group (None: replicated, every rank encodes it)."""
     owner = None if enc.replicated else enc.owner_rank
     if owner is not None and owner >= world_size:
-        raise StepError(code.OUT_OF_RANGE, f"encoder_inputs[{ident[:16]}].owner_rank={owner}; the group has "
-                        f"{world_size} ranks", item_identifier=ident)
+        raise StepError(
+            code.OUT_OF_RANGE,
+            f"encoder_inputs[{ident[:16]}].owner_rank={owner}; the group has {world_size} ranks",
+            item_identifier=ident,
+        )
     return owner
 
 
@@ -251,8 +254,11 @@ def check_local_encoder_input(
     the encoder reads, and passes the runner's own input checks."""
     feature = decode_item(msg, ident, fields)
     if feature.encoding is PayloadEncoding.ENCODED and not images_allowed:
-        raise StepError(code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}] is an encoded image, but the handshake "
-                        "allowed no image format", item_identifier=ident)
+        raise StepError(
+            code.BAD_TENSOR,
+            f"encoder_inputs[{ident[:16]}] is an encoded image, but the handshake allowed no image format",
+            item_identifier=ident,
+        )
     missing = [n for n in runner.encoder_fields(feature) if feature.data is None or n not in feature.data]
     if missing:
         raise StepError(

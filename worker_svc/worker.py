@@ -176,8 +176,13 @@ class Worker:
         formats = [f for f in hs.image_formats if f in _pil_formats()]
         if not formats:
             return None
-        return ImageInput(self.image_processor, formats, hs.max_image_pixels or 1,
-                          family_of(read_config(self.config.model)), processor=self.processor)
+        return ImageInput(
+            self.image_processor,
+            formats,
+            hs.max_image_pixels or 1,
+            family_of(read_config(self.config.model)),
+            processor=self.processor,
+        )
 
     def close_stream(self, handle: StreamHandle) -> None:
         if self.active is handle:

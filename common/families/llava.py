@@ -59,8 +59,10 @@ class LlavaFamily(Family):
         channels = int(config_get(vision, "num_channels") or 3)
         want = (1, channels, size, size)
         if pixels.dim() != 4 or not pixels.dtype.is_floating_point or tuple(pixels.shape) != want:
-            return (f"{pixels_name} must be one float image of shape {want} (the vision tower's image_size {size}); "
-                    f"got {pixels.dtype}{tuple(pixels.shape)}")
+            return (
+                f"{pixels_name} must be one float image of shape {want} (the vision tower's image_size {size}); "
+                f"got {pixels.dtype}{tuple(pixels.shape)}"
+            )
         return None
 
     def encode(self, model, pixels, grid, video: bool):

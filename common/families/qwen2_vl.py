@@ -29,8 +29,13 @@ class Qwen2VLFamily(Family):
 
         patch = int(image_processor.patch_size)
         size = image_processor.size
-        h, w = smart_resize(height, width, patch * int(image_processor.merge_size),
-                            min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        h, w = smart_resize(
+            height,
+            width,
+            patch * int(image_processor.merge_size),
+            min_pixels=size["shortest_edge"],
+            max_pixels=size["longest_edge"],
+        )
         return torch.tensor([[1, h // patch, w // patch]], dtype=torch.int64)
 
     def rope_kwargs(self, config) -> dict[str, Any]:

@@ -10,9 +10,20 @@ from benchmarks import http_overhead as ho
 
 
 def _rec(scenario, door, index, ttft, text="abc", n=0, image=""):
-    return {"scenario": scenario, "door": door, "index": index, "ttft_ms": ttft, "total_ms": ttft + 5, "text": text,
-            "completion_tokens": 4, "prompt_tokens": 10, "cached_tokens": 0, "scheduler_cpu_ms": 1.0, "n": n,
-            "image": image}
+    return {
+        "scenario": scenario,
+        "door": door,
+        "index": index,
+        "ttft_ms": ttft,
+        "total_ms": ttft + 5,
+        "text": text,
+        "completion_tokens": 4,
+        "prompt_tokens": 10,
+        "cached_tokens": 0,
+        "scheduler_cpu_ms": 1.0,
+        "n": n,
+        "image": image,
+    }
 
 
 def test_analysis_pairs_rounds_and_judges_the_target_like_for_like():
@@ -46,8 +57,11 @@ def test_smallest_plan_runs_against_a_real_group(tmp_path, tiny_model_dir):
     assert result["equality"]["ok"], result["equality"]["mismatches"]
     assert len(result["records"]) == ho.planned_requests(plan)
     cells = {(r["scenario"], r["n"]): set(r["doors"]) for r in result["rows"]}
-    assert cells == {("text", 0): set(ho.SCENARIO_DOORS["text"]), ("new_image", 1): set(ho.SCENARIO_DOORS["new_image"]),
-                     ("cached_conversation", 2): set(ho.DOORS)}
+    assert cells == {
+        ("text", 0): set(ho.SCENARIO_DOORS["text"]),
+        ("new_image", 1): set(ho.SCENARIO_DOORS["new_image"]),
+        ("cached_conversation", 2): set(ho.DOORS),
+    }
     conv = next(r for r in result["rows"] if r["scenario"] == "cached_conversation")
     # The earlier image is in the prefix cache whichever way it is named: by hash, by uuid, or its bytes again.
     cached = {d: v["cached_tokens"] for d, v in conv["doors"].items()}

@@ -39,8 +39,9 @@ def _records(costs=COSTS, tp=2, image="448x448 jpeg", tokens=lambda n, r: [n, r]
                            "worker_collective_seconds_sum": 0.001 * n if fields else None,
                            "worker_preprocess_seconds_sum": 0.004 * n if fields else None}  # fmt: skip
                 if fields:
-                    usage.update(encoder_runs=runs * n, encoder_output_bytes_shared=shared * n,
-                                 image_cpu_seconds=cpu * n / 2)
+                    usage.update(
+                        encoder_runs=runs * n, encoder_output_bytes_shared=shared * n, image_cpu_seconds=cpu * n / 2
+                    )
                 out.append({"scenario": "new_images", "kind": "image", "client": "sdk", "tp": tp, "mode": "lazy",
                             "n": n, "index": r, "ttft_ms": 40 + ttft * n + rng.gauss(0, 0.5), "server_ttft_ms": 0,
                             "total_ms": 0, "token_ids": tokens(n, r), "usage": usage, "metrics": metrics,
@@ -120,8 +121,13 @@ def test_plan_seeds_are_fresh_and_the_same_in_every_group():
     warm = [s for k in range(len(sets)) for s in new_images.seeds(k, 0, 0, 1)]
     assert len(set(used + warm)) == len(used) + len(warm) == 2 * 13 + 1 + 2
     assert new_images.planned_requests(sets) == len(plan) + 1  # one warm-up request
-    assert new_images.groups((1, 2)) == ((1, BASELINE), (1, CANDIDATE), (2, BASELINE), (2, "encoded+replicated"),
-                                         (2, CANDIDATE))
+    assert new_images.groups((1, 2)) == (
+        (1, BASELINE),
+        (1, CANDIDATE),
+        (2, BASELINE),
+        (2, "encoded+replicated"),
+        (2, CANDIDATE),
+    )
     with pytest.raises(ValueError, match="new-image variant"):
         new_images.groups((2,), ("pixels+sharded",))
     with pytest.raises(ValueError, match="ImageSet.fmt"):

@@ -15,8 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_quick_plan_checks_both_tables_and_renders_side_by_side(monkeypatch):
     monkeypatch.setattr(bench, "WIDTHS", {"head64": (4, 2, 16)})  # small heads keep the test quick
     records = bench.measure(quick=True, baseline_tree=ROOT, log=lambda *_: None)
-    assert {(r["tree"], r["table"]) for r in records} == {(t, k) for t in ("this", "baseline")
-                                                          for k in ("contiguous", "fragmented")}
+    assert {(r["tree"], r["table"]) for r in records} == {
+        (t, k) for t in ("this", "baseline") for k in ("contiguous", "fragmented")
+    }
     assert {r["runs"] for r in records if r["table"] == "contiguous"} == {1}
     assert min(r["runs"] for r in records if r["table"] == "fragmented") > 1
     text = bench.table(records)

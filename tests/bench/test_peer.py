@@ -12,9 +12,16 @@ pytest.importorskip("openai")
 
 
 def _point(rate, p99, throughput, wait=0.0, offered=10, failed=0):
-    return {"rate": rate, "offered": offered, "completed": offered - failed, "failed": failed, "ttft_p99_ms": p99,
-            "request_throughput": throughput, "output_token_throughput": 16 * throughput,
-            "conversation_wait_p99_ms": wait}
+    return {
+        "rate": rate,
+        "offered": offered,
+        "completed": offered - failed,
+        "failed": failed,
+        "ttft_p99_ms": p99,
+        "request_throughput": throughput,
+        "output_token_throughput": 16 * throughput,
+        "conversation_wait_p99_ms": wait,
+    }
 
 
 def test_a_rate_is_held_within_the_slo_without_holding_conversations_back():

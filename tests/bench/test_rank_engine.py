@@ -9,8 +9,14 @@ from benchmarks import rank_engine
 
 
 def _side(prefill_s, decode_tokens, decode_s, **extra):
-    return {"prompt_tokens": 1600, "new_tokens": 160, "prefill_seconds": prefill_s, "decode_tokens": decode_tokens,
-            "decode_seconds": decode_s, **extra}
+    return {
+        "prompt_tokens": 1600,
+        "new_tokens": 160,
+        "prefill_seconds": prefill_s,
+        "decode_tokens": decode_tokens,
+        "decode_seconds": decode_s,
+        **extra,
+    }
 
 
 def test_rates_ratio_and_attended_token_cost_follow_the_measured_times():
@@ -18,8 +24,17 @@ def test_rates_ratio_and_attended_token_cost_follow_the_measured_times():
     plain = _side(5.0, 150, 6.0, step_ms=400.0)
     assert rank_engine._rate(served, "prefill") == 400.0 and rank_engine._rate(served, "decode") == 50.0
     assert rank_engine._rate(plain, "total") == pytest.approx(160 / 11.0)
-    row = {"width": "2b", "job": "equal", "n": 16, "new_tokens": 10, "mean_prompt": 100.0, "attended": 1680.0,
-           "served": served, "plain": plain, "requests_equal": 15}
+    row = {
+        "width": "2b",
+        "job": "equal",
+        "n": 16,
+        "new_tokens": 10,
+        "mean_prompt": 100.0,
+        "attended": 1680.0,
+        "served": served,
+        "plain": plain,
+        "requests_equal": 15,
+    }
     text = rank_engine.tables({"rows": [row]})
     assert "| 2B | equal | 16 | 100 | 400 / 320 | 50.0 | 25.0 | **2.00×** |" in text
     assert "| 15/16 |" in text

@@ -11,8 +11,22 @@ from benchmarks import report
 PAYLOAD = 22_500_000
 
 
-def _rec(scenario, kind, mode, n, index, ttft, *, tp=1, client="sdk", payload=0, metadata=None, tokens=(1, 2),
-         sent=0, worker_payload=None):
+def _rec(
+    scenario,
+    kind,
+    mode,
+    n,
+    index,
+    ttft,
+    *,
+    tp=1,
+    client="sdk",
+    payload=0,
+    metadata=None,
+    tokens=(1, 2),
+    sent=0,
+    worker_payload=None,
+):
     metadata = 80 * n * tp if metadata is None else metadata
     return {
         "scenario": scenario, "kind": kind, "client": client, "tp": tp, "mode": mode, "n": n, "index": index,
@@ -32,18 +46,24 @@ def _records(full_slope=20.0, lazy_slope=1.0, control_slope=1.0, seed=0):
         for n in (2, 13, 26):
             for i in range(1, 6):
                 payload = PAYLOAD * n if mode == "full" else 0
-                out.append(_rec("cached_floor", "image", mode, n, i, 30 + slope * n + rng.gauss(0, 0.3),
-                                payload=payload))
+                out.append(
+                    _rec("cached_floor", "image", mode, n, i, 30 + slope * n + rng.gauss(0, 0.3), payload=payload)
+                )
                 out.append(_rec("cached_floor", "control", mode, n, i, 30 + control_slope * n + rng.gauss(0, 0.3)))
         for t in range(4):
-            out.append(_rec("sliding_window", "image", mode, min(t + 1, 2), t, 50.0,
-                            sent=1 if mode == "lazy" else min(t + 1, 2)))
+            out.append(
+                _rec(
+                    "sliding_window", "image", mode, min(t + 1, 2), t, 50.0, sent=1 if mode == "lazy" else min(t + 1, 2)
+                )
+            )
     return out
 
 
 def test_slopes_targets_and_broadcast_cost():
-    floors = [{"transport": "grpc", "size": "1280x720", "ranks": 1, "p50_ms": 15.0},
-              {"transport": "shm", "size": "1280x720", "ranks": 1, "p50_ms": 3.0}]
+    floors = [
+        {"transport": "grpc", "size": "1280x720", "ranks": 1, "p50_ms": 15.0},
+        {"transport": "shm", "size": "1280x720", "ranks": 1, "p50_ms": 3.0},
+    ]
     a = report.analyze(_records(), floors, None, "1280x720")
     by = {(s["mode"], s["client"]): s for s in a["slopes"]}
     assert by[("full", "sdk")]["images"]["slope"] == pytest.approx(20.0, abs=0.1)

@@ -85,7 +85,11 @@ def test_rejects_negative_dimension():
 
 def test_rejects_over_limit_before_allocating():
     h = tensor_pb2.TensorHeader(
-        dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1 << 20, 1 << 20], byte_size=4 << 40, num_chunks=4 << 20, chunk_size=1 << 20
+        dtype=tensor_pb2.DTYPE_FLOAT32,
+        shape=[1 << 20, 1 << 20],
+        byte_size=4 << 40,
+        num_chunks=4 << 20,
+        chunk_size=1 << 20,
     )
     with pytest.raises(codec.TensorDecodeError, match="exceeds the limit of 1048576 bytes"):
         codec.TensorAssembler(h, max_bytes=1 << 20, name="big")

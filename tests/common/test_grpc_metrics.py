@@ -21,11 +21,22 @@ from common.grpc_metrics import (
 SERVICE = "test.v1.Probe"
 # Go's codes.Code.String() for every code, as go-grpc-prometheus writes grpc_code.
 GO_SPELLING = {
-    "OK": "OK", "CANCELLED": "Canceled", "UNKNOWN": "Unknown", "INVALID_ARGUMENT": "InvalidArgument",
-    "DEADLINE_EXCEEDED": "DeadlineExceeded", "NOT_FOUND": "NotFound", "ALREADY_EXISTS": "AlreadyExists",
-    "PERMISSION_DENIED": "PermissionDenied", "RESOURCE_EXHAUSTED": "ResourceExhausted",
-    "FAILED_PRECONDITION": "FailedPrecondition", "ABORTED": "Aborted", "OUT_OF_RANGE": "OutOfRange",
-    "UNIMPLEMENTED": "Unimplemented", "INTERNAL": "Internal", "UNAVAILABLE": "Unavailable", "DATA_LOSS": "DataLoss",
+    "OK": "OK",
+    "CANCELLED": "Canceled",
+    "UNKNOWN": "Unknown",
+    "INVALID_ARGUMENT": "InvalidArgument",
+    "DEADLINE_EXCEEDED": "DeadlineExceeded",
+    "NOT_FOUND": "NotFound",
+    "ALREADY_EXISTS": "AlreadyExists",
+    "PERMISSION_DENIED": "PermissionDenied",
+    "RESOURCE_EXHAUSTED": "ResourceExhausted",
+    "FAILED_PRECONDITION": "FailedPrecondition",
+    "ABORTED": "Aborted",
+    "OUT_OF_RANGE": "OutOfRange",
+    "UNIMPLEMENTED": "Unimplemented",
+    "INTERNAL": "Internal",
+    "UNAVAILABLE": "Unavailable",
+    "DATA_LOSS": "DataLoss",
     "UNAUTHENTICATED": "Unauthenticated",
 }
 
@@ -87,16 +98,19 @@ def _aio_handlers(started_stream: asyncio.Event) -> grpc.GenericRpcHandler:
         async for r in request_iterator:
             yield r
 
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "Ok": grpc.unary_unary_rpc_method_handler(ok),
-        "Invalid": grpc.unary_unary_rpc_method_handler(invalid),
-        "SetCode": grpc.unary_unary_rpc_method_handler(set_code),
-        "Boom": grpc.unary_unary_rpc_method_handler(boom),
-        "Slow": grpc.unary_unary_rpc_method_handler(slow),
-        "Forever": grpc.unary_stream_rpc_method_handler(forever),
-        "Count": grpc.stream_unary_rpc_method_handler(count),
-        "Echo": grpc.stream_stream_rpc_method_handler(echo),
-    })
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Ok": grpc.unary_unary_rpc_method_handler(ok),
+            "Invalid": grpc.unary_unary_rpc_method_handler(invalid),
+            "SetCode": grpc.unary_unary_rpc_method_handler(set_code),
+            "Boom": grpc.unary_unary_rpc_method_handler(boom),
+            "Slow": grpc.unary_unary_rpc_method_handler(slow),
+            "Forever": grpc.unary_stream_rpc_method_handler(forever),
+            "Count": grpc.stream_unary_rpc_method_handler(count),
+            "Echo": grpc.stream_stream_rpc_method_handler(echo),
+        },
+    )
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -104,8 +118,14 @@ def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 
 def _handled(registry, method, rpc_type, code) -> float:
-    return _value(registry, "grpc_server_handled_total", grpc_service=SERVICE, grpc_method=method,
-                  grpc_type=rpc_type, grpc_code=code)
+    return _value(
+        registry,
+        "grpc_server_handled_total",
+        grpc_service=SERVICE,
+        grpc_method=method,
+        grpc_type=rpc_type,
+        grpc_code=code,
+    )
 
 
 async def _until(predicate, timeout: float = 5.0) -> bool:
@@ -125,12 +145,16 @@ async def _aio_round(registry: CollectorRegistry) -> None:
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+
             def call(name, kind="unary_unary"):
                 return getattr(channel, kind)(f"/{SERVICE}/{name}")
 
             assert await call("Ok")(b"hi") == b"hi"
-            for name, code in (("Invalid", grpc.StatusCode.INVALID_ARGUMENT),
-                               ("SetCode", grpc.StatusCode.RESOURCE_EXHAUSTED), ("Boom", grpc.StatusCode.UNKNOWN)):
+            for name, code in (
+                ("Invalid", grpc.StatusCode.INVALID_ARGUMENT),
+                ("SetCode", grpc.StatusCode.RESOURCE_EXHAUSTED),
+                ("Boom", grpc.StatusCode.UNKNOWN),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await call(name)(b"")
                 assert info.value.code() == code
@@ -144,7 +168,9 @@ async def _aio_round(registry: CollectorRegistry) -> None:
             await started_stream.wait()
             stream.cancel()
             assert await _until(lambda: _handled(registry, "Forever", "server_stream", "Canceled") == 1)
-            assert await _until(lambda: _handled(registry, "Slow", "unary", "DeadlineExceeded") == 1), generate_latest(registry).decode()
+            assert await _until(lambda: _handled(registry, "Slow", "unary", "DeadlineExceeded") == 1), generate_latest(
+                registry
+            ).decode()
     finally:
         await server.stop(None)
 
@@ -153,9 +179,14 @@ def test_aio_interceptor_counts_every_rpc_type_with_go_codes():
     registry = CollectorRegistry()
     asyncio.run(_aio_round(registry))
     expected = {
-        ("Ok", "unary", "OK"), ("Invalid", "unary", "InvalidArgument"), ("SetCode", "unary", "ResourceExhausted"),
-        ("Boom", "unary", "Unknown"), ("Slow", "unary", "DeadlineExceeded"), ("Count", "client_stream", "OK"),
-        ("Echo", "bidi_stream", "OK"), ("Forever", "server_stream", "Canceled"),
+        ("Ok", "unary", "OK"),
+        ("Invalid", "unary", "InvalidArgument"),
+        ("SetCode", "unary", "ResourceExhausted"),
+        ("Boom", "unary", "Unknown"),
+        ("Slow", "unary", "DeadlineExceeded"),
+        ("Count", "client_stream", "OK"),
+        ("Echo", "bidi_stream", "OK"),
+        ("Forever", "server_stream", "Canceled"),
     }
     for method, rpc_type, code in expected:
         assert _handled(registry, method, rpc_type, code) == 1, (method, code)
@@ -195,11 +226,18 @@ def test_sync_interceptor_uses_the_same_names():
 
     registry = CollectorRegistry()
     server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[ServerMetricsInterceptor(registry)])
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-        "Ok": grpc.unary_unary_rpc_method_handler(ok),
-        "Missing": grpc.unary_unary_rpc_method_handler(invalid),
-        "Stream": grpc.unary_stream_rpc_method_handler(stream),
-    }),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE,
+                {
+                    "Ok": grpc.unary_unary_rpc_method_handler(ok),
+                    "Missing": grpc.unary_unary_rpc_method_handler(invalid),
+                    "Stream": grpc.unary_stream_rpc_method_handler(stream),
+                },
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:

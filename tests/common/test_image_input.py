@@ -107,29 +107,35 @@ CASE_BUILDERS = {
     "700x500 PNG over max_pixels": lambda: Case(_encode(_rgb(11, 700, 500), "PNG", compress_level=1), clamped=True),
     "4000x60 JPEG over max_pixels": lambda: Case(_encode(_rgb(12, 4000, 60), "JPEG"), clamped=True),
     "450x700 RGBA PNG over max_pixels, EXIF 6": lambda: Case(
-        _encode(_rgba(13, 450, 700), "PNG", 6, compress_level=1), 6, True, True),
+        _encode(_rgba(13, 450, 700), "PNG", 6, compress_level=1), 6, True, True
+    ),
     # modes
     "RGB PNG": lambda: Case(_encode(_rgb(20, W, H), "PNG")),
     "L PNG": lambda: Case(_encode(Image.fromarray(_noise(21, W, H, 1)), "PNG")),
     "L JPEG": lambda: Case(_encode(Image.fromarray(_noise(22, W, H, 1)), "JPEG")),
-    "LA PNG": lambda: Case(_encode(Image.fromarray(np.dstack([_noise(23, W, H, 1), _alpha(24, W, H)]), "LA"), "PNG"),
-                           transparent=True),
+    "LA PNG": lambda: Case(
+        _encode(Image.fromarray(np.dstack([_noise(23, W, H, 1), _alpha(24, W, H)]), "LA"), "PNG"), transparent=True
+    ),
     "RGBA PNG": lambda: Case(_encode(_rgba(25, W, H), "PNG"), transparent=True),
     "RGBA WebP lossless": lambda: Case(_encode(_rgba(27, W, H), "WEBP", lossless=True), transparent=True),
     "P PNG": lambda: Case(_encode(_palette(29, W, H), "PNG")),
-    "P PNG with a transparent index": lambda: Case(_encode(_palette(31, W, H), "PNG", transparency=5),
-                                                   transparent=True),
+    "P PNG with a transparent index": lambda: Case(
+        _encode(_palette(31, W, H), "PNG", transparency=5), transparent=True
+    ),
     "P GIF": lambda: Case(_encode(_palette(33, W, H), "GIF")),
-    "P GIF with a transparent index": lambda: Case(_encode(_palette(35, W, H), "GIF", transparency=7),
-                                                   transparent=True),
+    "P GIF with a transparent index": lambda: Case(
+        _encode(_palette(35, W, H), "GIF", transparency=7), transparent=True
+    ),
     "CMYK JPEG": lambda: Case(_encode(Image.fromarray(_noise(37, W, H, 4), "CMYK"), "JPEG", quality=95)),
     "I;16 PNG": lambda: Case(_encode(Image.fromarray(_noise(38, W, H, 1, 60_000, np.uint16)), "PNG")),
     "1-bit PNG": lambda: Case(_encode(Image.fromarray(_noise(39, W, H, 1, 2).astype(bool)), "PNG")),
     "RGB BMP": lambda: Case(_encode(_rgb(40, W, H), "BMP")),
     "RGB WebP": lambda: Case(_encode(_rgb(41, W, H), "WEBP", quality=70)),
     # EXIF orientation
-    **{f"JPEG EXIF {o}": functools.partial(lambda o: Case(_encode(_rgb(50 + o, W, H), "JPEG", o), o), o)
-       for o in range(2, 9)},
+    **{
+        f"JPEG EXIF {o}": functools.partial(lambda o: Case(_encode(_rgb(50 + o, W, H), "JPEG", o), o), o)
+        for o in range(2, 9)
+    },
     "L JPEG EXIF 5": lambda: Case(_encode(Image.fromarray(_noise(60, W, H, 1)), "JPEG", 5), 5),
     "RGB WebP EXIF 8": lambda: Case(_encode(_rgb(61, W, H), "WEBP", 8, quality=70), 8),
     "RGBA PNG EXIF 7": lambda: Case(_encode(_rgba(62, W, H), "PNG", 7), 7, True),
@@ -147,8 +153,12 @@ class Kit:
 
     def __init__(self, model_dir) -> None:
         self.reference = AutoImageProcessor.from_pretrained(model_dir)
-        self.input = ImageInput(load_processor(model_dir).image_processor, DEFAULT_IMAGE_FORMATS,
-                                SchedulerConfig().max_image_pixels, family_of(read_config(model_dir)))
+        self.input = ImageInput(
+            load_processor(model_dir).image_processor,
+            DEFAULT_IMAGE_FORMATS,
+            SchedulerConfig().max_image_pixels,
+            family_of(read_config(model_dir)),
+        )
 
     def processed(self, image) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.reference(images=[image], return_tensors="pt")
@@ -258,8 +268,11 @@ def test_header_grid_and_tokens_equal_the_processors(kits, name, monkeypatch):
     c = case(name)
     kit = kits[c.clamped]
     decodes: list[str] = []
-    for owner, attr in [(ImageFile.ImageFile, "load"), (WebPImagePlugin.WebPImageFile, "load"),
-                        (ImageOps, "exif_transpose")]:
+    for owner, attr in [
+        (ImageFile.ImageFile, "load"),
+        (WebPImagePlugin.WebPImageFile, "load"),
+        (ImageOps, "exif_transpose"),
+    ]:
         monkeypatch.setattr(owner, attr, _recording(getattr(owner, attr), f"{owner.__name__}.{attr}", decodes))
     _, header = kit.input.open(c.data, "x")
     grid = kit.input.grid(header)
@@ -284,7 +297,7 @@ def _break_zlib(png: bytes) -> bytes:
     """A PNG whose first IDAT chunk carries a corrupted deflate stream (its CRC left wrong too: Pillow does not
     check IDAT CRCs, the inflate is what fails)."""
     at = png.index(b"IDAT")
-    (length,) = struct.unpack(">I", png[at - 4:at])
+    (length,) = struct.unpack(">I", png[at - 4 : at])
     out = bytearray(png)
     out[at + 4 + length // 2] ^= 0xFF
     return bytes(out)
@@ -319,8 +332,9 @@ def test_a_corrupt_file_is_invalid_argument_naming_the_field(kits, name):
     message = str(error.value)
     assert message.startswith(field + ": "), message
     if opens:
-        assert "could not be decoded" in message and ("truncated" in message or "broken data stream" in message), \
+        assert "could not be decoded" in message and ("truncated" in message or "broken data stream" in message), (
             message
+        )
 
 
 def test_an_exif_chunk_behind_the_pixel_data_is_read_from_the_header(kits):
@@ -362,6 +376,9 @@ def test_a_narrowed_whitelist_refuses_the_formats_it_leaves_out(kits):
     kit = kits[False]
     png_only = ImageInput(kit.input.image_processor, ["PNG"], SchedulerConfig().max_image_pixels)
     png_only.open(case("RGB PNG").data, "image")
-    with pytest.raises(InvalidArgument, match=r"^image: JPEG images are not accepted; allowed formats: PNG "
-                                              r"\(--image-formats\)"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^image: JPEG images are not accepted; allowed formats: PNG "
+        r"\(--image-formats\)",
+    ):
         png_only.process_bytes(case("57x113 JPEG").data, "image")

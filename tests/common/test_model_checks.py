@@ -140,9 +140,7 @@ def kv2_config_dir(tmp_path_factory):
 
 def run(module: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, MMCAST_ALLOCATOR_ENV_SET="0")
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60, env=env
-    )
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60, env=env)
 
 
 def last_record(stderr: str) -> dict:

@@ -29,10 +29,14 @@ def test_the_qwen2_vl_family_is_mrope_in_every_form(cls, hub_style):
     assert uses_mrope(_as_json(config))
 
 
-@pytest.mark.parametrize("config", (
-    Qwen2Config(vocab_size=32, hidden_size=16, num_attention_heads=2, num_hidden_layers=1),
-    LlamaConfig(vocab_size=32, hidden_size=16, num_attention_heads=2, num_hidden_layers=1),
-), ids=("qwen2", "llama"))
+@pytest.mark.parametrize(
+    "config",
+    (
+        Qwen2Config(vocab_size=32, hidden_size=16, num_attention_heads=2, num_hidden_layers=1),
+        LlamaConfig(vocab_size=32, hidden_size=16, num_attention_heads=2, num_hidden_layers=1),
+    ),
+    ids=("qwen2", "llama"),
+)
 def test_plain_rope_models_are_not_mrope(config):
     assert not uses_mrope(config)
     assert not uses_mrope(_as_json(config))

@@ -38,7 +38,7 @@ def test_code_and_message_are_the_plain_status_and_travel_in_the_trailer():
     err = InvalidArgument("sampling.top_p=0.0 must be in (0, 1]", field="sampling.top_p")
     status = rich_status.to_grpc_status(err)
     assert status.code == grpc.StatusCode.INVALID_ARGUMENT and status.details == err.message
-    (key, value), = status.trailing_metadata
+    ((key, value),) = status.trailing_metadata
     assert key == "grpc-status-details-bin"
     proto = status_pb2.Status.FromString(value)
     assert (proto.code, proto.message) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], err.message)
@@ -49,18 +49,23 @@ def test_bad_request_lists_every_field_in_order_with_the_message():
     details = unpacked(rich_status.status_proto(err))
     assert list(details) == ["BadRequest"]
     assert [(v.field, v.description) for v in details["BadRequest"].field_violations] == [
-        ("messages", err.message), ("sampling.max_tokens", err.message)]
+        ("messages", err.message),
+        ("sampling.max_tokens", err.message),
+    ]
 
 
-@pytest.mark.parametrize("err, delay", [
-    (Unavailable("draining"), rich_status.UNAVAILABLE_RETRY_SECONDS),  # no better delay known
-    (Unavailable("group down", retry_after=1.75), 1.75),  # computed by the raiser
-    (Unavailable("group down", retry_after=0.0), rich_status.MIN_RETRY_SECONDS),  # never below a step
-    (ResourceExhausted("queue full", retry_after=1.0), 1.0),  # load
-    (ResourceExhausted("image over --max-upload-bytes", field="messages[0].content[0].image"), None),  # a limit
-    (NotFound("no such upload", resource=Resource(IMAGE_RESOURCE, "ab" * 32)), None),
-    (MmcastError("internal"), None),
-])
+@pytest.mark.parametrize(
+    "err, delay",
+    [
+        (Unavailable("draining"), rich_status.UNAVAILABLE_RETRY_SECONDS),  # no better delay known
+        (Unavailable("group down", retry_after=1.75), 1.75),  # computed by the raiser
+        (Unavailable("group down", retry_after=0.0), rich_status.MIN_RETRY_SECONDS),  # never below a step
+        (ResourceExhausted("queue full", retry_after=1.0), 1.0),  # load
+        (ResourceExhausted("image over --max-upload-bytes", field="messages[0].content[0].image"), None),  # a limit
+        (NotFound("no such upload", resource=Resource(IMAGE_RESOURCE, "ab" * 32)), None),
+        (MmcastError("internal"), None),
+    ],
+)
 def test_retry_info_only_where_a_retry_can_succeed(err, delay):
     details = unpacked(rich_status.status_proto(err))
     if delay is None:
@@ -71,8 +76,10 @@ def test_retry_info_only_where_a_retry_can_succeed(err, delay):
 
 
 def test_resource_info_names_the_missing_image():
-    err = NotFound("messages[0].content[0].image.uploaded_sha256=... is not in the upload store",
-                   resource=Resource(IMAGE_RESOURCE, "cd" * 32))
+    err = NotFound(
+        "messages[0].content[0].image.uploaded_sha256=... is not in the upload store",
+        resource=Resource(IMAGE_RESOURCE, "cd" * 32),
+    )
     status = rich_status.status_proto(err)
     info = unpacked(status)["ResourceInfo"]
     assert (info.resource_type, info.resource_name, info.description) == ("mmcast.v1/image", "cd" * 32, err.message)
@@ -136,7 +143,10 @@ def test_top_k_is_bounded_by_the_vocabulary():
     for bad in (101, 2**32 - 1):
         with pytest.raises(InvalidArgument) as info:
             top_k(top_k=bad)
-        assert info.value.message == f"sampling.top_k={bad} exceeds the model's vocabulary of 100 tokens (0 = no top-k cut)"
+        assert (
+            info.value.message
+            == f"sampling.top_k={bad} exceeds the model's vocabulary of 100 tokens (0 = no top-k cut)"
+        )
 
 
 @pytest.mark.parametrize("path", list(BAD_MESSAGES))
@@ -147,10 +157,14 @@ def test_message_errors_name_their_field(path):
     assert field_resolves(g.GenerateRequest.DESCRIPTOR, path)
 
 
-@pytest.mark.parametrize("check, value, field", [
-    (request_parsing.check_request_id, "r" * 129, "request_id"), (request_parsing.check_request_id, "a b", "request_id"),
-    (request_parsing.check_cache_salt, "s" * 257, "cache_salt"),
-])
+@pytest.mark.parametrize(
+    "check, value, field",
+    [
+        (request_parsing.check_request_id, "r" * 129, "request_id"),
+        (request_parsing.check_request_id, "a b", "request_id"),
+        (request_parsing.check_cache_salt, "s" * 257, "cache_salt"),
+    ],
+)
 def test_id_errors_name_their_field(check, value, field):
     with pytest.raises(InvalidArgument) as info:
         check(value)

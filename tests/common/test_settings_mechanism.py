@@ -44,8 +44,14 @@ def demo(argv, environ=None) -> Demo:
 def test_a_flag_wins_over_its_variable_which_wins_over_the_default():
     env = {"MMCAST_NAME": "from-env", "MMCAST_COUNT": "7", "MMCAST_RATIO": "0.25", "MMCAST_HOSTS": "x:1, y:2,"}
     got = demo(["--count", "4"], env)
-    assert (got.name, got.count, got.ratio, got.hosts, got.mode, got.loud) == ("from-env", 4, 0.25, ["x:1", "y:2"],
-                                                                                "fast", False)
+    assert (got.name, got.count, got.ratio, got.hosts, got.mode, got.loud) == (
+        "from-env",
+        4,
+        0.25,
+        ["x:1", "y:2"],
+        "fast",
+        False,
+    )
     assert demo(["--name", "flag"], env).name == "flag"
     assert demo(["--name", "n", "--loud"]).loud is True and demo(["--name", "n", "--loud", "off"]).loud is False
     assert demo([], {"MMCAST_NAME": "n", "MMCAST_LOUD": "YES"}).loud is True
@@ -97,9 +103,20 @@ def test_values_built_in_code_get_the_same_checks():
 
 def test_help_has_sections_defaults_and_variables():
     text = settings.build_parser(Demo, prog="demo", description="d").format_help()
-    for needle in ("first:", "second:", "--version", "--print-config", "--name NAME", "(default: required)",
-                   "[env MMCAST_NAME]", "--mode {fast,Careful}", "(default: fast) [env MMCAST_MODE]",
-                   "a share of 100% (default: 0.5)", "(default: a:1) [env MMCAST_HOSTS]", "--loud [BOOL]"):
+    for needle in (
+        "first:",
+        "second:",
+        "--version",
+        "--print-config",
+        "--name NAME",
+        "(default: required)",
+        "[env MMCAST_NAME]",
+        "--mode {fast,Careful}",
+        "(default: fast) [env MMCAST_MODE]",
+        "a share of 100% (default: 0.5)",
+        "(default: a:1) [env MMCAST_HOSTS]",
+        "--loud [BOOL]",
+    ):
         assert needle in " ".join(text.split()), needle
 
 
@@ -122,8 +139,9 @@ def test_log_level_in_any_case_on_both_binaries_in_process(level):
 # --- real processes -----------------------------------------------------------------------------------------------
 def _run(script: str, module: str, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MMCAST_") or k == "MMCAST_TINY_MODEL_CACHE"}
-    return subprocess.run([*_command(script, module), *argv], env={**environ, **env}, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [*_command(script, module), *argv], env={**environ, **env}, capture_output=True, text=True, timeout=120
+    )
 
 
 BINARIES = {
@@ -152,16 +170,18 @@ def test_an_unknown_log_level_stops_either_binary_naming_the_flag_and_the_levels
     assert done.returncode == EXIT_STARTUP_FAILURE
     record = json.loads(done.stderr.strip().splitlines()[-1])
     assert record["startup_failure"] is True
-    assert "MMCAST_LOG_LEVEL='verbose' (--log-level): 'verbose' is not one of debug, info, warning, error" in record[
-        "msg"]
+    assert (
+        "MMCAST_LOG_LEVEL='verbose' (--log-level): 'verbose' is not one of debug, info, warning, error" in record["msg"]
+    )
     done = _run(script, module, ["--log-level", "verbose"], env)
     assert done.returncode == 2
     assert "argument --log-level: 'verbose' is not one of debug, info, warning, error" in done.stderr
 
 
-@pytest.mark.parametrize(("script", "module"), [("mmcast-scheduler", "scheduler_svc.main"),
-                                                ("mmcast-worker", "worker_svc.main"),
-                                                ("mmcast", "mmcast_client.cli")])
+@pytest.mark.parametrize(
+    ("script", "module"),
+    [("mmcast-scheduler", "scheduler_svc.main"), ("mmcast-worker", "worker_svc.main"), ("mmcast", "mmcast_client.cli")],
+)
 def test_every_binary_answers_version(script, module):
     done = _run(script, module, ["--version"], {})
     assert done.returncode == 0, done.stderr

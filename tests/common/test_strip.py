@@ -83,7 +83,11 @@ def test_inputs_never_mutated():
 def test_non_data_fields_unchanged():
     items = [make_item(3, 5, "ident-x")]
     out = strip_covered_mm_data(items, 8, uses_mrope=True)
-    assert (out[0].identifier, out[0].modality, out[0].mm_position) == ("ident-x", Modality.IMAGE, PlaceholderRange(3, 5))
+    assert (out[0].identifier, out[0].modality, out[0].mm_position) == (
+        "ident-x",
+        Modality.IMAGE,
+        PlaceholderRange(3, 5),
+    )
 
 
 def test_mrope_keeps_exactly_keep_on_cpu_fields():

@@ -21,14 +21,24 @@ IMAGE_PAD = SPECIAL_TOKEN_IDS["<|image_pad|>"]
 
 def test_folder_is_a_hub_llava_checkpoint(tiny_model_llava_dir):
     names = {path.name for path in tiny_model_llava_dir.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja",
-            "processor_config.json", MARKER_FILE} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "processor_config.json",
+        MARKER_FILE,
+    } <= names
     processor_config = json.loads((tiny_model_llava_dir / "processor_config.json").read_text())
     assert processor_config["processor_class"] == "LlavaProcessor"
     assert (processor_config["patch_size"], processor_config["vision_feature_select_strategy"]) == (14, "default")
     config = AutoConfig.from_pretrained(tiny_model_llava_dir)
     assert (config.model_type, config.text_config.model_type, config.vision_config.model_type) == (
-        "llava", "llama", "clip_vision_model")
+        "llava",
+        "llama",
+        "clip_vision_model",
+    )
     assert family_of(config).name == "llava" and not uses_mrope(config)
     assert sum(path.stat().st_size for path in tiny_model_llava_dir.iterdir()) < 4 * 2**20
 
@@ -37,7 +47,8 @@ def test_reload_gives_bit_identical_parameters(tiny_model_llava_dir):
     built = build_model("llava", seed=0).state_dict()
     loaded = AutoModelForImageTextToText.from_pretrained(tiny_model_llava_dir).state_dict()
     assert type(AutoModelForImageTextToText.from_config(build_config("llava"))).__name__ == (
-        "LlavaForConditionalGeneration")
+        "LlavaForConditionalGeneration"
+    )
     assert built.keys() == loaded.keys()
     for name, tensor in built.items():
         assert torch.equal(tensor, loaded[name]), name
@@ -77,8 +88,10 @@ def test_decoder_shards_by_its_own_plan_at_tp_2_and_4(tiny_model_llava_dir):
         plan = AutoModelForImageTextToText.from_config(config).tp_plan
     decoder = "model.language_model.layers.*."
     assert {decoder + p: plan.get(decoder + p) for p in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")} == {
-        decoder + "self_attn.q_proj": "colwise", decoder + "self_attn.k_proj": "colwise",
-        decoder + "mlp.down_proj": "rowwise"}
+        decoder + "self_attn.q_proj": "colwise",
+        decoder + "self_attn.k_proj": "colwise",
+        decoder + "mlp.down_proj": "rowwise",
+    }
     assert not any(key.startswith("model.vision_tower") for key in plan)  # the CLIP tower stays whole on every rank
     for tp_size in (1, 2, 4):
         check_checkpoint(tiny_model_llava_dir, tp_size, "--world-size")

@@ -231,10 +231,25 @@ def test_shapes_divide_for_tensor_parallel_sizes_up_to_4(variant):
 def test_real_width_config_has_qwen2_vl_2b_widths_and_two_layers():
     config = build_config("qwen2_vl", width="real")
     text, vision = config.text_config, config.vision_config
-    got = {name: getattr(text, name) for name in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                  "num_key_value_heads", "vocab_size", "num_hidden_layers")}
-    assert got == {"hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12,
-                   "num_key_value_heads": 2, "vocab_size": 151936, "num_hidden_layers": 2}
+    got = {
+        name: getattr(text, name)
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "num_hidden_layers",
+        )
+    }
+    assert got == {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "num_hidden_layers": 2,
+    }
     assert sum(text.rope_parameters["mrope_section"]) == 1536 // 12 // 2
     assert (vision.embed_dim, vision.num_heads, vision.mlp_ratio, vision.hidden_size) == (1280, 16, 4, 1536)
     assert config.tie_word_embeddings
@@ -251,11 +266,27 @@ def test_real_width_config_has_qwen2_vl_2b_widths_and_two_layers():
 def test_real_width_qwen3_config_has_qwen3_vl_2b_widths_and_deepstack():
     config = build_config("qwen3_vl", width="real")
     text, vision = config.text_config, config.vision_config
-    got = {name: getattr(text, name) for name in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                  "num_key_value_heads", "head_dim", "vocab_size",
-                                                  "num_hidden_layers")}
-    assert got == {"hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16,
-                   "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "num_hidden_layers": 2}
+    got = {
+        name: getattr(text, name)
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "num_hidden_layers",
+        )
+    }
+    assert got == {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "num_hidden_layers": 2,
+    }
     assert text.rope_parameters["mrope_interleaved"] and sum(text.rope_parameters["mrope_section"]) == 128 // 2
     assert (vision.hidden_size, vision.num_heads, vision.out_hidden_size) == (1024, 16, 2048)
     assert list(vision.deepstack_visual_indexes) == [0, 1] and vision.depth == 2

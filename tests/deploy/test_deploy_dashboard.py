@@ -19,30 +19,91 @@ from tests.support.deploy_tools import run, tool
 
 # Every metric the services export (docs/ARCHITECTURE.md §2.7), histograms by their base name.
 SCHEDULER_METRICS = {
-    "mmcast_broadcast_bytes_total", "mmcast_broadcast_payload_bytes_saved_total", "mmcast_mm_items_total",
-    "mmcast_encoder_items_total", "mmcast_encoder_runs_total", "mmcast_encoder_output_shared_bytes_total",
-    "mmcast_prefix_cache_query_tokens_total", "mmcast_prefix_cache_hit_tokens_total",
-    "mmcast_time_to_first_token_seconds", "mmcast_step_seconds", "mmcast_requests_running", "mmcast_requests_waiting",
-    "mmcast_kv_blocks_used", "mmcast_kv_blocks_capacity", "mmcast_preemptions_total", "mmcast_worker_group_up",
-    "mmcast_prompt_tokens_total", "mmcast_generation_tokens_total", "mmcast_requests_finished_total",
-    "mmcast_e2e_request_latency_seconds", "mmcast_request_queue_time_seconds", "mmcast_inter_token_latency_seconds",
-    "mmcast_request_prompt_tokens", "mmcast_request_generation_tokens", "mmcast_kv_cache_usage_ratio",
-    "mmcast_http_requests_total", "mmcast_http_request_duration_seconds", "mmcast_http_requests_in_flight",
+    "mmcast_broadcast_bytes_total",
+    "mmcast_broadcast_payload_bytes_saved_total",
+    "mmcast_mm_items_total",
+    "mmcast_encoder_items_total",
+    "mmcast_encoder_runs_total",
+    "mmcast_encoder_output_shared_bytes_total",
+    "mmcast_prefix_cache_query_tokens_total",
+    "mmcast_prefix_cache_hit_tokens_total",
+    "mmcast_time_to_first_token_seconds",
+    "mmcast_step_seconds",
+    "mmcast_requests_running",
+    "mmcast_requests_waiting",
+    "mmcast_kv_blocks_used",
+    "mmcast_kv_blocks_capacity",
+    "mmcast_preemptions_total",
+    "mmcast_worker_group_up",
+    "mmcast_prompt_tokens_total",
+    "mmcast_generation_tokens_total",
+    "mmcast_requests_finished_total",
+    "mmcast_e2e_request_latency_seconds",
+    "mmcast_request_queue_time_seconds",
+    "mmcast_inter_token_latency_seconds",
+    "mmcast_request_prompt_tokens",
+    "mmcast_request_generation_tokens",
+    "mmcast_kv_cache_usage_ratio",
+    "mmcast_http_requests_total",
+    "mmcast_http_request_duration_seconds",
+    "mmcast_http_requests_in_flight",
 }
 WORKER_METRICS = {
-    "mmcast_worker_received_bytes_total", "mmcast_worker_encoder_seconds", "mmcast_worker_step_seconds",
-    "mmcast_worker_payload_cache_bytes", "mmcast_worker_encoder_cache_tokens", "mmcast_worker_cache_hits_total",
-    "mmcast_worker_cache_queries_total", "mmcast_worker_protocol_errors_total",
+    "mmcast_worker_received_bytes_total",
+    "mmcast_worker_encoder_seconds",
+    "mmcast_worker_step_seconds",
+    "mmcast_worker_payload_cache_bytes",
+    "mmcast_worker_encoder_cache_tokens",
+    "mmcast_worker_cache_hits_total",
+    "mmcast_worker_cache_queries_total",
+    "mmcast_worker_protocol_errors_total",
 }
 GRPC_METRICS = {"grpc_server_started_total", "grpc_server_handled_total", "grpc_server_handling_seconds"}
-HISTOGRAMS = {"mmcast_time_to_first_token_seconds", "mmcast_step_seconds", "mmcast_worker_encoder_seconds",
-              "mmcast_worker_step_seconds", "grpc_server_handling_seconds", "mmcast_e2e_request_latency_seconds",
-              "mmcast_request_queue_time_seconds", "mmcast_inter_token_latency_seconds", "mmcast_request_prompt_tokens",
-              "mmcast_request_generation_tokens", "mmcast_http_request_duration_seconds"}
+HISTOGRAMS = {
+    "mmcast_time_to_first_token_seconds",
+    "mmcast_step_seconds",
+    "mmcast_worker_encoder_seconds",
+    "mmcast_worker_step_seconds",
+    "grpc_server_handling_seconds",
+    "mmcast_e2e_request_latency_seconds",
+    "mmcast_request_queue_time_seconds",
+    "mmcast_inter_token_latency_seconds",
+    "mmcast_request_prompt_tokens",
+    "mmcast_request_generation_tokens",
+    "mmcast_http_request_duration_seconds",
+}
 KNOWN = SCHEDULER_METRICS | WORKER_METRICS | GRPC_METRICS
-PROMQL_WORDS = {"sum", "min", "max", "avg", "count", "by", "without", "rate", "irate", "increase", "histogram_quantile",
-                "or", "and", "unless", "on", "ignoring", "group_left", "group_right", "bool", "offset", "vector",
-                "clamp_min", "clamp_max", "abs", "topk", "bottomk", "label_replace", "delta", "deriv"}
+PROMQL_WORDS = {
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "by",
+    "without",
+    "rate",
+    "irate",
+    "increase",
+    "histogram_quantile",
+    "or",
+    "and",
+    "unless",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "vector",
+    "clamp_min",
+    "clamp_max",
+    "abs",
+    "topk",
+    "bottomk",
+    "label_replace",
+    "delta",
+    "deriv",
+}
 SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
 IDENT = re.compile(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\b")
 
@@ -175,8 +236,13 @@ def _series_like_a_bare_prometheus() -> list[dict]:
     counter("mmcast_prefix_cache_hit_tokens_total", sched, 300)
     histogram("mmcast_time_to_first_token_seconds", sched)
     histogram("mmcast_step_seconds", sched)
-    for name in ("mmcast_e2e_request_latency_seconds", "mmcast_request_queue_time_seconds",
-                 "mmcast_inter_token_latency_seconds", "mmcast_request_prompt_tokens", "mmcast_request_generation_tokens"):
+    for name in (
+        "mmcast_e2e_request_latency_seconds",
+        "mmcast_request_queue_time_seconds",
+        "mmcast_inter_token_latency_seconds",
+        "mmcast_request_prompt_tokens",
+        "mmcast_request_generation_tokens",
+    ):
         histogram(name, sched)
     gauge("mmcast_kv_cache_usage_ratio", sched, 0.2)
     gauge("mmcast_requests_running", sched, 3)
@@ -204,8 +270,10 @@ def _series_like_a_bare_prometheus() -> list[dict]:
             counter("mmcast_worker_cache_queries_total", f'{rank}, cache="{cache}"', 10)
             counter("mmcast_worker_cache_hits_total", f'{rank}, cache="{cache}"', 6)
         counter("mmcast_worker_protocol_errors_total", f'{rank}, code="BAD_TENSOR"', 0)
-    grpc = [(sched, "mmcast.v1.GenerationService", "Generate", "server_stream"),
-            (sched, "mmcast.v1.GenerationService", "GetServerInfo", "unary")]
+    grpc = [
+        (sched, "mmcast.v1.GenerationService", "Generate", "server_stream"),
+        (sched, "mmcast.v1.GenerationService", "GetServerInfo", "unary"),
+    ]
     grpc += [(rank, "mmcast.v1.WorkerService", "Step", "bidi_stream") for rank in ranks]
     for target, service, method, rpc_type in grpc:
         labels = f'{target}, grpc_service="{service}", grpc_method="{method}", grpc_type="{rpc_type}"'
@@ -223,26 +291,37 @@ def test_every_expression_returns_data_without_namespace_or_release_labels(tmp_p
     rule_file = tmp_path / "dashboard-alerts.yaml"
     rule_file.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     test_file = tmp_path / "dashboard-alerts.test.yaml"
-    test_file.write_text(yaml.safe_dump({
-        "rule_files": [rule_file.name],
-        "evaluation_interval": "1m",
-        "tests": [{
-            "interval": "1m",
-            "input_series": _series_like_a_bare_prometheus(),
-            "alert_rule_test": [{"alertname": f"DashboardExpr{i}", "eval_time": "20m", "exp_alerts": [{"exp_labels": {}}]}
-                                for i in range(len(expressions))],
-        }],
-    }, width=10_000))
+    test_file.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [rule_file.name],
+                "evaluation_interval": "1m",
+                "tests": [
+                    {
+                        "interval": "1m",
+                        "input_series": _series_like_a_bare_prometheus(),
+                        "alert_rule_test": [
+                            {"alertname": f"DashboardExpr{i}", "eval_time": "20m", "exp_alerts": [{"exp_labels": {}}]}
+                            for i in range(len(expressions))
+                        ],
+                    }
+                ],
+            },
+            width=10_000,
+        )
+    )
     proc = run([tool("promtool"), "test", "rules", test_file.name], cwd=tmp_path, check=False)
     if proc.returncode != 0:
         names = {f"DashboardExpr{i}": f"{title}: {expr}" for i, (title, expr) in enumerate(expressions)}
         failing = sorted(set(re.findall(r"alertname: (DashboardExpr\d+)", proc.stdout + proc.stderr)))
-        pytest.fail("expressions without data:\n" + "\n".join(names[n] for n in failing) + "\n" + proc.stdout
-                    + proc.stderr, pytrace=False)
+        pytest.fail(
+            "expressions without data:\n" + "\n".join(names[n] for n in failing) + "\n" + proc.stdout + proc.stderr,
+            pytrace=False,
+        )
 
 
 def test_substitution_matches_grafana_all():
     assert substitute_variables('x{namespace=~"$namespace"}[$__rate_interval]') == 'x{namespace=~".*"}[5m]'
     assert substitute_variables('x{release=~"${release}"}') == 'x{release=~".*"}'
     with pytest.raises(KeyError):
-        substitute_variables("x{pod=~\"$pod\"}")
+        substitute_variables('x{pod=~"$pod"}')

@@ -10,8 +10,11 @@ import tomllib
 from tests.support.deploy_tools import ROOT, run, tool
 
 DOCKERFILE = ROOT / "Dockerfile"
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296",
-              "MALLOC_TOP_PAD_": "67108864"}
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "4294967296",
+    "MALLOC_TRIM_THRESHOLD_": "4294967296",
+    "MALLOC_TOP_PAD_": "67108864",
+}
 
 
 def _instructions() -> list[tuple[str, str]]:
@@ -82,8 +85,9 @@ def test_runs_as_non_root():
     users = [a for i, a in runtime if i == "USER"]
     assert users, "the runtime stage must set USER"
     user = users[-1].split(":")[0]
-    assert user not in {"root", "0"} and user.isdigit() and int(user) >= 1000, \
+    assert user not in {"root", "0"} and user.isdigit() and int(user) >= 1000, (
         "numeric non-root uid, so Kubernetes' runAsNonRoot can verify it"
+    )
     assert any("useradd" in a and f"--uid {user}" in a for i, a in runtime if i == "RUN")
 
 
@@ -110,16 +114,21 @@ def test_entry_points_exist_in_pyproject():
 
 def _dockerignore_excludes(path: str) -> bool:
     """Docker's rule: the last matching pattern wins; a pattern that matches a parent folder matches the path."""
-    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
-                if p.strip() and not p.strip().startswith("#")]
+    patterns = [
+        p.strip()
+        for p in (ROOT / ".dockerignore").read_text().splitlines()
+        if p.strip() and not p.strip().startswith("#")
+    ]
     excluded = False
     parts = path.split("/")
     candidates = ["/".join(parts[: n + 1]) for n in range(len(parts))]
     for pattern in patterns:
         negate = pattern.startswith("!")
         pat = pattern.lstrip("!").rstrip("/")
-        if any(fnmatch.fnmatch(c, pat) or (pat.startswith("**/") and fnmatch.fnmatch(c.split("/")[-1], pat[3:]))
-               for c in candidates):
+        if any(
+            fnmatch.fnmatch(c, pat) or (pat.startswith("**/") and fnmatch.fnmatch(c.split("/")[-1], pat[3:]))
+            for c in candidates
+        ):
             excluded = not negate
     return excluded
 
@@ -143,6 +152,11 @@ def test_copy_sources_exist_and_reach_the_build():
             assert path.is_dir(), f"{folder}: no package folder {pkg}"
             for name in {f"{folder}/{pkg}/main.py".removeprefix("./"), f"{path.resolve().relative_to(ROOT)}/main.py"}:
                 assert not _dockerignore_excludes(name), f".dockerignore drops {name}"
-    for heavy in (".venv/bin/python", ".git/HEAD", "tests/deploy/test_deploy_dockerfile.py", ".tools/bin/helm",
-                  "mmcast/__pycache__/x.pyc"):
+    for heavy in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/deploy/test_deploy_dockerfile.py",
+        ".tools/bin/helm",
+        "mmcast/__pycache__/x.pyc",
+    ):
         assert _dockerignore_excludes(heavy), f"{heavy} would be sent to the docker build"

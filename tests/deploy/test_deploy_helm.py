@@ -66,11 +66,38 @@ CRD_SCHEMAS = {
 # The workload kinds of each layout.
 LAYOUT_KINDS = {"pod": {"StatefulSet"}, "statefulset": {"Deployment", "StatefulSet"}, "lws": {"LeaderWorkerSet"}}
 INFERENCE_POOL_KINDS = {"InferencePool", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}
-WORKER_FLAGS = {"world-size", "listen", "dist-init", "model", "device", "dtype", "kv-blocks", "metrics-port",
-                "payload-cache-bytes", "encoder-cache-tokens", "scheduler-id", "log-level"}
-SCHEDULER_FLAGS = {"listen", "metrics-port", "workers", "model", "transfer-mode", "max-num-batched-tokens",
-                   "max-num-seqs", "max-waiting", "max-images-per-request", "max-image-pixels", "max-request-bytes",
-                   "chunk-size-bytes", "group-deadline-seconds", "drain-seconds", "scheduler-id", "log-level"}
+WORKER_FLAGS = {
+    "world-size",
+    "listen",
+    "dist-init",
+    "model",
+    "device",
+    "dtype",
+    "kv-blocks",
+    "metrics-port",
+    "payload-cache-bytes",
+    "encoder-cache-tokens",
+    "scheduler-id",
+    "log-level",
+}
+SCHEDULER_FLAGS = {
+    "listen",
+    "metrics-port",
+    "workers",
+    "model",
+    "transfer-mode",
+    "max-num-batched-tokens",
+    "max-num-seqs",
+    "max-waiting",
+    "max-images-per-request",
+    "max-image-pixels",
+    "max-request-bytes",
+    "chunk-size-bytes",
+    "group-deadline-seconds",
+    "drain-seconds",
+    "scheduler-id",
+    "log-level",
+}
 
 
 def _render_set(name: str, **kwargs) -> list[dict]:
@@ -87,8 +114,12 @@ def _layout(name: str) -> str:
 def _pod_object(obj: dict, template: dict) -> dict:
     """A pod template as a Pod, for kubernetes-validate (a LeaderWorkerSet's templates are not checked otherwise)."""
     name = f"{obj['metadata']['name']}-{template['metadata']['labels']['app.kubernetes.io/component']}"
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {**template["metadata"], "name": name},
-            "spec": template["spec"]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**template["metadata"], "name": name},
+        "spec": template["spec"],
+    }
 
 
 @pytest.mark.parametrize("name", [n for n, (_, apis, _) in VALUE_SETS.items() if LWS_API not in apis])
@@ -225,8 +256,9 @@ def test_scheduler_contract():
     assert pod_spec(deploy)["terminationGracePeriodSeconds"] > int(args["drain-seconds"])
 
 
-@pytest.mark.parametrize("component,service", [("scheduler", "mmcast.v1.GenerationService"),
-                                               ("worker", "mmcast.v1.WorkerService")])
+@pytest.mark.parametrize(
+    "component,service", [("scheduler", "mmcast.v1.GenerationService"), ("worker", "mmcast.v1.WorkerService")]
+)
 def test_grpc_health_probes(component, service):
     objects = render(sets=("topology=multinode",))
     kind = "Deployment" if component == "scheduler" else "StatefulSet"
@@ -252,15 +284,24 @@ def _http_render(layout: str, *sets: str) -> tuple[list[dict], dict]:
     """Objects of a layout and its scheduler container."""
     base, apis, (kind, suffix) = HTTP_LAYOUTS[layout]
     objects = render(sets=base + sets, api_versions=apis)
-    (scheduler,) = [c for t in pod_templates(find(objects, kind, suffix)) for c in t["spec"]["containers"]
-                    if c["name"] == "scheduler"]
+    (scheduler,) = [
+        c
+        for t in pod_templates(find(objects, kind, suffix))
+        for c in t["spec"]["containers"]
+        if c["name"] == "scheduler"
+    ]
     return objects, scheduler
 
 
 def _client_rule(objects: list[dict]) -> dict:
     """The ingress rule of the scheduler pods' NetworkPolicy that admits the gRPC client port."""
-    (rule,) = [r for o in objects if o["kind"] == "NetworkPolicy" for r in o["spec"]["ingress"]
-               if 50051 in {p["port"] for p in r.get("ports", [])}]
+    (rule,) = [
+        r
+        for o in objects
+        if o["kind"] == "NetworkPolicy"
+        for r in o["spec"]["ingress"]
+        if 50051 in {p["port"] for p in r.get("ports", [])}
+    ]
     return rule
 
 
@@ -290,13 +331,19 @@ def test_http_api_can_be_turned_off(layout):
     assert "http" not in {p["name"] for p in scheduler["ports"]}
     assert "http" not in {p["name"] for p in find(objects, "Service", "-scheduler")["spec"]["ports"]}
     assert {p["port"] for p in _client_rule(objects)["ports"]} == {50051}
-    assert 8000 not in {p["port"] for o in objects if o["kind"] == "NetworkPolicy"
-                        for r in o["spec"]["ingress"] for p in r.get("ports", [])}
+    assert 8000 not in {
+        p["port"]
+        for o in objects
+        if o["kind"] == "NetworkPolicy"
+        for r in o["spec"]["ingress"]
+        for p in r.get("ports", [])
+    }
 
 
 def test_http_ports_follow_their_values():
-    objects, scheduler = _http_render("pod", "scheduler.http.port=8080", "scheduler.service.httpPort=80",
-                                      "scheduler.service.type=LoadBalancer")
+    objects, scheduler = _http_render(
+        "pod", "scheduler.http.port=8080", "scheduler.service.httpPort=80", "scheduler.service.type=LoadBalancer"
+    )
     assert flags(scheduler)["http-port"] == "8080"
     assert {p["name"]: p["containerPort"] for p in scheduler["ports"]}["http"] == 8080
     http = {p["name"]: p for p in find(objects, "Service", "-scheduler")["spec"]["ports"]}["http"]
@@ -306,25 +353,35 @@ def test_http_ports_follow_their_values():
 
 def test_servicemonitor_ignores_the_http_port():
     values, apis, _ = VALUE_SETS["monitoring"]
-    on, off = (find(render(values, sets=sets, api_versions=apis), "ServiceMonitor")
-               for sets in ((), ("scheduler.http.enabled=false",)))
+    on, off = (
+        find(render(values, sets=sets, api_versions=apis), "ServiceMonitor")
+        for sets in ((), ("scheduler.http.enabled=false",))
+    )
     assert on == off
     assert "http" not in {e["port"] for e in on["spec"]["endpoints"]}
 
 
 @pytest.mark.parametrize("layout", HTTP_LAYOUTS)
 def test_http_readiness_probe(layout):
-    _, scheduler = _http_render(layout, "scheduler.probes.readiness.kind=http", "scheduler.probes.readiness.periodSeconds=7")
+    _, scheduler = _http_render(
+        layout, "scheduler.probes.readiness.kind=http", "scheduler.probes.readiness.periodSeconds=7"
+    )
     ready = scheduler["readinessProbe"]
-    assert ready == {"httpGet": {"path": "/health", "port": "http", "scheme": "HTTP"},
-                     "periodSeconds": 7, "failureThreshold": 2, "timeoutSeconds": 5}
+    assert ready == {
+        "httpGet": {"path": "/health", "port": "http", "scheme": "HTTP"},
+        "periodSeconds": 7,
+        "failureThreshold": 2,
+        "timeoutSeconds": 5,
+    }
     # Startup and liveness stay on gRPC health: /health answers 503 while the group is down, which must not restart
     # the scheduler.
     for probe in ("startupProbe", "livenessProbe"):
         assert scheduler[probe]["grpc"]["port"] == 50051, probe
     # With client TLS the HTTP API is HTTPS (the kubelet does not verify the certificate); gRPC probes move to the
     # plaintext health port.
-    _, tls = _http_render(layout, "scheduler.probes.readiness.kind=http", "security.clientTLS.secretName=mmcast-client-tls")
+    _, tls = _http_render(
+        layout, "scheduler.probes.readiness.kind=http", "security.clientTLS.secretName=mmcast-client-tls"
+    )
     assert tls["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
     assert tls["livenessProbe"]["grpc"]["port"] == 50052
 
@@ -404,7 +461,10 @@ def test_tiny_model_init_container():
             (init,) = template["spec"]["initContainers"]
             assert init["command"] == ["mmcast"] and init["args"][:2] == ["make-tiny-model", "/models/tiny"]
             assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"]
-            assert [v for v in template["spec"]["volumes"] if v["name"] == "model"][0] == {"name": "model", "emptyDir": {}}
+            assert [v for v in template["spec"]["volumes"] if v["name"] == "model"][0] == {
+                "name": "model",
+                "emptyDir": {},
+            }
 
 
 def test_dashboard_configmap_embeds_the_chart_file():
@@ -431,10 +491,13 @@ def test_prometheusrule_wraps_the_rules_file(tmp_path):
     assert alerts["MmcastTimeToFirstTokenP99High"]["for"] == "15m"
     original = next(r for g in source["groups"] for r in g["rules"] if r.get("alert") == "MmcastWorkerGroupDown")
     down = alerts["MmcastWorkerGroupDown"]
-    assert {k: v for k, v in down.items() if k != "annotations"} == {k: v for k, v in original.items() if k != "annotations"}
+    assert {k: v for k, v in down.items() if k != "annotations"} == {
+        k: v for k, v in original.items() if k != "annotations"
+    }
     # runbookBaseUrl prefixes the repository-relative runbook links.
-    assert down["annotations"]["runbook_url"] == ("https://git.example.com/mmcast/blob/v0.1.0/"
-                                                  + original["annotations"]["runbook_url"])
+    assert down["annotations"]["runbook_url"] == (
+        "https://git.example.com/mmcast/blob/v0.1.0/" + original["annotations"]["runbook_url"]
+    )
     rules_file = tmp_path / "rendered-rules.yaml"
     rules_file.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     run([tool("promtool"), "check", "rules", str(rules_file)])
@@ -443,8 +506,11 @@ def test_prometheusrule_wraps_the_rules_file(tmp_path):
 def test_every_alert_links_a_runbook_section():
     """Each alert's runbook_url names an anchor of docs/DEPLOYMENT.md that a heading there produces."""
     doc = (CHART.parents[1] / "docs" / "DEPLOYMENT.md").read_text()
-    anchors = {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
-               for line in doc.splitlines() if line.startswith("#")}
+    anchors = {
+        re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in doc.splitlines()
+        if line.startswith("#")
+    }
     alerts = [r for g in yaml.safe_load(RULES_FILE.read_text())["groups"] for r in g["rules"] if "alert" in r]
     assert alerts
     for alert in alerts:
@@ -466,8 +532,11 @@ def test_servicemonitor_scrapes_every_metrics_port():
         assert targets["release"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"]
     # Of the Services it selects, only the metrics Service (every pod, ready or not) carries those ports, so each
     # target is scraped once and a group that is down still reports mmcast_worker_group_up 0.
-    selected = [o for o in objects if o["kind"] == "Service"
-                and sm["spec"]["selector"]["matchLabels"].items() <= o["metadata"]["labels"].items()]
+    selected = [
+        o
+        for o in objects
+        if o["kind"] == "Service" and sm["spec"]["selector"]["matchLabels"].items() <= o["metadata"]["labels"].items()
+    ]
     carrying = [o for o in selected if set(ports) & {p["name"] for p in o["spec"]["ports"]}]
     (svc,) = carrying
     assert svc["metadata"]["name"] == f"{RELEASE}-mmcast-metrics" and svc["spec"]["publishNotReadyAddresses"] is True
@@ -480,14 +549,20 @@ def test_servicemonitor_scrapes_every_metrics_port():
     multinode = render(values, sets=("topology=multinode", "replicaCount=1"), api_versions=apis)
     sm = find(multinode, "ServiceMonitor")
     assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
-    carrying = sorted(o["metadata"]["name"] for o in multinode if o["kind"] == "Service"
-                      and "metrics" in {p["name"] for p in o["spec"]["ports"]})
+    carrying = sorted(
+        o["metadata"]["name"]
+        for o in multinode
+        if o["kind"] == "Service" and "metrics" in {p["name"] for p in o["spec"]["ports"]}
+    )
     assert carrying == [f"{RELEASE}-mmcast-scheduler", f"{RELEASE}-mmcast-worker"]
 
 
 def test_long_release_names_fit_kubernetes_limits():
-    for sets, apis, workload in ((("topology=multinode",), (), ("StatefulSet", "-worker")), ((), (), ("StatefulSet", "-group")),
-                                 (("topology=multinode",), (LWS_API,), ("LeaderWorkerSet", "-group"))):
+    for sets, apis, workload in (
+        (("topology=multinode",), (), ("StatefulSet", "-worker")),
+        ((), (), ("StatefulSet", "-group")),
+        (("topology=multinode",), (LWS_API,), ("LeaderWorkerSet", "-group")),
+    ):
         objects = render(sets=sets, api_versions=apis, release="a-very-long-release-name-for-a-serving-deployment-x")
         for obj in objects:
             assert len(obj["metadata"]["name"]) <= 63
@@ -510,7 +585,10 @@ def test_every_value_is_documented():
         prev = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         documented = prev.startswith("# --")
         covered = any(doc for _, doc in stack)
-        nxt = next((lines[j] for j in range(i + 1, len(lines)) if lines[j].strip() and not lines[j].strip().startswith("#")), "")
+        nxt = next(
+            (lines[j] for j in range(i + 1, len(lines)) if lines[j].strip() and not lines[j].strip().startswith("#")),
+            "",
+        )
         nxt_indent = len(nxt) - len(nxt.lstrip())
         is_leaf = bool(rest) or nxt_indent <= indent or nxt.lstrip().startswith("- ")
         if is_leaf and not documented and not covered:
@@ -543,9 +621,18 @@ def _notes(*sets: str) -> str:
         (chart / "templates" / "zz-notes.yaml").write_text(
             '{{- define "notes-under-test" }}' + notes + "{{- end }}\n"
             "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n"
-            'data:\n  notes: {{ include "notes-under-test" . | quote }}\n')
-        args = [tool("helm"), "template", RELEASE, str(chart), "--namespace", NAMESPACE,
-                "--show-only", "templates/zz-notes.yaml"]
+            'data:\n  notes: {{ include "notes-under-test" . | quote }}\n'
+        )
+        args = [
+            tool("helm"),
+            "template",
+            RELEASE,
+            str(chart),
+            "--namespace",
+            NAMESPACE,
+            "--show-only",
+            "templates/zz-notes.yaml",
+        ]
         for s in sets:
             args += ["--set", s]
         out = run(args).stdout
@@ -556,16 +643,25 @@ def test_notes_show_how_to_call_the_service():
     text = _notes()
     assert f"port-forward svc/{RELEASE}-mmcast-scheduler 50051:50051" in text
     assert "mmcast generate --target localhost:50051" in text
-    for rpc in ("mmcast.v1.GenerationService/Generate", "mmcast.v1.GenerationService/GetServerInfo", "grpc.health.v1.Health/Check"):
+    for rpc in (
+        "mmcast.v1.GenerationService/Generate",
+        "mmcast.v1.GenerationService/GetServerInfo",
+        "grpc.health.v1.Health/Check",
+    ):
         assert "grpcurl -plaintext" in text and rpc in text
     # The OpenAI-compatible API (on by default): its base URL in the cluster and through a port-forward.
     assert f"http://{RELEASE}-mmcast-scheduler.{NAMESPACE}.svc.cluster.local:8000/v1" in text
     assert f"port-forward svc/{RELEASE}-mmcast-scheduler 8000:8000" in text
     assert "base URL http://localhost:8000/v1" in text and "curl http://localhost:8000/v1/models" in text
     # HTTPS with client TLS, on the Service's http port; a bearer token with authTokens.
-    tls = _notes("security.clientTLS.secretName=t", "security.authTokens.secretName=a", "scheduler.service.httpPort=443")
+    tls = _notes(
+        "security.clientTLS.secretName=t", "security.authTokens.secretName=a", "scheduler.service.httpPort=443"
+    )
     assert f"https://{RELEASE}-mmcast-scheduler.{NAMESPACE}.svc.cluster.local:443/v1" in tls
-    assert "http://" not in tls and 'curl --cacert ca.crt -H "Authorization: Bearer $TOKEN" https://localhost:443/v1/models' in tls
+    assert (
+        "http://" not in tls
+        and 'curl --cacert ca.crt -H "Authorization: Bearer $TOKEN" https://localhost:443/v1/models' in tls
+    )
     off = _notes("scheduler.http.enabled=false")
     assert "/v1" not in off and "8000" not in off and "OpenAI" not in off
 
@@ -576,11 +672,15 @@ def test_chart_matches_the_project():
     project = tomllib.loads((CHART.parents[1] / "pyproject.toml").read_text())["project"]
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["apiVersion"] == "v2"
-    assert chart["appVersion"] == project["version"], "the image tag defaults to appVersion: keep it the package version"
+    assert chart["appVersion"] == project["version"], (
+        "the image tag defaults to appVersion: keep it the package version"
+    )
     client = tomllib.loads((CHART.parents[1] / "client" / "pyproject.toml").read_text())["project"]
     scripts = {**project["scripts"], **client["scripts"]}  # the image installs both distributions
     for name in ("defaults", "multinode-lws"):
-        for obj in _render_set(name, kube_version="1.27.0") + render(sets=("topology=multinode",), kube_version="1.27.0"):
+        for obj in _render_set(name, kube_version="1.27.0") + render(
+            sets=("topology=multinode",), kube_version="1.27.0"
+        ):
             for template in pod_templates(obj):
                 spec = template["spec"]
                 for c in spec["containers"] + spec.get("initContainers", []):
@@ -619,8 +719,9 @@ def test_services_accept_the_rendered_arguments(name, tmp_path):
 
     objects = _render_set(name)
     ranks = _ranks(objects, _layout(name))
-    (scheduler,) = [c for obj in objects for t in pod_templates(obj) for c in t["spec"]["containers"]
-                    if c["name"] == "scheduler"]
+    (scheduler,) = [
+        c for obj in objects for t in pod_templates(obj) for c in t["spec"]["containers"] if c["name"] == "scheduler"
+    ]
     sconf = config_from(local(_group_index(scheduler["args"])), environ={})
     assert sconf.http_port == int(flags(scheduler).get("http-port", 0))
     tp = len(ranks)
@@ -651,8 +752,10 @@ def _ranks(objects: list[dict], layout: str) -> list[tuple[list[str], dict]]:
     if layout == "lws":
         lws = find(objects, "LeaderWorkerSet")
         size = lws["spec"]["leaderWorkerTemplate"]["size"]
-        leader, worker = (container({"spec": {"template": t}, "kind": "", "metadata": lws["metadata"]}, "rank")
-                          for t in pod_templates(lws))
+        leader, worker = (
+            container({"spec": {"template": t}, "kind": "", "metadata": lws["metadata"]}, "rank")
+            for t in pod_templates(lws)
+        )
         return [(leader["args"], {})] + [(worker["args"], {"MMCAST_RANK": str(r)}) for r in range(1, size)]
     sts = find(objects, "StatefulSet", "-worker")
     worker = container(sts, "worker")

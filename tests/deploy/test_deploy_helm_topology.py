@@ -39,8 +39,12 @@ def _selects(selector: dict, labels: dict) -> bool:
         return False
     for expr in selector.get("matchExpressions", []):
         key, op, values = expr["key"], expr["operator"], expr.get("values", [])
-        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values) \
-                or (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels):
+        if (
+            (op == "In" and labels.get(key) not in values)
+            or (op == "NotIn" and labels.get(key) in values)
+            or (op == "Exists" and key not in labels)
+            or (op == "DoesNotExist" and key in labels)
+        ):
             return False
     return True
 
@@ -57,9 +61,13 @@ def _pods(objects: list[dict]) -> list[dict]:
                 size = obj["spec"]["leaderWorkerTemplate"]["size"]
                 leader = labels["app.kubernetes.io/component"] == "leader"
                 for g in range(obj["spec"]["replicas"]):
-                    for w in ([0] if leader else range(1, size)):
-                        pods.append({"labels": {**labels, LWS_GROUP_INDEX: str(g), LWS_WORKER_INDEX: str(w)},
-                                     "containers": containers})
+                    for w in [0] if leader else range(1, size):
+                        pods.append(
+                            {
+                                "labels": {**labels, LWS_GROUP_INDEX: str(g), LWS_WORKER_INDEX: str(w)},
+                                "containers": containers,
+                            }
+                        )
             else:  # a StatefulSet's controller adds the pod-index label (Kubernetes >= 1.28)
                 for i in range(obj["spec"]["replicas"]):
                     extra = {"apps.kubernetes.io/pod-index": str(i)} if obj["kind"] == "StatefulSet" else {}
@@ -99,6 +107,7 @@ STRANGER = {"labels": {"app": "something-else"}}
 
 
 # --- topology: pod -----------------------------------------------------------------------------------------------
+
 
 def test_group_pod_holds_its_scheduler_and_one_container_per_rank():
     objects = render(**GROUP_POD)
@@ -168,6 +177,7 @@ def test_image_digest_extra_volumes_and_sidecars_reach_every_pod():
 
 # --- topology: multinode ------------------------------------------------------------------------------------------
 
+
 def test_multinode_renders_a_leaderworkerset_only_where_its_api_is_served():
     with_api = render(**MULTINODE_LWS)
     kinds = {o["kind"] for o in with_api}
@@ -194,7 +204,8 @@ def test_multinode_renders_a_leaderworkerset_only_where_its_api_is_served():
     # Rank 0 shares the leader pod with the scheduler; rank 1 is the group's second pod.
     assert flags(scheduler)["workers"] == (
         f"127.0.0.1:50061,{RELEASE}-mmcast-group-$(MMCAST_GROUP_INDEX)-1.{RELEASE}-mmcast-group.{NAMESPACE}"
-        ".svc.cluster.local:50061")
+        ".svc.cluster.local:50061"
+    )
 
     without = render(**MULTINODE_STS)
     assert {"Deployment", "StatefulSet"} <= {o["kind"] for o in without}
@@ -203,6 +214,7 @@ def test_multinode_renders_a_leaderworkerset_only_where_its_api_is_served():
 
 
 # --- the client Services ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_headless_service_reaches_every_scheduler_and_only_them(layout):
@@ -224,6 +236,7 @@ def test_headless_service_reaches_every_scheduler_and_only_them(layout):
 
 
 # --- NetworkPolicy ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_pod_is_covered_and_every_policy_port_is_a_container_port(layout):
@@ -264,7 +277,8 @@ def test_group_pod_admits_only_the_client_and_metrics_ports():
     for port in (50051, 8000):
         assert not _admitted([policy], pod, None, port) and not _admitted([policy], pod, STRANGER, port)
     assert policy["spec"]["ingress"][0]["from"] == [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}]
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}
+    ]
 
 
 def test_multinode_ranks_admit_their_scheduler_on_the_step_port_and_their_peers():
@@ -290,8 +304,11 @@ def test_leaderworkerset_groups_admit_only_their_own_leader_and_peers():
     assert len(pods) == 3 * 2
 
     def pod(group, index):
-        (p,) = [p for p in pods if p["labels"][LWS_GROUP_INDEX] == str(group)
-                and p["labels"][LWS_WORKER_INDEX] == str(index)]
+        (p,) = [
+            p
+            for p in pods
+            if p["labels"][LWS_GROUP_INDEX] == str(group) and p["labels"][LWS_WORKER_INDEX] == str(index)
+        ]
         return p
 
     for g in range(3):
@@ -312,6 +329,7 @@ def test_network_policies_can_be_turned_off():
 
 
 # --- PodDisruptionBudget ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pdbs_select_the_pods_and_allow_a_drain(layout):
@@ -334,17 +352,24 @@ def test_pdbs_select_the_pods_and_allow_a_drain(layout):
 def test_pdb_values():
     monitoring = render((CI_VALUES / "monitoring-values.yaml",))
     assert find(monitoring, "PodDisruptionBudget")["spec"] == {
-        "maxUnavailable": "50%", "selector": {"matchLabels": {"app.kubernetes.io/name": "mmcast",
-                                                              "app.kubernetes.io/instance": RELEASE}}}
-    min_available = find(render(sets=("podDisruptionBudget.group.minAvailable=2",
-                                      "podDisruptionBudget.group.maxUnavailable=null")), "PodDisruptionBudget")
+        "maxUnavailable": "50%",
+        "selector": {"matchLabels": {"app.kubernetes.io/name": "mmcast", "app.kubernetes.io/instance": RELEASE}},
+    }
+    min_available = find(
+        render(sets=("podDisruptionBudget.group.minAvailable=2", "podDisruptionBudget.group.maxUnavailable=null")),
+        "PodDisruptionBudget",
+    )
     assert min_available["spec"]["minAvailable"] == 2 and "maxUnavailable" not in min_available["spec"]
     both = run(helm_template_args(sets=("podDisruptionBudget.group.minAvailable=1",)), check=False)
-    assert both.returncode != 0 and "podDisruptionBudget.group: set minAvailable or maxUnavailable, not both" in both.stderr
+    assert (
+        both.returncode != 0
+        and "podDisruptionBudget.group: set minAvailable or maxUnavailable, not both" in both.stderr
+    )
     assert not [o for o in render(sets=("podDisruptionBudget.enabled=false",)) if o["kind"] == "PodDisruptionBudget"]
 
 
 # --- installed once -----------------------------------------------------------------------------------------------
+
 
 def test_dashboard_and_rules_have_one_name_for_every_release():
     """Several releases in a namespace: the dashboard and the rules carry names that do not depend on the release,
@@ -353,14 +378,19 @@ def test_dashboard_and_rules_have_one_name_for_every_release():
     names = set()
     for release in ("vl7b-a", "vl7b-b"):
         objects = render(sets=("prometheusRule.enabled=true",), api_versions=apis, release=release)
-        names.add((find(objects, "ConfigMap", "-dashboard")["metadata"]["name"],
-                   find(objects, "PrometheusRule")["metadata"]["name"]))
+        names.add(
+            (
+                find(objects, "ConfigMap", "-dashboard")["metadata"]["name"],
+                find(objects, "PrometheusRule")["metadata"]["name"],
+            )
+        )
     assert names == {("mmcast-dashboard", "mmcast-rules")}
     off = render(sets=("dashboard.enabled=false",), api_versions=apis, release="vl7b-b")
     assert not {"ConfigMap", "PrometheusRule"} & {o["kind"] for o in off}
 
 
 # --- the documented recipe ----------------------------------------------------------------------------------------
+
 
 def test_deployment_doc_shows_the_scale_out_recipe_tested_here():
     doc = (CHART.parents[1] / "docs" / "DEPLOYMENT.md").read_text()

@@ -24,10 +24,13 @@ ON = ("inferencePool.enabled=true",)
 SCALE_OUT = (CI_VALUES / "scale-out-values.yaml",)
 PICKER_KINDS = {"InferencePool", "Role", "RoleBinding"}
 # The picker's metric flags -> the labels of that metric it reads (the model-server protocol).
-METRIC_FLAGS = {"total-queued-requests-metric": (), "total-running-requests-metric": (),
-                "kv-cache-usage-percentage-metric": (),
-                "lora-info-metric": ("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
-                "cache-info-metric": ("block_size", "num_gpu_blocks")}
+METRIC_FLAGS = {
+    "total-queued-requests-metric": (),
+    "total-running-requests-metric": (),
+    "kv-cache-usage-percentage-metric": (),
+    "lora-info-metric": ("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+    "cache-info-metric": ("block_size", "num_gpu_blocks"),
+}
 
 
 def test_off_by_default():

@@ -6,8 +6,13 @@ import yaml
 
 from tests.support.deploy_tools import ROOT, RULES_FILE, RULES_TEST_FILE, run, tool
 
-ALERTS = {"MmcastWorkerGroupDown", "MmcastGrpcErrorRatioHigh", "MmcastTimeToFirstTokenP99High", "MmcastPreemptionStorm",
-          "MmcastInterTokenLatencyP99High"}
+ALERTS = {
+    "MmcastWorkerGroupDown",
+    "MmcastGrpcErrorRatioHigh",
+    "MmcastTimeToFirstTokenP99High",
+    "MmcastPreemptionStorm",
+    "MmcastInterTokenLatencyP99High",
+}
 
 
 def test_promtool_check_rules():
@@ -35,7 +40,9 @@ def test_every_alert_has_a_unit_test():
     tests = yaml.safe_load(RULES_TEST_FILE.read_text())["tests"]
     tested = {case["alertname"] for t in tests for case in t.get("alert_rule_test", []) if case["exp_alerts"]}
     assert tested == ALERTS
-    records = {r["record"] for g in yaml.safe_load(RULES_FILE.read_text())["groups"] for r in g["rules"] if "record" in r}
+    records = {
+        r["record"] for g in yaml.safe_load(RULES_FILE.read_text())["groups"] for r in g["rules"] if "record" in r
+    }
     checked = {case["expr"] for t in tests for case in t.get("promql_expr_test", [])}
     assert records <= checked, f"recording rules without a unit test: {records - checked}"
 
@@ -48,7 +55,9 @@ def test_standalone_prometheus_config():
     targets = {r.get("target_label") for r in job["relabel_configs"]}
     assert {"namespace", "release", "pod", "container"} <= targets
     # Every metrics port the chart declares is kept, in every layout; no other port.
-    (keep,) = [r for r in job["relabel_configs"] if r.get("source_labels") == ["__meta_kubernetes_pod_container_port_name"]]
+    (keep,) = [
+        r for r in job["relabel_configs"] if r.get("source_labels") == ["__meta_kubernetes_pod_container_port_name"]
+    ]
     import re
 
     for name in ("metrics", "rank0-metrics", "rank15-metrics", "rank-metrics"):

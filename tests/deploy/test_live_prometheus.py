@@ -80,9 +80,14 @@ MUST_RISE = {
     ("HTTP API requests/s by route and status", "A"): [{"route": "/v1/chat/completions", "status": "200"}],
 }
 # Series added with the per-request metrics (CHANGELOG.md, "Metrics"): each must have data from this run.
-NEW_HISTOGRAMS = ("mmcast_e2e_request_latency_seconds", "mmcast_request_queue_time_seconds",
-                  "mmcast_inter_token_latency_seconds", "mmcast_request_prompt_tokens",
-                  "mmcast_request_generation_tokens", "mmcast_worker_encoder_seconds")
+NEW_HISTOGRAMS = (
+    "mmcast_e2e_request_latency_seconds",
+    "mmcast_request_queue_time_seconds",
+    "mmcast_inter_token_latency_seconds",
+    "mmcast_request_prompt_tokens",
+    "mmcast_request_generation_tokens",
+    "mmcast_worker_encoder_seconds",
+)
 # promtool lints that a service still has, each with what removes it; anything else fails the check.
 KNOWN_METRIC_LINTS: dict[str, str] = {}
 
@@ -175,8 +180,12 @@ class LiveRun:
 
         url = self.group.openai_base_url + "/chat/completions"
         part = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(image).decode()}}
-        body = {"model": Path(self.group.model_dir).name, "max_tokens": 4, "ignore_eos": True,
-                "messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTIONS[0]}]}]}
+        body = {
+            "model": Path(self.group.model_dir).name,
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTIONS[0]}]}],
+        }
         with httpx.Client(timeout=120) as http:
             for stream in (False, False, True):
                 r = http.post(url, json={**body, "stream": stream})
@@ -193,8 +202,14 @@ class LiveRun:
 def live(tiny_model_dir, tmp_path_factory) -> LiveRun:
     workdir = tmp_path_factory.mktemp("live-prometheus")
     with contextlib.ExitStack() as stack:
-        group = LocalGroup(tiny_model_dir, tp=TP, transfer_mode="lazy", kv_blocks=KV_BLOCKS, ready_timeout=150,
-                           log_dir=workdir / "logs")
+        group = LocalGroup(
+            tiny_model_dir,
+            tp=TP,
+            transfer_mode="lazy",
+            kv_blocks=KV_BLOCKS,
+            ready_timeout=150,
+            log_dir=workdir / "logs",
+        )
         urls = group.metrics_urls
         jobs = {"mmcast-scheduler": [urls["scheduler"]], "mmcast-worker": [urls[f"rank{r}"] for r in range(TP)]}
         # Prometheus first: it is ready and retrying its targets while the ranks load the model.
@@ -269,8 +284,9 @@ def test_metrics_page_passes_promtool_check_metrics(live, page):
     with urllib.request.urlopen(live.group.metrics_urls[page], timeout=10) as reply:
         text = reply.read().decode()
     assert "mmcast_" in text and "grpc_server_handled_total" in text
-    proc = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
     lints = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     unexpected = [line for line in lints if line not in KNOWN_METRIC_LINTS]
     assert not unexpected, f"promtool check metrics on {page} (exit {proc.returncode}):\n" + "\n".join(lints)
@@ -286,8 +302,10 @@ def test_render_dashboard_picture(live):
 
     live.prom.wait_scraped_after(time.time() + 8, 1 + TP, timeout=20)  # let the rates fall back after the run
     out = Path(os.environ.get("MMCAST_DASHBOARD_PNG", PICTURE))
-    title = (f"mmcast dashboard — live local group (TP={TP}, lazy, {KV_BLOCKS} KV blocks) scraped by Prometheus "
-             "every 1 s; $__rate_interval=5s")
+    title = (
+        f"mmcast dashboard — live local group (TP={TP}, lazy, {KV_BLOCKS} KV blocks) scraped by Prometheus "
+        "every 1 s; $__rate_interval=5s"
+    )
     render_dashboard(live.prom, live.start - 2, time.time(), out, step=1.0, rate_interval="5s", title=title)
     assert out.stat().st_size > 10_000
 
@@ -354,8 +372,15 @@ def test_finished_request_log_lines_match_what_clients_received(live):
         assert rec["level"] == "info" and rec["component"] == "scheduler"
         assert rec["time"].endswith("Z") and len(rec["time"].rpartition(".")[2]) == 4, rec["time"]  # ".mmmZ"
         assert rec["finish_reason"] == r.finish_reason == "length"
-        for key in ("prompt_tokens", "completion_tokens", "cached_tokens", "images", "payload_bytes_broadcast",
-                    "payload_bytes_saved", "preemptions"):
+        for key in (
+            "prompt_tokens",
+            "completion_tokens",
+            "cached_tokens",
+            "images",
+            "payload_bytes_broadcast",
+            "payload_bytes_saved",
+            "preemptions",
+        ):
             assert rec[key] == getattr(r.usage, key), (key, rec, r.usage)
         assert rec["time_to_first_token_seconds"] == pytest.approx(r.server_ttft_seconds, abs=1e-5)
         assert rec["total_seconds"] == pytest.approx(r.server_total_seconds, abs=1e-5)

@@ -27,8 +27,14 @@ def test_the_shapes_match_what_the_demo_prints():
 
     from mmcast_local.demo import HEADER, format_row, human_bytes
 
-    usage = SimpleNamespace(images=3, prompt_tokens=3744, cached_tokens=2480, payload_bytes_broadcast=134_451,
-                            payload_bytes_full=883_814, payload_bytes_saved=749_363)
+    usage = SimpleNamespace(
+        images=3,
+        prompt_tokens=3744,
+        cached_tokens=2480,
+        payload_bytes_broadcast=134_451,
+        payload_bytes_full=883_814,
+        payload_bytes_saved=749_363,
+    )
     row = format_row(3, SimpleNamespace(usage=usage, ttft_seconds=0.762))
     lines = [
         "local group ready in 24.9 s: scheduler 127.0.0.1:31991, TP=2, transfer mode lazy, model ~/.cache/m",

@@ -56,7 +56,10 @@ def _listed_files() -> list[str]:
     try:
         out = subprocess.run(
             ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT, capture_output=True, text=True, check=True,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         return [line for line in out.splitlines() if (ROOT / line).is_file()]
     except (OSError, subprocess.CalledProcessError):  # a copy without .git: walk it
@@ -93,8 +96,10 @@ def ignored(path: str) -> bool:
     """Whether git ignores the path: where tools write their output (benchmarks/results/), not a reference."""
     try:
         # A trailing slash lets a folder pattern (``results/``) match a folder that does not exist yet.
-        codes = {subprocess.run(["git", "check-ignore", "-q", p], cwd=ROOT, capture_output=True).returncode
-                 for p in (path, path + "/")}
+        codes = {
+            subprocess.run(["git", "check-ignore", "-q", p], cwd=ROOT, capture_output=True).returncode
+            for p in (path, path + "/")
+        }
     except OSError:
         codes = {128}
     if 0 in codes:
@@ -158,7 +163,7 @@ def _python_prose(source: str) -> str:
             continue  # inside a string literal
         end = source.find("\n", m.start())
         end = len(source) if end < 0 else end
-        kept[m.start():end] = source[m.start():end]
+        kept[m.start() : end] = source[m.start() : end]
     return "".join(kept)
 
 
@@ -290,7 +295,8 @@ def test_every_path_into_the_tree_exists():
 
 def test_every_dotted_module_exists():
     packages = sorted(
-        f for f in top_level_folders() - NOT_MODULE_NAMESPACES
+        f
+        for f in top_level_folders() - NOT_MODULE_NAMESPACES
         if any(p.startswith(f + "/") and p.endswith(".py") and p.count("/") == 1 for p in tree())
     )
     dotted = re.compile(rf"(?<![\w./-])((?:{'|'.join(map(re.escape, packages))})(?:\.[A-Za-z_]\w*)+)")
@@ -304,8 +310,11 @@ def test_every_dotted_module_exists():
                 continue  # a file name's suffix, not a module
             if f"{head}/{first}.py" in tree() or f"{head}/{first}" in folders():
                 continue
-            if re.search(rf"\b{re.escape(first)}\b", texts().get(f"{head}/__init__.py", "") + (
-                    (ROOT / head / "__init__.py").read_text() if (ROOT / head / "__init__.py").is_file() else "")):
+            if re.search(
+                rf"\b{re.escape(first)}\b",
+                texts().get(f"{head}/__init__.py", "")
+                + ((ROOT / head / "__init__.py").read_text() if (ROOT / head / "__init__.py").is_file() else ""),
+            ):
                 continue  # a name the package itself exports
             missing.append(f"{path}:{_line(text, m.start())}: {m.group(1)}")
     assert not missing, "Modules named but not in the repository:\n" + "\n".join(missing)

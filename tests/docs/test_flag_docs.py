@@ -18,8 +18,10 @@ def test_committed_tables_are_generated(path):
     fresh = render(path, current)
     if fresh != current:
         changed = [line for line in fresh.splitlines() if line not in current.splitlines()][:5]
-        pytest.fail(f"{path.relative_to(ROOT)}: the flag tables differ from the settings dataclasses: {FIX}. "
-                    f"First generated lines not in the file: {changed}")
+        pytest.fail(
+            f"{path.relative_to(ROOT)}: the flag tables differ from the settings dataclasses: {FIX}. "
+            f"First generated lines not in the file: {changed}"
+        )
 
 
 def test_every_flag_is_in_the_full_tables():
@@ -34,12 +36,15 @@ def test_every_flag_is_in_the_full_tables():
 def test_readme_names_only_real_settings():
     classes = config_classes()
     for binary, name, _ in README_FLAGS:
-        assert name in {f.name for f in dataclasses.fields(classes[binary])}, f"README_FLAGS: no {binary} setting {name}"
+        assert name in {f.name for f in dataclasses.fields(classes[binary])}, (
+            f"README_FLAGS: no {binary} setting {name}"
+        )
 
 
 def test_readme_has_no_hand_kept_flag_table():
     """The generated table is the README's only table of flags and defaults."""
     readme = (ROOT / "README.md").read_text()
-    outside = readme.replace(readme.partition("<!-- flags:readme:begin -->")[2].partition("<!-- flags:readme:end -->")[0],
-                             "")
+    outside = readme.replace(
+        readme.partition("<!-- flags:readme:begin -->")[2].partition("<!-- flags:readme:end -->")[0], ""
+    )
     assert "| flag |" not in outside, f"README.md has a flag table outside the generated region: {FIX}"

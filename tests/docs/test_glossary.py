@@ -41,8 +41,17 @@ def test_the_glossary_defines_each_term_once():
     terms = _glossary_terms()
     assert terms, "docs/ARCHITECTURE.md §1 has no glossary table (### Glossary)"
     assert len(terms) == len(set(terms)), f"terms defined twice: {sorted(t for t in terms if terms.count(t) > 1)}"
-    for term in ("item", "identifier", "payload", "step plan", "transfer decision", "step check", "sharding plan",
-                 "stream session", "conversation"):
+    for term in (
+        "item",
+        "identifier",
+        "payload",
+        "step plan",
+        "transfer decision",
+        "step check",
+        "sharding plan",
+        "stream session",
+        "conversation",
+    ):
         assert term in terms, f"the glossary lacks {term!r}"
 
 
@@ -53,11 +62,13 @@ def test_plan_and_session_are_qualified(path):
     for m in WORD.finditer(prose):
         word = m.group(1).lower()
         # the word right before it (of a hyphenated one its last part: "tensor-parallel", "stateful-")
-        before = re.findall(r"[a-z]+", prose[max(0, m.start() - 40):m.start()].lower())
+        before = re.findall(r"[a-z]+", prose[max(0, m.start() - 40) : m.start()].lower())
         qualifier = before[-1] if before else ""
         if qualifier not in QUALIFIED[word]:
             line = prose.count("\n", 0, m.start()) + 1
-            loose.append(f"~line {line}: {prose[max(0, m.start() - 30):m.end() + 10]!r}")
-    assert not loose, (f"{path.relative_to(ROOT)} uses 'plan'/'session' without a glossary qualifier "
-                       "(docs/ARCHITECTURE.md §1: step plan, sharding plan, stream session; else say "
-                       "transfer decision, step check or conversation):\n" + "\n".join(loose))
+            loose.append(f"~line {line}: {prose[max(0, m.start() - 30) : m.end() + 10]!r}")
+    assert not loose, (
+        f"{path.relative_to(ROOT)} uses 'plan'/'session' without a glossary qualifier "
+        "(docs/ARCHITECTURE.md §1: step plan, sharding plan, stream session; else say "
+        "transfer decision, step check or conversation):\n" + "\n".join(loose)
+    )

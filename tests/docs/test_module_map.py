@@ -7,8 +7,15 @@ import re
 from pathlib import Path
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
-PACKAGES = ("common", "common/families", "scheduler_svc", "worker_svc", "mmcast_client", "mmcast_client/_core",
-            "mmcast_local")
+PACKAGES = (
+    "common",
+    "common/families",
+    "scheduler_svc",
+    "worker_svc",
+    "mmcast_client",
+    "mmcast_client/_core",
+    "mmcast_local",
+)
 
 
 def _section() -> str:

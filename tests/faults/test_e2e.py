@@ -76,11 +76,17 @@ class Env:
         return scrape(self.group.metrics_urls[source], name, **labels)
 
     def idle(self) -> bool:
-        return all(self.metric(m) == 0 for m in ("mmcast_requests_running", "mmcast_requests_waiting", "mmcast_kv_blocks_used"))
+        return all(
+            self.metric(m) == 0 for m in ("mmcast_requests_running", "mmcast_requests_waiting", "mmcast_kv_blocks_used")
+        )
 
     def rank_caches(self) -> list[tuple[float, float, float]]:
         """(payload bytes, payload items, encoder rows) per rank."""
-        names = ("mmcast_worker_payload_cache_bytes", "mmcast_worker_payload_cache_items", "mmcast_worker_encoder_cache_tokens")
+        names = (
+            "mmcast_worker_payload_cache_bytes",
+            "mmcast_worker_payload_cache_items",
+            "mmcast_worker_encoder_cache_tokens",
+        )
         return [tuple(self.metric(n, f"rank{r}") for n in names) for r in range(TP)]
 
     def rank_epochs(self, rank: int) -> list[int]:
@@ -100,11 +106,16 @@ def env(tiny_model_dir, tmp_path_factory):
         kv_blocks=BUDGETS.kv_blocks,
         scheduler_args=[
             *BUDGETS.scheduler_args(),
-            "--step-timeout-seconds", str(STEP_TIMEOUT),
-            "--keepalive-seconds", "2",
-            "--group-deadline-seconds", str(DEADLINE),
-            "--reconnect-backoff-max-seconds", "0.5",
-            "--drain-seconds", str(DRAIN),
+            "--step-timeout-seconds",
+            str(STEP_TIMEOUT),
+            "--keepalive-seconds",
+            "2",
+            "--group-deadline-seconds",
+            str(DEADLINE),
+            "--reconnect-backoff-max-seconds",
+            "0.5",
+            "--drain-seconds",
+            str(DRAIN),
         ],  # fmt: skip
         worker_args=[*BUDGETS.worker_args(), "--group-timeout-seconds", str(GROUP_TIMEOUT)],
         worker_command=[sys.executable, "-c", HOLD, str(hold), WORKER_BIN],
@@ -146,8 +157,11 @@ class Streams:
         try:
             with Client(self.env.group.target, upload_images=i % 2 == 0, **self.client_kw) as c:
                 stream = c.generate(
-                    fault_messages(self.prompts[i]), max_tokens=self.max_tokens, ignore_eos=True,
-                    logprobs=0, stream=True,
+                    fault_messages(self.prompts[i]),
+                    max_tokens=self.max_tokens,
+                    ignore_eos=True,
+                    logprobs=0,
+                    stream=True,
                 )
                 for delta in stream:
                     self.seen[i] += len(delta.token_ids)
@@ -259,8 +273,12 @@ def test_disconnects_and_expired_deadlines_free_everything(env):
     assert env.metric("mmcast_worker_group_recoveries_total") == recoveries0
     assert wait_until(env.idle, 10)
     report(
-        "disconnects_and_deadlines", cancelled=4, deadlines=4, freed_within_s=freed_after,
-        images_left_in_rank_caches=int(grew_items), recoveries=0,
+        "disconnects_and_deadlines",
+        cancelled=4,
+        deadlines=4,
+        freed_within_s=freed_after,
+        images_left_in_rank_caches=int(grew_items),
+        recoveries=0,
     )
 
 
@@ -294,7 +312,11 @@ def test_kill_9_of_a_rank_mid_generation_is_invisible_to_clients(env):
     assert all(2 <= n < N_LONG for n in at_kill), at_kill  # every stream was mid-generation
     assert env.metric("mmcast_worker_group_recoveries_total") >= recoveries0 + 1
     report(
-        "kill_rank", streams=6, tokens_before_kill=at_kill, peer_exit_s=peer_exit, group_ready_s=group_back,
+        "kill_rank",
+        streams=6,
+        tokens_before_kill=at_kill,
+        peer_exit_s=peer_exit,
+        group_ready_s=group_back,
         streams_complete_s=completed,
     )
 
@@ -322,8 +344,12 @@ def test_a_stalled_rank_trips_the_step_deadline_and_the_group_recovers(env):
     # Either the ranks finished the stalled step together and the scheduler reconnected, or they were left on
     # different steps, saw it in the step vote and the group was restarted; both end in correct answers.
     report(
-        "stalled_rank", stall_s=STALL, step_timeout_s=STEP_TIMEOUT, deadline_fired_after_s=detect,
-        streams_complete_s=completed, group_restarted=g.generation > generation0,
+        "stalled_rank",
+        stall_s=STALL,
+        step_timeout_s=STEP_TIMEOUT,
+        deadline_fired_after_s=detect,
+        streams_complete_s=completed,
+        group_restarted=g.generation > generation0,
     )
 
 
@@ -374,8 +400,11 @@ def test_group_down_past_the_deadline_fails_with_unavailable_and_the_sdk_retry_s
     again.join(120)
     again.check()
     report(
-        "group_down_past_deadline", deadline_s=DEADLINE, streams_failed_after_s=failed_after,
-        scheduler_reconnected_after_ranks_ready_s=reconnected, sdk_retry_succeeded_after_s=retried["seconds"],
+        "group_down_past_deadline",
+        deadline_s=DEADLINE,
+        streams_failed_after_s=failed_after,
+        scheduler_reconnected_after_ranks_ready_s=reconnected,
+        sdk_retry_succeeded_after_s=retried["seconds"],
     )
 
 
@@ -459,5 +488,10 @@ def test_sigterm_drains_in_flight_requests_within_the_grace_period(env):
     late.join(180)
     assert "result" in refused
     assert_matches(refused["result"], env.oracle(fault_messages(2), 8), "sent during the drain")
-    report("sigterm_drain", drain_s=DRAIN, scheduler_exited_after_s=exited, in_flight_completed=4,
-           long_request_cut_at_tokens=len(cut.token_ids))
+    report(
+        "sigterm_drain",
+        drain_s=DRAIN,
+        scheduler_exited_after_s=exited,
+        in_flight_completed=4,
+        long_request_cut_at_tokens=len(cut.token_ids),
+    )

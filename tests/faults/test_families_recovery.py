@@ -65,12 +65,17 @@ class Streams:
 
 
 @pytest.mark.parametrize("model_fixture", FAMILY_MODELS)
-def test_kill_9_of_a_rank_mid_generation_is_invisible_and_answers_equal_transformers(
-    model_fixture, request, tmp_path
-):
+def test_kill_9_of_a_rank_mid_generation_is_invisible_and_answers_equal_transformers(model_fixture, request, tmp_path):
     model_dir = request.getfixturevalue(model_fixture)
-    group = LocalGroup(model_dir, TP, "lazy", kv_blocks=256, log_dir=tmp_path / "logs", ready_timeout=240,
-                       worker_args=["--group-timeout-seconds", "10"])
+    group = LocalGroup(
+        model_dir,
+        TP,
+        "lazy",
+        kv_blocks=256,
+        log_dir=tmp_path / "logs",
+        ready_timeout=240,
+        worker_args=["--group-timeout-seconds", "10"],
+    )
     group.start()
     try:
         oracle = Oracle(model_dir)

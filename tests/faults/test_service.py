@@ -114,7 +114,9 @@ def test_a_rank_that_comes_back_is_reached_at_the_next_attempt():
         rank = FakeRank(FakeRankConfig(rank=0, world_size=1, fingerprint=fp))
         handler = grpc.stream_stream_rpc_method_handler(rank._step, request_deserializer=None, response_serializer=None)
         server = grpc.aio.server()
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("mmcast.v1.WorkerService", {"Step": handler})])
+        server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler("mmcast.v1.WorkerService", {"Step": handler})]
+        )
         assert server.add_insecure_port(address) == port
         await server.start()
         try:

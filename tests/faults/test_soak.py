@@ -61,8 +61,15 @@ def test_soak_long(tiny_model_dir, tmp_path):
         baseline = rss_of(group)
         bound = SOAK_BUDGETS.bounds(baseline, oracle.model.config, tp=2)
         report = run_load(
-            group, workload, clients=clients, seconds=seconds, rss_bound=bound, rss_baseline=baseline,
-            p_fresh=0.05, seed=7, kill_every=kill_every,
+            group,
+            workload,
+            clients=clients,
+            seconds=seconds,
+            rss_bound=bound,
+            rss_baseline=baseline,
+            p_fresh=0.05,
+            seed=7,
+            kill_every=kill_every,
         )
         recoveries = scrape(group.metrics_urls["scheduler"], "mmcast_worker_group_recoveries_total")
         preempted = scrape(group.metrics_urls["scheduler"], "mmcast_preemptions_total")

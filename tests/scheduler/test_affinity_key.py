@@ -34,7 +34,8 @@ def test_the_key_is_the_sdks_function_of_the_first_user_message():
     assert key_of(turns(("user", [TextContent("what is this?"), ImageContent(JPEG, None, "f")])), None) != expected
     assert key_of(None, "a plain prompt") == conversation_key(["a plain prompt"])
     assert key_of(turns(("system", [TextContent("only a system message")])), None) == conversation_key(
-        ["only a system message"])  # no user message: the first message, as the SDK does
+        ["only a system message"]
+    )  # no user message: the first message, as the SDK does
 
 
 def test_the_sdk_computes_the_same_key_for_the_same_messages():
@@ -52,8 +53,9 @@ def test_client_headers_choose_the_key():
 
 @pytest.mark.parametrize("name", ["x-mmcast-affinity", "x-session-id"])
 def test_a_key_that_could_not_go_back_out_as_a_header_is_refused_naming_it(name):
-    with pytest.raises(InvalidArgument, match=f"the {name} header has {MAX_KEY_CHARS + 1} characters; the limit "
-                       f"is {MAX_KEY_CHARS}") as err:
+    with pytest.raises(
+        InvalidArgument, match=f"the {name} header has {MAX_KEY_CHARS + 1} characters; the limit is {MAX_KEY_CHARS}"
+    ) as err:
         client_key({name: "k" * (MAX_KEY_CHARS + 1)}.get)
     assert err.value.fields == (name,)
     with pytest.raises(InvalidArgument, match="only visible ASCII"):

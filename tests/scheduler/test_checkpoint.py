@@ -38,8 +38,10 @@ def template(system: str) -> str:
     return CHAT_TEMPLATE.replace(DEFAULT_SYSTEM, system)
 
 
-T_JSON, T_JINJA, T_TOKENIZER = (template(f"You answer from {name}.") for name in
-                                ("chat_template.json", "chat_template.jinja", "tokenizer_config.json"))
+T_JSON, T_JINJA, T_TOKENIZER = (
+    template(f"You answer from {name}.")
+    for name in ("chat_template.json", "chat_template.jinja", "tokenizer_config.json")
+)
 
 
 def _write(folder, name: str, text: str) -> None:
@@ -82,8 +84,9 @@ def reference_prompt(base, chat_template: str) -> list[int]:
     tokenizer = AutoTokenizer.from_pretrained(base)
     image_processor = AutoImageProcessor.from_pretrained(base)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True
+    )
     grid = image_processor(images=[Image.open(io.BytesIO(IMAGE))], return_tensors="pt")["image_grid_thw"][0]
     pads = int(grid.prod()) // image_processor.merge_size**2
     assert text.count("<|image_pad|>") == 1
@@ -92,8 +95,11 @@ def reference_prompt(base, chat_template: str) -> list[int]:
 
 def request(request_id: str, max_tokens: int = 2) -> g.GenerateRequest:
     content = [g.ContentPart(image=g.ImageInput(data=IMAGE)), g.ContentPart(text=QUESTION)]
-    return g.GenerateRequest(request_id=request_id, messages=[g.ChatMessage(role=g.ROLE_USER, content=content)],
-                             sampling=g.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return g.GenerateRequest(
+        request_id=request_id,
+        messages=[g.ChatMessage(role=g.ROLE_USER, content=content)],
+        sampling=g.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def generate(stub, req) -> g.GenerateFinal:
@@ -121,7 +127,9 @@ LAYOUTS = {
     "tokenizer_config.json": ({"tokenizer_config.json": T_TOKENIZER}, T_TOKENIZER),
     # The processor's file wins over the tokenizer's, as AutoProcessor decides.
     "chat_template.json and tokenizer_config.json": (
-        {"chat_template.json": T_JSON, "tokenizer_config.json": T_TOKENIZER}, T_JSON),
+        {"chat_template.json": T_JSON, "tokenizer_config.json": T_TOKENIZER},
+        T_JSON,
+    ),
 }
 
 
@@ -145,14 +153,33 @@ def test_a_template_in_any_file_transformers_reads_serves_its_prompts(tiny_model
 def test_a_folder_that_cannot_serve_stops_the_scheduler_at_start_with_one_line(tiny_model_dir, tmp_path):
     folders = {
         "chat template": checkpoint(tiny_model_dir, tmp_path, "no-template", {}),
-        "image processor": checkpoint(tiny_model_dir, tmp_path, "no-image-processor", {"chat_template.jinja": T_JINJA},
-                                      drop=("preprocessor_config.json",)),
+        "image processor": checkpoint(
+            tiny_model_dir,
+            tmp_path,
+            "no-image-processor",
+            {"chat_template.jinja": T_JINJA},
+            drop=("preprocessor_config.json",),
+        ),
     }
     procs = {  # both at once: most of each start is importing torch and transformers
         missing: subprocess.Popen(
-            [sys.executable, "-m", "scheduler_svc.main", "--model", str(folder), "--workers", "127.0.0.1:9",
-             "--listen", "127.0.0.1:0", "--metrics-port", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+            [
+                sys.executable,
+                "-m",
+                "scheduler_svc.main",
+                "--model",
+                str(folder),
+                "--workers",
+                "127.0.0.1:9",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-port",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ),
         )
         for missing, folder in folders.items()
     }
@@ -183,9 +210,11 @@ def _handled(h, method: str, code: str) -> float:
     """grpc_server_handled_total of one method and code, summed over its one RPC type."""
     return sum(
         sample.value
-        for metric in h.server.metrics.registry.collect() if metric.name == "grpc_server_handled"
+        for metric in h.server.metrics.registry.collect()
+        if metric.name == "grpc_server_handled"
         for sample in metric.samples
-        if sample.name == "grpc_server_handled_total" and sample.labels["grpc_method"] == method
+        if sample.name == "grpc_server_handled_total"
+        and sample.labels["grpc_method"] == method
         and sample.labels["grpc_code"] == code
     )
 
@@ -269,8 +298,10 @@ def test_an_unexpected_exception_in_the_http_api_is_500_with_the_request_id(tiny
             add = flush = broken
 
         with httpx.Client(timeout=30) as http:
-            for where, patch_it in (("frontend", lambda p: p.setattr(h.server.frontend, "process", broken)),
-                                    ("stream", lambda p: p.setattr(completion, "TextStream", BrokenText))):
+            for where, patch_it in (
+                ("frontend", lambda p: p.setattr(h.server.frontend, "process", broken)),
+                ("stream", lambda p: p.setattr(completion, "TextStream", BrokenText)),
+            ):
                 for stream in (False, True):
                     with monkeypatch.context() as patch:
                         patch_it(patch)
@@ -289,8 +320,11 @@ def test_an_unexpected_exception_in_the_http_api_is_500_with_the_request_id(tiny
 
             with monkeypatch.context() as patch:
                 patch.setattr(completion, "TextStream", BreaksLater)
-                r = http.post(url, json={**body, "max_tokens": 4, "ignore_eos": True, "stream": True},
-                              headers={"x-request-id": "bug-later"})
+                r = http.post(
+                    url,
+                    json={**body, "max_tokens": 4, "ignore_eos": True, "stream": True},
+                    headers={"x-request-id": "bug-later"},
+                )
             events = [e for e in r.text.split("\n\n") if e]
             assert r.status_code == 200 and events[-1] == "data: [DONE]", r.text
             error = json.loads(events[-2].removeprefix("data: "))["error"]

@@ -38,8 +38,10 @@ def plain(rid="r", n=10, **sampling) -> Request:
         ({"max_logprobs": 5000}, ["max_logprobs=5000", "1024"]),
         ({"workers": "a:1,b"}, ["workers[1]='b'", "HOST:PORT"]),
         ({"max_num_seqs": 2.5}, ["max_num_seqs=2.5", "integer"]),
-        ({"reconnect_backoff_initial_seconds": 2.0, "reconnect_backoff_max_seconds": 1.0},
-         ["reconnect_backoff_max_seconds=1.0"]),
+        (
+            {"reconnect_backoff_initial_seconds": 2.0, "reconnect_backoff_max_seconds": 1.0},
+            ["reconnect_backoff_max_seconds=1.0"],
+        ),
     ],
 )
 def test_config_errors_name_the_setting_value_and_range(overrides, needles):
@@ -84,10 +86,18 @@ def _with_feature_payload(nbytes_rows: int):
         ({}, plain(top_k=2**32), InvalidArgument, ["sampling.top_k=4294967296", "[0, 2^32)"]),
         ({"kv_blocks": 2}, plain(n=30, max_tokens=4), ResourceExhausted, ["34 tokens", "KV pool of 32", "--kv-blocks"]),
         ({}, _with_feature_payload(80), ResourceExhausted, ["80 encoder rows", "holds 64", "--encoder-cache-tokens"]),
-        ({"payload_cache_bytes": 512}, _with_feature_payload(40), ResourceExhausted,
-         ["640 payload bytes", "512", "--payload-cache-bytes"]),
-        ({"group": dataclasses.replace(GROUP, max_tensor_bytes=100)}, _with_feature_payload(8), ResourceExhausted,
-         ["pixel_values has 128 bytes", "up to 100 bytes"]),
+        (
+            {"payload_cache_bytes": 512},
+            _with_feature_payload(40),
+            ResourceExhausted,
+            ["640 payload bytes", "512", "--payload-cache-bytes"],
+        ),
+        (
+            {"group": dataclasses.replace(GROUP, max_tensor_bytes=100)},
+            _with_feature_payload(8),
+            ResourceExhausted,
+            ["pixel_values has 128 bytes", "up to 100 bytes"],
+        ),
     ],
 )
 def test_add_request_limits(make_kwargs, req, error, needles):
@@ -155,8 +165,10 @@ def test_eos_stop_tokens_logprobs_and_ignore_eos():
     s.add_request(plain("stop", max_tokens=5, stop_token_ids=(42,)))
     s.add_request(plain("ignore", max_tokens=2, ignore_eos=True))
     plan = s.schedule()
-    got = {u.request_id: u for u in s.update_from_output(plan, outcome({"eos": (EOS, -0.5, [(EOS, -0.5)]),
-                                                                         "stop": 42, "ignore": EOS}))}
+    got = {
+        u.request_id: u
+        for u in s.update_from_output(plan, outcome({"eos": (EOS, -0.5, [(EOS, -0.5)]), "stop": 42, "ignore": EOS}))
+    }
     assert got["eos"].finished is FinishReason.STOP and got["eos"].stop_token_id == EOS
     assert got["eos"].logprobs == [(-0.5, [(EOS, -0.5)])]
     assert got["stop"].finished is FinishReason.STOP and got["stop"].stop_token_id == 42

@@ -34,8 +34,10 @@ def png(width: int, height: int, seed: int) -> bytes:
 
 def png_header(width: int, height: int) -> bytes:
     """A PNG whose header announces ``width`` x ``height`` but which carries almost no data (a bomb's shape)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
 
@@ -84,8 +86,15 @@ def test_cold_path_matches_the_hf_processor(tiny_model_dir, processor):
     prompt = fe.process(conversation())
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "You look at pictures."}]},
-        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "image"},
-                                     {"type": "text", "text": "and"}, {"type": "image"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "hello"},
+                {"type": "image"},
+                {"type": "text", "text": "and"},
+                {"type": "image"},
+            ],
+        },
         {"role": "assistant", "content": [{"type": "text", "text": "Two pictures."}]},
         {"role": "user", "content": [{"type": "text", "text": "again"}, {"type": "image"}]},
     ]
@@ -135,8 +144,10 @@ def test_upload_by_hash_path_matches_and_hashes_nothing(tiny_model_dir, monkeypa
     sha_b, _ = fe.uploads.put(IMG_B)
     turns = [
         ChatTurn("system", [TextPart("You look at pictures.")]),
-        ChatTurn("user", [TextPart("hello"), ImagePart(uploaded_sha256=sha_a), TextPart("and"),
-                          ImagePart(uploaded_sha256=sha_b)]),
+        ChatTurn(
+            "user",
+            [TextPart("hello"), ImagePart(uploaded_sha256=sha_a), TextPart("and"), ImagePart(uploaded_sha256=sha_b)],
+        ),
         ChatTurn("assistant", [TextPart("Two pictures.")]),
         ChatTurn("user", [TextPart("again"), ImagePart(uploaded_sha256=sha_a)]),
     ]
@@ -200,26 +211,62 @@ def user(*parts):
         ({}, [ChatTurn("robot", [TextPart("hi")])], InvalidArgument, ["messages[0].role='robot'", "user"]),
         ({}, [], InvalidArgument, ["messages is empty"]),
         ({}, user(TextPart("   ")), InvalidArgument, ["prompt is empty"]),
-        ({"max_images_per_request": 2}, user(ImagePart(IMG_A), ImagePart(IMG_B), ImagePart(IMG_C)),
-         InvalidArgument, ["messages[0].content[2].image", "more than 2 images", "--max-images-per-request"]),
-        ({}, user(TextPart("x"), ImagePart(b"not an image at all")), InvalidArgument,
-         ["messages[0].content[1].image", "19 bytes are not a decodable image"]),
+        (
+            {"max_images_per_request": 2},
+            user(ImagePart(IMG_A), ImagePart(IMG_B), ImagePart(IMG_C)),
+            InvalidArgument,
+            ["messages[0].content[2].image", "more than 2 images", "--max-images-per-request"],
+        ),
+        (
+            {},
+            user(TextPart("x"), ImagePart(b"not an image at all")),
+            InvalidArgument,
+            ["messages[0].content[1].image", "19 bytes are not a decodable image"],
+        ),
         ({}, user(ImagePart(png_header(0, 10))), InvalidArgument, ["messages[0].content[0].image"]),
-        ({"max_image_pixels": 10_000}, user(ImagePart(png_header(300, 300))), InvalidArgument,
-         ["messages[0].content[0].image", "300x300 = 90000 pixels", "10000", "--max-image-pixels"]),
-        ({}, user(ImagePart(png_header(20_000, 20_000))), InvalidArgument,
-         ["messages[0].content[0].image", "--max-image-pixels"]),
-        ({"max_upload_bytes": 100}, user(ImagePart(IMG_A)), ResourceExhausted,
-         ["messages[0].content[0].image", f"{len(IMG_A)} bytes", "100", "--max-upload-bytes"]),
-        ({"max_request_bytes": 1024}, user(TextPart("y" * 2000)), ResourceExhausted,
-         ["2000 bytes", "1024", "--max-request-bytes"]),
-        ({}, user(ImagePart(uploaded_sha256="ab" * 32)), NotFound,
-         ["messages[0].content[0].image.uploaded_sha256=" + "ab" * 32, "--upload-store-bytes"]),
+        (
+            {"max_image_pixels": 10_000},
+            user(ImagePart(png_header(300, 300))),
+            InvalidArgument,
+            ["messages[0].content[0].image", "300x300 = 90000 pixels", "10000", "--max-image-pixels"],
+        ),
+        (
+            {},
+            user(ImagePart(png_header(20_000, 20_000))),
+            InvalidArgument,
+            ["messages[0].content[0].image", "--max-image-pixels"],
+        ),
+        (
+            {"max_upload_bytes": 100},
+            user(ImagePart(IMG_A)),
+            ResourceExhausted,
+            ["messages[0].content[0].image", f"{len(IMG_A)} bytes", "100", "--max-upload-bytes"],
+        ),
+        (
+            {"max_request_bytes": 1024},
+            user(TextPart("y" * 2000)),
+            ResourceExhausted,
+            ["2000 bytes", "1024", "--max-request-bytes"],
+        ),
+        (
+            {},
+            user(ImagePart(uploaded_sha256="ab" * 32)),
+            NotFound,
+            ["messages[0].content[0].image.uploaded_sha256=" + "ab" * 32, "--upload-store-bytes"],
+        ),
         ({}, user(ImagePart()), InvalidArgument, ["neither data nor uploaded_sha256"]),
-        ({"max_model_len": 40}, user(TextPart("a long question " * 10)), InvalidArgument,
-         ["tokens", "context holds 40", "--max-model-len"]),
-        ({}, user(TextPart("sneaky <|image_pad|> token")), InvalidArgument,
-         ["messages[0].content[0].text", "<|image_pad|>"]),
+        (
+            {"max_model_len": 40},
+            user(TextPart("a long question " * 10)),
+            InvalidArgument,
+            ["tokens", "context holds 40", "--max-model-len"],
+        ),
+        (
+            {},
+            user(TextPart("sneaky <|image_pad|> token")),
+            InvalidArgument,
+            ["messages[0].content[0].text", "<|image_pad|>"],
+        ),
     ],
 )
 def test_every_limit_has_its_error(tiny_model_dir, overrides, turns, error, needles):
@@ -228,8 +275,10 @@ def test_every_limit_has_its_error(tiny_model_dir, overrides, turns, error, need
         fe.process(turns)
     for needle in needles:
         assert needle in info.value.message
-    assert info.value.status.value == {InvalidArgument: "INVALID_ARGUMENT", ResourceExhausted: "RESOURCE_EXHAUSTED",
-                                       NotFound: "NOT_FOUND"}[error]
+    assert (
+        info.value.status.value
+        == {InvalidArgument: "INVALID_ARGUMENT", ResourceExhausted: "RESOURCE_EXHAUSTED", NotFound: "NOT_FOUND"}[error]
+    )
 
 
 def test_evicted_upload_is_not_found_even_when_processed_before(tiny_model_dir):
@@ -298,8 +347,9 @@ def test_encoded_prompt_is_built_from_headers_and_carries_the_file_as_sent(tiny_
     e, p = encoded.process(turns), pixels.process(turns)
     assert encoded.counts["images_decoded"] == 0 and pixels.counts["images_decoded"] == 2
     assert e.token_ids == p.token_ids and e.pending_cache == []
-    ref_grids = processor.image_processor(images=[image_as_sent(x) for x in (IMG_A, tall, IMG_A)],
-                                          return_tensors="pt")["image_grid_thw"]
+    ref_grids = processor.image_processor(images=[image_as_sent(x) for x in (IMG_A, tall, IMG_A)], return_tensors="pt")[
+        "image_grid_thw"
+    ]
     for f, g, raw, ref_grid in zip(e.mm_features, p.mm_features, (IMG_A, tall, IMG_A), ref_grids, strict=True):
         assert f.encoding is PayloadEncoding.ENCODED and g.encoding is PayloadEncoding.PIXELS
         assert (f.identifier, f.mm_position) == (g.identifier, g.mm_position)

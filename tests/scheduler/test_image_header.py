@@ -31,8 +31,23 @@ def user(*parts):
     return [ChatTurn("user", list(parts))]
 
 
-SIZES = [(1, 1), (28, 28), (56, 56), (27, 29), (57, 113), (224, 224), (448, 448), (1280, 720), (720, 1280),
-         (1000, 1000), (1001, 999), (3, 500), (599, 4), (700, 3), (1500, 900)]
+SIZES = [
+    (1, 1),
+    (28, 28),
+    (56, 56),
+    (27, 29),
+    (57, 113),
+    (224, 224),
+    (448, 448),
+    (1280, 720),
+    (720, 1280),
+    (1000, 1000),
+    (1001, 999),
+    (3, 500),
+    (599, 4),
+    (700, 3),
+    (1500, 900),
+]
 SIZES += [(random.Random(i).randint(1, 1100), random.Random(i + 99).randint(1, 1100)) for i in range(25)]
 
 
@@ -81,8 +96,9 @@ def test_exif_orientation_is_read_from_the_header_without_decoding(frontend, mon
     decodes: list[str] = []
     for cls in (ImageFile.ImageFile, WebPImagePlugin.WebPImageFile):
         original = cls.load
-        monkeypatch.setattr(cls, "load", lambda self, _original=original: decodes.append(self.format) or
-                            _original(self))
+        monkeypatch.setattr(
+            cls, "load", lambda self, _original=original: decodes.append(self.format) or _original(self)
+        )
     image, header = fe.check_image_header(data, "x")
     assert decodes == [], f"the header check decoded a {fmt} image"
     image.load()
@@ -95,8 +111,6 @@ def test_exif_orientation_is_read_from_the_header_without_decoding(frontend, mon
     assert prompt.mm_features[0].mm_position.length == header.tokens
     # the grid is (frames, rows, columns) of the upright image: 300 wide x 500 high has more rows than columns
     assert (grid[1] > grid[2]) == (orientation >= 5), (fmt, orientation, grid)
-
-
 
 
 def test_a_png_with_exif_behind_its_pixels_is_turned_as_load_image_turns_it(tiny_model_dir, tmp_path):
@@ -129,18 +143,28 @@ def test_gif_first_frame_and_other_formats_follow_the_header(tiny_model_dir):
         assert prompt.mm_features[0].mm_position.length == header.tokens, header
 
 
-@pytest.mark.parametrize("data, name", [(hostile.ico_around(hostile.solid_png(300, 300)), "ICO"),
-                                        (hostile.tiff(), "TIFF"), (hostile.psd_header(), "PSD")])
+@pytest.mark.parametrize(
+    "data, name",
+    [(hostile.ico_around(hostile.solid_png(300, 300)), "ICO"), (hostile.tiff(), "TIFF"), (hostile.psd_header(), "PSD")],
+)
 def test_other_formats_are_refused_by_name_and_never_opened(tiny_model_dir, data, name):
     fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels"))
     with pytest.raises(InvalidArgument) as info:
         fe.process(user(ImagePart(data), TextPart("look")))
     message = info.value.message
-    for word in (f"{name} images are not accepted", "JPEG, PNG, WEBP, GIF, BMP", "--image-formats",
-                 "messages[0].content[0].image"):
+    for word in (
+        f"{name} images are not accepted",
+        "JPEG, PNG, WEBP, GIF, BMP",
+        "--image-formats",
+        "messages[0].content[0].image",
+    ):
         assert word in message, message
     assert fe.counts["images_decoded"] == 0 and fe.counts["prompts_tokenized"] == 0
-    allowed = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels", image_formats=f"png,{name.lower()}")) if name != "PSD" else None
+    allowed = (
+        Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels", image_formats=f"png,{name.lower()}"))
+        if name != "PSD"
+        else None
+    )
     if allowed is not None:  # the flag lets it through
         assert allowed.process(user(ImagePart(data))).num_images == 1
 
@@ -162,8 +186,13 @@ def test_png_token_bomb_is_refused_before_decoding_and_a_fitting_one_decodes(tin
     fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels", max_model_len=16384))
     with pytest.raises(InvalidArgument) as info:
         fe.process(user(ImagePart(hostile.png_bomb()), TextPart("what is it?")), reserve_tokens=16)
-    for word in ("messages[0].content[0].image", "5792x5792", "16384 prompt tokens", "context of 16384",
-                 "--max-model-len"):
+    for word in (
+        "messages[0].content[0].image",
+        "5792x5792",
+        "16384 prompt tokens",
+        "context of 16384",
+        "--max-model-len",
+    ):
         assert word in info.value.message, info.value.message
     assert fe.counts["images_decoded"] == 0 and fe.counts["prompts_tokenized"] == 0 and fe.cache.used == 0
     # Two images that fit alone but not together are refused for their sum, before either is decoded.
@@ -184,7 +213,9 @@ def test_text_over_the_byte_bound_is_never_tokenized(tiny_model_dir):
     for word in ("messages[0].content[1].text", "8600 bytes", "8192", "--max-prompt-bytes"):
         assert word in info.value.message, info.value.message
     assert fe.counts["prompts_tokenized"] == 0
-    explicit = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels", max_model_len=1024, max_prompt_bytes=100))
+    explicit = Frontend(
+        tiny_model_dir, SchedulerConfig(payload_encoding="pixels", max_model_len=1024, max_prompt_bytes=100)
+    )
     with pytest.raises(InvalidArgument, match="limit is 100 "):
         explicit.process(user(TextPart("x" * 101)))
 

@@ -64,7 +64,10 @@ CASES = {
     "16-bit greyscale PNG": (_encode(Image.fromarray(_noise(8, 1, 600, np.uint16)), "PNG"), False, False),
     "JPEG rotated by EXIF (6)": (_encode(Image.fromarray(_noise(9, 3)), "JPEG", exif=_exif(6)), False, True),
     "RGBA PNG mirrored and rotated by EXIF (7)": (
-        _encode(Image.fromarray(np.dstack([_noise(10, 3), _alpha(11)]), "RGBA"), "PNG", exif=_exif(7)), True, True),
+        _encode(Image.fromarray(np.dstack([_noise(10, 3), _alpha(11)]), "RGBA"), "PNG", exif=_exif(7)),
+        True,
+        True,
+    ),
 }
 
 
@@ -152,10 +155,18 @@ def test_served_tokens_match_the_oracle_qwen2_5_vl(tiny_model_25_dir):
     from tests.support.worker_driver import InProcessWorker, rank_token_file
     from worker_svc.config import WorkerConfig
 
-    rank = InProcessWorker(WorkerConfig(model=str(tiny_model_25_dir), listen="127.0.0.1:0", kv_blocks=256,
-                                        shared_token_file=rank_token_file()))
-    config = SchedulerConfig(model=str(tiny_model_25_dir), workers=[rank.target], listen="127.0.0.1:0",
-                             metrics_port=0, worker_token_file=rank_token_file())
+    rank = InProcessWorker(
+        WorkerConfig(
+            model=str(tiny_model_25_dir), listen="127.0.0.1:0", kv_blocks=256, shared_token_file=rank_token_file()
+        )
+    )
+    config = SchedulerConfig(
+        model=str(tiny_model_25_dir),
+        workers=[rank.target],
+        listen="127.0.0.1:0",
+        metrics_port=0,
+        worker_token_file=rank_token_file(),
+    )
     try:
         with scheduler_server(config) as port, Client(f"127.0.0.1:{port}", timeout=300) as client:
             _check_served(client, Oracle(tiny_model_25_dir), "qwen2_5_vl TP=1")

@@ -54,8 +54,12 @@ def test_header_tokens_equal_the_processors_output_for_every_size(image_input, p
 def test_header_reader_without_the_processor_refuses_to_guess(processor):
     # The count lives in the whole processor (patch size, feature strategy), not the image processor.
     family = family_of({"model_type": "llava"})
-    reader = ImageHeaderReader(DEFAULT_IMAGE_FORMATS, 1 << 40, processor.image_processor,
-                               lambda h, w: family.image_tokens(None, processor.image_processor, h, w))
+    reader = ImageHeaderReader(
+        DEFAULT_IMAGE_FORMATS,
+        1 << 40,
+        processor.image_processor,
+        lambda h, w: family.image_tokens(None, processor.image_processor, h, w),
+    )
     with pytest.raises(Exception, match="processor"):
         reader.open(encoded(20, 20), "x")
 
@@ -76,10 +80,21 @@ def test_corpus_file_tokens_and_pixels_equal_the_processors(image_input, process
 def test_prompt_equals_the_llava_processor_and_items_carry_no_grid(tiny_model_llava_dir, processor, encoding):
     fe = Frontend(tiny_model_llava_dir, SchedulerConfig(payload_encoding=encoding))
     tall = png(30, 200, 9)
-    prompt = fe.process([ChatTurn("user", [TextPart("hello"), ImagePart(IMG_A), TextPart("and"), ImagePart(tall),
-                                           ImagePart(IMG_B)])])
-    messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "image"},
-                                             {"type": "text", "text": "and"}, {"type": "image"}, {"type": "image"}]}]
+    prompt = fe.process(
+        [ChatTurn("user", [TextPart("hello"), ImagePart(IMG_A), TextPart("and"), ImagePart(tall), ImagePart(IMG_B)])]
+    )
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "hello"},
+                {"type": "image"},
+                {"type": "text", "text": "and"},
+                {"type": "image"},
+                {"type": "image"},
+            ],
+        }
+    ]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ref = processor(text=[text], images=[image_as_sent(x) for x in (IMG_A, tall, IMG_B)], return_tensors="pt")
     assert prompt.token_ids == ref["input_ids"][0].tolist()

@@ -107,8 +107,9 @@ class Server:
                 else:
                     route(self, url.path, query)
 
-            def reply(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
-                      length: bool = True) -> None:
+            def reply(
+                self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, length: bool = True
+            ) -> None:
                 self.send_response(status)
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
@@ -236,22 +237,31 @@ def test_a_data_url_of_another_media_type_is_refused_naming_the_accepted_ones(mi
     assert repr(mime or "(none)") in message
 
 
-@pytest.mark.parametrize("payload", [
-    "iVBORw0K GgoAAAA",  # whitespace
-    "iVBORw0KGgoAAAA\n",  # a line break
-    "iVBORw0KGgo-_AA=",  # the URL-safe alphabet
-    "iVBORw0KGgoAAA",  # missing padding
-    "@@@@",
-    "iVBORw0KGgoAAAé",  # not ASCII
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "iVBORw0K GgoAAAA",  # whitespace
+        "iVBORw0KGgoAAAA\n",  # a line break
+        "iVBORw0KGgo-_AA=",  # the URL-safe alphabet
+        "iVBORw0KGgoAAA",  # missing padding
+        "@@@@",
+        "iVBORw0KGgoAAAé",  # not ASCII
+    ],
+)
 def test_invalid_base64_is_refused_strictly(payload):
     _decode_refused(f"data:image/png;base64,{payload}", InvalidArgument, "not valid base64", "no whitespace")
 
 
 def test_an_oversize_data_url_is_refused_from_its_length_before_any_decoding():
     # '!' is not base64: had the loader decoded first, this would be "not valid base64", not the size.
-    message = _decode_refused("data:image/png;base64," + "!" * 4000, ResourceExhausted, "3000 bytes", "limit is 2999",
-                              "--max-upload-bytes", max_bytes=2999)
+    message = _decode_refused(
+        "data:image/png;base64," + "!" * 4000,
+        ResourceExhausted,
+        "3000 bytes",
+        "limit is 2999",
+        "--max-upload-bytes",
+        max_bytes=2999,
+    )
     assert "!!!!!!!!" not in message[150:]  # the URL is quoted cut, never whole
     # exact at the limit: 3000 bytes pass a 3000-byte limit, 3001 do not (padding counted)
     loader = MediaLoader(MediaPolicy(max_bytes=3000))
@@ -273,11 +283,20 @@ def test_an_empty_data_url_is_refused():
     _decode_refused("data:image/png;base64,", InvalidArgument, "empty")
 
 
-@pytest.mark.parametrize("url", ["ftp://example.com/a.png", "javascript:alert(1)", "gopher://x/", "", "/tmp/a.png",
-                                 "C:\\images\\a.png"])
+@pytest.mark.parametrize(
+    "url", ["ftp://example.com/a.png", "javascript:alert(1)", "gopher://x/", "", "/tmp/a.png", "C:\\images\\a.png"]
+)
 def test_other_schemes_are_refused_naming_the_accepted_ones(url):
-    refused(MediaLoader(MediaPolicy()), url, InvalidArgument, "accepted: data:image/", "http(s)://", "file://",
-            "--allowed-media-domains", "--allowed-local-media-path")
+    refused(
+        MediaLoader(MediaPolicy()),
+        url,
+        InvalidArgument,
+        "accepted: data:image/",
+        "http(s)://",
+        "file://",
+        "--allowed-media-domains",
+        "--allowed-local-media-path",
+    )
 
 
 # --- http(s): off by default, loopback refused, allowed networks --------------------------------------------------
@@ -290,11 +309,11 @@ def test_remote_urls_are_off_by_default_and_the_message_names_the_flag(server):
 
 def test_a_loopback_server_is_refused_even_when_its_name_is_allowed(server):
     loader = MediaLoader(policy(allowed_media_domains=["127.0.0.1", "localhost"]))
-    refused(loader, server.url("/img/a.png"), InvalidArgument, "127.0.0.1 is a loopback address",
-            "--allowed-media-networks")
+    refused(
+        loader, server.url("/img/a.png"), InvalidArgument, "127.0.0.1 is a loopback address", "--allowed-media-networks"
+    )
     # localhost through the real system resolver: every answer (127.0.0.1, ::1) is loopback
-    refused(loader, server.url("/img/a.png", host="localhost"), InvalidArgument, "localhost resolves to",
-            "loopback")
+    refused(loader, server.url("/img/a.png", host="localhost"), InvalidArgument, "localhost resolves to", "loopback")
     assert server.requests == []  # refused before connecting
 
 
@@ -314,8 +333,10 @@ def test_the_request_goes_to_the_checked_address_with_the_name_as_host(server):
     # media.test exists only in this resolver: the fetch works only if the loader connects to the address it
     # checked (pinned) rather than letting the HTTP client resolve the name again.
     calls: list[str] = []
-    loader = MediaLoader(policy(allowed_media_domains=["media.test"], allowed_media_networks=list(LOOPBACK)),
-                         resolver=resolver({"media.test": ["127.0.0.1"]}, calls))
+    loader = MediaLoader(
+        policy(allowed_media_domains=["media.test"], allowed_media_networks=list(LOOPBACK)),
+        resolver=resolver({"media.test": ["127.0.0.1"]}, calls),
+    )
     assert load(loader, server.url("/img/a.png", host="media.test")) == PNG
     assert calls == ["media.test"]  # one lookup, the checked one
     assert server.requests[0][1]["host"] == f"media.test:{server.port}"
@@ -332,27 +353,44 @@ def test_dns_rebinding_gets_no_second_lookup(server):
         return next(answers)
 
     # 203.0.113.0/24 is documentation space (not global): allow it so the check passes and a connect is tried.
-    loader = MediaLoader(policy(allowed_media_domains=["media.test"], allowed_media_networks=["203.0.113.0/24"],
-                                media_fetch_timeout_seconds=0.5), resolver=rebinding)
+    loader = MediaLoader(
+        policy(
+            allowed_media_domains=["media.test"],
+            allowed_media_networks=["203.0.113.0/24"],
+            media_fetch_timeout_seconds=0.5,
+        ),
+        resolver=rebinding,
+    )
     refused(loader, server.url("/img/a.png", host="media.test"), InvalidArgument, "media.test")
     assert calls == ["media.test"] and server.requests == []
 
 
 def test_a_host_outside_the_allow_list_is_refused_and_wildcards_match_subdomains_only(server):
     table = {h: ["127.0.0.1"] for h in ("img.example.test", "a.b.example.test", "example.test", "evilexample.test")}
-    loader = MediaLoader(policy(allowed_media_domains=["*.example.test"], allowed_media_networks=list(LOOPBACK)),
-                         resolver=resolver(table))
+    loader = MediaLoader(
+        policy(allowed_media_domains=["*.example.test"], allowed_media_networks=list(LOOPBACK)),
+        resolver=resolver(table),
+    )
     assert load(loader, server.url("/img/a.png", host="img.example.test")) == PNG
     assert load(loader, server.url("/img/a.png", host="A.B.Example.Test.")) == PNG  # case and trailing dot
     for host in ("example.test", "evilexample.test", "127.0.0.1"):
-        refused(loader, server.url("/img/a.png", host=host), InvalidArgument, f"the host {host} is not in",
-                "--allowed-media-domains")
+        refused(
+            loader,
+            server.url("/img/a.png", host=host),
+            InvalidArgument,
+            f"the host {host} is not in",
+            "--allowed-media-domains",
+        )
     assert len(server.requests) == 2
 
 
 def test_a_private_answer_from_the_resolver_is_refused_without_connecting(server):
-    table = {"private.test": ["10.1.2.3"], "mixed.test": ["93.184.216.34", "10.0.0.1"],
-             "mapped.test": ["::ffff:169.254.169.254"], "nowhere.test": []}
+    table = {
+        "private.test": ["10.1.2.3"],
+        "mixed.test": ["93.184.216.34", "10.0.0.1"],
+        "mapped.test": ["::ffff:169.254.169.254"],
+        "nowhere.test": [],
+    }
     loader = MediaLoader(policy(allowed_media_domains=list(table) + ["missing.test"]), resolver=resolver(table))
     refused(loader, "http://private.test/a.png", InvalidArgument, "private.test resolves to 10.1.2.3", "private")
     # any one non-public answer refuses the host: the client might connect to that one
@@ -367,26 +405,53 @@ def test_the_metadata_address_is_refused_without_any_connection_attempt():
         raise AssertionError("an IP literal needs no lookup")
 
     # 169.254.169.254 must be allowed as a domain to get this far; an allowed network elsewhere changes nothing.
-    loader = MediaLoader(policy(allowed_media_domains=["169.254.169.254", "fd00:ec2::254"],
-                                allowed_media_networks=["10.0.0.0/8"], media_fetch_timeout_seconds=5.0),
-                         resolver=no_lookup)
+    loader = MediaLoader(
+        policy(
+            allowed_media_domains=["169.254.169.254", "fd00:ec2::254"],
+            allowed_media_networks=["10.0.0.0/8"],
+            media_fetch_timeout_seconds=5.0,
+        ),
+        resolver=no_lookup,
+    )
     start = time.perf_counter()
-    refused(loader, "http://169.254.169.254/latest/meta-data/iam/", InvalidArgument,
-            "169.254.169.254 is a link-local address")
+    refused(
+        loader,
+        "http://169.254.169.254/latest/meta-data/iam/",
+        InvalidArgument,
+        "169.254.169.254 is a link-local address",
+    )
     refused(loader, "http://[fd00:ec2::254]/latest/meta-data/", InvalidArgument, "private")
     # a connection attempt would have taken the 5 s timeout or failed with a connect error instead
     assert time.perf_counter() - start < 1.0
 
 
-@pytest.mark.parametrize("address,reason", [
-    ("127.0.0.1", "loopback"), ("::1", "loopback"), ("10.0.0.1", "private"), ("172.16.5.4", "private"),
-    ("192.168.1.1", "private"), ("169.254.169.254", "link-local"), ("fe80::1", "link-local"),
-    ("fe80::1%eth0", "link-local"), ("fd00::1", "private"), ("0.0.0.0", "unspecified"), ("::", "unspecified"),
-    ("100.64.0.1", "CGNAT"), ("224.0.0.1", "multicast"), ("ff02::1", "multicast"), ("240.0.0.1", "reserved"),
-    ("255.255.255.255", "reserved"), ("192.0.2.1", "private"), ("fec0::1", "site-local"),
-    ("::ffff:127.0.0.1", "loopback (inside the IPv6 address"), ("::ffff:10.0.0.1", "private (inside"),
-    ("2002:a00:1::1", "private (inside"), ("64:ff9b::a9fe:a9fe", "link-local (inside"),
-])
+@pytest.mark.parametrize(
+    "address,reason",
+    [
+        ("127.0.0.1", "loopback"),
+        ("::1", "loopback"),
+        ("10.0.0.1", "private"),
+        ("172.16.5.4", "private"),
+        ("192.168.1.1", "private"),
+        ("169.254.169.254", "link-local"),
+        ("fe80::1", "link-local"),
+        ("fe80::1%eth0", "link-local"),
+        ("fd00::1", "private"),
+        ("0.0.0.0", "unspecified"),
+        ("::", "unspecified"),
+        ("100.64.0.1", "CGNAT"),
+        ("224.0.0.1", "multicast"),
+        ("ff02::1", "multicast"),
+        ("240.0.0.1", "reserved"),
+        ("255.255.255.255", "reserved"),
+        ("192.0.2.1", "private"),
+        ("fec0::1", "site-local"),
+        ("::ffff:127.0.0.1", "loopback (inside the IPv6 address"),
+        ("::ffff:10.0.0.1", "private (inside"),
+        ("2002:a00:1::1", "private (inside"),
+        ("64:ff9b::a9fe:a9fe", "link-local (inside"),
+    ],
+)
 def test_non_public_addresses_are_refused(address, reason):
     from scheduler_svc.media_urls import _address
 
@@ -428,8 +493,13 @@ def test_a_redirect_within_the_rules_is_followed(server, status):
 
 def test_a_redirect_to_the_metadata_address_is_refused(server):
     metadata = "http://169.254.169.254/latest/meta-data/"
-    refused(_loopback_loader(), _redirect(server, metadata), InvalidArgument, "redirect 1 to",
-            "the host 169.254.169.254 is not in --allowed-media-domains")
+    refused(
+        _loopback_loader(),
+        _redirect(server, metadata),
+        InvalidArgument,
+        "redirect 1 to",
+        "the host 169.254.169.254 is not in --allowed-media-domains",
+    )
     # even with the address allowed as a domain, its address check refuses it
     loader = _loopback_loader(allowed_media_domains=["127.0.0.1", "169.254.169.254"])
     refused(loader, _redirect(server, metadata), InvalidArgument, "169.254.169.254 is a link-local address")
@@ -440,37 +510,60 @@ def test_a_redirect_to_a_host_outside_the_allow_list_or_to_another_scheme_is_ref
     refused(loader, _redirect(server, "http://evil.test/a.png"), InvalidArgument, "the host evil.test is not in")
     refused(loader, _redirect(server, "file:///etc/passwd"), InvalidArgument, "only http and https")
     refused(loader, _redirect(server, "data:image/png;base64,AAAA"), InvalidArgument, "only http and https")
-    refused(loader, _redirect(server, f"http://user:pw@127.0.0.1:{server.port}/img/a.png"), InvalidArgument,
-            "credentials")
+    refused(
+        loader, _redirect(server, f"http://user:pw@127.0.0.1:{server.port}/img/a.png"), InvalidArgument, "credentials"
+    )
 
 
 def test_a_redirect_to_a_name_that_resolves_to_a_private_address_is_refused(server):
-    loader = MediaLoader(policy(allowed_media_domains=["127.0.0.1", "inner.test"],
-                                allowed_media_networks=list(LOOPBACK)),
-                         resolver=resolver({"inner.test": ["192.168.0.10"]}))
-    refused(loader, _redirect(server, "http://inner.test/a.png"), InvalidArgument,
-            "inner.test resolves to 192.168.0.10", "private")
+    loader = MediaLoader(
+        policy(allowed_media_domains=["127.0.0.1", "inner.test"], allowed_media_networks=list(LOOPBACK)),
+        resolver=resolver({"inner.test": ["192.168.0.10"]}),
+    )
+    refused(
+        loader,
+        _redirect(server, "http://inner.test/a.png"),
+        InvalidArgument,
+        "inner.test resolves to 192.168.0.10",
+        "private",
+    )
 
 
 def test_too_many_redirects_are_refused(server):
     start = server.url("/loop/0")
-    refused(_loopback_loader(media_fetch_max_redirects=3), start, InvalidArgument, "redirects more than 3 times",
-            "--media-fetch-max-redirects")
+    refused(
+        _loopback_loader(media_fetch_max_redirects=3),
+        start,
+        InvalidArgument,
+        "redirects more than 3 times",
+        "--media-fetch-max-redirects",
+    )
     assert [p for p, _ in server.requests] == ["/loop/0", "/loop/1", "/loop/2", "/loop/3"]
-    refused(_loopback_loader(media_fetch_max_redirects=0), _redirect(server, server.url("/img/a.png")),
-            InvalidArgument, "more than 0 times")
+    refused(
+        _loopback_loader(media_fetch_max_redirects=0),
+        _redirect(server, server.url("/img/a.png")),
+        InvalidArgument,
+        "more than 0 times",
+    )
 
 
 # --- size, time, status -------------------------------------------------------------------------------------------
 def test_an_oversize_body_is_refused_with_and_without_content_length(server):
     loader = _loopback_loader(max_upload_bytes=10_000)
     assert len(load(loader, server.url("/big?n=10000"))) == 10_000
-    refused(loader, server.url("/big?n=10001"), ResourceExhausted, "announces 10001 bytes", "limit is 10000",
-            "--max-upload-bytes")
+    refused(
+        loader,
+        server.url("/big?n=10001"),
+        ResourceExhausted,
+        "announces 10001 bytes",
+        "limit is 10000",
+        "--max-upload-bytes",
+    )
     # without Content-Length the body is streamed and cut past the limit (the server may send far more)
     assert len(load(loader, server.url("/big?n=10000&length=0"))) == 10_000
-    refused(loader, server.url("/big?n=5000000&length=0"), ResourceExhausted, "exceeds 10000 bytes",
-            "--max-upload-bytes")
+    refused(
+        loader, server.url("/big?n=5000000&length=0"), ResourceExhausted, "exceeds 10000 bytes", "--max-upload-bytes"
+    )
 
 
 def test_a_slow_server_hits_the_timeout(server):
@@ -505,21 +598,29 @@ def test_https_verifies_the_certificate_for_the_url_name_at_the_pinned_address(p
     name = "not-this-host.example"  # the name pki.wrong_name's certificate is for
     srv = _tls_server(pki.wrong_name)
     try:
-        loader = MediaLoader(policy(allowed_media_domains=[name, "media.test"], allowed_media_networks=list(LOOPBACK)),
-                             resolver=resolver({name: ["127.0.0.1"], "media.test": ["127.0.0.1"]}),
-                             ssl_context=trust)
+        loader = MediaLoader(
+            policy(allowed_media_domains=[name, "media.test"], allowed_media_networks=list(LOOPBACK)),
+            resolver=resolver({name: ["127.0.0.1"], "media.test": ["127.0.0.1"]}),
+            ssl_context=trust,
+        )
         assert load(loader, srv.url("/img/a.png", host=name)) == PNG
         assert srv.sni == [name] and srv.requests[0][1]["host"] == f"{name}:{srv.port}"
         # the same server under another name: the certificate does not match, so nothing is fetched
-        refused(loader, srv.url("/img/a.png", host="media.test"), InvalidArgument, "cannot connect to media.test",
-                "certificate")
+        refused(
+            loader,
+            srv.url("/img/a.png", host="media.test"),
+            InvalidArgument,
+            "cannot connect to media.test",
+            "certificate",
+        )
         assert len(srv.requests) == 1
     finally:
         srv.close()
     rogue = _tls_server(pki.rogue_server)  # a CA nobody trusts
     try:
-        loader = MediaLoader(policy(allowed_media_domains=["127.0.0.1"], allowed_media_networks=list(LOOPBACK)),
-                             ssl_context=trust)
+        loader = MediaLoader(
+            policy(allowed_media_domains=["127.0.0.1"], allowed_media_networks=list(LOOPBACK)), ssl_context=trust
+        )
         refused(loader, rogue.url("/img/a.png"), InvalidArgument, "certificate")
         assert rogue.requests == []
     finally:
@@ -542,8 +643,13 @@ def _file_loader(root, **kw) -> MediaLoader:
 
 
 def test_file_urls_are_off_by_default(media_dir):
-    refused(MediaLoader(MediaPolicy()), f"file://{media_dir}/a.png", InvalidArgument, "file URLs are off",
-            "--allowed-local-media-path")
+    refused(
+        MediaLoader(MediaPolicy()),
+        f"file://{media_dir}/a.png",
+        InvalidArgument,
+        "file URLs are off",
+        "--allowed-local-media-path",
+    )
 
 
 def test_a_file_inside_the_directory_is_read(media_dir):
@@ -580,8 +686,14 @@ def test_only_regular_files_of_bounded_size_are_read(media_dir):
     refused(loader, f"file://{media_dir}/pipe.png", InvalidArgument, "not a regular file")
     with open(media_dir / "huge.png", "wb") as fh:
         fh.truncate(10 << 30)  # sparse: its size is refused from the metadata, nothing is read
-    refused(loader, f"file://{media_dir}/huge.png", ResourceExhausted, f"has {10 << 30} bytes", "limit is 1000",
-            "--max-upload-bytes")
+    refused(
+        loader,
+        f"file://{media_dir}/huge.png",
+        ResourceExhausted,
+        f"has {10 << 30} bytes",
+        "limit is 1000",
+        "--max-upload-bytes",
+    )
     (media_dir / "empty.png").write_bytes(b"")
     refused(loader, f"file://{media_dir}/empty.png", InvalidArgument, "empty")
     refused(loader, f"file://{media_dir}/missing.png", InvalidArgument, "cannot read")
@@ -605,12 +717,14 @@ def test_settings_are_checked_when_the_scheduler_starts(tmp_path):
         with pytest.raises(ValueError) as info:
             SchedulerConfig(**kw)
         assert needle in str(info.value), (kw, str(info.value))
-    config = SchedulerConfig(allowed_media_domains="Media.Example.COM., *.cdn.test,[::1]",
-                             allowed_media_networks="10.0.0.0/8, fd00::/8", allowed_local_media_path=str(tmp_path))
+    config = SchedulerConfig(
+        allowed_media_domains="Media.Example.COM., *.cdn.test,[::1]",
+        allowed_media_networks="10.0.0.0/8, fd00::/8",
+        allowed_local_media_path=str(tmp_path),
+    )
     p = MediaPolicy.from_config(config)
     assert p.allowed_domains == ("media.example.com", "*.cdn.test", "::1")
     assert [str(n) for n in p.allowed_networks] == ["10.0.0.0/8", "fd00::/8"]
     assert p.local_root == os.path.realpath(tmp_path) and p.max_bytes == config.max_upload_bytes
     assert domain_allowed("x.cdn.test", p.allowed_domains) and not domain_allowed("cdn.test", p.allowed_domains)
     assert normalize_domain("[::1]") == "::1"
-

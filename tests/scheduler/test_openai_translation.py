@@ -23,21 +23,28 @@ from common.errors import (
 from scheduler_svc import openai_api, openai_errors, openai_schema
 
 
-@pytest.mark.parametrize(("err", "status", "kind", "retry_after"), [
-    (InvalidArgument("x"), 400, "invalid_request_error", None),
-    (FailedPrecondition("x"), 400, "invalid_request_error", None),
-    (MmcastError("x", Status.UNAUTHENTICATED), 401, "authentication_error", None),
-    (MmcastError("x", Status.PERMISSION_DENIED), 403, "permission_error", None),
-    (NotFound("x", resource=Resource(IMAGE_RESOURCE, "ab")), 404, "not_found_error", None),
-    (AlreadyExists("x"), 409, "conflict_error", None),
-    (ResourceExhausted("image over the limit", field="messages[0].content[0].image_url"), 413,
-     "invalid_request_error", None),
-    (ResourceExhausted("queue full (--max-waiting)", retry_after=1.0), 429, "rate_limit_error", "1"),
-    (ResourceExhausted("uploads pending", retry_after=2.5), 429, "rate_limit_error", "3"),
-    (Unavailable("group down", retry_after=0.2), 503, "service_unavailable_error", "1"),
-    (Unavailable("draining"), 503, "service_unavailable_error", "1"),
-    (MmcastError("bug"), 500, "server_error", None),
-])
+@pytest.mark.parametrize(
+    ("err", "status", "kind", "retry_after"),
+    [
+        (InvalidArgument("x"), 400, "invalid_request_error", None),
+        (FailedPrecondition("x"), 400, "invalid_request_error", None),
+        (MmcastError("x", Status.UNAUTHENTICATED), 401, "authentication_error", None),
+        (MmcastError("x", Status.PERMISSION_DENIED), 403, "permission_error", None),
+        (NotFound("x", resource=Resource(IMAGE_RESOURCE, "ab")), 404, "not_found_error", None),
+        (AlreadyExists("x"), 409, "conflict_error", None),
+        (
+            ResourceExhausted("image over the limit", field="messages[0].content[0].image_url"),
+            413,
+            "invalid_request_error",
+            None,
+        ),
+        (ResourceExhausted("queue full (--max-waiting)", retry_after=1.0), 429, "rate_limit_error", "1"),
+        (ResourceExhausted("uploads pending", retry_after=2.5), 429, "rate_limit_error", "3"),
+        (Unavailable("group down", retry_after=0.2), 503, "service_unavailable_error", "1"),
+        (Unavailable("draining"), 503, "service_unavailable_error", "1"),
+        (MmcastError("bug"), 500, "server_error", None),
+    ],
+)
 def test_status_table(err, status, kind, retry_after):
     http = openai_errors.from_mmcast(err)
     assert (http.status, http.type, http.code) == (status, kind, err.status.value.lower())
@@ -47,13 +54,16 @@ def test_status_table(err, status, kind, retry_after):
 
 
 def test_field_names_are_the_bodys():
-    err = InvalidArgument("prompt has 9 tokens and sampling.max_tokens=100: together 109 exceed the model context 64",
-                          field=("messages", "sampling.max_tokens"))
+    err = InvalidArgument(
+        "prompt has 9 tokens and sampling.max_tokens=100: together 109 exceed the model context 64",
+        field=("messages", "sampling.max_tokens"),
+    )
     http = openai_errors.from_mmcast(err, {"sampling.max_tokens": "max_completion_tokens"})
     assert http.param == "messages"
     assert "max_completion_tokens=100" in http.message and "sampling." not in http.message
-    http = openai_errors.from_mmcast(InvalidArgument("sampling.temperature=3.0 must be in [0, 2]",
-                                                     field="sampling.temperature"))
+    http = openai_errors.from_mmcast(
+        InvalidArgument("sampling.temperature=3.0 must be in [0, 2]", field="sampling.temperature")
+    )
     assert (http.param, http.message) == ("temperature", "temperature=3.0 must be in [0, 2]")
 
 
@@ -63,14 +73,20 @@ def _error_of(body: dict) -> openai_errors.HttpError:
     return openai_api._validation_error(info.value)
 
 
-@pytest.mark.parametrize(("content", "param"), [
-    ([{"type": "text"}], "messages[0].content[0].text"),
-    ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}], "messages[0].content[1].image_url.url"),
-    ([{"type": "image_url", "image_url": {"url": 5}}], "messages[0].content[0].image_url.url"),
-    ([{"type": "image_url", "uuid": 7}], "messages[0].content[0].uuid"),
-    ([{"type": "audio"}], "messages[0].content[0]"),
-    (5, "messages[0].content"),
-])
+@pytest.mark.parametrize(
+    ("content", "param"),
+    [
+        ([{"type": "text"}], "messages[0].content[0].text"),
+        (
+            [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}],
+            "messages[0].content[1].image_url.url",
+        ),
+        ([{"type": "image_url", "image_url": {"url": 5}}], "messages[0].content[0].image_url.url"),
+        ([{"type": "image_url", "uuid": 7}], "messages[0].content[0].uuid"),
+        ([{"type": "audio"}], "messages[0].content[0]"),
+        (5, "messages[0].content"),
+    ],
+)
 def test_validation_error_paths(content, param):
     err = _error_of({"model": "m", "messages": [{"role": "user", "content": content}]})
     assert (err.status, err.param) == (400, param)
@@ -86,15 +102,30 @@ def test_validation_error_top_level():
 
 
 def test_unknown_fields_are_ignored_and_neutral_values_accepted():
-    body = openai_schema.ChatCompletionRequest.model_validate_json(json.dumps({
-        "model": "m", "messages": [{"role": "user", "content": "x"}], "some_future_field": {"a": 1},
-        "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none",
-        "response_format": {"type": "text"}}))
+    body = openai_schema.ChatCompletionRequest.model_validate_json(
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "some_future_field": {"a": 1},
+                "presence_penalty": 0,
+                "frequency_penalty": 0.0,
+                "logit_bias": {},
+                "tools": [],
+                "tool_choice": "none",
+                "response_format": {"type": "text"},
+            }
+        )
+    )
     openai_api._check_neutral(body)  # nothing refused
-    for field, value in [("presence_penalty", 0.5), ("logit_bias", {"5": 1.0}), ("response_format",
-                                                                                 {"type": "json_object"})]:
-        body = openai_schema.ChatCompletionRequest.model_validate_json(json.dumps({
-            "model": "m", "messages": [{"role": "user", "content": "x"}], field: value}))
+    for field, value in [
+        ("presence_penalty", 0.5),
+        ("logit_bias", {"5": 1.0}),
+        ("response_format", {"type": "json_object"}),
+    ]:
+        body = openai_schema.ChatCompletionRequest.model_validate_json(
+            json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], field: value})
+        )
         with pytest.raises(openai_errors.HttpError) as info:
             openai_api._check_neutral(body)
         assert info.value.param == field and info.value.code == "unsupported"

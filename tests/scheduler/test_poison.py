@@ -27,7 +27,8 @@ def test_first_failure_makes_suspects_and_nobody_runs_alone():
     iso = PoisonIsolator()
     assert iso.step_failed({"a": 20, "b": 33}) is None
     assert {k: (s.reach, s.isolated, s.failures) for k, s in iso.suspects.items()} == {
-        "a": (20, False, 1), "b": (33, False, 1)
+        "a": (20, False, 1),
+        "b": (33, False, 1),
     }
     assert iso.alone(["b", "a", "c"]) is None
 
@@ -37,7 +38,9 @@ def test_a_second_failure_with_suspects_isolates_them_and_suspects_the_rest():
     iso.step_failed({"a": 20, "b": 33})
     assert iso.step_failed({"b": 34, "c": 5}) is None
     assert {k: (s.reach, s.isolated, s.failures) for k, s in iso.suspects.items()} == {
-        "a": (20, False, 1), "b": (34, True, 2), "c": (5, False, 1)
+        "a": (20, False, 1),
+        "b": (34, True, 2),
+        "c": (5, False, 1),
     }
     assert iso.alone(["c", "a", "b"]) == "b"
 
@@ -103,8 +106,10 @@ class CrashingGroup(Harness):
             return None
         poison = self.sched.get_request(self.poison)
         scheduled = {r.request_id: n for r, n in plan.scheduled}
-        if poison is not None and self.poison in scheduled and (
-            poison.num_computed_tokens + scheduled[self.poison] >= self.at_token
+        if (
+            poison is not None
+            and self.poison in scheduled
+            and (poison.num_computed_tokens + scheduled[self.poison] >= self.at_token)
         ):
             self.crashes.append((plan.step_id, sorted(scheduled)))
             for update in self.sched.recover():
@@ -237,8 +242,9 @@ def test_the_engine_fails_a_convicted_request_with_internal_a_metric_and_a_log_l
 
     h = Harness("lazy")
     metrics = SchedulerMetrics()
-    engine = Engine(group=DownGroup(), core_factory=None, metrics=metrics, group_deadline_seconds=60,
-                    model_max_len=65536)
+    engine = Engine(
+        group=DownGroup(), core_factory=None, metrics=metrics, group_deadline_seconds=60, model_max_len=65536
+    )
     engine.core = h.sched
     workload(h, ["poison"])
     engine.handles["poison"] = handle = RequestHandle(RequestId("poison"), 0.0)
@@ -253,7 +259,9 @@ def test_the_engine_fails_a_convicted_request_with_internal_a_metric_and_a_log_l
         asyncio.run(crash_twice())
     event = handle.events.get_nowait()
     assert isinstance(event, FinishEvent) and event.reason == "error"
-    assert event.error.status is Status.INTERNAL and "request poison crashed the worker group twice" in event.error.message
+    assert (
+        event.error.status is Status.INTERNAL and "request poison crashed the worker group twice" in event.error.message
+    )
     assert metrics.registry.get_sample_value("mmcast_poison_requests_total") == 1
     assert metrics.registry.get_sample_value("mmcast_requests_finished_total", {"reason": "error"}) == 1
     [line] = [r for r in caplog.records if r.getMessage().startswith("poison request failed")]
@@ -271,8 +279,7 @@ def test_random_workloads_fail_exactly_the_poison(seed):
     rng = random.Random(seed)
     names = [f"r{k}" for k in range(rng.randint(1, 6))]
     poison = rng.choice([*names, "nobody"])
-    h = CrashingGroup(poison, max_batched=rng.choice([24, 48, 8192]),
-                      max_seqs=rng.choice([2, 4, 64]))
+    h = CrashingGroup(poison, max_batched=rng.choice([24, 48, 8192]), max_seqs=rng.choice([2, 4, 64]))
     expected = {}
     for k, name in enumerate(names):
         segments = [text(f"{name}-a", rng.randint(3, 40))]

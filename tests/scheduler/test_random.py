@@ -74,10 +74,17 @@ def run_session(mode: str, seed: int, placement: str = "replicated") -> Harness:
     return h
 
 
-@pytest.mark.parametrize(("mode", "placement", "sessions"), [
-    ("full", "replicated", 120), ("strip", "replicated", 120), ("lazy", "replicated", 120),
-    ("full", "sharded", 60), ("strip", "sharded", 60), ("lazy", "sharded", 120),
-])
+@pytest.mark.parametrize(
+    ("mode", "placement", "sessions"),
+    [
+        ("full", "replicated", 120),
+        ("strip", "replicated", 120),
+        ("lazy", "replicated", 120),
+        ("full", "sharded", 60),
+        ("strip", "sharded", 60),
+        ("lazy", "sharded", 120),
+    ],
+)
 def test_random_sessions_keep_every_invariant(mode, placement, sessions):
     """Sharded placement: only each encoder input's owner must hold its payload (the simulated ranks check it)."""
     preemptions = recoveries = 0

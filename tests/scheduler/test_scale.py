@@ -89,9 +89,9 @@ def test_items_examined_stay_bounded_by_the_window(mode, capsys):
         print(
             f"\n[{mode}] 10,000-item session: {len(steps)} steps; items examined: admission {admission}, "
             f"max later {max(rest)}, decode {max(decode)}; schedule(): admission {sched_s[0] * 1e3:.1f} ms, "
-            f"prefill median {statistics.median(sched_s[1:len(prefill)]) * 1e3:.3f} ms / max "
+            f"prefill median {statistics.median(sched_s[1 : len(prefill)]) * 1e3:.3f} ms / max "
             f"{max(sched_s[1:]) * 1e3:.3f} ms, decode median "
-            f"{statistics.median(sched_s[-len(decode):]) * 1e3:.3f} ms; update_from_output median "
+            f"{statistics.median(sched_s[-len(decode) :]) * 1e3:.3f} ms; update_from_output median "
             f"{statistics.median(update_s) * 1e3:.3f} ms"
         )
 
@@ -99,8 +99,9 @@ def test_items_examined_stay_bounded_by_the_window(mode, capsys):
 def test_ten_thousand_items_replayed_by_the_checking_ranks():
     """The same session through the simulated ranks in lazy mode: every item's payload arrives exactly in the step
     that encodes it, and nothing else travels."""
-    h = Harness("lazy", kv_blocks=4400, encoder_tokens=4096, payload_bytes=4 << 20, max_batched=CHUNK,
-                max_model_len=70_000)
+    h = Harness(
+        "lazy", kv_blocks=4400, encoder_tokens=4096, payload_bytes=4 << 20, max_batched=CHUNK, max_model_len=70_000
+    )
     h.add(big_request(max_tokens=2))
     h.add(request("other", [text("x", 10), ("item-5", ITEM_TOKENS), text("y", 3)], max_tokens=2))
     records = h.run()

@@ -93,11 +93,14 @@ def test_sliding_window_drops_the_oldest_image(mode):
         assert records[0].encoder_inputs == [f"img{k}"]
     # Turn 4 drops img1: the prefix misses from the dropped image on (only the system block hits).
     assert hits == [0, 32, 48, 16, 16]
-    assert sent[3:] == {
-        "full": [["img2", "img3", "img4"], ["img3", "img4", "img5"]],
-        "strip": [["img2", "img3", "img4"], ["img3", "img4", "img5"]],
-        "lazy": [["img4"], ["img5"]],
-    }[mode]
+    assert (
+        sent[3:]
+        == {
+            "full": [["img2", "img3", "img4"], ["img3", "img4", "img5"]],
+            "strip": [["img2", "img3", "img4"], ["img3", "img4", "img5"]],
+            "lazy": [["img4"], ["img5"]],
+        }[mode]
+    )
     usage = h.finished["turn5"].usage
     if mode == "lazy":  # the two kept images' encoder outputs are still on the ranks: no payload, no encoding
         assert (usage.items_sent, usage.items_rank_cached, usage.payload_bytes_saved_rank_cached) == (2, 4, 4 * 256)

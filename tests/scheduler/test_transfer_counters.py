@@ -25,8 +25,11 @@ def written(plan) -> tuple[int, int]:
 
 def due(plan, ranks: int) -> tuple[int, int]:
     """(deliveries, bytes) ``full`` would write for the plan's admissions: every distinct item once per rank."""
-    items = {m.item_identifier if hasattr(m, "item_identifier") else m.identifier: m
-             for nr in plan.new_requests for m in nr.mm_items}
+    items = {
+        m.item_identifier if hasattr(m, "item_identifier") else m.identifier: m
+        for nr in plan.new_requests
+        for m in nr.mm_items
+    }
     return ranks * len(items), ranks * sum(m.payload_nbytes for m in items.values())
 
 
@@ -44,10 +47,17 @@ def check_dues(h: Harness, usages, abandoned_bytes: int = 0) -> None:
     """Without re-sends or preemptions, every delivery ``full`` would make is settled exactly once."""
     plans = [r.plan for r in h.log]
     items, nbytes = map(sum, zip(*(due(p, h.group.num_ranks) for p in plans), strict=True))
-    settled = sum(u.items_sent + u.items_stripped + u.items_rank_cached + u.items_abandoned + u.items_encoder_shared
-                  for u in usages)
-    saved = sum(u.payload_bytes_sent + u.payload_bytes_saved_prefix_covered + u.payload_bytes_saved_rank_cached
-                + u.payload_bytes_saved_encoder_shared for u in usages)
+    settled = sum(
+        u.items_sent + u.items_stripped + u.items_rank_cached + u.items_abandoned + u.items_encoder_shared
+        for u in usages
+    )
+    saved = sum(
+        u.payload_bytes_sent
+        + u.payload_bytes_saved_prefix_covered
+        + u.payload_bytes_saved_rank_cached
+        + u.payload_bytes_saved_encoder_shared
+        for u in usages
+    )
     assert (settled, saved + abandoned_bytes) == (items, nbytes)
 
 
@@ -192,7 +202,8 @@ def test_sharded_placement_sends_each_new_item_once_to_one_owner(mode):
     sends = {rank: ids for rec in records for rank, ids in rec.sends.items() if ids}
     assert sorted(sends.values()) == [["x"], ["y"]] and len(sends) == 2  # two different owners
     owners = [e.owner_rank for rec in records for e in step_control(rec.plan).encoder_inputs]
-    assert sorted(owners) == sorted(sends) and not any(e.replicated for rec in records
-                                                       for e in step_control(rec.plan).encoder_inputs)
+    assert sorted(owners) == sorted(sends) and not any(
+        e.replicated for rec in records for e in step_control(rec.plan).encoder_inputs
+    )
     check_wire(h, [u])
     check_dues(h, [u])

@@ -28,15 +28,30 @@ def catalogue_group(tiny_model_dir, catalogue_secrets, tmp_path_factory):
     name, so that the address rules, not the allow-list, refuse them."""
     folder = catalogue_secrets[0]
     logs = tmp_path_factory.mktemp("catalogue-logs")
-    rank = WorkerProcess(tiny_model_dir, logs / "standalone-rank.log",
-                         [x for k, v in cat.WORKER_LIMITS.items() for x in (k, str(v))]
-                         + ["--shared-token-file", str(folder / "worker-token")])
+    rank = WorkerProcess(
+        tiny_model_dir,
+        logs / "standalone-rank.log",
+        [x for k, v in cat.WORKER_LIMITS.items() for x in (k, str(v))]
+        + ["--shared-token-file", str(folder / "worker-token")],
+    )
     limits = [x for k, v in cat.SCHEDULER_LIMITS.items() for x in (k, str(v))]
     group = LocalGroup(
-        tiny_model_dir, 1, "lazy", kv_blocks=256, log_dir=logs,
-        scheduler_args=[*limits, "--auth-tokens-file", str(folder / "tokens.txt"),
-                        "--worker-token-file", str(folder / "worker-token"),
-                        "--allowed-media-domains", cat.MEDIA_DOMAINS, "--media-fetch-timeout-seconds", "3"],
+        tiny_model_dir,
+        1,
+        "lazy",
+        kv_blocks=256,
+        log_dir=logs,
+        scheduler_args=[
+            *limits,
+            "--auth-tokens-file",
+            str(folder / "tokens.txt"),
+            "--worker-token-file",
+            str(folder / "worker-token"),
+            "--allowed-media-domains",
+            cat.MEDIA_DOMAINS,
+            "--media-fetch-timeout-seconds",
+            "3",
+        ],
         worker_args=["--shared-token-file", str(folder / "worker-token")],
     )
     try:

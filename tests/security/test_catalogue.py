@@ -38,11 +38,20 @@ CACHES = ("mmcast_upload_store_bytes", "mmcast_processor_cache_bytes", "mmcast_u
 # Peak-RSS growth allowed over three runs of a repeat_peak case: gRPC's buffers for a ~1 MB message and the
 # concurrent request. Decoding the ICO bomb once would add ~500 MiB (169 MB grey + 507 MB RGB).
 PEAK_TOLERANCE = 48 << 20
-RANK_CACHES = ("mmcast_worker_payload_cache_bytes", "mmcast_worker_payload_cache_items",
-               "mmcast_worker_encoder_cache_tokens")
+RANK_CACHES = (
+    "mmcast_worker_payload_cache_bytes",
+    "mmcast_worker_payload_cache_items",
+    "mmcast_worker_encoder_cache_tokens",
+)
 # Refused before the service reads the request (gRPC's receive limit, the decode guard): no field to name, no details.
-BEFORE_SERVICE = ("request-over-max-bytes", "protobuf-garbage", "protobuf-truncated", "protobuf-invalid-utf8",
-                  "upload-garbage-chunk", "unknown-method")
+BEFORE_SERVICE = (
+    "request-over-max-bytes",
+    "protobuf-garbage",
+    "protobuf-truncated",
+    "protobuf-invalid-utf8",
+    "upload-garbage-chunk",
+    "unknown-method",
+)
 RESULTS: list[dict] = []
 
 
@@ -65,8 +74,13 @@ def processes(catalogue_group):
 def client_ctx(processes, secrets_dir, tiny_model_dir):
     group, _ = processes
     grpcurl = os.path.join(os.path.dirname(sys.executable), "grpcurl")
-    ctx = cat.ClientCtx(group.target, secrets_dir[1], grpcurl if os.path.exists(grpcurl) else None,
-                        other_token=secrets_dir[3], metrics_url=group.metrics_urls["scheduler"])
+    ctx = cat.ClientCtx(
+        group.target,
+        secrets_dir[1],
+        grpcurl if os.path.exists(grpcurl) else None,
+        other_token=secrets_dir[3],
+        metrics_url=group.metrics_urls["scheduler"],
+    )
     ctx.generate(cat.good_request())  # the good request's image is processed and cached once, before any case
     yield ctx
     ctx.close()
@@ -138,8 +152,9 @@ def test_client_case(case, processes, client_ctx):
             case.run(client_ctx)
         assert again.value.code().name == case.code, again.value.details()
     code, message = caught.value.code().name, caught.value.details() or ""
-    RESULTS.append({"id": case.id, "endpoint": case.endpoint, "code": code, "message": message,
-                    "seconds": round(seconds, 4)})
+    RESULTS.append(
+        {"id": case.id, "endpoint": case.endpoint, "code": code, "message": message, "seconds": round(seconds, 4)}
+    )
     assert code == case.code, f"{case.id}: expected {case.code}, got {code}: {message}"
     for word in case.mentions:
         assert word in message, f"{case.id}: the message does not name {word!r}: {message}"
@@ -170,8 +185,9 @@ def test_step_case(case, processes, step_ctx):
     finally:
         step_ctx.close_all()
     seconds = time.perf_counter() - t0
-    RESULTS.append({"id": case.id, "endpoint": case.endpoint, "code": code, "message": message,
-                    "seconds": round(seconds, 4)})
+    RESULTS.append(
+        {"id": case.id, "endpoint": case.endpoint, "code": code, "message": message, "seconds": round(seconds, 4)}
+    )
     assert code == case.code, f"{case.id}: expected {case.code}, got {code}: {message}"
     for word in case.mentions:
         assert word in message, f"{case.id}: the message does not name {word!r}: {message}"
@@ -191,8 +207,11 @@ def test_no_crash_statuses(processes):
     service, and every process is the one that started."""
     group, rank = processes
     for url in (group.metrics_urls["scheduler"], rank.metrics_url):
-        bad = {k: v for k, v in scrape(url).items()
-               if k.startswith("grpc_server_handled_total") and ('"Unknown"' in k or '"Internal"' in k) and v}
+        bad = {
+            k: v
+            for k, v in scrape(url).items()
+            if k.startswith("grpc_server_handled_total") and ('"Unknown"' in k or '"Internal"' in k) and v
+        }
         assert not bad, f"{url}: {bad}"
     assert group.restarts == 0 and group.failure is None and rank.process.poll() is None
 

@@ -43,8 +43,15 @@ def run(prop, examples: int, long: bool = False) -> None:
 
 # --- the tensor codec and the worker's payload assembly -------------------------------------------------------
 
-DTYPES = [tensor_pb2.DTYPE_FLOAT32, tensor_pb2.DTYPE_BFLOAT16, tensor_pb2.DTYPE_FLOAT16, tensor_pb2.DTYPE_INT64,
-          tensor_pb2.DTYPE_INT32, tensor_pb2.DTYPE_UINT8, tensor_pb2.DTYPE_BOOL]
+DTYPES = [
+    tensor_pb2.DTYPE_FLOAT32,
+    tensor_pb2.DTYPE_BFLOAT16,
+    tensor_pb2.DTYPE_FLOAT16,
+    tensor_pb2.DTYPE_INT64,
+    tensor_pb2.DTYPE_INT32,
+    tensor_pb2.DTYPE_UINT8,
+    tensor_pb2.DTYPE_BOOL,
+]
 MAX_BYTES = 4096  # the assembler's limit in these tests: every accepted tensor is small
 dims = st.one_of(st.integers(0, 6), st.integers(-3, 2**63 - 1), st.sampled_from([2**31, 2**32, 2**62, 2**63 - 1]))
 
@@ -79,8 +86,11 @@ def frames_for(header, draw_chunks) -> list[worker_pb2.PayloadFrame]:
 
 
 def codec_property():
-    @given(header=headers(), chunks=st.lists(st.tuples(st.integers(0, 6), st.binary(max_size=80)), max_size=6),
-           truthful=st.booleans())
+    @given(
+        header=headers(),
+        chunks=st.lists(st.tuples(st.integers(0, 6), st.binary(max_size=80)), max_size=6),
+        truthful=st.booleans(),
+    )
     def check(header, chunks, truthful):
         assemble(header, chunks, truthful)
 
@@ -114,9 +124,14 @@ def test_codec_frames_long():
 
 
 def round_trip_property():
-    @given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
-                                  torch.uint8, torch.bool]),
-           shape=st.lists(st.integers(0, 7), max_size=4), chunk_size=st.integers(1, 64), seed=st.integers(0, 2**31))
+    @given(
+        dtype=st.sampled_from(
+            [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool]
+        ),
+        shape=st.lists(st.integers(0, 7), max_size=4),
+        chunk_size=st.integers(1, 64),
+        seed=st.integers(0, 2**31),
+    )
     def check(dtype, shape, chunk_size, seed):
         round_trip(dtype, shape, chunk_size, seed)
 
@@ -125,8 +140,9 @@ def round_trip_property():
 
 def round_trip(dtype, shape, chunk_size, seed) -> None:
     g = torch.Generator().manual_seed(seed)
-    tensor = (torch.randint(0, 2, shape, generator=g) if dtype is torch.bool
-              else torch.randint(-100, 100, shape, generator=g)).to(dtype)
+    tensor = (
+        torch.randint(0, 2, shape, generator=g) if dtype is torch.bool else torch.randint(-100, 100, shape, generator=g)
+    ).to(dtype)
     assembler = PayloadAssembler(1 << 20)
     for raw in codec.payload_frames("item", "f", tensor, chunk_size=chunk_size):
         assembler.add(worker_pb2.StepRequest.FromString(raw).payload)
@@ -155,9 +171,16 @@ class Rank:
         from worker_svc.metrics import WorkerMetrics
         from worker_svc.worker import Worker
 
-        config = WorkerConfig(model=str(model_dir), listen="127.0.0.1:0", kv_blocks=32, max_tensor_bytes=1 << 20,
-                              payload_cache_bytes=4 << 20, encoder_cache_tokens=256, scheduler_id="test",
-                              shared_token_file=rank_token_file())
+        config = WorkerConfig(
+            model=str(model_dir),
+            listen="127.0.0.1:0",
+            kv_blocks=32,
+            max_tensor_bytes=1 << 20,
+            payload_cache_bytes=4 << 20,
+            encoder_cache_tokens=256,
+            scheduler_id="test",
+            shared_token_file=rank_token_file(),
+        )
         self.worker = Worker(config, WorkerMetrics(), fatal=self._fatal)
         self.worker.load()
         self.model_dir = model_dir
@@ -211,21 +234,27 @@ def mostly(good, *bad, odds: int = 24):
 
 def grid_field(t, h, w) -> multimodal_pb2.MultiModalField:
     header, _ = codec.encode_tensor(torch.tensor([[t, h, w]], dtype=torch.int64), inline=True)
-    return multimodal_pb2.MultiModalField(name="image_grid_thw", kind=multimodal_pb2.FIELD_KIND_BATCHED,
-                                          keep_on_cpu=True, tensor=header)
+    return multimodal_pb2.MultiModalField(
+        name="image_grid_thw", kind=multimodal_pb2.FIELD_KIND_BATCHED, keep_on_cpu=True, tensor=header
+    )
 
 
 def pixel_field(rows) -> multimodal_pb2.MultiModalField:
-    header = tensor_pb2.TensorHeader(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[rows, PATCH_DIM],
-                                     byte_size=max(rows, 0) * PATCH_DIM * 4)
+    header = tensor_pb2.TensorHeader(
+        dtype=tensor_pb2.DTYPE_FLOAT32, shape=[rows, PATCH_DIM], byte_size=max(rows, 0) * PATCH_DIM * 4
+    )
     return multimodal_pb2.MultiModalField(name="pixel_values", kind=multimodal_pb2.FIELD_KIND_FLAT, tensor=header)
 
 
 @st.composite
 def mm_items(draw, prompt_len):
     ident = draw(items)
-    t, h, w = draw(mostly(st.just(GRIDS[ident]), st.sampled_from([(1, -2, 2), (0, 2, 2), (-1, -2, 4), (1, 2**20, 2),
-                                                                   (2, 2, 2), (1, 3, 5)])))
+    t, h, w = draw(
+        mostly(
+            st.just(GRIDS[ident]),
+            st.sampled_from([(1, -2, 2), (0, 2, 2), (-1, -2, 4), (1, 2**20, 2), (2, 2, 2), (1, 3, 5)]),
+        )
+    )
     tokens = max(t * (h // 2) * (w // 2), 0)
     length = draw(mostly(st.just(tokens), st.integers(0, 6)))
     offset = draw(mostly(st.integers(0, max(prompt_len - length, 0)), st.integers(0, prompt_len + 2)))
@@ -258,8 +287,9 @@ def new_requests(draw, vocab, rid):
         prompt_token_ids=tokens,
         block_ids=draw(mostly(st.just(list(range(-(-n // 16)))), st.lists(st.integers(0, 33), max_size=4))),
         num_computed_tokens=computed,
-        num_scheduled_tokens=draw(mostly(st.integers(max(n - computed, 0), max(n - computed, 0)),
-                                         st.integers(0, n + 2))),
+        num_scheduled_tokens=draw(
+            mostly(st.integers(max(n - computed, 0), max(n - computed, 0)), st.integers(0, n + 2))
+        ),
         num_output_tokens=draw(mostly(st.just(0), st.sampled_from([1, 2, n]))),
         sampling=worker_pb2.WorkerSampling(
             temperature=draw(mostly(st.sampled_from([0.0, 0.7]), st.sampled_from([-1.0, float("nan"), float("inf")]))),
@@ -287,8 +317,9 @@ def steps(draw, vocab):
         step_id = draw(mostly(st.just(step_id + 1), st.just(0)))
         control = worker_pb2.StepControl(
             step_id=step_id,
-            finished_request_ids=draw(mostly(st.lists(st.sampled_from(held), max_size=1) if held else st.just([]),
-                                             st.lists(ids, max_size=1))),
+            finished_request_ids=draw(
+                mostly(st.lists(st.sampled_from(held), max_size=1) if held else st.just([]), st.lists(ids, max_size=1))
+            ),
             evict_payload_ids=draw(st.lists(items, max_size=1)),
             evict_encoder_ids=draw(st.lists(items, max_size=1)),
             reset_caches=not draw(st.integers(0, 6)),
@@ -299,15 +330,20 @@ def steps(draw, vocab):
         for rid in draw(st.lists(st.sampled_from(held), max_size=2, unique=True)) if held else []:
             control.running.add(
                 request_id=draw(mostly(st.just(rid), ids)),
-                new_token_ids=draw(st.lists(mostly(st.integers(0, vocab - 1), st.sampled_from([-1, vocab])),
-                                            max_size=2)),
+                new_token_ids=draw(
+                    st.lists(mostly(st.integers(0, vocab - 1), st.sampled_from([-1, vocab])), max_size=2)
+                ),
                 new_block_ids=draw(st.lists(st.integers(0, 33), max_size=2)),
                 num_computed_tokens=draw(st.integers(0, 45)),
                 num_scheduled_tokens=draw(st.integers(0, 3)),
             )
         announced = [i.identifier for r in control.new_requests for i in r.mm_items]
-        wanted = draw(mostly(st.lists(st.sampled_from(announced), max_size=2, unique=True) if announced
-                             else st.just([]), st.lists(items, max_size=2, unique=True)))
+        wanted = draw(
+            mostly(
+                st.lists(st.sampled_from(announced), max_size=2, unique=True) if announced else st.just([]),
+                st.lists(items, max_size=2, unique=True),
+            )
+        )
         control.encoder_inputs.extend(worker_pb2.EncoderInput(item_identifier=i) for i in wanted)
         frames = []
         for ident in draw(mostly(st.just(wanted), st.lists(items, max_size=2))):
@@ -372,9 +408,17 @@ def frontend(tiny_model_dir):
     from scheduler_svc.config import SchedulerConfig
     from scheduler_svc.frontend import Frontend
 
-    return Frontend(tiny_model_dir, SchedulerConfig(model=str(tiny_model_dir), max_model_len=512,
-                                                    max_images_per_request=3, max_image_pixels=1 << 16,
-                                                    max_upload_bytes=1 << 16, processor_cache_bytes=1 << 24))
+    return Frontend(
+        tiny_model_dir,
+        SchedulerConfig(
+            model=str(tiny_model_dir),
+            max_model_len=512,
+            max_images_per_request=3,
+            max_image_pixels=1 << 16,
+            max_upload_bytes=1 << 16,
+            processor_cache_bytes=1 << 24,
+        ),
+    )
 
 
 def png(seed: int, width: int = 28, height: int = 28) -> bytes:
@@ -385,8 +429,20 @@ def png(seed: int, width: int = 28, height: int = 28) -> bytes:
 
 
 GOOD_IMAGES = [png(1), png(2, 56, 28)]
-SPECIAL = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>", "<|video_pad|>",
-           "<|endoftext|>", "\x00", "\ud800", "\U0010ffff", " ", "\n"]
+SPECIAL = [
+    "<|image_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|video_pad|>",
+    "<|endoftext|>",
+    "\x00",
+    "\ud800",
+    "\U0010ffff",
+    " ",
+    "\n",
+]
 
 
 @st.composite
@@ -446,8 +502,9 @@ def parse_and_process(frontend, msg: generation_pb2.GenerateRequest) -> None:
     try:
         request_parsing.check_request_id(msg.request_id)
         request_parsing.check_cache_salt(msg.cache_salt)
-        sampling = request_parsing.parse_sampling(msg.sampling, max_tokens_limit=512, max_logprobs=20,
-                                      vocab_size=frontend.vocab_size)
+        sampling = request_parsing.parse_sampling(
+            msg.sampling, max_tokens_limit=512, max_logprobs=20, vocab_size=frontend.vocab_size
+        )
         turns = request_parsing.parse_messages(msg.messages, max_images=frontend.config.max_images_per_request)
         processed = frontend.process(turns, tenant="fuzz")
     except MmcastError:
@@ -476,9 +533,14 @@ def test_frontend_requests_long(frontend):
 
 
 def raw_request_property(frontend):
-    @given(raw=st.one_of(st.binary(max_size=200),
-                         requests().map(lambda m: m.SerializeToString()).flatmap(
-                             lambda b: st.integers(0, len(b)).map(lambda k: b[:k]))))
+    @given(
+        raw=st.one_of(
+            st.binary(max_size=200),
+            requests()
+            .map(lambda m: m.SerializeToString())
+            .flatmap(lambda b: st.integers(0, len(b)).map(lambda k: b[:k])),
+        )
+    )
     def check(raw):
         try:
             msg = generation_pb2.GenerateRequest.FromString(raw)

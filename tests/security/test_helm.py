@@ -19,8 +19,12 @@ from tests.support.deploy_tools import (
 )
 
 SECURE = CHART / "ci" / "secure-values.yaml"
-SECRETS = {"client-tls": "mmcast-client-tls", "auth-tokens": "mmcast-tokens", "worker-tls": "mmcast-worker-tls",
-           "worker-token": "mmcast-worker-token"}  # volume -> the Secret secure-values.yaml names
+SECRETS = {
+    "client-tls": "mmcast-client-tls",
+    "auth-tokens": "mmcast-tokens",
+    "worker-tls": "mmcast-worker-tls",
+    "worker-token": "mmcast-worker-token",
+}  # volume -> the Secret secure-values.yaml names
 
 
 MULTINODE = ("topology=multinode",)  # a scheduler Deployment and a rank StatefulSet: one pod per process
@@ -52,8 +56,10 @@ def test_secrets_are_mounted_read_only_and_passed_as_files():
     assert s["worker-token-file"] == "/etc/mmcast/worker-token/token"
     assert w["tls-client-ca-file"] == "/etc/mmcast/worker-tls/ca.crt"
     assert w["shared-token-file"] == "/etc/mmcast/worker-token/token"
-    for obj, c, names in ((deploy, scheduler, {"client-tls", "auth-tokens", "worker-tls", "worker-token"}),
-                          (sts, worker, {"worker-tls", "worker-token"})):
+    for obj, c, names in (
+        (deploy, scheduler, {"client-tls", "auth-tokens", "worker-tls", "worker-token"}),
+        (sts, worker, {"worker-tls", "worker-token"}),
+    ):
         mounts = {m["name"]: m for m in c["volumeMounts"] if m["mountPath"].startswith("/etc/mmcast/")}
         assert set(mounts) == names and all(m["readOnly"] for m in mounts.values())
         volumes = {v["name"]: v["secret"] for v in pod_spec(obj)["volumes"] if v["name"] in names}
@@ -64,7 +70,10 @@ def test_secrets_are_mounted_read_only_and_passed_as_files():
 
 def test_probes_use_the_plaintext_health_ports():
     objects = _objects()
-    for kind, name, port, health in (("Deployment", "scheduler", 50051, 50052), ("StatefulSet", "worker", 50061, 50062)):
+    for kind, name, port, health in (
+        ("Deployment", "scheduler", 50051, 50052),
+        ("StatefulSet", "worker", 50061, 50062),
+    ):
         c = container(find(objects, kind, f"-{name}"), name)
         assert flags(c)["health-port"] == str(health)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -84,8 +93,12 @@ def test_services_accept_the_secure_arguments(tmp_path):
     from worker_svc.config import load_config
 
     objects = _objects()
-    for folder, names in (("client-tls", ("tls.crt", "tls.key", "ca.crt")), ("auth-tokens", ("tokens",)),
-                          ("worker-tls", ("tls.crt", "tls.key", "ca.crt")), ("worker-token", ("token",))):
+    for folder, names in (
+        ("client-tls", ("tls.crt", "tls.key", "ca.crt")),
+        ("auth-tokens", ("tokens",)),
+        ("worker-tls", ("tls.crt", "tls.key", "ca.crt")),
+        ("worker-token", ("token",)),
+    ):
         (tmp_path / folder).mkdir()
         for name in names:
             (tmp_path / folder / name).write_text("stand-in\n")
@@ -129,7 +142,9 @@ def test_the_default_creates_a_worker_token_secret_and_wires_it_into_both():
 
 
 def test_an_existing_worker_token_secret_is_used_and_none_is_created():
-    objects, sched, worker, secrets = _token_objects("security.workerToken.secretName=mine", "security.workerToken.key=t")
+    objects, sched, worker, secrets = _token_objects(
+        "security.workerToken.secretName=mine", "security.workerToken.key=t"
+    )
     assert secrets == []
     assert sched["worker-token-file"] == worker["shared-token-file"] == "/etc/mmcast/worker-token/t"
     volumes = {v["name"]: v for v in pod_spec(find(objects, "StatefulSet", "-worker"))["volumes"]}

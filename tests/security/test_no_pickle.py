@@ -8,7 +8,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ["common", "scheduler_svc", "worker_svc", "mmcast_client", "mmcast_local", "mmcast", "benchmarks", "tests"]
 FORBIDDEN = [
     (re.compile(r"\bimport\s+(c?pickle|dill|shelve|marshal|jsonpickle|cloudpickle)\b"), "a pickle-family module"),
-    (re.compile(r"\bfrom\s+(c?pickle|dill|shelve|marshal|jsonpickle|cloudpickle)\s+import\b"), "a pickle-family module"),
+    (
+        re.compile(r"\bfrom\s+(c?pickle|dill|shelve|marshal|jsonpickle|cloudpickle)\s+import\b"),
+        "a pickle-family module",
+    ),
     (re.compile(r"\b(pickle|dill|marshal|cloudpickle)\.loads?\s*\("), "unpickling"),
     (re.compile(r"\btorch\.load\s*\("), "torch.load (unpickles)"),
     (re.compile(r"allow_pickle\s*=\s*True"), "numpy allow_pickle"),

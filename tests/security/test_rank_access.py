@@ -37,9 +37,18 @@ def rank(tiny_model_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("rank-streams")
     token = new_token()
     secret_file(folder / "worker-token", token + "\n")
-    process = WorkerProcess(tiny_model_dir, folder / "rank.log",
-                            ["--shared-token-file", str(folder / "worker-token"), "--kv-blocks", "64",
-                             "--scheduler-id", cat.WORKER_LIMITS["--scheduler-id"]])
+    process = WorkerProcess(
+        tiny_model_dir,
+        folder / "rank.log",
+        [
+            "--shared-token-file",
+            str(folder / "worker-token"),
+            "--kv-blocks",
+            "64",
+            "--scheduler-id",
+            cat.WORKER_LIMITS["--scheduler-id"],
+        ],
+    )
     epochs = itertools.count(time.time_ns())
     ctx = cat.StepCtx(process.target, token, tiny_model_dir, 1024, lambda: next(epochs))
     try:
@@ -51,8 +60,7 @@ def rank(tiny_model_dir, tmp_path_factory):
 
 
 def new_request(rid: str, n: int, blocks: list[int], computed: int = 0) -> worker_pb2.NewRequest:
-    return cat.text_request(rid, n=n, block_ids=blocks, num_computed_tokens=computed,
-                            num_scheduled_tokens=n - computed)
+    return cat.text_request(rid, n=n, block_ids=blocks, num_computed_tokens=computed, num_scheduled_tokens=n - computed)
 
 
 def step(stream, step_id: int, *requests) -> tuple[str, str, worker_pb2.StepResponse | None]:
@@ -168,9 +176,15 @@ def test_stray_desynchronised_streams_are_refused_and_the_group_keeps_serving(gr
     fingerprint = cat.StepCtx(group.worker_targets[0], "x" * 16, tiny_model_dir, 1024, lambda: 0).fingerprint
     streams, answers = [], []
     for r, target in enumerate(group.worker_targets):  # one epoch, two step ids: the old group-desync crash
-        hs = worker_pb2.Handshake(protocol_version=PROTOCOL_VERSION, model_fingerprint=fingerprint, rank=r,
-                                  world_size=2, scheduler_epoch=MAX_EPOCH, scheduler_id="mmcast-scheduler",
-                                  block_size=16)
+        hs = worker_pb2.Handshake(
+            protocol_version=PROTOCOL_VERSION,
+            model_fingerprint=fingerprint,
+            rank=r,
+            world_size=2,
+            scheduler_epoch=MAX_EPOCH,
+            scheduler_id="mmcast-scheduler",
+            block_size=16,
+        )
         s = cat.Stream(target, ())
         s.send(worker_pb2.StepRequest(handshake=hs), cat.control(10 + r, new_requests=[cat.text_request()]))
         streams.append(s)

@@ -60,8 +60,13 @@ def test_authenticate():
     assert table.authenticate(bearer(A)) == ("scheduler", "")
     assert table.authenticate((("authorization", f"bearer   {A}  "),))[0] == "scheduler"
     assert table.authenticate((("authorization", f"Bearer {A}".encode()),))[0] == "scheduler"
-    for metadata, word in [((), "missing"), (bearer(B), "not valid"), ((("authorization", f"Basic {A}"),), "Bearer"),
-                           ((("authorization", "Bearer "),), "Bearer"), (bearer(A) + bearer(A), "more than one")]:
+    for metadata, word in [
+        ((), "missing"),
+        (bearer(B), "not valid"),
+        ((("authorization", f"Basic {A}"),), "Bearer"),
+        ((("authorization", "Bearer "),), "Bearer"),
+        (bearer(A) + bearer(A), "more than one"),
+    ]:
         tenant, problem = table.authenticate(metadata)
         assert tenant is None and word in problem, (metadata, problem)
 
@@ -133,8 +138,10 @@ def test_tenant_scoping_helpers():
     settings = {"max_pixels": 100}
     plain = item_identifier(b"img", settings)
     assert plain == item_identifier(b"img", settings, scope="")  # no tenant: the identifiers of before
-    assert len({plain, item_identifier(b"img", settings, scope="alpha"), item_identifier(b"img", settings,
-                                                                                         scope="beta")}) == 3
+    assert (
+        len({plain, item_identifier(b"img", settings, scope="alpha"), item_identifier(b"img", settings, scope="beta")})
+        == 3
+    )
 
 
 def test_upload_store_is_per_tenant():
@@ -154,7 +161,9 @@ def test_ids_with_a_trailing_newline_are_refused():
         request_parsing.check_request_id("abc\n")
     from mmcast.v1 import generation_pb2 as pb
 
-    msg = pb.ChatMessage(role=pb.ROLE_USER, content=[pb.ContentPart(image=pb.ImageInput(uploaded_sha256="0" * 64 + "\n"))])
+    msg = pb.ChatMessage(
+        role=pb.ROLE_USER, content=[pb.ContentPart(image=pb.ImageInput(uploaded_sha256="0" * 64 + "\n"))]
+    )
     with pytest.raises(InvalidArgument, match="64 lowercase hex"):
         request_parsing.parse_messages([msg], max_images=4)
 

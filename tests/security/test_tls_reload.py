@@ -155,9 +155,20 @@ def test_a_rank_serves_rotated_certificates_without_a_restart(tiny_model_dir, tm
     mount = SecretMount(tmp_path / "secret")
     mount.publish(leaf_files(a, ca))
     token = secret_file(tmp_path / "token", new_token())
-    rank = WorkerProcess(tiny_model_dir, tmp_path / "rank.log", [
-        "--tls-cert-file", mount.path("tls.crt"), "--tls-key-file", mount.path("tls.key"),
-        "--tls-client-ca-file", mount.path("ca.crt"), "--shared-token-file", str(token)])
+    rank = WorkerProcess(
+        tiny_model_dir,
+        tmp_path / "rank.log",
+        [
+            "--tls-cert-file",
+            mount.path("tls.crt"),
+            "--tls-key-file",
+            mount.path("tls.key"),
+            "--tls-client-ca-file",
+            mount.path("ca.crt"),
+            "--shared-token-file",
+            str(token),
+        ],
+    )
     old = None
     try:
         wait_for(lambda: _serial_or_none(rank, ca.path, client), 60, f"rank TLS port:\n{rank.log_tail()}")
@@ -218,8 +229,10 @@ def _presented_serial(context, ca_path: str) -> int:
     thread.start()
     client = ssl.create_default_context(cafile=ca_path)
     try:
-        with socket.create_connection(("127.0.0.1", port)) as raw, \
-                client.wrap_socket(raw, server_hostname="localhost") as tls_sock:
+        with (
+            socket.create_connection(("127.0.0.1", port)) as raw,
+            client.wrap_socket(raw, server_hostname="localhost") as tls_sock,
+        ):
             return serial_of(tls_sock.getpeercert(binary_form=True))
     finally:
         thread.join(5)

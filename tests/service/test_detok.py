@@ -91,8 +91,11 @@ def stream_in_batches(tok, ids, cuts, skip_special_tokens=True):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ids=st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=48), cuts=st.lists(st.integers(0, 64), max_size=8),
-       skip=st.booleans())
+@given(
+    ids=st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=48),
+    cuts=st.lists(st.integers(0, 64), max_size=8),
+    skip=st.booleans(),
+)
 def test_random_token_sequences_stream_to_the_full_decode(any_tokenizer, ids, cuts, skip):
     """Any ids (byte tokens that split characters anywhere, special tokens, invalid UTF-8), in any batches: the
     deltas concatenate to the full decode, and what is out at each step is a prefix of it."""
@@ -103,7 +106,10 @@ def test_random_token_sequences_stream_to_the_full_decode(any_tokenizer, ids, cu
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=TEXT, specials=st.lists(st.tuples(st.integers(0, 64), st.sampled_from(sorted(SPECIAL_TOKEN_IDS.values()))), max_size=4))
+@given(
+    text=TEXT,
+    specials=st.lists(st.tuples(st.integers(0, 64), st.sampled_from(sorted(SPECIAL_TOKEN_IDS.values()))), max_size=4),
+)
 def test_multibyte_text_streams_whole_characters_with_special_tokens_skipped(any_tokenizer, text, specials):
     """Text of multi-byte characters fed one token at a time, special tokens inserted anywhere: no delta holds a
     replacement character (a character is never split), special tokens are skipped, the text comes back whole."""

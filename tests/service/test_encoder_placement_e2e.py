@@ -28,8 +28,11 @@ pytestmark = pytest.mark.slow
 
 SIZE = (224, 168)  # 8 x 6 merged patches = 48 image tokens: real preprocessing, cheap
 DEFAULT = ("encoded", "sharded", "lazy")
-COMBINATIONS = [c for c in itertools.product(("encoded", "pixels"), ("sharded", "replicated"), ("full", "strip", "lazy"))
-                if c != DEFAULT]
+COMBINATIONS = [
+    c
+    for c in itertools.product(("encoded", "pixels"), ("sharded", "replicated"), ("full", "strip", "lazy"))
+    if c != DEFAULT
+]
 
 
 def image(seed: int) -> bytes:
@@ -55,8 +58,14 @@ def oracle(tiny_model_dir) -> Oracle:
 def scheduler(ranks, model_dir, **settings):
     """The real scheduler server, connected to the shared ranks under a new epoch; yields an SDK client."""
     config = SchedulerConfig(
-        model=str(model_dir), workers=[f"127.0.0.1:{p}" for p in ranks.ports], listen="127.0.0.1:0", metrics_port=0,
-        worker_token_file=rank_token_file(), scheduler_id="test", kv_blocks=128, **settings,
+        model=str(model_dir),
+        workers=[f"127.0.0.1:{p}" for p in ranks.ports],
+        listen="127.0.0.1:0",
+        metrics_port=0,
+        worker_token_file=rank_token_file(),
+        scheduler_id="test",
+        kv_blocks=128,
+        **settings,
     )
     with scheduler_server(config) as port, Client(f"127.0.0.1:{port}", timeout=300) as client:
         yield client
@@ -65,10 +74,20 @@ def scheduler(ranks, model_dir, **settings):
 @pytest.mark.parametrize(("encoding", "placement", "mode"), COMBINATIONS)
 def test_every_combination_serves_the_oracle_tokens(ranks, tiny_model_dir, oracle, encoding, placement, mode):
     a, b, c = image(1), image(2), image(3)
-    first = [{"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "and"},
-                                          {"type": "image", "image": b}, {"type": "text", "text": "compare them"}]}]
-    with scheduler(ranks, tiny_model_dir, payload_encoding=encoding, encoder_placement=placement,
-                   transfer_mode=mode) as client:
+    first = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": a},
+                {"type": "text", "text": "and"},
+                {"type": "image", "image": b},
+                {"type": "text", "text": "compare them"},
+            ],
+        }
+    ]
+    with scheduler(
+        ranks, tiny_model_dir, payload_encoding=encoding, encoder_placement=placement, transfer_mode=mode
+    ) as client:
         r1 = client.generate(first, **GENERATE)
         assert_matches(r1, oracle(first), f"{encoding}+{placement}+{mode} turn 1")
         second = [*first, {"role": "assistant", "content": r1.text}, user_turn(c, "and this one?")]
@@ -99,13 +118,16 @@ def test_a_corrupt_file_fails_its_request_alone(ranks, tiny_model_dir, oracle):
 
         thread = threading.Thread(target=serve_good)
         thread.start()
-        with pytest.raises(InvalidArgument, match=r"messages\[0\]\.content\[0\]\.image \(item .*\) could not be used: .*decoded"):
+        with pytest.raises(
+            InvalidArgument, match=r"messages\[0\]\.content\[0\]\.image \(item .*\) could not be used: .*decoded"
+        ):
             client.generate([user_turn(broken, "what is this?")], **GENERATE)
         thread.join()
         assert_matches(outcome["good"], expected, "beside a corrupt file")
         again = [user_turn(image(6), "and this one?")]
         assert_matches(client.generate(again, **GENERATE), oracle(again), "after a corrupt file")
     assert all(proc.poll() is None for proc in ranks.procs)  # nobody restarted anything
-    failures = sum(scrape(f"http://127.0.0.1:{p}/metrics", "mmcast_worker_image_failures_total")
-                   for p in ranks.metrics_ports)
+    failures = sum(
+        scrape(f"http://127.0.0.1:{p}/metrics", "mmcast_worker_image_failures_total") for p in ranks.metrics_ports
+    )
     assert failures == 1

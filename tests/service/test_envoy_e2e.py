@@ -44,13 +44,14 @@ REPLICAS = 3
 TURNS = 5  # two turns after the kill's miss: a conversation moved twice must hit after
 KILL_AFTER = 2  # turns done everywhere before the kill
 PER_KIND = 3  # conversations of each (door, behaviour)
-KINDS = [("grpc", "echo"), ("http", "echo"), ("grpc", "key"), ("http", "key"), ("grpc", "session"),
-         ("http", "session")]
+KINDS = [("grpc", "echo"), ("http", "echo"), ("grpc", "key"), ("http", "key"), ("grpc", "session"), ("http", "session")]
 MAX_TOKENS = 8
 IMAGE_SIZE = (112, 112)  # 16 image tokens
 # Long enough that the block left uncovered at a turn's end is a small part of the prompt.
-OPENING = ("Conversation {n}. Describe this picture: its colours, its shapes, its brightness and its texture, and keep "
-           "a running list of every colour you have seen so far in this conversation, with the turn it first appeared.")
+OPENING = (
+    "Conversation {n}. Describe this picture: its colours, its shapes, its brightness and its texture, and keep "
+    "a running list of every colour you have seen so far in this conversation, with the turn it first appeared."
+)
 FOLLOW_UP = "Turn {t} of conversation {n}: what would you add to your description?"
 
 
@@ -91,12 +92,21 @@ def groups(tiny_model_dir):
 def grpc_turn(stub, conv: Conversation) -> tuple[int, int, dict]:
     messages = []
     for role, parts in conv.history:
-        content = [generation_pb2.ContentPart(image=generation_pb2.ImageInput(data=p)) if isinstance(p, bytes)
-                   else generation_pb2.ContentPart(text=p) for p in parts]
-        messages.append(generation_pb2.ChatMessage(
-            role=generation_pb2.ROLE_USER if role == "user" else generation_pb2.ROLE_ASSISTANT, content=content))
-    request = generation_pb2.GenerateRequest(messages=messages, sampling=generation_pb2.SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        content = [
+            generation_pb2.ContentPart(image=generation_pb2.ImageInput(data=p))
+            if isinstance(p, bytes)
+            else generation_pb2.ContentPart(text=p)
+            for p in parts
+        ]
+        messages.append(
+            generation_pb2.ChatMessage(
+                role=generation_pb2.ROLE_USER if role == "user" else generation_pb2.ROLE_ASSISTANT, content=content
+            )
+        )
+    request = generation_pb2.GenerateRequest(
+        messages=messages,
+        sampling=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    )
     call = stub.Generate(request, metadata=conv.request_headers(), timeout=120)
     text, final = [], None
     for response in call:
@@ -111,11 +121,18 @@ def grpc_turn(stub, conv: Conversation) -> tuple[int, int, dict]:
 def http_turn(http: httpx.Client, model: str, conv: Conversation) -> tuple[int, int, dict]:
     messages = []
     for role, parts in conv.history:
-        content = [{"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(p).decode()}}
-                   if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
+        content = [
+            {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(p).decode()}}
+            if isinstance(p, bytes)
+            else {"type": "text", "text": p}
+            for p in parts
+        ]
         messages.append({"role": role, "content": content})
-    r = http.post("/v1/chat/completions", headers=conv.request_headers(), json={
-        "model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True})
+    r = http.post(
+        "/v1/chat/completions",
+        headers=conv.request_headers(),
+        json={"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
+    )
     assert r.status_code == 200, (r.status_code, r.text)
     body = r.json()
     conv.history.append(("assistant", [body["choices"][0]["message"]["content"]]))
@@ -133,8 +150,9 @@ def run_turns(conv: Conversation, turns: range, envoy: Envoy, groups, model: str
             prompt, cached, headers = grpc_turn(stub, conv) if conv.door == "grpc" else http_turn(http, model, conv)
             # Envoy writes it when the replica differs from the one the request named (or it named none).
             conv.replica_header = headers.get("x-mmcast-replica", conv.replica_header)
-            conv.turns.append(Turn(prompt, cached, headers["x-mmcast-affinity"],
-                                   replica_of(conv.replica_header, groups)))
+            conv.turns.append(
+                Turn(prompt, cached, headers["x-mmcast-affinity"], replica_of(conv.replica_header, groups))
+            )
 
 
 def run_all(conversations, turns: range, envoy, groups, model) -> None:
@@ -157,8 +175,9 @@ def expected_key(conv: Conversation) -> str:
 
 def test_envoy_keeps_conversations_on_their_replica_and_a_kill_costs_only_its_own(groups, tmp_path):
     model = httpx.get(groups[0].openai_base_url + "/models", timeout=10).json()["data"][0]["id"]
-    conversations = [Conversation(100 * k + i, door, behaviour) for k, (door, behaviour) in enumerate(KINDS)
-                     for i in range(PER_KIND)]
+    conversations = [
+        Conversation(100 * k + i, door, behaviour) for k, (door, behaviour) in enumerate(KINDS) for i in range(PER_KIND)
+    ]
     started = time.monotonic()
     with Envoy(groups, tmp_path) as envoy:
         run_all(conversations, range(KILL_AFTER), envoy, groups, model)
@@ -169,9 +188,13 @@ def test_envoy_keeps_conversations_on_their_replica_and_a_kill_costs_only_its_ow
                 os.kill(pid, signal.SIGKILL)
         groups[victim].stop()  # and it stays down
         run_all(conversations, range(KILL_AFTER, KILL_AFTER + 1), envoy, groups, model)
+
         # The turns after the kill's own are routed once Envoy has taken the dead replica out of its tables.
-        dropped = lambda: all(envoy.stat(f"cluster.{c}.membership_healthy") == REPLICAS - 1  # noqa: E731
-                              for c in ("mmcast_grpc", "mmcast_http"))
+        def dropped() -> bool:
+            return all(
+                envoy.stat(f"cluster.{c}.membership_healthy") == REPLICAS - 1 for c in ("mmcast_grpc", "mmcast_http")
+            )
+
         assert wait_until(dropped, 30, 0.1), "Envoy kept the killed replica in its tables"
         run_all(conversations, range(KILL_AFTER + 1, TURNS), envoy, groups, model)
         retries = {c: envoy.stat(f"cluster.{c}.upstream_rq_retry") for c in ("mmcast_grpc", "mmcast_http")}
@@ -211,19 +234,26 @@ def test_envoy_keeps_conversations_on_their_replica_and_a_kill_costs_only_its_ow
     for behaviour in ("echo", "key", "session"):
         ids = [(c, t) for c, t in turn_ids if c.behaviour == behaviour]
         unhurt = [(c, t) for c, t in ids if (c.n, t) not in kill_cost]
-        rates[behaviour] = (sum(hit(c, t) for c, t in ids) / len(ids),
-                            sum(c.turns[t].cached_tokens > 0 for c, t in ids) / len(ids),
-                            sum(hit(c, t) for c, t in unhurt) / len(unhurt))
-    print(f"\nenvoy e2e: {len(conversations)} conversations x {TURNS} turns in {elapsed:.1f}s; served before the kill "
-          f"{served}, victim {victim}, moved {len(moved)} (again: {len(moved_again)}); Envoy retries {retries}")
+        rates[behaviour] = (
+            sum(hit(c, t) for c, t in ids) / len(ids),
+            sum(c.turns[t].cached_tokens > 0 for c, t in ids) / len(ids),
+            sum(hit(c, t) for c, t in unhurt) / len(unhurt),
+        )
+    print(
+        f"\nenvoy e2e: {len(conversations)} conversations x {TURNS} turns in {elapsed:.1f}s; served before the kill "
+        f"{served}, victim {victim}, moved {len(moved)} (again: {len(moved_again)}); Envoy retries {retries}"
+    )
     for behaviour, (strict, nonzero, unhurt) in rates.items():
-        print(f"  {behaviour:8s} turns 2+: {strict:.1%} full-prefix hits, {nonzero:.1%} cached_tokens > 0, "
-              f"{unhurt:.1%} full-prefix hits apart from the misses the kill cost moved conversations")
+        print(
+            f"  {behaviour:8s} turns 2+: {strict:.1%} full-prefix hits, {nonzero:.1%} cached_tokens > 0, "
+            f"{unhurt:.1%} full-prefix hits apart from the misses the kill cost moved conversations"
+        )
     # Sending back what the answers carry (or a session id from the start): every turn 2+ a full-prefix hit but for
     # the kill's one miss per moved conversation. (With the kill's misses counted, the share depends on how many
     # conversations the victim held: about 1 - 1/(3 * 3) of turns 2..4 with conversations spread evenly.)
     assert rates["echo"][2] == 1.0 and rates["session"][2] == 1.0, rates
     assert rates["echo"][1] >= 0.9 and rates["session"][1] >= 0.9, rates
     # The key alone: turn 2 may miss (turn 1 went anywhere), every later turn of an unmoved conversation hits.
-    assert all(hit(c, t) for c in conversations if c.behaviour == "key" and c not in moved
-               for t in range(2, TURNS)), rates
+    assert all(hit(c, t) for c in conversations if c.behaviour == "key" and c not in moved for t in range(2, TURNS)), (
+        rates
+    )

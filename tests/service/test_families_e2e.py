@@ -79,16 +79,31 @@ def image(family: str, seed: int) -> bytes:
 @contextlib.contextmanager
 def scheduler(ranks, model_dir, **settings):
     config = SchedulerConfig(
-        model=str(model_dir), workers=[f"127.0.0.1:{p}" for p in ranks.ports], listen="127.0.0.1:0", metrics_port=0,
-        worker_token_file=rank_token_file(), scheduler_id="test", kv_blocks=128, **settings,
+        model=str(model_dir),
+        workers=[f"127.0.0.1:{p}" for p in ranks.ports],
+        listen="127.0.0.1:0",
+        metrics_port=0,
+        worker_token_file=rank_token_file(),
+        scheduler_id="test",
+        kv_blocks=128,
+        **settings,
     )
     with scheduler_server(config) as port, Client(f"127.0.0.1:{port}", timeout=300) as client:
         yield client
 
 
 def two_images(a: bytes, b: bytes) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "and"},
-                                         {"type": "image", "image": b}, {"type": "text", "text": "compare them"}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": a},
+                {"type": "text", "text": "and"},
+                {"type": "image", "image": b},
+                {"type": "text", "text": "compare them"},
+            ],
+        }
+    ]
 
 
 @pytest.fixture
@@ -133,8 +148,9 @@ def test_defaults_with_chunked_prefill_and_a_prefix_hit(ranks, model_dir, family
 
 def test_pixels_replicated_strip(ranks, model_dir, family, oracle, wire):
     first = two_images(image(family, 5), image(family, 6))
-    with scheduler(ranks, model_dir, payload_encoding="pixels", encoder_placement="replicated",
-                   transfer_mode="strip") as client:
+    with scheduler(
+        ranks, model_dir, payload_encoding="pixels", encoder_placement="replicated", transfer_mode="strip"
+    ) as client:
         r1 = client.generate(first, **GENERATE)
         assert_matches(r1, oracle(first), "turn 1")
         second = [*first, {"role": "assistant", "content": r1.text}, user_turn(image(family, 7), "and this one?")]

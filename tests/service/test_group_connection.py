@@ -52,11 +52,15 @@ def test_control_bytes_identical_across_ranks_and_payloads_only_where_needed():
         return ranks, group, a, b
 
     ranks, group, a, b = run(body())
-    controls = [[f for f in r.frames if worker_pb2.StepRequest.FromString(f).WhichOneof("frame") == "control"] for r in ranks]
+    controls = [
+        [f for f in r.frames if worker_pb2.StepRequest.FromString(f).WhichOneof("frame") == "control"] for r in ranks
+    ]
     assert controls[0] == controls[1] == controls[2]  # byte-identical control on every rank
     frames_a = codec.payload_frames("item-a", "pixel_values", a, chunk_size=1 << 16)
     frames_b = codec.payload_frames("item-b", "pixel_values", b, chunk_size=1 << 16)
-    payload = [[f for f in r.frames if worker_pb2.StepRequest.FromString(f).WhichOneof("frame") == "payload"] for r in ranks]
+    payload = [
+        [f for f in r.frames if worker_pb2.StepRequest.FromString(f).WhichOneof("frame") == "payload"] for r in ranks
+    ]
     assert payload[0] == frames_a + frames_b
     assert payload[1] == frames_b
     assert payload[2] == []
@@ -65,7 +69,11 @@ def test_control_bytes_identical_across_ranks_and_payloads_only_where_needed():
     assert ranks[0].frames.index(controls[0][0]) > last_payload
     # the scheduler's counters equal what the ranks received, kind by kind
     received = {k: sum(r.bytes_by_kind[k] for r in ranks) for k in ("payload", "metadata", "control")}
-    assert received == {"payload": group.bytes.payload, "metadata": group.bytes.metadata, "control": group.bytes.control}
+    assert received == {
+        "payload": group.bytes.payload,
+        "metadata": group.bytes.metadata,
+        "control": group.bytes.control,
+    }
     assert group.bytes.payload == sum(map(len, frames_a)) + 2 * sum(map(len, frames_b))
 
 
@@ -75,13 +83,21 @@ def test_a_rank_demanding_a_token_refuses_a_group_without_it_before_any_frame():
         bare = WorkerGroup([ranks[0].address], model_fingerprint=FP, block_size=16)
         with pytest.raises(GroupDown, match=r"UNAUTHENTICATED: missing 'authorization'.*--worker-token-file"):
             await bare.connect()
-        wrong = WorkerGroup([ranks[0].address], model_fingerprint=FP, block_size=16,
-                            call_metadata=[("authorization", "Bearer " + "u" * 32)])
+        wrong = WorkerGroup(
+            [ranks[0].address],
+            model_fingerprint=FP,
+            block_size=16,
+            call_metadata=[("authorization", "Bearer " + "u" * 32)],
+        )
         with pytest.raises(GroupDown, match="UNAUTHENTICATED: the bearer token is not valid"):
             await wrong.connect()
         assert ranks[0].frames == []  # refused before the handshake was read
-        good = WorkerGroup([ranks[0].address], model_fingerprint=FP, block_size=16,
-                           call_metadata=[("authorization", "Bearer " + "t" * 32)])
+        good = WorkerGroup(
+            [ranks[0].address],
+            model_fingerprint=FP,
+            block_size=16,
+            call_metadata=[("authorization", "Bearer " + "t" * 32)],
+        )
         await good.connect()
         assert len(ranks[0].handshakes) == 1
         await good.close()

@@ -34,8 +34,15 @@ def group_and_stream(tiny_model_dir):
     (port,) = free_ports(1)
     endpoint = f"tcp://127.0.0.1:{port}"
     subscriber = Subscriber(endpoint)  # before the scheduler starts: it sees the first pool's AllBlocksCleared
-    group = LocalGroup(tiny_model_dir, 1, "lazy", http_port=None, kv_blocks=KV_BLOCKS, ready_timeout=600,
-                       scheduler_args=["--kv-events-endpoint", endpoint]).start()
+    group = LocalGroup(
+        tiny_model_dir,
+        1,
+        "lazy",
+        http_port=None,
+        kv_blocks=KV_BLOCKS,
+        ready_timeout=600,
+        scheduler_args=["--kv-events-endpoint", endpoint],
+    ).start()
     try:
         group.wait_ready()
         yield group, subscriber
@@ -47,8 +54,12 @@ def group_and_stream(tiny_model_dir):
 def conversation(client: Client, n: int) -> None:
     history = []
     for t in range(TURNS):
-        history.append(user_turn(synthetic_jpeg(9000 + 10 * n + t, (112, 112)),
-                                 f"Conversation {n}, picture {t}: describe the colours and shapes you see in detail."))
+        history.append(
+            user_turn(
+                synthetic_jpeg(9000 + 10 * n + t, (112, 112)),
+                f"Conversation {n}, picture {t}: describe the colours and shapes you see in detail.",
+            )
+        )
         result = client.generate(history, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
         history.append({"role": "assistant", "content": result.text})
 
@@ -96,7 +107,9 @@ def test_the_stream_of_a_loaded_replica_is_consistent_and_counted(group_and_stre
     assert chained, "no stored run continued an earlier block (later turns extend their conversation's chain)"
     preemptions = scrape(metrics, "mmcast_preemptions_total")
     stored_blocks = sum(len(e[1]) for e in sub.stored_events)
-    print(f"\nkv events e2e: {CONVERSATIONS} conversations x {TURNS} turns in {time.monotonic() - started:.1f}s, "
-          f"--kv-blocks {KV_BLOCKS}: {sub.messages} batches, {sub.bytes} payload bytes, events {sub.counts}, "
-          f"{stored_blocks} blocks stored ({chained} runs chained to a parent), {len(sub.blocks)} held at the "
-          f"end (at most {held_max}), {preemptions:.0f} preemptions")
+    print(
+        f"\nkv events e2e: {CONVERSATIONS} conversations x {TURNS} turns in {time.monotonic() - started:.1f}s, "
+        f"--kv-blocks {KV_BLOCKS}: {sub.messages} batches, {sub.bytes} payload bytes, events {sub.counts}, "
+        f"{stored_blocks} blocks stored ({chained} runs chained to a parent), {len(sub.blocks)} held at the "
+        f"end (at most {held_max}), {preemptions:.0f} preemptions"
+    )

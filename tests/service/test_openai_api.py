@@ -39,8 +39,10 @@ def sdk_turn(img: bytes, question: str) -> dict:
 
 
 def openai_turn(img: bytes, question: str) -> dict:
-    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(img)}},
-                                        {"type": "text", "text": question}]}
+    return {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": data_url(img)}}, {"type": "text", "text": question}],
+    }
 
 
 IMG_A, IMG_B, IMG_C = png(112, 112, seed=1), jpeg(84, 112, seed=2), png(56, 56, seed=3)  # noise: features differ
@@ -122,16 +124,18 @@ def test_multi_turn_conversation_equals_oracle_and_sdk(group, api, model_name, o
     # Negative control: the same conversation with the second image swapped answers differently.
     swapped = [*messages[:2], openai_turn(IMG_C, q2)]
     other = api.chat.completions.create(model=model_name, messages=swapped, **GREEDY)
-    diff = max(abs(a - b) for a, b in zip(served_logprobs(other.choices[0]), served_logprobs(second.choices[0]),
-                                          strict=True))
+    diff = max(
+        abs(a - b) for a, b in zip(served_logprobs(other.choices[0]), served_logprobs(second.choices[0]), strict=True)
+    )
     assert diff > 10 * LOGPROB_TOLERANCE
 
 
 def test_streaming_with_usage_equals_whole(api, model_name):
     messages = [openai_turn(IMG_B, "Describe it in detail.")]
     whole = api.chat.completions.create(model=model_name, messages=messages, **GREEDY)
-    stream = api.chat.completions.create(model=model_name, messages=messages, stream=True,
-                                         stream_options={"include_usage": True}, **GREEDY)
+    stream = api.chat.completions.create(
+        model=model_name, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -148,14 +152,17 @@ def test_streaming_with_usage_equals_whole(api, model_name):
 
 def test_async_client_streams_the_same_answers(group, api, model_name):
     prompts = [[openai_turn(img, "What colour dominates?")] for img in (IMG_A, IMG_B, IMG_C)]
-    expected = [api.chat.completions.create(model=model_name, messages=m, **GREEDY).choices[0].message.content
-                for m in prompts]
+    expected = [
+        api.chat.completions.create(model=model_name, messages=m, **GREEDY).choices[0].message.content for m in prompts
+    ]
 
     async def run() -> list[str]:
         async with openai.AsyncOpenAI(base_url=group.openai_base_url, api_key="unused", max_retries=0) as client:
+
             async def one(messages) -> str:
-                stream = await client.chat.completions.create(model=model_name, messages=messages, stream=True,
-                                                              **GREEDY)
+                stream = await client.chat.completions.create(
+                    model=model_name, messages=messages, stream=True, **GREEDY
+                )
                 return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
             return await asyncio.gather(*(one(m) for m in prompts))
@@ -168,9 +175,13 @@ def test_image_by_uuid(api, model_name):
     server never saw is a 404 in OpenAI's shape naming the field."""
     img = png(56, 84, seed=4)
     inline = api.chat.completions.create(model=model_name, messages=[openai_turn(img, "What is this?")], **GREEDY)
-    ref = {"role": "user", "content": [
-        {"type": "image_url", "image_url": None, "uuid": "sha256:" + hashlib.sha256(img).hexdigest()},
-        {"type": "text", "text": "What is this?"}]}
+    ref = {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": None, "uuid": "sha256:" + hashlib.sha256(img).hexdigest()},
+            {"type": "text", "text": "What is this?"},
+        ],
+    }
     by_uuid = api.chat.completions.create(model=model_name, messages=[ref], **GREEDY)
     assert by_uuid.choices[0].message.content == inline.choices[0].message.content
     assert served_logprobs(by_uuid.choices[0]) == pytest.approx(served_logprobs(inline.choices[0]), abs=1e-6)
@@ -188,13 +199,20 @@ def test_text_completions_equal_transformers(api, model_name, oracle, tokenizer)
     import torch
 
     prompt = "The quick brown fox"
-    out = api.completions.create(model=model_name, prompt=prompt, max_tokens=N_TOKENS, temperature=0.0, logprobs=0,
-                                 extra_body=EXTRA)
+    out = api.completions.create(
+        model=model_name, prompt=prompt, max_tokens=N_TOKENS, temperature=0.0, logprobs=0, extra_body=EXTRA
+    )
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
-        gen = oracle.model.generate(input_ids=ids, max_new_tokens=N_TOKENS, do_sample=False, eos_token_id=[],
-                                    output_logits=True, return_dict_in_generate=True)
-    tokens = gen.sequences[0, ids.shape[1]:].tolist()
+        gen = oracle.model.generate(
+            input_ids=ids,
+            max_new_tokens=N_TOKENS,
+            do_sample=False,
+            eos_token_id=[],
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = gen.sequences[0, ids.shape[1] :].tolist()
     expected = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(gen.logits, tokens, strict=True)]
     choice = out.choices[0]
     assert choice.text == tokenizer.decode(tokens, skip_special_tokens=True)
@@ -204,18 +222,31 @@ def test_text_completions_equal_transformers(api, model_name, oracle, tokenizer)
 
 def test_stop_string_and_seeded_sampling(api, model_name):
     messages = [openai_turn(IMG_A, "Tell me a story.")]
-    base = api.chat.completions.create(model=model_name, messages=messages, max_tokens=12, temperature=0.0,
-                                       extra_body=EXTRA).choices[0].message.content
-    stop = base[len(base) // 2: len(base) // 2 + 2]
+    base = (
+        api.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=12, temperature=0.0, extra_body=EXTRA
+        )
+        .choices[0]
+        .message.content
+    )
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
     if stop.strip():
-        cut = api.chat.completions.create(model=model_name, messages=messages, max_tokens=12, temperature=0.0,
-                                          stop=[stop], extra_body=EXTRA).choices[0]
+        cut = api.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=12, temperature=0.0, stop=[stop], extra_body=EXTRA
+        ).choices[0]
         assert cut.finish_reason == "stop" and cut.message.content == base[: base.index(stop)]
-    hot_greedy = api.chat.completions.create(model=model_name, messages=messages, max_tokens=12, temperature=2.0,
-                                             seed=7, extra_body={**EXTRA, "top_k": 1})  # vLLM's top_k: one token left
+    hot_greedy = api.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=12, temperature=2.0, seed=7, extra_body={**EXTRA, "top_k": 1}
+    )  # vLLM's top_k: one token left
     assert hot_greedy.choices[0].message.content == base
-    sampled = [api.chat.completions.create(model=model_name, messages=messages, max_tokens=8, temperature=1.0,
-                                           seed=1234, extra_body=EXTRA).choices[0].message.content for _ in range(2)]
+    sampled = [
+        api.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=8, temperature=1.0, seed=1234, extra_body=EXTRA
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1]
 
 
@@ -229,8 +260,13 @@ def test_client_leaving_a_stream_cancels_its_request(group, model_name):
             return 0.0
 
     before = cancelled()
-    body = {"model": model_name, "messages": [openai_turn(IMG_C, "Go on forever.")], "max_tokens": 3000,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": model_name,
+        "messages": [openai_turn(IMG_C, "Go on forever.")],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", group.openai_base_url + "/chat/completions", json=body) as response:
             assert response.status_code == 200
@@ -248,16 +284,26 @@ def test_client_leaving_a_stream_cancels_its_request(group, model_name):
 
 def test_http_metrics(group):
     text = urllib.request.urlopen(group.metrics_urls["scheduler"], timeout=10).read().decode()
-    ok = [line for line in text.splitlines() if line.startswith("mmcast_http_requests_total{")
-          and 'route="/v1/chat/completions"' in line and 'status="200"' in line]
+    ok = [
+        line
+        for line in text.splitlines()
+        if line.startswith("mmcast_http_requests_total{")
+        and 'route="/v1/chat/completions"' in line
+        and 'status="200"' in line
+    ]
     assert ok and float(ok[0].rsplit(" ", 1)[1]) >= 1
     assert "mmcast_http_request_duration_seconds_bucket" in text
 
 
 def test_sse_wire_format(group, model_name):
     """The bytes on the wire: every event a ``data:`` line of one JSON object, the last ``data: [DONE]``."""
-    body = {"model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(timeout=60) as http:
         r = http.post(group.openai_base_url + "/chat/completions", json=body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")

@@ -40,11 +40,24 @@ def failing_sample(real):
 
 @pytest.fixture(scope="module")
 def service(tiny_model_dir):
-    rank = InProcessWorker(WorkerConfig(model=str(tiny_model_dir), listen="127.0.0.1:0", kv_blocks=256,
-                                        scheduler_id="test", shared_token_file=rank_token_file()))
+    rank = InProcessWorker(
+        WorkerConfig(
+            model=str(tiny_model_dir),
+            listen="127.0.0.1:0",
+            kv_blocks=256,
+            scheduler_id="test",
+            shared_token_file=rank_token_file(),
+        )
+    )
     lt = LoopThread()
-    config = SchedulerConfig(model=str(tiny_model_dir), workers=[rank.target], listen="127.0.0.1:0", metrics_port=0,
-                             scheduler_id="test", worker_token_file=rank_token_file())
+    config = SchedulerConfig(
+        model=str(tiny_model_dir),
+        workers=[rank.target],
+        listen="127.0.0.1:0",
+        metrics_port=0,
+        scheduler_id="test",
+        worker_token_file=rank_token_file(),
+    )
     server = SchedulerServer(config)
 
     async def up():
@@ -65,8 +78,11 @@ def generate(stub, rid, prompt, seed=None, max_tokens=N):
     sampling = g.SamplingParams(max_tokens=max_tokens, ignore_eos=True, return_logprobs=True, temperature=0.0)
     if seed is not None:
         sampling.seed = seed
-    req = g.GenerateRequest(request_id=rid, messages=[g.ChatMessage(role=g.ROLE_USER, content=[g.ContentPart(
-        text=prompt)])], sampling=sampling)
+    req = g.GenerateRequest(
+        request_id=rid,
+        messages=[g.ChatMessage(role=g.ROLE_USER, content=[g.ContentPart(text=prompt)])],
+        sampling=sampling,
+    )
     tokens, logprobs, final = [], [], None
     for resp in stub.Generate(req, timeout=60):
         if resp.HasField("delta"):

@@ -47,18 +47,32 @@ def test_finished_line_carries_the_final_messages_numbers(harness, caplog):
     with grpc.insecure_channel(harness.target) as ch:
         stub = gg.GenerationServiceStub(ch)
         for rid in ("log-1", "log-2"):  # the second finds the first's prefix and images cached
-            finals.append([r.final for r in stub.Generate(request(messages, max_tokens=5, request_id=rid))
-                           if r.HasField("final")][0])
+            finals.append(
+                [
+                    r.final
+                    for r in stub.Generate(request(messages, max_tokens=5, request_id=rid))
+                    if r.HasField("final")
+                ][0]
+            )
     records = wait_for_records(caplog, 2)
     assert [r.request_id for r in records] == ["log-1", "log-2"]
     for record, final in zip(records, finals, strict=True):
         assert record.levelno == logging.INFO and record.finish_reason == _FINISH[final.finish_reason]
-        for key in ("prompt_tokens", "completion_tokens", "cached_tokens", "images", "payload_bytes_broadcast",
-                    "payload_bytes_saved", "preemptions"):
+        for key in (
+            "prompt_tokens",
+            "completion_tokens",
+            "cached_tokens",
+            "images",
+            "payload_bytes_broadcast",
+            "payload_bytes_saved",
+            "preemptions",
+        ):
             assert getattr(record, key) == getattr(final.usage, key), key
         # the final message's Durations carry microseconds (datetime.timedelta's resolution)
         t = final.timings
-        assert record.time_to_first_token_seconds == pytest.approx(t.time_to_first_token.ToNanoseconds() / 1e9, abs=2e-6)
+        assert record.time_to_first_token_seconds == pytest.approx(
+            t.time_to_first_token.ToNanoseconds() / 1e9, abs=2e-6
+        )
         assert record.total_seconds == pytest.approx(t.total_time.ToNanoseconds() / 1e9, abs=2e-6)
         assert record.queue_seconds == pytest.approx(t.queue_time.ToNanoseconds() / 1e9, abs=2e-6)
         assert not hasattr(record, "tenant") and not hasattr(record, "error_code")
@@ -76,7 +90,8 @@ def test_a_client_that_leaves_still_gets_its_line(harness, caplog):
     caplog.set_level(logging.INFO, logger="scheduler_svc.servicer")
     with grpc.insecure_channel(harness.target) as ch:
         call = gg.GenerationServiceStub(ch).Generate(
-            request([user(text("a long story please"))], max_tokens=400, request_id="log-gone"))
+            request([user(text("a long story please"))], max_tokens=400, request_id="log-gone")
+        )
         received = len(next(call).delta.token_ids)
         call.cancel()
     (record,) = wait_for_records(caplog, 1)
@@ -101,9 +116,13 @@ def test_with_authentication_the_line_names_the_tenant(tiny_model_dir, tmp_path,
     try:
         caplog.set_level(logging.INFO, logger="scheduler_svc.servicer")
         with grpc.insecure_channel(h.target) as ch:
-            responses = list(gg.GenerationServiceStub(ch).Generate(
-                request([user(text("hello"))], max_tokens=2, request_id="t-1"),
-                metadata=(("authorization", f"Bearer {token}"),), timeout=30))
+            responses = list(
+                gg.GenerationServiceStub(ch).Generate(
+                    request([user(text("hello"))], max_tokens=2, request_id="t-1"),
+                    metadata=(("authorization", f"Bearer {token}"),),
+                    timeout=30,
+                )
+            )
     finally:
         h.stop()
     (record,) = wait_for_records(caplog, 1)

@@ -33,10 +33,15 @@ pytestmark = pytest.mark.slow  # a scheduler process (most of its start is impor
 
 # The reconnect backoff, fixed (initial = max) and shorter than the 1 s default hint, so the hint seen is computed.
 BACKOFF = 0.4
-LIMITS = {"--max-image-pixels": 1_000_000, "--max-upload-bytes": 65536,
-          "--max-pending-upload-bytes-per-tenant": 4096, "--group-deadline-seconds": 0.5,
-          "--reconnect-backoff-initial-seconds": BACKOFF, "--reconnect-backoff-max-seconds": BACKOFF,
-          "--drain-seconds": 0}
+LIMITS = {
+    "--max-image-pixels": 1_000_000,
+    "--max-upload-bytes": 65536,
+    "--max-pending-upload-bytes-per-tenant": 4096,
+    "--group-deadline-seconds": 0.5,
+    "--reconnect-backoff-initial-seconds": BACKOFF,
+    "--reconnect-backoff-max-seconds": BACKOFF,
+    "--drain-seconds": 0,
+}
 
 
 def png(width: int, height: int) -> bytes:
@@ -50,21 +55,36 @@ def user(*parts) -> g.ChatMessage:
 
 
 def request(*parts, max_tokens: int = 4, **sampling) -> g.GenerateRequest:
-    return g.GenerateRequest(messages=[user(*parts)],
-                             sampling=g.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
+    return g.GenerateRequest(
+        messages=[user(*parts)], sampling=g.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
+    )
 
 
 class Scheduler:
     def __init__(self, model_dir, log_path) -> None:
         self.loop = LoopThread()
-        self.rank = FakeRank(FakeRankConfig(rank=0, world_size=1, fingerprint=model_fingerprint(model_dir),
-                                            token=RANK_TOKEN))
+        self.rank = FakeRank(
+            FakeRankConfig(rank=0, world_size=1, fingerprint=model_fingerprint(model_dir), token=RANK_TOKEN)
+        )
         self.loop.run(self.rank.start())
         self.target = f"127.0.0.1:{free_ports(1)[0]}"
         self.log_path = log_path
-        argv = [sys.executable, "-m", "scheduler_svc.main", "--model", str(model_dir), "--workers", self.rank.address,
-                "--listen", self.target, "--metrics-port", "0", "--worker-token-file", rank_token_file(),
-                *[x for k, v in LIMITS.items() for x in (k, str(v))]]
+        argv = [
+            sys.executable,
+            "-m",
+            "scheduler_svc.main",
+            "--model",
+            str(model_dir),
+            "--workers",
+            self.rank.address,
+            "--listen",
+            self.target,
+            "--metrics-port",
+            "0",
+            "--worker-token-file",
+            rank_token_file(),
+            *[x for k, v in LIMITS.items() for x in (k, str(v))],
+        ]
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_path.open("wb"))
         self.channel = grpc.insecure_channel(self.target)
         self.stub = gg.GenerationServiceStub(self.channel)
@@ -109,11 +129,13 @@ def scheduler(tiny_model_dir, tmp_path_factory):
 def test_three_bad_inputs_carry_the_details_a_client_acts_on(scheduler):
     s = scheduler
     # 1. an image over --max-image-pixels: BadRequest naming the image's path, the message naming limit and flag
-    err = s.failure(lambda: s.generate(request(g.ContentPart(text="look"),
-                                               g.ContentPart(image=g.ImageInput(data=png(1100, 1000))))))
+    err = s.failure(
+        lambda: s.generate(request(g.ContentPart(text="look"), g.ContentPart(image=g.ImageInput(data=png(1100, 1000)))))
+    )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.details().startswith("messages[0].content[1].image: image is 1100x1000 = 1100000 pixels; the limit is "
-                                    "1000000 (--max-image-pixels)"), err.details()
+    assert err.details().startswith(
+        "messages[0].content[1].image: image is 1100x1000 = 1100000 pixels; the limit is 1000000 (--max-image-pixels)"
+    ), err.details()
     assert violations(err) == [("messages[0].content[1].image", err.details())]
     assert set(details_of(err)) == {"BadRequest"}  # a limit of the request: no retry hint
     check_contract(err, g.GenerateRequest.DESCRIPTOR)
@@ -127,8 +149,11 @@ def test_three_bad_inputs_carry_the_details_a_client_acts_on(scheduler):
 
     # 3. a reference to an image never uploaded: ResourceInfo with its sha256, nothing to retry
     sha = hashlib.sha256(b"an image this server never received").hexdigest()
-    err = s.failure(lambda: s.generate(request(g.ContentPart(text="and this?"),
-                                               g.ContentPart(image=g.ImageInput(uploaded_sha256=sha)))))
+    err = s.failure(
+        lambda: s.generate(
+            request(g.ContentPart(text="and this?"), g.ContentPart(image=g.ImageInput(uploaded_sha256=sha)))
+        )
+    )
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert err.details().startswith(f"messages[0].content[1].image.uploaded_sha256={sha} is not in the upload store")
     info = details_of(err)["ResourceInfo"]

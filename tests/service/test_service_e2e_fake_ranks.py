@@ -86,7 +86,9 @@ def test_recovery_after_a_dropped_stream_continues_without_repeats(harness):
     h = harness
     h.ranks[1].cfg.drop_once_after_steps = h.ranks[1].steps_answered + 4
     with grpc.insecure_channel(h.target) as ch:
-        tokens, final = generate(gg.GenerationServiceStub(ch), request([user(image(IMG_A), text("hi"))], 12, request_id="rec-1"))
+        tokens, final = generate(
+            gg.GenerationServiceStub(ch), request([user(image(IMG_A), text("hi"))], 12, request_id="rec-1")
+        )
     assert h.server.metrics.group_recoveries._value.get() == 1
     assert len(h.ranks[0].handshakes) == 2  # reconnected under a new epoch
     assert tokens == expected_tokens(prompt_of(h, "rec-1"), 12)
@@ -128,7 +130,8 @@ def test_cancellation_and_deadline_free_the_request(harness):
 
 
 @pytest.mark.parametrize(
-    "harness", [{"rank_kw": {"step_delay": 0.02}, "max_waiting": 1, "max_num_seqs": 1, "max_images_per_request": 2}],
+    "harness",
+    [{"rank_kw": {"step_delay": 0.02}, "max_waiting": 1, "max_num_seqs": 1, "max_images_per_request": 2}],
     indirect=True,
 )
 def test_error_codes_while_others_are_served(harness):
@@ -173,7 +176,9 @@ def test_error_codes_while_others_are_served(harness):
         assert len(tokens) == 30 and final.finish_reason == g.FINISH_REASON_LENGTH
 
 
-@pytest.mark.parametrize("harness", [{"group_deadline_seconds": 0.5, "reconnect_backoff_max_seconds": 0.2}], indirect=True)
+@pytest.mark.parametrize(
+    "harness", [{"group_deadline_seconds": 0.5, "reconnect_backoff_max_seconds": 0.2}], indirect=True
+)
 def test_group_down_past_the_deadline_fails_requests_with_unavailable(harness):
     h = harness
     for rank in h.ranks:
@@ -205,16 +210,19 @@ def test_grpcurl_lists_services_by_reflection_and_health_is_serving(harness):
     for service in ("", "mmcast.v1.GenerationService"):
         health = subprocess.run(
             [grpcurl, "-plaintext", "-d", f'{{"service": "{service}"}}', harness.target, "grpc.health.v1.Health/Check"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert health.returncode == 0, health.stderr
         assert '"status": "SERVING"' in health.stdout
     described = subprocess.run(
-        [grpcurl, "-plaintext", harness.target, "describe", "mmcast.v1.GenerationService"], capture_output=True, text=True, timeout=60
+        [grpcurl, "-plaintext", harness.target, "describe", "mmcast.v1.GenerationService"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert "rpc Generate" in described.stdout and "rpc UploadImage" in described.stdout
-
-
 
 
 def test_an_idle_group_notices_a_lost_rank_at_once(harness):

@@ -20,29 +20,39 @@ from mmcast.v1 import generation_pb2_grpc as gg
 from tests.support.chat import IMG_A, image, request, text, user
 
 # Every module with a tracing call site, and the entry points that configure it.
-MODULES = ("common.tracing", "scheduler_svc.main", "scheduler_svc.servicer", "scheduler_svc.engine",
-           "scheduler_svc.rank_streams", "worker_svc.main", "worker_svc.servicer")
+MODULES = (
+    "common.tracing",
+    "scheduler_svc.main",
+    "scheduler_svc.servicer",
+    "scheduler_svc.engine",
+    "scheduler_svc.rank_streams",
+    "worker_svc.main",
+    "worker_svc.servicer",
+)
 
 
 def test_nothing_of_opentelemetry_is_imported_while_tracing_is_off_and_a_bad_setting_stops_the_scheduler(
-        tiny_model_dir):
+    tiny_model_dir,
+):
     """One interpreter (imports are the cost): the modules load and run their no-op spans without OpenTelemetry;
     then the scheduler's entry point, given an exporter nobody installed, exits 2 naming it."""
-    script = "\n".join([
-        "import importlib, os, sys",
-        *[f"importlib.import_module({m!r})" for m in MODULES],
-        "from common import tracing",
-        "assert tracing.configure('scheduler') is False and not tracing.enabled()",
-        "with tracing.span('mmcast.step', step_id=1) as s:",
-        "    tracing.set_attributes(s, tokens=3)",
-        "tracing.record_span('mmcast.schedule', 0, 1)",
-        "loaded = [m for m in sys.modules if m.startswith('opentelemetry')]",
-        "assert not loaded, loaded",
-        "import opentelemetry.sdk.trace  # installed (the dev extra): the check above was not vacuous",
-        "os.environ.update(MMCAST_TRACING='1', OTEL_TRACES_EXPORTER='zipkin')",
-        "from scheduler_svc.main import main",
-        f"main(['--model', {str(tiny_model_dir)!r}, '--workers', '127.0.0.1:1'])",
-    ])
+    script = "\n".join(
+        [
+            "import importlib, os, sys",
+            *[f"importlib.import_module({m!r})" for m in MODULES],
+            "from common import tracing",
+            "assert tracing.configure('scheduler') is False and not tracing.enabled()",
+            "with tracing.span('mmcast.step', step_id=1) as s:",
+            "    tracing.set_attributes(s, tokens=3)",
+            "tracing.record_span('mmcast.schedule', 0, 1)",
+            "loaded = [m for m in sys.modules if m.startswith('opentelemetry')]",
+            "assert not loaded, loaded",
+            "import opentelemetry.sdk.trace  # installed (the dev extra): the check above was not vacuous",
+            "os.environ.update(MMCAST_TRACING='1', OTEL_TRACES_EXPORTER='zipkin')",
+            "from scheduler_svc.main import main",
+            f"main(['--model', {str(tiny_model_dir)!r}, '--workers', '127.0.0.1:1'])",
+        ]
+    )
     # MMCAST_ALLOCATOR_ENV_SET=0: main() must not re-exec this script (it would rerun it with the new variables).
     env = {**{k: v for k, v in os.environ.items() if k != tracing.ENV}, "MMCAST_ALLOCATOR_ENV_SET": "0"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
@@ -75,11 +85,26 @@ def traced_service(tiny_model_dir):
 
     exporter = InMemorySpanExporter()
     assert tracing.configure("test", exporter=exporter)
-    rank = InProcessWorker(WorkerConfig(model=str(tiny_model_dir), listen="127.0.0.1:0", kv_blocks=256,
-                                        scheduler_id="test", shared_token_file=rank_token_file()))
+    rank = InProcessWorker(
+        WorkerConfig(
+            model=str(tiny_model_dir),
+            listen="127.0.0.1:0",
+            kv_blocks=256,
+            scheduler_id="test",
+            shared_token_file=rank_token_file(),
+        )
+    )
     lt = LoopThread()
-    server = SchedulerServer(SchedulerConfig(model=str(tiny_model_dir), workers=[rank.target], listen="127.0.0.1:0",
-                                             metrics_port=0, scheduler_id="test", worker_token_file=rank_token_file()))
+    server = SchedulerServer(
+        SchedulerConfig(
+            model=str(tiny_model_dir),
+            workers=[rank.target],
+            listen="127.0.0.1:0",
+            metrics_port=0,
+            scheduler_id="test",
+            worker_token_file=rank_token_file(),
+        )
+    )
 
     async def up():
         port = await server.start()
@@ -100,8 +125,11 @@ def test_one_request_leaves_frontend_schedule_step_broadcast_and_rank_step_spans
     target, exporter = traced_service
     exporter.clear()
     with grpc.insecure_channel(target) as ch:
-        responses = list(gg.GenerationServiceStub(ch).Generate(
-            request([user(image(IMG_A), text("what is this?"))], max_tokens=3, request_id="traced-1"), timeout=60))
+        responses = list(
+            gg.GenerationServiceStub(ch).Generate(
+                request([user(image(IMG_A), text("what is this?"))], max_tokens=3, request_id="traced-1"), timeout=60
+            )
+        )
     final = responses[-1].final
     assert final.usage.completion_tokens == 3
     spans = exporter.get_finished_spans()
@@ -124,21 +152,29 @@ def test_one_request_leaves_frontend_schedule_step_broadcast_and_rank_step_spans
     for step in steps:  # the schedule call comes first; the broadcast is the step's child, inside it
         schedule = schedules[step.attributes["mmcast.step_id"]]
         assert schedule.end_time <= step.start_time
-        (broadcast,) = [b for b in by_name["mmcast.broadcast"] if b.parent is not None
-                        and b.parent.span_id == step.context.span_id]
+        (broadcast,) = [
+            b for b in by_name["mmcast.broadcast"] if b.parent is not None and b.parent.span_id == step.context.span_id
+        ]
         assert broadcast.context.trace_id == step.context.trace_id
         assert broadcast.attributes["mmcast.step_id"] == step.attributes["mmcast.step_id"]
         assert step.start_time <= broadcast.start_time <= broadcast.end_time <= step.end_time
         assert broadcast.attributes["mmcast.control_bytes"] > 0 and broadcast.attributes["mmcast.ranks"] == 1
-    assert sum(b.attributes["mmcast.payload_items"] for b in by_name["mmcast.broadcast"]
-               if b.attributes["mmcast.step_id"] in step_ids) == 1  # the image's payload, once (lazy)
+    assert (
+        sum(
+            b.attributes["mmcast.payload_items"]
+            for b in by_name["mmcast.broadcast"]
+            if b.attributes["mmcast.step_id"] in step_ids
+        )
+        == 1
+    )  # the image's payload, once (lazy)
 
     # The rank's spans: own traces, matched to the scheduler's by step id and request ids. A rank's span ends
     # just after it wrote the result, which may be after the client got its final message.
     deadline = time.monotonic() + 10
     while True:
-        rank_steps = {s.attributes["mmcast.step_id"]: s for s in exporter.get_finished_spans()
-                      if s.name == "mmcast.rank_step"}
+        rank_steps = {
+            s.attributes["mmcast.step_id"]: s for s in exporter.get_finished_spans() if s.name == "mmcast.rank_step"
+        }
         if step_ids <= rank_steps.keys() or time.monotonic() > deadline:
             break
         time.sleep(0.02)

@@ -23,8 +23,21 @@ SUBSTITUTIONS = {
 
 # Variables Grafana defines itself.
 BUILTIN_VARIABLES = {
-    "__rate_interval", "__interval", "__interval_ms", "__range", "__range_s", "__range_ms", "__from", "__to",
-    "__dashboard", "__name", "__org", "__user", "__all", "timeFilter", "__timeFilter",
+    "__rate_interval",
+    "__interval",
+    "__interval_ms",
+    "__range",
+    "__range_s",
+    "__range_ms",
+    "__from",
+    "__to",
+    "__dashboard",
+    "__name",
+    "__org",
+    "__user",
+    "__all",
+    "timeFilter",
+    "__timeFilter",
 }
 
 _VAR = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)(?::\w+)?\]\]")

@@ -45,21 +45,32 @@ def tool(name: str) -> str:
     found = shutil.which(name)
     if found:
         return found
-    pytest.fail(f"{name} is not installed (looked in .tools/bin, .venv/bin, PATH): run `bash scripts/install-tools.sh` "
-                "or `make tools`", pytrace=False)
+    pytest.fail(
+        f"{name} is not installed (looked in .tools/bin, .venv/bin, PATH): run `bash scripts/install-tools.sh` "
+        "or `make tools`",
+        pytrace=False,
+    )
 
 
-def run(args: list[str], *, check: bool = True, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], *, check: bool = True, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(args, cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}",
-                    pytrace=False)
+        pytest.fail(
+            f"{' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}", pytrace=False
+        )
     return proc
 
 
-def helm_template_args(values: tuple[str, ...] = (), sets: tuple[str, ...] = (), api_versions: tuple[str, ...] = (),
-                       kube_version: str = KUBE_VERSION, release: str = RELEASE,
-                       namespace: str = NAMESPACE) -> list[str]:
+def helm_template_args(
+    values: tuple[str, ...] = (),
+    sets: tuple[str, ...] = (),
+    api_versions: tuple[str, ...] = (),
+    kube_version: str = KUBE_VERSION,
+    release: str = RELEASE,
+    namespace: str = NAMESPACE,
+) -> list[str]:
     args = [tool("helm"), "template", release, str(CHART), "--namespace", namespace, "--kube-version", kube_version]
     for v in values:
         args += ["-f", str(v)]
@@ -71,26 +82,39 @@ def helm_template_args(values: tuple[str, ...] = (), sets: tuple[str, ...] = (),
 
 
 @functools.cache
-def _render_text(values: tuple[str, ...], sets: tuple[str, ...], api_versions: tuple[str, ...], kube_version: str,
-                 release: str) -> str:
+def _render_text(
+    values: tuple[str, ...], sets: tuple[str, ...], api_versions: tuple[str, ...], kube_version: str, release: str
+) -> str:
     return run(helm_template_args(values, sets, api_versions, kube_version, release)).stdout
 
 
-def render(values: tuple[str, ...] = (), sets: tuple[str, ...] = (), api_versions: tuple[str, ...] = (),
-           kube_version: str = KUBE_VERSION, release: str = RELEASE) -> list[dict]:
+def render(
+    values: tuple[str, ...] = (),
+    sets: tuple[str, ...] = (),
+    api_versions: tuple[str, ...] = (),
+    kube_version: str = KUBE_VERSION,
+    release: str = RELEASE,
+) -> list[dict]:
     """Objects `helm template` renders (fresh dicts on every call: callers may change them)."""
     text = _render_text(tuple(str(v) for v in values), tuple(sets), tuple(api_versions), kube_version, release)
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
-def render_text(values: tuple[str, ...] = (), sets: tuple[str, ...] = (), api_versions: tuple[str, ...] = (),
-                kube_version: str = KUBE_VERSION, release: str = RELEASE) -> str:
+def render_text(
+    values: tuple[str, ...] = (),
+    sets: tuple[str, ...] = (),
+    api_versions: tuple[str, ...] = (),
+    kube_version: str = KUBE_VERSION,
+    release: str = RELEASE,
+) -> str:
     return _render_text(tuple(str(v) for v in values), tuple(sets), tuple(api_versions), kube_version, release)
 
 
 def find(objects: list[dict], kind: str, name_suffix: str = "") -> dict:
     matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"].endswith(name_suffix)]
-    assert len(matches) == 1, f"expected one {kind} named *{name_suffix}, found {[o['metadata']['name'] for o in matches]}"
+    assert len(matches) == 1, (
+        f"expected one {kind} named *{name_suffix}, found {[o['metadata']['name'] for o in matches]}"
+    )
     return matches[0]
 
 

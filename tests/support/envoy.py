@@ -35,9 +35,14 @@ def config_for(groups, listen_port: int, admin_port: int) -> dict:
         attr = CLUSTER_PORTS[cluster["name"]]
         cluster["type"] = "STATIC"
         cluster.pop("dns_lookup_family", None)
-        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": g.host, "port_value": getattr(g, attr)}}}}
-            for g in groups]}]
+        cluster["load_assignment"]["endpoints"] = [
+            {
+                "lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {"address": g.host, "port_value": getattr(g, attr)}}}}
+                    for g in groups
+                ]
+            }
+        ]
     return config
 
 
@@ -63,9 +68,20 @@ class Envoy:
     def __enter__(self) -> Envoy:
         with open(self.log_file, "wb") as log:
             # --disable-hot-restart: no shared-memory segment, so Envoys of parallel test runs never collide.
-            self.proc = subprocess.Popen([tool("envoy"), "-c", str(self.config_file), "--disable-hot-restart",
-                                          "--concurrency", "2", "--log-level", "warn"], stdout=log,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [
+                    tool("envoy"),
+                    "-c",
+                    str(self.config_file),
+                    "--disable-hot-restart",
+                    "--concurrency",
+                    "2",
+                    "--log-level",
+                    "warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.wait_healthy(len(self.groups))
         return self
 
@@ -88,8 +104,12 @@ class Envoy:
         out = {}
         for c in clusters:
             statuses = [h.get("health_status", {}) for h in c.get("host_statuses", [])]
-            out[c["name"]] = sum(not s.get("failed_active_health_check") and not s.get("failed_outlier_check")
-                                 and s.get("eds_health_status", "HEALTHY") == "HEALTHY" for s in statuses)
+            out[c["name"]] = sum(
+                not s.get("failed_active_health_check")
+                and not s.get("failed_outlier_check")
+                and s.get("eds_health_status", "HEALTHY") == "HEALTHY"
+                for s in statuses
+            )
         return out
 
     def wait_healthy(self, count: int, timeout: float = 60) -> None:
@@ -106,8 +126,10 @@ class Envoy:
             except OSError:
                 pass
             time.sleep(0.2)
-        raise AssertionError(f"envoy: healthy hosts {seen} after {timeout}s, want {count} per cluster\n"
-                             f"{self.log_file.read_text()[-3000:]}")
+        raise AssertionError(
+            f"envoy: healthy hosts {seen} after {timeout}s, want {count} per cluster\n"
+            f"{self.log_file.read_text()[-3000:]}"
+        )
 
     def stat(self, name: str) -> int:
         for line in self.admin("/stats?filter=" + name).splitlines():

@@ -61,11 +61,21 @@ class Workload:
             for t, text in enumerate(TEXTS[:2]):
                 shared.append(Prompt(f"s{seed}-b{i}-t{t}", [user_turn(img, text)], False))
             pair = [{"type": "image", "image": img}, {"type": "image", "image": base[(i + 1) % n_base]}]
-            shared.append(Prompt(f"s{seed}-p{i}", [{"role": "user", "content": [*pair, {"type": "text", "text": TEXTS[2]}]}], False))
+            shared.append(
+                Prompt(
+                    f"s{seed}-p{i}", [{"role": "user", "content": [*pair, {"type": "text", "text": TEXTS[2]}]}], False
+                )
+            )
         twice = [{"type": "image", "image": base[0]}, {"type": "image", "image": base[0]}]
-        shared.append(Prompt(f"s{seed}-twice", [{"role": "user", "content": [*twice, {"type": "text", "text": TEXTS[2]}]}], False))
+        shared.append(
+            Prompt(f"s{seed}-twice", [{"role": "user", "content": [*twice, {"type": "text", "text": TEXTS[2]}]}], False)
+        )
         fresh = [
-            Prompt(f"s{seed}-f{k}", [user_turn(synthetic_jpeg(seed * 1000 + 500 + k, FRESH_SIZES[k % len(FRESH_SIZES)]), TEXTS[k % 2])], True)
+            Prompt(
+                f"s{seed}-f{k}",
+                [user_turn(synthetic_jpeg(seed * 1000 + 500 + k, FRESH_SIZES[k % len(FRESH_SIZES)]), TEXTS[k % 2])],
+                True,
+            )
             for k in range(n_fresh)
         ]
         self.max_tokens = max_tokens
@@ -94,17 +104,29 @@ class Budgets:
     encoder_cache_tokens: int  # worker --encoder-cache-tokens
 
     def scheduler_args(self) -> list[str]:
-        return ["--processor-cache-bytes", str(self.processor_cache_bytes), "--upload-store-bytes", str(self.upload_store_bytes)]
+        return [
+            "--processor-cache-bytes",
+            str(self.processor_cache_bytes),
+            "--upload-store-bytes",
+            str(self.upload_store_bytes),
+        ]
 
     def worker_args(self) -> list[str]:
-        return ["--payload-cache-bytes", str(self.payload_cache_bytes), "--encoder-cache-tokens", str(self.encoder_cache_tokens)]
+        return [
+            "--payload-cache-bytes",
+            str(self.payload_cache_bytes),
+            "--encoder-cache-tokens",
+            str(self.encoder_cache_tokens),
+        ]
 
     def bounds(self, baseline: dict[str, int], model_config, tp: int, block_size: int = 16) -> dict[str, int]:
         """Per process: its RSS when ready + what its caches may hold + RSS_SLACK. A rank's KV pool is allocated
         zeroed at start and faults in as blocks are written, so it counts here too."""
         text = model_config.get_text_config(decoder=True)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        kv_pool = text.num_hidden_layers * 2 * (text.num_key_value_heads // tp) * self.kv_blocks * block_size * head_dim * 4
+        kv_pool = (
+            text.num_hidden_layers * 2 * (text.num_key_value_heads // tp) * self.kv_blocks * block_size * head_dim * 4
+        )
         encoder = self.encoder_cache_tokens * text.hidden_size * 4
         worker = kv_pool + self.payload_cache_bytes + encoder
         scheduler = self.processor_cache_bytes + self.upload_store_bytes
@@ -263,7 +285,10 @@ def run_load(
                 salt = f"salt-{rng.getrandbits(64):x}" if rng.random() < p_salt else None
                 try:
                     result = c.generate(
-                        prompt.messages, max_tokens=workload.max_tokens, ignore_eos=True, logprobs=0,
+                        prompt.messages,
+                        max_tokens=workload.max_tokens,
+                        ignore_eos=True,
+                        logprobs=0,
                         cache_salt=salt,
                     )
                 except Exception as exc:  # noqa: BLE001 - counted; the test requires none
@@ -314,7 +339,9 @@ def check_load(report: LoadReport) -> None:
     workload that really mixed prefix-covered, rank-cached and sent images, fresh images and both client kinds."""
     assert report.errors == [], report.errors[:5]
     assert report.mismatches == [], report.mismatches[:5]
-    over = {k: (report.rss_peak[k] // MiB, b // MiB) for k, b in report.rss_bound.items() if report.rss_peak.get(k, 0) > b}
+    over = {
+        k: (report.rss_peak[k] // MiB, b // MiB) for k, b in report.rss_bound.items() if report.rss_peak.get(k, 0) > b
+    }
     assert not over, f"RSS above its bound (MiB peak, bound): {over}"
     assert report.requests > 0 and report.prefix_hits > 0 and report.stripped > 0
     assert report.rank_cached > 0 and report.sent > 0

@@ -34,8 +34,9 @@ class PrometheusError(RuntimeError):
     pass
 
 
-def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval: float = 1.0,
-                  rule_files: Sequence[Path] = ()) -> dict:
+def scrape_config(
+    jobs: Mapping[str, Sequence[str]], *, scrape_interval: float = 1.0, rule_files: Sequence[Path] = ()
+) -> dict:
     """A prometheus.yml scraping each job's `http://host:port/path` URLs (one path per job)."""
     interval = f"{int(scrape_interval * 1000)}ms"
     configs = []
@@ -44,13 +45,15 @@ def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval: float =
         paths = {p.path or "/metrics" for p in parsed}
         if len(paths) != 1:
             raise ValueError(f"job {job}: every target must share one metrics path, got {sorted(paths)}")
-        configs.append({
-            "job_name": job,
-            "metrics_path": paths.pop(),
-            "scrape_interval": interval,
-            "scrape_timeout": interval,
-            "static_configs": [{"targets": [p.netloc for p in parsed]}],
-        })
+        configs.append(
+            {
+                "job_name": job,
+                "metrics_path": paths.pop(),
+                "scrape_interval": interval,
+                "scrape_timeout": interval,
+                "static_configs": [{"targets": [p.netloc for p in parsed]}],
+            }
+        )
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [str(f) for f in rule_files],
@@ -93,14 +96,22 @@ class PrometheusAPI:
 
 
 class PrometheusServer(PrometheusAPI):
-    def __init__(self, jobs: Mapping[str, Sequence[str]], workdir: Path, *, scrape_interval: float = 1.0,
-                 rule_files: Sequence[Path] = (), host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        jobs: Mapping[str, Sequence[str]],
+        workdir: Path,
+        *,
+        scrape_interval: float = 1.0,
+        rule_files: Sequence[Path] = (),
+        host: str = "127.0.0.1",
+    ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.scrape_interval = scrape_interval
         self.config_file = self.workdir / "prometheus.yml"
-        self.config_file.write_text(yaml.safe_dump(scrape_config(jobs, scrape_interval=scrape_interval,
-                                                                 rule_files=rule_files)))
+        self.config_file.write_text(
+            yaml.safe_dump(scrape_config(jobs, scrape_interval=scrape_interval, rule_files=rule_files))
+        )
         self.log_file = self.workdir / "prometheus.log"
         (self.port,) = free_ports(1, host)
         super().__init__(f"http://{host}:{self.port}")
@@ -117,8 +128,9 @@ class PrometheusServer(PrometheusAPI):
             "--log.level=warn",
         ]
         with open(self.log_file, "ab") as log:
-            self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            process_group=0)
+            self.process = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, process_group=0
+            )
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> None:

@@ -61,8 +61,9 @@ def _layout(dashboard: dict) -> list[dict]:
     return out
 
 
-def fetch(prom: PrometheusAPI, dashboard: dict, start: float, end: float, step: float,
-          substitutions: dict[str, str]) -> dict[int, list[tuple[str, list[float], list[float]]]]:
+def fetch(
+    prom: PrometheusAPI, dashboard: dict, start: float, end: float, step: float, substitutions: dict[str, str]
+) -> dict[int, list[tuple[str, list[float], list[float]]]]:
     """panel id -> [(legend, times, values)] for every target of every non-row panel."""
     data: dict[int, list[tuple[str, list[float], list[float]]]] = {}
     for panel in _layout(dashboard):
@@ -78,8 +79,16 @@ def fetch(prom: PrometheusAPI, dashboard: dict, start: float, end: float, step: 
     return data
 
 
-def render(data: dict[int, list[tuple[str, list[float], list[float]]]], dashboard: dict, out: Path, *,
-           title: str, span: float, width_inches: float = 18.0, dpi: int = 80) -> Path:
+def render(
+    data: dict[int, list[tuple[str, list[float], list[float]]]],
+    dashboard: dict,
+    out: Path,
+    *,
+    title: str,
+    span: float,
+    width_inches: float = 18.0,
+    dpi: int = 80,
+) -> Path:
     """`data` as `fetch` returns it; `span`: seconds the x axes cover (times are relative to the range start)."""
     import matplotlib
 
@@ -95,8 +104,7 @@ def render(data: dict[int, list[tuple[str, list[float], list[float]]]], dashboar
     fig = plt.figure(figsize=(width_inches, height), dpi=dpi, facecolor="#f4f5f5")
     fig.suptitle(title, x=0.01, y=1 - 0.12 / height, ha="left", va="top", fontsize=13, fontweight="bold")
 
-    def box(grid: dict, pad_left: float = 0.1, pad_right: float = 0.1, pad_top: float = 0.0,
-            pad_bottom: float = 0.0):
+    def box(grid: dict, pad_left: float = 0.1, pad_right: float = 0.1, pad_top: float = 0.0, pad_bottom: float = 0.0):
         """Figure coordinates of a gridPos, less margins in inches."""
         x0 = grid["x"] / GRID_COLUMNS + pad_left / width_inches
         w = grid["w"] / GRID_COLUMNS - (pad_left + pad_right) / width_inches
@@ -120,8 +128,17 @@ def render(data: dict[int, list[tuple[str, list[float], list[float]]]], dashboar
             last = [next((v for v in reversed(vals) if math.isfinite(v)), math.nan) for _, _, vals in series]
             text, color = _stat_text(last, defaults)
             ax.set_facecolor(color)
-            ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=26, fontweight="bold", color="white",
-                    transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                text,
+                ha="center",
+                va="center",
+                fontsize=26,
+                fontweight="bold",
+                color="white",
+                transform=ax.transAxes,
+            )
             ax.set_title(panel["title"], fontsize=10, loc="left")
             continue
         ax = fig.add_axes(box(grid, pad_left=0.75, pad_right=0.15, pad_top=0.3, pad_bottom=0.55))
@@ -159,19 +176,29 @@ def _stat_text(values: list[float], defaults: dict) -> tuple[str, str]:
         option = mapping.get("options", {}).get(f"{value:g}")
         if mapping.get("type") == "value" and option:
             return option.get("text", f"{value:g}"), {"green": "#56a64b", "red": "#e02f44"}.get(
-                option.get("color", ""), option.get("color", "#56a64b"))
+                option.get("color", ""), option.get("color", "#56a64b")
+            )
     return f"{value:g}", "#56a64b"
 
 
-def render_dashboard(prom: PrometheusAPI, start: float, end: float, out: Path, *, step: float = 1.0,
-                     rate_interval: str = "10s", title: str | None = None) -> Path:
+def render_dashboard(
+    prom: PrometheusAPI,
+    start: float,
+    end: float,
+    out: Path,
+    *,
+    step: float = 1.0,
+    rate_interval: str = "10s",
+    title: str | None = None,
+) -> Path:
     """Queries every panel over [start, end] and writes the PNG. `rate_interval` stands in for Grafana's
     $__rate_interval (Grafana takes max(4 x scrape interval, step + scrape interval); a short run wants a short one)."""
     dashboard = load_dashboard()
     substitutions = {**SUBSTITUTIONS, "__rate_interval": rate_interval}
     data = fetch(prom, dashboard, start, end, step, substitutions)
-    title = title or (f"{dashboard['title']} — {end - start:.0f} s from {prom.url}, "
-                      f"$__rate_interval={rate_interval}, step {step:g} s")
+    title = title or (
+        f"{dashboard['title']} — {end - start:.0f} s from {prom.url}, $__rate_interval={rate_interval}, step {step:g} s"
+    )
     return render(data, dashboard, out, title=title, span=end - start)
 
 
@@ -188,8 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     end = args.end or time.time()
     start = args.start or end - args.minutes * 60
     step = args.step or max(1.0, (end - start) / 300)
-    path = render_dashboard(PrometheusAPI(args.prometheus), start, end, args.out, step=step,
-                            rate_interval=args.rate_interval)
+    path = render_dashboard(
+        PrometheusAPI(args.prometheus), start, end, args.out, step=step, rate_interval=args.rate_interval
+    )
     print(path)
 
 

@@ -14,9 +14,17 @@ from grpc_status import rpc_status
 
 DETAIL_TYPES = {
     t.DESCRIPTOR.full_name: t
-    for t in (error_details_pb2.BadRequest, error_details_pb2.RetryInfo, error_details_pb2.ResourceInfo,
-              error_details_pb2.ErrorInfo, error_details_pb2.QuotaFailure, error_details_pb2.PreconditionFailure,
-              error_details_pb2.DebugInfo, error_details_pb2.Help, error_details_pb2.LocalizedMessage)
+    for t in (
+        error_details_pb2.BadRequest,
+        error_details_pb2.RetryInfo,
+        error_details_pb2.ResourceInfo,
+        error_details_pb2.ErrorInfo,
+        error_details_pb2.QuotaFailure,
+        error_details_pb2.PreconditionFailure,
+        error_details_pb2.DebugInfo,
+        error_details_pb2.Help,
+        error_details_pb2.LocalizedMessage,
+    )
 }
 _SEGMENT = re.compile(r"([a-z_][a-z0-9_]*)(?:\[(\d+)\])?")
 

@@ -43,8 +43,10 @@ ROW_BYTES = 16  # payload bytes per placeholder token of a synthetic item (rows 
 def outcome(sampled, failed=None) -> StepOutcome:
     """A step's outcome from the tests' shorthand: request id -> token id or (token id, logprob, top_logprobs);
     ``failed``: request id -> message."""
-    return StepOutcome({RequestId(r): Sample(*v) if isinstance(v, tuple) else Sample(v) for r, v in sampled.items()},
-                       {RequestId(r): m for r, m in (failed or {}).items()})
+    return StepOutcome(
+        {RequestId(r): Sample(*v) if isinstance(v, tuple) else Sample(v) for r, v in sampled.items()},
+        {RequestId(r): m for r, m in (failed or {}).items()},
+    )
 
 
 class Violation(AssertionError):
@@ -59,12 +61,15 @@ def text(name: str, n: int) -> list[int]:
 
 def feature(identifier: str, offset: int, length: int) -> MultiModalFeatureSpec:
     """A synthetic image item: ``length`` placeholder tokens, pixel rows of 16 bytes each, an M-RoPE grid."""
-    data = MultiModalKwargsItem({
-        "pixel_values": MultiModalFieldElem(torch.zeros(length, 4), keep_on_cpu=False, kind=FieldKind.FLAT),
-        "image_grid_thw": MultiModalFieldElem(torch.tensor([[1, 2, length // 2]]), keep_on_cpu=True),
-    })
-    return MultiModalFeatureSpec(data, Modality.IMAGE, ItemId(identifier), PlaceholderRange(offset, length),
-                                 payload_nbytes=length * ROW_BYTES)
+    data = MultiModalKwargsItem(
+        {
+            "pixel_values": MultiModalFieldElem(torch.zeros(length, 4), keep_on_cpu=False, kind=FieldKind.FLAT),
+            "image_grid_thw": MultiModalFieldElem(torch.tensor([[1, 2, length // 2]]), keep_on_cpu=True),
+        }
+    )
+    return MultiModalFeatureSpec(
+        data, Modality.IMAGE, ItemId(identifier), PlaceholderRange(offset, length), payload_nbytes=length * ROW_BYTES
+    )
 
 
 def build(segments) -> tuple[list[int], list[MultiModalFeatureSpec]]:
@@ -101,8 +106,16 @@ class SimRequest:
 
 
 class SimRank:
-    def __init__(self, rank: int, mode: str, payload_budget: int, encoder_budget: int, block_size: int,
-                 salts: dict[str, str | None], sharded: bool = False) -> None:
+    def __init__(
+        self,
+        rank: int,
+        mode: str,
+        payload_budget: int,
+        encoder_budget: int,
+        block_size: int,
+        salts: dict[str, str | None],
+        sharded: bool = False,
+    ) -> None:
         self.rank, self.mode, self.bs, self.sharded = rank, mode, block_size, sharded
         self.payload_budget, self.encoder_budget = payload_budget, encoder_budget
         self.payloads: dict[str, int] = {}  # id -> bytes
@@ -115,8 +128,11 @@ class SimRank:
 
     def _content(self, req: SimRequest, b: int) -> tuple:
         start, end = b * self.bs, (b + 1) * self.bs
-        keys = tuple((f.identifier, f.mm_position.offset - start) for f in req.items
-                     if f.mm_position.offset < end and start < f.mm_position.end)
+        keys = tuple(
+            (f.identifier, f.mm_position.offset - start)
+            for f in req.items
+            if f.mm_position.offset < end and start < f.mm_position.end
+        )
         return tuple(req.tokens[start:end]), keys, (req.salt if b == 0 else None)
 
     def apply(self, control_bytes: bytes, sends) -> int | None:
@@ -161,8 +177,13 @@ class SimRank:
             if nr.request_id in self.reqs:
                 raise Violation(f"{where}: new request {nr.request_id} already held")
             items = [feature_from_proto(m) for m in nr.mm_items]
-            req = SimRequest(list(nr.prompt_token_ids), items, list(nr.block_ids), nr.num_computed_tokens,
-                             self.salts.get(nr.request_id))
+            req = SimRequest(
+                list(nr.prompt_token_ids),
+                items,
+                list(nr.block_ids),
+                nr.num_computed_tokens,
+                self.salts.get(nr.request_id),
+            )
             self._check_items(where, nr, items)
             if nr.num_computed_tokens % self.bs:
                 raise Violation(f"{where}: {nr.request_id} prefix {nr.num_computed_tokens} not block aligned")
@@ -185,7 +206,9 @@ class SimRank:
         for enc in ctrl.encoder_inputs:
             key = enc.item_identifier
             if enc.replicated == self.sharded:
-                raise Violation(f"{where}: encoder input {key} replicated={enc.replicated} under sharded={self.sharded}")
+                raise Violation(
+                    f"{where}: encoder input {key} replicated={enc.replicated} under sharded={self.sharded}"
+                )
             if enc.replicated or enc.owner_rank == self.rank:
                 if key not in self.payloads:
                     raise Violation(f"{where}: encoder input {key} but the payload is missing (MISSING_PAYLOAD)")
@@ -198,12 +221,15 @@ class SimRank:
         for rid, start, n in windows:
             req = self.reqs[rid]
             if n < 1 or start + n > len(req.tokens) or len(req.blocks) * self.bs < start + n:
-                raise Violation(f"{where}: {rid} window [{start}, {start + n}) vs {len(req.tokens)} tokens, "
-                                f"{len(req.blocks)} blocks")
+                raise Violation(
+                    f"{where}: {rid} window [{start}, {start + n}) vs {len(req.tokens)} tokens, "
+                    f"{len(req.blocks)} blocks"
+                )
             for f in req.items:
                 if f.overlaps(start, start + n) and f.identifier not in self.encoder:
-                    raise Violation(f"{where}: {rid} computes [{start}, {start + n}) without the encoder output of "
-                                    f"{f.identifier}")
+                    raise Violation(
+                        f"{where}: {rid} computes [{start}, {start + n}) without the encoder output of {f.identifier}"
+                    )
             for b in range(start // self.bs, (start + n) // self.bs):
                 self.pool[req.blocks[b]] = self._content(req, b)
             req.num_computed = start + n
@@ -255,15 +281,32 @@ class StepRecord:
 class Harness:
     """A scheduler wired to simulated ranks; ``run`` drives steps until idle."""
 
-    def __init__(self, mode: str, *, num_ranks: int = 2, kv_blocks: int = 256, encoder_tokens: int = 4096,
-                 payload_bytes: int = 1 << 20, block_size: int = 16, max_batched: int = 8192, max_seqs: int = 64,
-                 max_model_len: int = 65536, keep_plans: bool = False, placement: str = "replicated",
-                 kv_events=None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        *,
+        num_ranks: int = 2,
+        kv_blocks: int = 256,
+        encoder_tokens: int = 4096,
+        payload_bytes: int = 1 << 20,
+        block_size: int = 16,
+        max_batched: int = 8192,
+        max_seqs: int = 64,
+        max_model_len: int = 65536,
+        keep_plans: bool = False,
+        placement: str = "replicated",
+        kv_events=None,
+    ) -> None:
         self.mode = mode
         self.sharded = placement == "sharded"
-        self.config = SchedulerConfig(transfer_mode=mode, block_size=block_size, max_num_batched_tokens=max_batched,
-                                      max_num_seqs=max_seqs, max_model_len=max_model_len,
-                                      encoder_placement=placement)
+        self.config = SchedulerConfig(
+            transfer_mode=mode,
+            block_size=block_size,
+            max_num_batched_tokens=max_batched,
+            max_num_seqs=max_seqs,
+            max_model_len=max_model_len,
+            encoder_placement=placement,
+        )
         self.group = GroupBudget(num_ranks, kv_blocks, encoder_tokens, payload_bytes)
         self.sched = Scheduler(self.config, self.group, uses_mrope=True, eos_token_ids={EOS}, kv_events=kv_events)
         self.salts: dict[str, str | None] = {}
@@ -277,8 +320,18 @@ class Harness:
 
     def _new_ranks(self) -> None:
         g = self.group
-        self.ranks = [SimRank(r, self.mode, g.payload_cache_bytes, g.encoder_cache_tokens, self.config.block_size,
-                              self.salts, self.sharded) for r in range(g.num_ranks)]
+        self.ranks = [
+            SimRank(
+                r,
+                self.mode,
+                g.payload_cache_bytes,
+                g.encoder_cache_tokens,
+                self.config.block_size,
+                self.salts,
+                self.sharded,
+            )
+            for r in range(g.num_ranks)
+        ]
 
     def add(self, req: Request) -> Request:
         self.salts[req.request_id] = req.cache_salt
@@ -298,25 +351,35 @@ class Harness:
         control = step_control(plan).SerializeToString()  # once, like the service
         totals, sends = plan.totals(), [s for per_rank in plan.rank_payloads for s in per_rank]
         if (totals.sent, totals.payload_bytes_sent) != (len(sends), sum(s.nbytes for s in sends)):
-            raise Violation(f"step {plan.step_id}: counted {totals.sent} deliveries / {totals.payload_bytes_sent} "
-                            f"bytes, queued {len(sends)} / {sum(s.nbytes for s in sends)}")
+            raise Violation(
+                f"step {plan.step_id}: counted {totals.sent} deliveries / {totals.payload_bytes_sent} "
+                f"bytes, queued {len(sends)} / {sum(s.nbytes for s in sends)}"
+            )
         sampled = {}
         for rank in self.ranks:
             got = rank.apply(control, plan.rank_payloads[rank.rank])
             if rank.rank == 0:
                 sampled = got
         if sorted(sampled) != sorted(plan.sampling_request_ids):
-            raise Violation(f"step {plan.step_id}: rank 0 sampled {sorted(sampled)}, plan says "
-                            f"{sorted(plan.sampling_request_ids)}")
+            raise Violation(
+                f"step {plan.step_id}: rank 0 sampled {sorted(sampled)}, plan says {sorted(plan.sampling_request_ids)}"
+            )
         for update in self.sched.update_from_output(plan, outcome(sampled)):
             self.outputs[update.request_id] += update.new_token_ids
             if update.finished is not None:
                 self.finished[update.request_id] = update
-        rec = StepRecord(plan.step_id, {r: [s.identifier for s in p] for r, p in enumerate(plan.rank_payloads)},
-                         list(plan.encoder_inputs), {n.request_id: n.num_computed_tokens for n in plan.new_requests},
-                         dict(plan.num_scheduled_tokens), list(plan.preempted_request_ids),
-                         list(plan.evict_payload_ids), list(plan.evict_encoder_ids), plan.items_examined,
-                         plan if self.keep_plans else None)
+        rec = StepRecord(
+            plan.step_id,
+            {r: [s.identifier for s in p] for r, p in enumerate(plan.rank_payloads)},
+            list(plan.encoder_inputs),
+            {n.request_id: n.num_computed_tokens for n in plan.new_requests},
+            dict(plan.num_scheduled_tokens),
+            list(plan.preempted_request_ids),
+            list(plan.evict_payload_ids),
+            list(plan.evict_encoder_ids),
+            plan.items_examined,
+            plan if self.keep_plans else None,
+        )
         self.log.append(rec)
         return rec
 

@@ -50,8 +50,13 @@ SCHEDULER_LIMITS = {
     "--max-pending-upload-bytes": 524288,
 }
 # The standalone rank's limits.
-WORKER_LIMITS = {"--kv-blocks": 64, "--max-tensor-bytes": 1 << 20, "--payload-cache-bytes": 4 << 20,
-                 "--encoder-cache-tokens": 4096, "--scheduler-id": "catalogue"}
+WORKER_LIMITS = {
+    "--kv-blocks": 64,
+    "--max-tensor-bytes": 1 << 20,
+    "--payload-cache-bytes": 4 << 20,
+    "--encoder-cache-tokens": 4096,
+    "--scheduler-id": "catalogue",
+}
 PATCH_DIM = 1176  # values per pixel_values row of the tiny Qwen2-VL (3 x 2 x 14 x 14)
 
 
@@ -106,7 +111,9 @@ def png_header_only(width: int, height: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+    )
 
 
 GOOD_IMAGE = png(64, 64, seed=7)  # the well-formed request's image (processed once, then cached)
@@ -143,8 +150,9 @@ def good_request(request_id: str = "") -> pb.GenerateRequest:
 class ClientCtx:
     """A plaintext channel to the catalogue scheduler, with the tenant's token."""
 
-    def __init__(self, target: str, token: str, grpcurl: str | None, *, other_token: str = "",
-                 metrics_url: str = "") -> None:
+    def __init__(
+        self, target: str, token: str, grpcurl: str | None, *, other_token: str = "", metrics_url: str = ""
+    ) -> None:
         self.target = target
         self.token = token
         self.metadata = (("authorization", f"Bearer {token}"),)
@@ -156,16 +164,22 @@ class ClientCtx:
             target, options=[("grpc.max_send_message_length", big), ("grpc.max_receive_message_length", big)]
         )
         self.generate_raw = self.channel.unary_stream(
-            "/mmcast.v1.GenerationService/Generate", request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString
+            "/mmcast.v1.GenerationService/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.GenerateResponse.FromString,
         )
         self.upload_raw = self.channel.stream_unary(
-            "/mmcast.v1.GenerationService/UploadImage", request_serializer=lambda b: b,
+            "/mmcast.v1.GenerationService/UploadImage",
+            request_serializer=lambda b: b,
             response_deserializer=pb.UploadImageResponse.FromString,
         )
 
     def generate(self, req: pb.GenerateRequest, metadata=None) -> list[pb.GenerateResponse]:
-        return list(self.generate_raw(req.SerializeToString(), metadata=self.metadata if metadata is None else metadata,
-                                      timeout=60))
+        return list(
+            self.generate_raw(
+                req.SerializeToString(), metadata=self.metadata if metadata is None else metadata, timeout=60
+            )
+        )
 
     def upload(self, chunks: list[pb.UploadImageRequest]) -> pb.UploadImageResponse:
         return self.upload_raw(iter([c.SerializeToString() for c in chunks]), metadata=self.metadata, timeout=60)
@@ -181,50 +195,121 @@ def generate(req: pb.GenerateRequest):
 # --- client API: images -------------------------------------------------------------------------------------------
 
 for _id, _data, _code, _mentions, _what in [
-    ("image-undecodable", b"this is not an image" * 10, "INVALID_ARGUMENT",
-     ("messages[0].content[0].image", "not a decodable image"), "image bytes that are not an image"),
-    ("image-truncated-png", png(64, 64, 1)[:300], "INVALID_ARGUMENT",
-     ("messages[0].content[0].image", "decod"), "a PNG cut after 300 bytes"),
-    ("image-truncated-jpeg", jpeg(64, 64, 1)[:400], "INVALID_ARGUMENT",
-     ("messages[0].content[0].image", "decod"), "a JPEG cut after 400 bytes"),
-    ("image-zero-size", png_header_only(0, 64), "INVALID_ARGUMENT",
-     ("messages[0].content[0].image",), "a PNG whose header says 0 x 64 pixels"),
-    ("image-bomb-header", png_header_only(100_000, 100_000), "INVALID_ARGUMENT",
-     ("messages[0].content[0].image", "10000000000 pixels", "1000000", "--max-image-pixels"),
-     "a 200-byte PNG claiming 100000 x 100000 pixels (decompression bomb)"),
-    ("image-over-pixel-limit", png_header_only(2000, 1000), "INVALID_ARGUMENT",
-     ("messages[0].content[0].image", "2000x1000", "1000000", "--max-image-pixels"),
-     "a PNG header of 2000 x 1000 pixels, over --max-image-pixels"),
-    ("image-extreme-aspect", png(1, 400, 2), "INVALID_ARGUMENT",
-     ("messages[0].content[0].image", "aspect ratio"), "a valid 1 x 400 image the processor cannot resize"),
-    ("image-over-upload-bytes", b"\x89PNG" + bytes(300_000), "RESOURCE_EXHAUSTED",
-     ("messages[0].content[0].image", "262144", "--max-upload-bytes"), "300 kB of inline image bytes"),
-    ("image-empty-data", b"", "INVALID_ARGUMENT", ("messages[0].content[0].image.data", "empty"),
-     "an image part with empty data"),
+    (
+        "image-undecodable",
+        b"this is not an image" * 10,
+        "INVALID_ARGUMENT",
+        ("messages[0].content[0].image", "not a decodable image"),
+        "image bytes that are not an image",
+    ),
+    (
+        "image-truncated-png",
+        png(64, 64, 1)[:300],
+        "INVALID_ARGUMENT",
+        ("messages[0].content[0].image", "decod"),
+        "a PNG cut after 300 bytes",
+    ),
+    (
+        "image-truncated-jpeg",
+        jpeg(64, 64, 1)[:400],
+        "INVALID_ARGUMENT",
+        ("messages[0].content[0].image", "decod"),
+        "a JPEG cut after 400 bytes",
+    ),
+    (
+        "image-zero-size",
+        png_header_only(0, 64),
+        "INVALID_ARGUMENT",
+        ("messages[0].content[0].image",),
+        "a PNG whose header says 0 x 64 pixels",
+    ),
+    (
+        "image-bomb-header",
+        png_header_only(100_000, 100_000),
+        "INVALID_ARGUMENT",
+        ("messages[0].content[0].image", "10000000000 pixels", "1000000", "--max-image-pixels"),
+        "a 200-byte PNG claiming 100000 x 100000 pixels (decompression bomb)",
+    ),
+    (
+        "image-over-pixel-limit",
+        png_header_only(2000, 1000),
+        "INVALID_ARGUMENT",
+        ("messages[0].content[0].image", "2000x1000", "1000000", "--max-image-pixels"),
+        "a PNG header of 2000 x 1000 pixels, over --max-image-pixels",
+    ),
+    (
+        "image-extreme-aspect",
+        png(1, 400, 2),
+        "INVALID_ARGUMENT",
+        ("messages[0].content[0].image", "aspect ratio"),
+        "a valid 1 x 400 image the processor cannot resize",
+    ),
+    (
+        "image-over-upload-bytes",
+        b"\x89PNG" + bytes(300_000),
+        "RESOURCE_EXHAUSTED",
+        ("messages[0].content[0].image", "262144", "--max-upload-bytes"),
+        "300 kB of inline image bytes",
+    ),
+    (
+        "image-empty-data",
+        b"",
+        "INVALID_ARGUMENT",
+        ("messages[0].content[0].image.data", "empty"),
+        "an image part with empty data",
+    ),
 ]:
     case("client", "image", _id, _code, *_mentions, what=_what)(generate(request(user(image(_data), text("Look.")))))
 
 
-@case("client", "image", "image-no-source", "INVALID_ARGUMENT", "messages[0].content[0].image",
-      "neither data nor uploaded_sha256", what="an image part with neither bytes nor a hash")
+@case(
+    "client",
+    "image",
+    "image-no-source",
+    "INVALID_ARGUMENT",
+    "messages[0].content[0].image",
+    "neither data nor uploaded_sha256",
+    what="an image part with neither bytes nor a hash",
+)
 def _(ctx):
     ctx.generate(request(user(pb.ContentPart(image=pb.ImageInput()), text("Look."))))
 
 
-@case("client", "image", "too-many-images", "INVALID_ARGUMENT", "more than 4 images", "--max-images-per-request",
-      what="5 images where 4 are allowed")
+@case(
+    "client",
+    "image",
+    "too-many-images",
+    "INVALID_ARGUMENT",
+    "more than 4 images",
+    "--max-images-per-request",
+    what="5 images where 4 are allowed",
+)
 def _(ctx):
     ctx.generate(request(user(*[image(png(32, 32, s)) for s in range(5)], text("Count them."))))
 
 
-@case("client", "image", "image-unknown-hash", "NOT_FOUND", "uploaded_sha256", "not in the upload store",
-      what="a reference to a hash never uploaded")
+@case(
+    "client",
+    "image",
+    "image-unknown-hash",
+    "NOT_FOUND",
+    "uploaded_sha256",
+    "not in the upload store",
+    what="a reference to a hash never uploaded",
+)
 def _(ctx):
     ctx.generate(request(user(image(sha=hashlib.sha256(b"never uploaded").hexdigest()), text("Look."))))
 
 
-@case("client", "image", "image-malformed-hash", "INVALID_ARGUMENT", "uploaded_sha256", "64 lowercase hex",
-      what="a reference that is not a sha256 hex digest")
+@case(
+    "client",
+    "image",
+    "image-malformed-hash",
+    "INVALID_ARGUMENT",
+    "uploaded_sha256",
+    "64 lowercase hex",
+    what="a reference that is not a sha256 hex digest",
+)
 def _(ctx):
     ctx.generate(request(user(image(sha="ABC../etc/passwd"), text("Look."))))
 
@@ -235,40 +320,95 @@ NOT_DECODED = (("mmcast_frontend_images_decoded_total", 0), ("mmcast_frontend_de
 NOT_TOKENIZED = (("mmcast_frontend_tokenized_bytes_total", 4096),)  # the concurrent request's ~100 bytes only
 
 for _id, _data, _name, _what in [
-    ("image-format-ico-bomb", hostile.ico_bomb, "ICO",
-     "a 13000 x 13000 image in a 194 kB .ico (Pillow's ICO plugin decodes inside Image.open)"),
+    (
+        "image-format-ico-bomb",
+        hostile.ico_bomb,
+        "ICO",
+        "a 13000 x 13000 image in a 194 kB .ico (Pillow's ICO plugin decodes inside Image.open)",
+    ),
     ("image-format-ico", lambda: hostile.ico_around(png(32, 32)), "ICO", "a small .ico"),
     ("image-format-tiff", hostile.tiff, "TIFF", "a 64 x 64 TIFF"),
     ("image-format-psd", hostile.psd_header, "PSD", "a Photoshop header"),
 ]:
-    case("client", "image", _id, "INVALID_ARGUMENT", "messages[0].content[0].image", f"{_name} images are not accepted",
-         "JPEG, PNG, WEBP, GIF, BMP", "--image-formats", what=_what, untouched=NOT_DECODED + NOT_TOKENIZED,
-         repeat_peak=True)((lambda make: lambda ctx: ctx.generate(request(user(image(make()), text("Look.")))))(_data))
+    case(
+        "client",
+        "image",
+        _id,
+        "INVALID_ARGUMENT",
+        "messages[0].content[0].image",
+        f"{_name} images are not accepted",
+        "JPEG, PNG, WEBP, GIF, BMP",
+        "--image-formats",
+        what=_what,
+        untouched=NOT_DECODED + NOT_TOKENIZED,
+        repeat_peak=True,
+    )((lambda make: lambda ctx: ctx.generate(request(user(image(make()), text("Look.")))))(_data))
 
 
-@case("client", "image", "image-token-bomb", "INVALID_ARGUMENT", "messages[0].content[0].image", "1000x1000",
-      "1296 prompt tokens", "context of 1024", "--max-model-len", untouched=NOT_DECODED + NOT_TOKENIZED,
-      repeat_peak=True, what="a 5 kB solid 1000 x 1000 PNG (inside --max-image-pixels) that is 1296 tokens")
+@case(
+    "client",
+    "image",
+    "image-token-bomb",
+    "INVALID_ARGUMENT",
+    "messages[0].content[0].image",
+    "1000x1000",
+    "1296 prompt tokens",
+    "context of 1024",
+    "--max-model-len",
+    untouched=NOT_DECODED + NOT_TOKENIZED,
+    repeat_peak=True,
+    what="a 5 kB solid 1000 x 1000 PNG (inside --max-image-pixels) that is 1296 tokens",
+)
 def _(ctx):
     ctx.generate(request(user(image(hostile.solid_png(1000, 1000)), text("Look."))))
 
 
-@case("client", "image", "images-tokens-together", "INVALID_ARGUMENT", "messages[0].content[2].image", "324",
-      "context of 1024", untouched=NOT_DECODED + NOT_TOKENIZED,
-      what="three 504 x 504 images of 324 tokens each and max_tokens 100: each fits, together they do not")
+@case(
+    "client",
+    "image",
+    "images-tokens-together",
+    "INVALID_ARGUMENT",
+    "messages[0].content[2].image",
+    "324",
+    "context of 1024",
+    untouched=NOT_DECODED + NOT_TOKENIZED,
+    what="three 504 x 504 images of 324 tokens each and max_tokens 100: each fits, together they do not",
+)
 def _(ctx):
-    ctx.generate(request(user(*[image(hostile.solid_png(504, 504, value=v)) for v in (1, 2, 3)], text("Compare.")),
-                         max_tokens=100))
+    ctx.generate(
+        request(
+            user(*[image(hostile.solid_png(504, 504, value=v)) for v in (1, 2, 3)], text("Compare.")), max_tokens=100
+        )
+    )
 
 
-@case("client", "upload", "upload-format-ico-bomb", "INVALID_ARGUMENT", "upload", "ICO images are not accepted",
-      "--image-formats", untouched=NOT_DECODED, repeat_peak=True, what="an upload of the ICO bomb")
+@case(
+    "client",
+    "upload",
+    "upload-format-ico-bomb",
+    "INVALID_ARGUMENT",
+    "upload",
+    "ICO images are not accepted",
+    "--image-formats",
+    untouched=NOT_DECODED,
+    repeat_peak=True,
+    what="an upload of the ICO bomb",
+)
 def _(ctx):
     ctx.upload([pb.UploadImageRequest(data=hostile.ico_bomb())])
 
 
-@case("client", "upload", "upload-token-bomb", "INVALID_ARGUMENT", "upload", "1296 prompt tokens", "1024",
-      untouched=NOT_DECODED, what="an upload of an image no request could hold (1296 tokens, context 1024)")
+@case(
+    "client",
+    "upload",
+    "upload-token-bomb",
+    "INVALID_ARGUMENT",
+    "upload",
+    "1296 prompt tokens",
+    "1024",
+    untouched=NOT_DECODED,
+    what="an upload of an image no request could hold (1296 tokens, context 1024)",
+)
 def _(ctx):
     ctx.upload([pb.UploadImageRequest(data=hostile.solid_png(1000, 1000))])
 
@@ -281,26 +421,54 @@ def _(ctx):
     ctx.upload([pb.UploadImageRequest()])
 
 
-@case("client", "upload", "upload-over-limit", "RESOURCE_EXHAUSTED", "262144", "--max-upload-bytes",
-      what="300 kB uploaded in 64 kB chunks")
+@case(
+    "client",
+    "upload",
+    "upload-over-limit",
+    "RESOURCE_EXHAUSTED",
+    "262144",
+    "--max-upload-bytes",
+    what="300 kB uploaded in 64 kB chunks",
+)
 def _(ctx):
     ctx.upload([pb.UploadImageRequest(data=bytes(65536)) for _ in range(5)])
 
 
-@case("client", "upload", "upload-hash-mismatch", "INVALID_ARGUMENT", "expected_sha256", "does not match",
-      what="an upload whose expected_sha256 is not the bytes' hash")
+@case(
+    "client",
+    "upload",
+    "upload-hash-mismatch",
+    "INVALID_ARGUMENT",
+    "expected_sha256",
+    "does not match",
+    what="an upload whose expected_sha256 is not the bytes' hash",
+)
 def _(ctx):
     ctx.upload([pb.UploadImageRequest(data=png(32, 32, 3), expected_sha256="0" * 64)])
 
 
-@case("client", "upload", "upload-not-an-image", "INVALID_ARGUMENT", "upload", "not a decodable image",
-      what="an upload of bytes that are no image")
+@case(
+    "client",
+    "upload",
+    "upload-not-an-image",
+    "INVALID_ARGUMENT",
+    "upload",
+    "not a decodable image",
+    what="an upload of bytes that are no image",
+)
 def _(ctx):
     ctx.upload([pb.UploadImageRequest(data=b"#!/bin/sh\nrm -rf /\n")])
 
 
-@case("client", "upload", "upload-bomb-header", "INVALID_ARGUMENT", "upload", "--max-image-pixels",
-      what="an upload of a PNG header claiming 100000 x 100000 pixels")
+@case(
+    "client",
+    "upload",
+    "upload-bomb-header",
+    "INVALID_ARGUMENT",
+    "upload",
+    "--max-image-pixels",
+    what="an upload of a PNG header claiming 100000 x 100000 pixels",
+)
 def _(ctx):
     ctx.upload([pb.UploadImageRequest(data=png_header_only(100_000, 100_000))])
 
@@ -338,9 +506,16 @@ def stalled(ctx: ClientCtx, sizes_and_metadata) -> list[StalledUpload]:
     return uploads
 
 
-@case("client", "upload", "upload-pending-per-tenant", "RESOURCE_EXHAUSTED", "393216",
-      "--max-pending-upload-bytes-per-tenant", repeat_peak=True,
-      what="a tenant's second unfinished upload while its first holds 250 kB (bound 384 KiB per tenant)")
+@case(
+    "client",
+    "upload",
+    "upload-pending-per-tenant",
+    "RESOURCE_EXHAUSTED",
+    "393216",
+    "--max-pending-upload-bytes-per-tenant",
+    repeat_peak=True,
+    what="a tenant's second unfinished upload while its first holds 250 kB (bound 384 KiB per tenant)",
+)
 def _(ctx):
     held = stalled(ctx, [(256_000, ctx.metadata)])
     try:
@@ -350,13 +525,23 @@ def _(ctx):
             u.cancel()
 
 
-@case("client", "upload", "upload-pending-total", "RESOURCE_EXHAUSTED", "524288", "--max-pending-upload-bytes",
-      what="an upload while two tenants' unfinished uploads hold 512 kB together (bound 512 KiB in all)")
+@case(
+    "client",
+    "upload",
+    "upload-pending-total",
+    "RESOURCE_EXHAUSTED",
+    "524288",
+    "--max-pending-upload-bytes",
+    what="an upload while two tenants' unfinished uploads hold 512 kB together (bound 512 KiB in all)",
+)
 def _(ctx):
     held = stalled(ctx, [(256_000, ctx.metadata), (256_000, ctx.other_metadata)])
     try:
-        ctx.upload_raw(iter([pb.UploadImageRequest(data=bytes(20_000)).SerializeToString()]),
-                       metadata=ctx.other_metadata, timeout=60)
+        ctx.upload_raw(
+            iter([pb.UploadImageRequest(data=bytes(20_000)).SerializeToString()]),
+            metadata=ctx.other_metadata,
+            timeout=60,
+        )
     finally:
         for u in held:
             u.cancel()
@@ -367,9 +552,18 @@ def _(ctx):
 LONG_TEXT = "the quick brown fox jumps over the lazy dog " * 150  # ~1400 tokens (6.6 kB, under the 8192-byte bound)
 
 
-@case("client", "prompt", "prompt-over-byte-bound", "INVALID_ARGUMENT", "messages[0].content[0].text", "8192",
-      "--max-prompt-bytes", untouched=NOT_TOKENIZED, repeat_peak=True,
-      what="900 kB of text (the limit: the 1024-token context x 8 bytes), refused before tokenizing")
+@case(
+    "client",
+    "prompt",
+    "prompt-over-byte-bound",
+    "INVALID_ARGUMENT",
+    "messages[0].content[0].text",
+    "8192",
+    "--max-prompt-bytes",
+    untouched=NOT_TOKENIZED,
+    repeat_peak=True,
+    what="900 kB of text (the limit: the 1024-token context x 8 bytes), refused before tokenizing",
+)
 def _(ctx):
     ctx.generate(request(user(text("漢字 and text " * 60_000))))
 
@@ -379,32 +573,66 @@ def _(ctx):
     ctx.generate(pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4)))
 
 
-@case("client", "prompt", "prompt-whitespace", "INVALID_ARGUMENT", "the prompt is empty",
-      what="messages holding only whitespace")
+@case(
+    "client",
+    "prompt",
+    "prompt-whitespace",
+    "INVALID_ARGUMENT",
+    "the prompt is empty",
+    what="messages holding only whitespace",
+)
 def _(ctx):
     ctx.generate(request(user(text("   \n\t "))))
 
 
-@case("client", "prompt", "prompt-over-context", "INVALID_ARGUMENT", "tokens", "1024", "--max-model-len",
-      what="a prompt of thousands of tokens, over the 1024-token context")
+@case(
+    "client",
+    "prompt",
+    "prompt-over-context",
+    "INVALID_ARGUMENT",
+    "tokens",
+    "1024",
+    "--max-model-len",
+    what="a prompt of thousands of tokens, over the 1024-token context",
+)
 def _(ctx):
     ctx.generate(request(user(text(LONG_TEXT))))
 
 
-@case("client", "prompt", "prompt-plus-max-tokens-over-context", "INVALID_ARGUMENT", "sampling.max_tokens=500",
-      "exceed the model context 1024", what="a 700-token prompt with max_tokens 500")
+@case(
+    "client",
+    "prompt",
+    "prompt-plus-max-tokens-over-context",
+    "INVALID_ARGUMENT",
+    "sampling.max_tokens=500",
+    "exceed the model context 1024",
+    what="a 700-token prompt with max_tokens 500",
+)
 def _(ctx):
     ctx.generate(request(user(text("the quick brown fox jumps over the lazy dog " * 36)), max_tokens=500))
 
 
-@case("client", "prompt", "prompt-placeholder-token", "INVALID_ARGUMENT", "messages[0].content[0].text",
-      "placeholder token", what="text smuggling the image placeholder token <|image_pad|>")
+@case(
+    "client",
+    "prompt",
+    "prompt-placeholder-token",
+    "INVALID_ARGUMENT",
+    "messages[0].content[0].text",
+    "placeholder token",
+    what="text smuggling the image placeholder token <|image_pad|>",
+)
 def _(ctx):
     ctx.generate(request(user(text("fake image: <|image_pad|><|image_pad|>"))))
 
 
-@case("client", "message", "request-over-max-bytes", "RESOURCE_EXHAUSTED", "1048576",
-      what="a 1.5 MB serialized request, over --max-request-bytes (the gRPC receive limit)")
+@case(
+    "client",
+    "message",
+    "request-over-max-bytes",
+    "RESOURCE_EXHAUSTED",
+    "1048576",
+    what="a 1.5 MB serialized request, over --max-request-bytes (the gRPC receive limit)",
+)
 def _(ctx):
     ctx.generate(request(user(text("x" * 1_500_000))))
 
@@ -413,20 +641,27 @@ def _(ctx):
 
 for _id, _kwargs, _mentions, _what in [
     ("max-tokens-zero", {"max_tokens": 0}, ("sampling.max_tokens", ">= 1"), "max_tokens 0"),
-    ("max-tokens-over-limit", {"max_tokens": 100_000}, ("sampling.max_tokens=100000", "512", "--max-tokens-limit"),
-     "max_tokens 100000"),
+    (
+        "max-tokens-over-limit",
+        {"max_tokens": 100_000},
+        ("sampling.max_tokens=100000", "512", "--max-tokens-limit"),
+        "max_tokens 100000",
+    ),
     ("temperature-negative", {"temperature": -1.0}, ("sampling.temperature=-1.0", "[0, 2]"), "temperature -1"),
     ("temperature-nan", {"temperature": float("nan")}, ("sampling.temperature=nan", "[0, 2]"), "temperature NaN"),
-    ("temperature-infinite", {"temperature": float("inf")}, ("sampling.temperature=inf", "[0, 2]"),
-     "temperature +inf"),
+    ("temperature-infinite", {"temperature": float("inf")}, ("sampling.temperature=inf", "[0, 2]"), "temperature +inf"),
     ("top-p-zero", {"top_p": 0.0}, ("sampling.top_p=0.0", "(0, 1]"), "top_p 0"),
     ("top-p-over-one", {"top_p": 1.5}, ("sampling.top_p=1.5", "(0, 1]"), "top_p 1.5"),
     ("logprobs-over-limit", {"logprobs": 6}, ("sampling.logprobs=6", "5", "--max-logprobs"), "logprobs 6"),
     ("stop-too-many", {"stop": ["s"] * 17}, ("sampling.stop", "17", "16"), "17 stop strings"),
     ("stop-too-long", {"stop": ["z" * 300]}, ("sampling.stop[0]", "300", "256"), "a 300-character stop string"),
     ("stop-empty-string", {"stop": [""]}, ("sampling.stop[0]", "empty"), "an empty stop string"),
-    ("stop-token-outside-vocab", {"stop_token_ids": [1 << 30]}, ("sampling.stop_token_ids[0]", "vocabulary"),
-     "a stop token id outside the vocabulary"),
+    (
+        "stop-token-outside-vocab",
+        {"stop_token_ids": [1 << 30]},
+        ("sampling.stop_token_ids[0]", "vocabulary"),
+        "a stop token id outside the vocabulary",
+    ),
 ]:
     _max = _kwargs.pop("max_tokens", 4)
     case("client", "sampling", _id, "INVALID_ARGUMENT", *_mentions, what=_what)(
@@ -437,40 +672,77 @@ for _id, _kwargs, _mentions, _what in [
 # --- client API: roles, content, ids ----------------------------------------------------------------------------
 
 for _id, _msg, _mentions, _what in [
-    ("role-unspecified", user(text("hi"), role=pb.ROLE_UNSPECIFIED), ("messages[0].role=0", "not a known role"),
-     "a message with ROLE_UNSPECIFIED"),
-    ("role-unknown-value", user(text("hi"), role=42), ("messages[0].role=42", "not a known role"),
-     "a message with role 42 (no such enum value)"),
-    ("content-part-empty", user(pb.ContentPart(), text("hi")), ("messages[0].content[0]", "no text or image"),
-     "a content part with neither text nor image"),
+    (
+        "role-unspecified",
+        user(text("hi"), role=pb.ROLE_UNSPECIFIED),
+        ("messages[0].role=0", "not a known role"),
+        "a message with ROLE_UNSPECIFIED",
+    ),
+    (
+        "role-unknown-value",
+        user(text("hi"), role=42),
+        ("messages[0].role=42", "not a known role"),
+        "a message with role 42 (no such enum value)",
+    ),
+    (
+        "content-part-empty",
+        user(pb.ContentPart(), text("hi")),
+        ("messages[0].content[0]", "no text or image"),
+        "a content part with neither text nor image",
+    ),
 ]:
     case("client", "message", _id, "INVALID_ARGUMENT", *_mentions, what=_what)(generate(request(_msg)))
 
 for _id, _req, _mentions, _what in [
-    ("request-id-too-long", pb.GenerateRequest(request_id="r" * 200), ("request_id", "200", "128"),
-     "a 200-character request_id"),
-    ("request-id-bad-characters", pb.GenerateRequest(request_id="../../etc\n"), ("request_id", "only"),
-     "a request_id with a newline and slashes"),
-    ("cache-salt-too-long", pb.GenerateRequest(cache_salt="s" * 300), ("cache_salt", "300", "256"),
-     "a 300-character cache_salt"),
+    (
+        "request-id-too-long",
+        pb.GenerateRequest(request_id="r" * 200),
+        ("request_id", "200", "128"),
+        "a 200-character request_id",
+    ),
+    (
+        "request-id-bad-characters",
+        pb.GenerateRequest(request_id="../../etc\n"),
+        ("request_id", "only"),
+        "a request_id with a newline and slashes",
+    ),
+    (
+        "cache-salt-too-long",
+        pb.GenerateRequest(cache_salt="s" * 300),
+        ("cache_salt", "300", "256"),
+        "a 300-character cache_salt",
+    ),
 ]:
     _req.messages.append(user(text("hi")))
     _req.sampling.max_tokens = 4
     case("client", "message", _id, "INVALID_ARGUMENT", *_mentions, what=_what)(generate(_req))
 
 
-@case("client", "message", "request-id-duplicate", "ALREADY_EXISTS", "already in flight",
-      what="a request_id equal to one still streaming")
+@case(
+    "client",
+    "message",
+    "request-id-duplicate",
+    "ALREADY_EXISTS",
+    "already in flight",
+    what="a request_id equal to one still streaming",
+)
 def _(ctx):
     first = ctx.generate_raw(
-        pb.GenerateRequest(request_id="dup-1", messages=[user(text("Tell a long story."))],
-                           sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True)).SerializeToString(),
-        metadata=ctx.metadata, timeout=60,
+        pb.GenerateRequest(
+            request_id="dup-1",
+            messages=[user(text("Tell a long story."))],
+            sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True),
+        ).SerializeToString(),
+        metadata=ctx.metadata,
+        timeout=60,
     )
     try:
         next(first)  # in flight: its first tokens arrived
-        ctx.generate(pb.GenerateRequest(request_id="dup-1", messages=[user(text("hi"))],
-                                        sampling=pb.SamplingParams(max_tokens=4)))
+        ctx.generate(
+            pb.GenerateRequest(
+                request_id="dup-1", messages=[user(text("hi"))], sampling=pb.SamplingParams(max_tokens=4)
+            )
+        )
     finally:
         first.cancel()
 
@@ -478,27 +750,55 @@ def _(ctx):
 # --- client API: bytes that are not the message --------------------------------------------------------------
 
 
-@case("client", "wire", "protobuf-garbage", "INVALID_ARGUMENT", "mmcast.v1.GenerateRequest", "not a valid",
-      what="Generate with bytes that are not protobuf (identity serializer)")
+@case(
+    "client",
+    "wire",
+    "protobuf-garbage",
+    "INVALID_ARGUMENT",
+    "mmcast.v1.GenerateRequest",
+    "not a valid",
+    what="Generate with bytes that are not protobuf (identity serializer)",
+)
 def _(ctx):
     list(ctx.generate_raw(b"\xff\xff\xff\xff\x0fgarbage", metadata=ctx.metadata, timeout=30))
 
 
-@case("client", "wire", "protobuf-truncated", "INVALID_ARGUMENT", "mmcast.v1.GenerateRequest", "not a valid",
-      what="a valid GenerateRequest cut in the middle of a field")
+@case(
+    "client",
+    "wire",
+    "protobuf-truncated",
+    "INVALID_ARGUMENT",
+    "mmcast.v1.GenerateRequest",
+    "not a valid",
+    what="a valid GenerateRequest cut in the middle of a field",
+)
 def _(ctx):
     raw = request(user(text("a prompt long enough to cut"))).SerializeToString()
     list(ctx.generate_raw(raw[: len(raw) // 2], metadata=ctx.metadata, timeout=30))
 
 
-@case("client", "wire", "protobuf-invalid-utf8", "INVALID_ARGUMENT", "mmcast.v1.GenerateRequest", "not a valid",
-      what="a request_id string field holding invalid UTF-8")
+@case(
+    "client",
+    "wire",
+    "protobuf-invalid-utf8",
+    "INVALID_ARGUMENT",
+    "mmcast.v1.GenerateRequest",
+    "not a valid",
+    what="a request_id string field holding invalid UTF-8",
+)
 def _(ctx):
     list(ctx.generate_raw(b"\x0a\x04\xff\xfe\xfd\xfc", metadata=ctx.metadata, timeout=30))
 
 
-@case("client", "wire", "upload-garbage-chunk", "INVALID_ARGUMENT", "mmcast.v1.UploadImageRequest", "not a valid",
-      what="UploadImage with a chunk that is not protobuf")
+@case(
+    "client",
+    "wire",
+    "upload-garbage-chunk",
+    "INVALID_ARGUMENT",
+    "mmcast.v1.UploadImageRequest",
+    "not a valid",
+    what="UploadImage with a chunk that is not protobuf",
+)
 def _(ctx):
     ctx.upload_raw(iter([b"\xff\xff\xff"]), metadata=ctx.metadata, timeout=30)
 
@@ -508,14 +808,32 @@ def _(ctx):
     ctx.channel.unary_unary("/mmcast.v1.GenerationService/Shutdown")(b"", metadata=ctx.metadata, timeout=30)
 
 
-@case("client", "wire", "grpcurl-bad-enum-json", "INVALID_ARGUMENT", "messages[0].role=0",
-      what="grpcurl (schema from reflection) sending ROLE_UNSPECIFIED")
+@case(
+    "client",
+    "wire",
+    "grpcurl-bad-enum-json",
+    "INVALID_ARGUMENT",
+    "messages[0].role=0",
+    what="grpcurl (schema from reflection) sending ROLE_UNSPECIFIED",
+)
 def _(ctx):
     body = '{"messages": [{"role": "ROLE_UNSPECIFIED", "content": [{"text": "hi"}]}], "sampling": {"maxTokens": 4}}'
     proc = subprocess.run(
-        [ctx.grpcurl, "-plaintext", "-max-time", "30", "-H", f"authorization: Bearer {ctx.token}", "-d", body,
-         ctx.target, "mmcast.v1.GenerationService/Generate"],
-        capture_output=True, text=True, timeout=60,
+        [
+            ctx.grpcurl,
+            "-plaintext",
+            "-max-time",
+            "30",
+            "-H",
+            f"authorization: Bearer {ctx.token}",
+            "-d",
+            body,
+            ctx.target,
+            "mmcast.v1.GenerationService/Generate",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     raise GrpcurlError(proc.stderr + proc.stdout)
 
@@ -523,8 +841,15 @@ def _(ctx):
 # --- client API: authentication ------------------------------------------------------------------------------
 
 
-@case("client", "auth", "token-missing", "UNAUTHENTICATED", "authorization", "Bearer",
-      what="a call without authorization metadata")
+@case(
+    "client",
+    "auth",
+    "token-missing",
+    "UNAUTHENTICATED",
+    "authorization",
+    "Bearer",
+    what="a call without authorization metadata",
+)
 def _(ctx):
     ctx.generate(good_request(), metadata=())
 
@@ -583,7 +908,8 @@ class Stream:
         )
         self._queue: queue.Queue = queue.Queue()
         call = self.channel.stream_stream(
-            "/mmcast.v1.WorkerService/Step", request_serializer=lambda b: b,
+            "/mmcast.v1.WorkerService/Step",
+            request_serializer=lambda b: b,
             response_deserializer=worker_pb2.StepResponse.FromString,
         )
         self._responses = call(iter(self._queue.get, None), metadata=metadata)
@@ -616,8 +942,12 @@ class Stream:
         if isinstance(got, BaseException):
             raise got
         if got.WhichOneof("frame") == "error":
-            return "ProtocolError." + worker_pb2.ProtocolErrorCode.Name(got.error.code).removeprefix(
-                "PROTOCOL_ERROR_CODE_"), got.error.message, got
+            return (
+                "ProtocolError."
+                + worker_pb2.ProtocolErrorCode.Name(got.error.code).removeprefix("PROTOCOL_ERROR_CODE_"),
+                got.error.message,
+                got,
+            )
         return "OK", "", got
 
     def close(self) -> None:
@@ -643,8 +973,13 @@ class StepCtx:
 
     def handshake(self, **overrides) -> worker_pb2.StepRequest:
         hs = worker_pb2.Handshake(
-            protocol_version=item_proto.PROTOCOL_VERSION, model_fingerprint=self.fingerprint, rank=0, world_size=1,
-            scheduler_epoch=self.epochs(), scheduler_id=WORKER_LIMITS["--scheduler-id"], block_size=16,
+            protocol_version=item_proto.PROTOCOL_VERSION,
+            model_fingerprint=self.fingerprint,
+            rank=0,
+            world_size=1,
+            scheduler_epoch=self.epochs(),
+            scheduler_id=WORKER_LIMITS["--scheduler-id"],
+            block_size=16,
         )
         for key, value in overrides.items():
             setattr(hs, key, value)
@@ -672,8 +1007,13 @@ def control(step_id: int = 1, **fields) -> worker_pb2.StepRequest:
 
 
 def text_request(rid: str = "r", n: int = 8, **overrides) -> worker_pb2.NewRequest:
-    msg = worker_pb2.NewRequest(request_id=rid, prompt_token_ids=[5] * n, block_ids=[0], num_scheduled_tokens=n,
-                                sampling=worker_pb2.WorkerSampling())
+    msg = worker_pb2.NewRequest(
+        request_id=rid,
+        prompt_token_ids=[5] * n,
+        block_ids=[0],
+        num_scheduled_tokens=n,
+        sampling=worker_pb2.WorkerSampling(),
+    )
     for key, value in overrides.items():
         if isinstance(value, list):
             del getattr(msg, key)[:]
@@ -685,17 +1025,29 @@ def text_request(rid: str = "r", n: int = 8, **overrides) -> worker_pb2.NewReque
     return msg
 
 
-def image_item(ident: str = "img-1", rows: int = 4, grid=(1, 2, 2), offset: int = 2, length: int = 1,
-               state=multimodal_pb2.PAYLOAD_STATE_DEFERRED) -> multimodal_pb2.MultiModalItem:
+def image_item(
+    ident: str = "img-1",
+    rows: int = 4,
+    grid=(1, 2, 2),
+    offset: int = 2,
+    length: int = 1,
+    state=multimodal_pb2.PAYLOAD_STATE_DEFERRED,
+) -> multimodal_pb2.MultiModalItem:
     grid_header, _ = codec.encode_tensor(torch.tensor([list(grid)], dtype=torch.int64), inline=True)
-    item = multimodal_pb2.MultiModalItem(identifier=ident, modality=multimodal_pb2.MODALITY_IMAGE,
-                                         position=multimodal_pb2.PlaceholderRange(offset=offset, length=length),
-                                         payload_state=state)
-    item.fields.add(name="image_grid_thw", kind=multimodal_pb2.FIELD_KIND_BATCHED, keep_on_cpu=True,
-                    tensor=grid_header)
-    item.fields.add(name="pixel_values", kind=multimodal_pb2.FIELD_KIND_FLAT,
-                    tensor=tensor_pb2.TensorHeader(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[rows, PATCH_DIM],
-                                                   byte_size=rows * PATCH_DIM * 4))
+    item = multimodal_pb2.MultiModalItem(
+        identifier=ident,
+        modality=multimodal_pb2.MODALITY_IMAGE,
+        position=multimodal_pb2.PlaceholderRange(offset=offset, length=length),
+        payload_state=state,
+    )
+    item.fields.add(name="image_grid_thw", kind=multimodal_pb2.FIELD_KIND_BATCHED, keep_on_cpu=True, tensor=grid_header)
+    item.fields.add(
+        name="pixel_values",
+        kind=multimodal_pb2.FIELD_KIND_FLAT,
+        tensor=tensor_pb2.TensorHeader(
+            dtype=tensor_pb2.DTYPE_FLOAT32, shape=[rows, PATCH_DIM], byte_size=rows * PATCH_DIM * 4
+        ),
+    )
     return item
 
 
@@ -716,8 +1068,9 @@ def payload_frame(ident="img-1", header=None, index=None, data=b"", field="pixel
 def header(dtype=tensor_pb2.DTYPE_FLOAT32, shape=(4, PATCH_DIM), byte_size=None, chunk_size=4096, num_chunks=None):
     size = byte_size if byte_size is not None else 4 * int(np.prod(shape))
     chunks = num_chunks if num_chunks is not None else -(-size // chunk_size)
-    return tensor_pb2.TensorHeader(dtype=dtype, shape=list(shape), byte_size=size, chunk_size=chunk_size,
-                                   num_chunks=chunks)
+    return tensor_pb2.TensorHeader(
+        dtype=dtype, shape=list(shape), byte_size=size, chunk_size=chunk_size, num_chunks=chunks
+    )
 
 
 def with_image_step(frames: list, **item_kwargs) -> list:
@@ -725,7 +1078,10 @@ def with_image_step(frames: list, **item_kwargs) -> list:
     item = image_item(**item_kwargs)
     req = text_request(n=8)
     req.mm_items.append(item)
-    return [*frames, control(new_requests=[req], encoder_inputs=[worker_pb2.EncoderInput(item_identifier=item.identifier)])]
+    return [
+        *frames,
+        control(new_requests=[req], encoder_inputs=[worker_pb2.EncoderInput(item_identifier=item.identifier)]),
+    ]
 
 
 def refused_handshake(**overrides):
@@ -758,56 +1114,107 @@ def _(ctx):
     return ctx.stream(metadata=(("authorization", "Bearer " + "z" * 32),)).send(ctx.handshake()).answer()[:2]
 
 
-@case("step", "auth", "step-no-token-max-epoch", "UNAUTHENTICATED", "authorization",
-      what="no token and scheduler_epoch 2^64-1 (would lock the real scheduler out)")
+@case(
+    "step",
+    "auth",
+    "step-no-token-max-epoch",
+    "UNAUTHENTICATED",
+    "authorization",
+    what="no token and scheduler_epoch 2^64-1 (would lock the real scheduler out)",
+)
 def _(ctx):
     return ctx.stream(metadata=()).send(ctx.handshake(scheduler_epoch=(1 << 64) - 1)).answer()[:2]
 
 
 for _id, _overrides, _mentions, _what in [
-    ("handshake-wrong-fingerprint", {"model_fingerprint": "0" * 64}, ("handshake.model_fingerprint",),
-     "another model's fingerprint"),
+    (
+        "handshake-wrong-fingerprint",
+        {"model_fingerprint": "0" * 64},
+        ("handshake.model_fingerprint",),
+        "another model's fingerprint",
+    ),
     ("handshake-wrong-rank", {"rank": 3}, ("handshake.rank=3", "rank=0"), "rank 3 at rank 0's address"),
-    ("handshake-wrong-protocol-version", {"protocol_version": 7}, ("handshake.protocol_version=7",),
-     "protocol version 7"),
+    (
+        "handshake-wrong-protocol-version",
+        {"protocol_version": 7},
+        ("handshake.protocol_version=7",),
+        "protocol version 7",
+    ),
     ("handshake-wrong-world-size", {"world_size": 4}, ("handshake.world_size=4", "world_size=1"), "world size 4"),
     ("handshake-wrong-block-size", {"block_size": 32}, ("handshake.block_size=32", "block_size=16"), "block size 32"),
-    ("handshake-wrong-scheduler-id", {"scheduler_id": "intruder"}, ("handshake.scheduler_id='intruder'",),
-     "a scheduler id the rank is not configured for"),
+    (
+        "handshake-wrong-scheduler-id",
+        {"scheduler_id": "intruder"},
+        ("handshake.scheduler_id='intruder'",),
+        "a scheduler id the rank is not configured for",
+    ),
 ]:
     case("step", "handshake", _id, "FAILED_PRECONDITION", *_mentions, what=_what)(refused_handshake(**_overrides))
 
 
-@case("step", "handshake", "handshake-stale-epoch", "FAILED_PRECONDITION", "scheduler_epoch", "older than epoch",
-      what="an epoch below one the rank already accepted (a stale scheduler)")
+@case(
+    "step",
+    "handshake",
+    "handshake-stale-epoch",
+    "FAILED_PRECONDITION",
+    "scheduler_epoch",
+    "older than epoch",
+    what="an epoch below one the rank already accepted (a stale scheduler)",
+)
 def _(ctx):
     newer = ctx.epochs()
     ctx.open(scheduler_epoch=newer).close()
     return ctx.stream().send(ctx.handshake(scheduler_epoch=newer - 1)).answer()[:2]
 
 
-@case("step", "handshake", "handshake-same-epoch-while-active", "FAILED_PRECONDITION", "not newer than the active",
-      what="a second stream with the active stream's epoch")
+@case(
+    "step",
+    "handshake",
+    "handshake-same-epoch-while-active",
+    "FAILED_PRECONDITION",
+    "not newer than the active",
+    what="a second stream with the active stream's epoch",
+)
 def _(ctx):
     epoch = ctx.epochs()
     ctx.open(scheduler_epoch=epoch)
     return ctx.stream().send(ctx.handshake(scheduler_epoch=epoch)).answer()[:2]
 
 
-@case("step", "handshake", "first-frame-not-handshake", "FAILED_PRECONDITION", "first frame", "handshake",
-      what="a stream that starts with a step control")
+@case(
+    "step",
+    "handshake",
+    "first-frame-not-handshake",
+    "FAILED_PRECONDITION",
+    "first frame",
+    "handshake",
+    what="a stream that starts with a step control",
+)
 def _(ctx):
     return ctx.stream().send(control()).answer()[:2]
 
 
-@case("step", "handshake", "second-handshake", "FAILED_PRECONDITION", "unexpected handshake",
-      what="a handshake on an already open stream")
+@case(
+    "step",
+    "handshake",
+    "second-handshake",
+    "FAILED_PRECONDITION",
+    "unexpected handshake",
+    what="a handshake on an already open stream",
+)
 def _(ctx):
     return ctx.open().send(ctx.handshake()).answer()[:2]
 
 
-@case("step", "wire", "step-frame-garbage", "INVALID_ARGUMENT", "mmcast.v1.StepRequest", "not a valid",
-      what="bytes that are not a StepRequest after the handshake")
+@case(
+    "step",
+    "wire",
+    "step-frame-garbage",
+    "INVALID_ARGUMENT",
+    "mmcast.v1.StepRequest",
+    "not a valid",
+    what="bytes that are not a StepRequest after the handshake",
+)
 def _(ctx):
     return ctx.open().send(b"\xff\xff\xff\xff\x0f").answer()[:2]
 
@@ -815,40 +1222,96 @@ def _(ctx):
 # --- step stream: tensors ---------------------------------------------------------------------------------------
 
 _TENSOR_CASES = [
-    ("chunks-out-of-order", lambda c: with_image_step(payload()[:1] + payload()[2:3] + payload()[1:2] + payload()[3:]),
-     ("chunk 2 out of order", "expected chunk 1"), "chunk 2 before chunk 1"),
-    ("chunk-missing", lambda c: with_image_step(payload()[:-1]), ("missing chunks",),
-     "the control arrives before the last chunk"),
-    ("chunk-extra", lambda c: with_image_step(payload() + [payload_frame(index=5, data=bytes(16))]),
-     ("chunk without a preceding header",), "a chunk after the tensor was complete"),
-    ("chunk-wrong-size", lambda c: with_image_step([payload_frame(header=header(), index=0, data=bytes(100))]),
-     ("chunk 0 has 100 bytes", "expected 4096"), "a chunk shorter than the announced chunk size"),
-    ("header-size-disagrees", lambda c: with_image_step([payload_frame(header=header(byte_size=1000))]),
-     ("byte_size 1000", "18816"), "a header whose byte_size is not dtype x shape"),
-    ("header-unknown-dtype", lambda c: with_image_step([payload_frame(header=header(dtype=42))]),
-     ("unknown dtype 42",), "a header with dtype 42"),
-    ("header-negative-dimension", lambda c: with_image_step([payload_frame(header=header(shape=(-4, PATCH_DIM),
-                                                                                          byte_size=0))]),
-     ("negative dimension",), "a header with a dimension of -4"),
-    ("header-giant-empty-shape", lambda c: with_image_step([payload_frame(header=header(shape=(0, 2, 2**62),
-                                                                                         byte_size=0))]),
-     ("zero dimensions counted as 1", "max_tensor_bytes"), "shape (0, 2, 2^62): empty, but strides would overflow"),
-    ("header-too-many-dims", lambda c: with_image_step([payload_frame(header=header(shape=(1,) * 40, byte_size=4))]),
-     ("40 dimensions", "16"), "a 40-dimensional tensor"),
-    ("tensor-over-limit", lambda c: with_image_step([payload_frame(header=header(shape=(1024, PATCH_DIM)))]),
-     ("exceeds the limit of 1048576", "max_tensor_bytes"), "a 4.8 MB tensor, over --max-tensor-bytes 1 MiB"),
-    ("payload-flood", lambda c: with_image_step([f for i in range(5) for f in payload(f"flood-{i}", rows=200,
-                                                                                      chunk_size=1 << 20)]),
-     ("payload cache budget of 4194304", "--payload-cache-bytes"),
-     "5 x 0.9 MB of payload frames before any control, over --payload-cache-bytes 4 MiB"),
-    ("payload-empty-identifier", lambda c: with_image_step([payload_frame(ident="", header=header())]),
-     ("item_identifier and field_name",), "a payload frame without an item identifier"),
-    ("payload-never-sent", lambda c: with_image_step([]), ("encoder_inputs", "pixel_values", "does not hold"),
-     "encoder work on an item whose payload never arrived"),
-    ("payload-rows-disagree-with-grid", lambda c: with_image_step(payload(rows=8), rows=8),
-     ("pixel_values has 8 patch rows", "needs 4"), "8 patch rows for a 1 x 2 x 2 grid"),
-    ("payload-wrong-shape", lambda c: with_image_step(payload(rows=4), rows=6),
-     ("payload is", "metadata announces"), "a payload whose shape differs from the item's metadata"),
+    (
+        "chunks-out-of-order",
+        lambda c: with_image_step(payload()[:1] + payload()[2:3] + payload()[1:2] + payload()[3:]),
+        ("chunk 2 out of order", "expected chunk 1"),
+        "chunk 2 before chunk 1",
+    ),
+    (
+        "chunk-missing",
+        lambda c: with_image_step(payload()[:-1]),
+        ("missing chunks",),
+        "the control arrives before the last chunk",
+    ),
+    (
+        "chunk-extra",
+        lambda c: with_image_step(payload() + [payload_frame(index=5, data=bytes(16))]),
+        ("chunk without a preceding header",),
+        "a chunk after the tensor was complete",
+    ),
+    (
+        "chunk-wrong-size",
+        lambda c: with_image_step([payload_frame(header=header(), index=0, data=bytes(100))]),
+        ("chunk 0 has 100 bytes", "expected 4096"),
+        "a chunk shorter than the announced chunk size",
+    ),
+    (
+        "header-size-disagrees",
+        lambda c: with_image_step([payload_frame(header=header(byte_size=1000))]),
+        ("byte_size 1000", "18816"),
+        "a header whose byte_size is not dtype x shape",
+    ),
+    (
+        "header-unknown-dtype",
+        lambda c: with_image_step([payload_frame(header=header(dtype=42))]),
+        ("unknown dtype 42",),
+        "a header with dtype 42",
+    ),
+    (
+        "header-negative-dimension",
+        lambda c: with_image_step([payload_frame(header=header(shape=(-4, PATCH_DIM), byte_size=0))]),
+        ("negative dimension",),
+        "a header with a dimension of -4",
+    ),
+    (
+        "header-giant-empty-shape",
+        lambda c: with_image_step([payload_frame(header=header(shape=(0, 2, 2**62), byte_size=0))]),
+        ("zero dimensions counted as 1", "max_tensor_bytes"),
+        "shape (0, 2, 2^62): empty, but strides would overflow",
+    ),
+    (
+        "header-too-many-dims",
+        lambda c: with_image_step([payload_frame(header=header(shape=(1,) * 40, byte_size=4))]),
+        ("40 dimensions", "16"),
+        "a 40-dimensional tensor",
+    ),
+    (
+        "tensor-over-limit",
+        lambda c: with_image_step([payload_frame(header=header(shape=(1024, PATCH_DIM)))]),
+        ("exceeds the limit of 1048576", "max_tensor_bytes"),
+        "a 4.8 MB tensor, over --max-tensor-bytes 1 MiB",
+    ),
+    (
+        "payload-flood",
+        lambda c: with_image_step([f for i in range(5) for f in payload(f"flood-{i}", rows=200, chunk_size=1 << 20)]),
+        ("payload cache budget of 4194304", "--payload-cache-bytes"),
+        "5 x 0.9 MB of payload frames before any control, over --payload-cache-bytes 4 MiB",
+    ),
+    (
+        "payload-empty-identifier",
+        lambda c: with_image_step([payload_frame(ident="", header=header())]),
+        ("item_identifier and field_name",),
+        "a payload frame without an item identifier",
+    ),
+    (
+        "payload-never-sent",
+        lambda c: with_image_step([]),
+        ("encoder_inputs", "pixel_values", "does not hold"),
+        "encoder work on an item whose payload never arrived",
+    ),
+    (
+        "payload-rows-disagree-with-grid",
+        lambda c: with_image_step(payload(rows=8), rows=8),
+        ("pixel_values has 8 patch rows", "needs 4"),
+        "8 patch rows for a 1 x 2 x 2 grid",
+    ),
+    (
+        "payload-wrong-shape",
+        lambda c: with_image_step(payload(rows=4), rows=6),
+        ("payload is", "metadata announces"),
+        "a payload whose shape differs from the item's metadata",
+    ),
 ]
 for _id, _frames, _mentions, _what in _TENSOR_CASES:
     _code = "ProtocolError.MISSING_PAYLOAD" if _id == "payload-never-sent" else "ProtocolError.BAD_TENSOR"
@@ -858,40 +1321,90 @@ for _id, _frames, _mentions, _what in _TENSOR_CASES:
 # --- step stream: step controls ------------------------------------------------------------------------------
 
 _STEP_CASES = [
-    ("step-unknown-request", "ProtocolError.UNKNOWN_REQUEST",
-     lambda c: [control(running=[worker_pb2.RunningRequest(request_id="ghost", num_scheduled_tokens=1)])],
-     ("running[ghost]", "does not hold"), "a delta for a request the rank never saw"),
-    ("finish-unknown-request", "ProtocolError.UNKNOWN_REQUEST", lambda c: [control(finished_request_ids=["ghost"])],
-     ("finished_request_ids", "ghost"), "finishing a request the rank never saw"),
-    ("step-id-not-increasing", "ProtocolError.STATE_MISMATCH", lambda c: [control(step_id=0)],
-     ("step_id 0", "not above"), "step id 0 (must increase)"),
-    ("block-id-out-of-range", "ProtocolError.OUT_OF_RANGE",
-     lambda c: [control(new_requests=[text_request(block_ids=[10_000])])], ("block id 10000", "64", "--kv-blocks"),
-     "block 10000 in a 64-block pool"),
-    ("token-id-out-of-vocab", "ProtocolError.OUT_OF_RANGE",
-     lambda c: [control(new_requests=[text_request(prompt_token_ids=[5, 1 << 30, 5])])],
-     ("prompt_token_ids", "1073741824", "outside"), "token id 2^30"),
-    ("prefix-foreign-block", "ProtocolError.STATE_MISMATCH",
-     lambda c: [control(new_requests=[text_request(n=40, num_computed_tokens=32, block_ids=[0, 1, 2])])],
-     ("block_ids[0]=0", "no request of this stream wrote"), "a 32-token prefix in blocks this stream never wrote"),
-    ("computed-not-block-aligned", "ProtocolError.STATE_MISMATCH",
-     lambda c: [control(new_requests=[text_request(n=40, num_computed_tokens=5, block_ids=[0, 1, 2])])],
-     ("num_computed_tokens=5", "block_size 16"), "5 computed tokens with 16-token blocks"),
-    ("scheduled-past-prompt", "ProtocolError.STATE_MISMATCH",
-     lambda c: [control(new_requests=[text_request(num_scheduled_tokens=50)])], ("num_scheduled_tokens=50", "knows 8"),
-     "50 tokens scheduled of an 8-token prompt"),
-    ("sampling-out-of-range", "ProtocolError.OUT_OF_RANGE",
-     lambda c: [control(new_requests=[text_request(sampling=worker_pb2.WorkerSampling(top_p=2.0))])],
-     ("sampling.top_p=2.0", "(0, 1]"), "top_p 2 in a new request"),
-    ("item-outside-prompt", "ProtocolError.BAD_TENSOR",
-     lambda c: [control(new_requests=[text_request(mm_items=[image_item(offset=30)])])],
-     ("position", "exceeds the prompt length 8"), "an image placed after the end of the prompt"),
-    ("item-grid-negative", "ProtocolError.STATE_MISMATCH",
-     lambda c: [control(new_requests=[text_request(mm_items=[image_item(grid=(-1, -2, 4), length=2)])])],
-     ("grid (-1, -2, 4)", "positive"), "an image grid of (-1, -2, 4)"),
-    ("encoder-unknown-item", "ProtocolError.STATE_MISMATCH",
-     lambda c: [control(encoder_inputs=[worker_pb2.EncoderInput(item_identifier="nobody")])],
-     ("encoder_inputs", "nobody"), "encoder work for an item no request holds"),
+    (
+        "step-unknown-request",
+        "ProtocolError.UNKNOWN_REQUEST",
+        lambda c: [control(running=[worker_pb2.RunningRequest(request_id="ghost", num_scheduled_tokens=1)])],
+        ("running[ghost]", "does not hold"),
+        "a delta for a request the rank never saw",
+    ),
+    (
+        "finish-unknown-request",
+        "ProtocolError.UNKNOWN_REQUEST",
+        lambda c: [control(finished_request_ids=["ghost"])],
+        ("finished_request_ids", "ghost"),
+        "finishing a request the rank never saw",
+    ),
+    (
+        "step-id-not-increasing",
+        "ProtocolError.STATE_MISMATCH",
+        lambda c: [control(step_id=0)],
+        ("step_id 0", "not above"),
+        "step id 0 (must increase)",
+    ),
+    (
+        "block-id-out-of-range",
+        "ProtocolError.OUT_OF_RANGE",
+        lambda c: [control(new_requests=[text_request(block_ids=[10_000])])],
+        ("block id 10000", "64", "--kv-blocks"),
+        "block 10000 in a 64-block pool",
+    ),
+    (
+        "token-id-out-of-vocab",
+        "ProtocolError.OUT_OF_RANGE",
+        lambda c: [control(new_requests=[text_request(prompt_token_ids=[5, 1 << 30, 5])])],
+        ("prompt_token_ids", "1073741824", "outside"),
+        "token id 2^30",
+    ),
+    (
+        "prefix-foreign-block",
+        "ProtocolError.STATE_MISMATCH",
+        lambda c: [control(new_requests=[text_request(n=40, num_computed_tokens=32, block_ids=[0, 1, 2])])],
+        ("block_ids[0]=0", "no request of this stream wrote"),
+        "a 32-token prefix in blocks this stream never wrote",
+    ),
+    (
+        "computed-not-block-aligned",
+        "ProtocolError.STATE_MISMATCH",
+        lambda c: [control(new_requests=[text_request(n=40, num_computed_tokens=5, block_ids=[0, 1, 2])])],
+        ("num_computed_tokens=5", "block_size 16"),
+        "5 computed tokens with 16-token blocks",
+    ),
+    (
+        "scheduled-past-prompt",
+        "ProtocolError.STATE_MISMATCH",
+        lambda c: [control(new_requests=[text_request(num_scheduled_tokens=50)])],
+        ("num_scheduled_tokens=50", "knows 8"),
+        "50 tokens scheduled of an 8-token prompt",
+    ),
+    (
+        "sampling-out-of-range",
+        "ProtocolError.OUT_OF_RANGE",
+        lambda c: [control(new_requests=[text_request(sampling=worker_pb2.WorkerSampling(top_p=2.0))])],
+        ("sampling.top_p=2.0", "(0, 1]"),
+        "top_p 2 in a new request",
+    ),
+    (
+        "item-outside-prompt",
+        "ProtocolError.BAD_TENSOR",
+        lambda c: [control(new_requests=[text_request(mm_items=[image_item(offset=30)])])],
+        ("position", "exceeds the prompt length 8"),
+        "an image placed after the end of the prompt",
+    ),
+    (
+        "item-grid-negative",
+        "ProtocolError.STATE_MISMATCH",
+        lambda c: [control(new_requests=[text_request(mm_items=[image_item(grid=(-1, -2, 4), length=2)])])],
+        ("grid (-1, -2, 4)", "positive"),
+        "an image grid of (-1, -2, 4)",
+    ),
+    (
+        "encoder-unknown-item",
+        "ProtocolError.STATE_MISMATCH",
+        lambda c: [control(encoder_inputs=[worker_pb2.EncoderInput(item_identifier="nobody")])],
+        ("encoder_inputs", "nobody"),
+        "encoder work for an item no request holds",
+    ),
 ]
 for _id, _code, _frames, _mentions, _what in _STEP_CASES:
     case("step", "step", _id, _code, *_mentions, what=_what)(after_handshake(_frames))

@@ -53,11 +53,15 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
     return value
 
 
-def serving(target: str, service: str, credentials: grpc.ChannelCredentials | None = None,
-            server_name: str | None = None) -> bool:
+def serving(
+    target: str, service: str, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None
+) -> bool:
     options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
-    channel = (grpc.secure_channel(target, credentials, options=options) if credentials is not None
-               else grpc.insecure_channel(target))
+    channel = (
+        grpc.secure_channel(target, credentials, options=options)
+        if credentials is not None
+        else grpc.insecure_channel(target)
+    )
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -75,8 +79,16 @@ class WorkerProcess:
         self.target = f"127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.log_path = log_path
-        argv = [WORKER_BIN, "--model", str(model_dir), "--listen", self.target,
-                "--metrics-port", str(self.metrics_port), *args]
+        argv = [
+            WORKER_BIN,
+            "--model",
+            str(model_dir),
+            "--listen",
+            self.target,
+            "--metrics-port",
+            str(self.metrics_port),
+            *args,
+        ]
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_path.open("wb"))
 
     def wait_ready(self, timeout: float = 120.0, credentials=None) -> None:

@@ -240,8 +240,15 @@ class MiniScheduler:
     """Drives ranks over real streams. ``mode``: ``lazy`` (payload in the step that encodes the item) or ``full``
     (every uncovered payload at admission)."""
 
-    def __init__(self, streams: list[StreamClient], *, block_size: int = 16, mode: str = "lazy", chunk_size=1 << 20,
-                 uses_mrope: bool = True):
+    def __init__(
+        self,
+        streams: list[StreamClient],
+        *,
+        block_size: int = 16,
+        mode: str = "lazy",
+        chunk_size=1 << 20,
+        uses_mrope: bool = True,
+    ):
         self.streams = streams
         self.uses_mrope = uses_mrope  # the model's rule (common/families/__init__.py): what a stripped item keeps
         self.block_size = block_size

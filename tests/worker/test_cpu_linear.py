@@ -67,14 +67,16 @@ def test_a_rank_packs_its_decoder_unless_told_dense_and_answers_alike(tiny_model
     from tests.support.worker_driver import rank_token_file
     from worker_svc.runner import ForwardInput
 
-    runner = ModelRunner(WorkerConfig(model=str(tiny_model_dir), kv_blocks=16, cpu_linear=layout,
-                                      shared_token_file=rank_token_file()))
+    runner = ModelRunner(
+        WorkerConfig(model=str(tiny_model_dir), kv_blocks=16, cpu_linear=layout, shared_token_file=rank_token_file())
+    )
     assert runner.linear_layout == layout
     language = runner.model.model.language_model
     dense = [m for m in language.modules() if isinstance(m, torch.nn.Linear) and m.weight is not None]
     assert (len(dense) == 0) == (layout == "onednn")
     assert runner.model.model.visual is not None and all(
-        m.weight is not None for m in runner.model.model.visual.modules() if isinstance(m, torch.nn.Linear))
+        m.weight is not None for m in runner.model.model.visual.modules() if isinstance(m, torch.nn.Linear)
+    )
     ids = list(range(10, 30))
     positions = torch.arange(len(ids)).expand(3, -1).contiguous()
     logits = runner.forward([ForwardInput([0, 1], 0, ids, positions, [], True)])[0]

@@ -21,8 +21,9 @@ def _prompt(env):
 
 def _with_pixels(feature, pixels, encoding=PayloadEncoding.PIXELS):
     name = ENCODED_FIELD if encoding is PayloadEncoding.ENCODED else "pixel_values"
-    return dataclasses.replace(feature, data=MultiModalKwargsItem({name: MultiModalFieldElem(pixels)}),
-                               encoding=encoding)
+    return dataclasses.replace(
+        feature, data=MultiModalKwargsItem({name: MultiModalFieldElem(pixels)}), encoding=encoding
+    )
 
 
 def test_runner_takes_llava_items_without_a_grid(worker_env_for):
@@ -41,8 +42,12 @@ def test_rank_refuses_pixels_the_llava_tower_cannot_take(worker_env_for):
     env = worker_env_for("llava")
     runner = env.rank.worker.runner
     feature = _prompt(env).features[0]
-    for bad in (torch.zeros(1, 3, 28, 28), torch.zeros(2, 3, 42, 42), torch.zeros(9, 588),
-                torch.zeros(1, 3, 42, 42, dtype=torch.int64)):
+    for bad in (
+        torch.zeros(1, 3, 28, 28),
+        torch.zeros(2, 3, 42, 42),
+        torch.zeros(9, 588),
+        torch.zeros(1, 3, 42, 42, dtype=torch.int64),
+    ):
         problem = runner.encoder_input_problem(_with_pixels(feature, bad))
         assert problem is not None and "pixel_values" in problem and "(1, 3, 42, 42)" in problem, (bad.shape, problem)
     encoded = _with_pixels(feature, torch.zeros(4, 4, dtype=torch.uint8), PayloadEncoding.ENCODED)
@@ -53,8 +58,12 @@ def test_rank_refuses_pixels_the_llava_tower_cannot_take(worker_env_for):
 def test_admitted_llava_request_has_1d_positions(worker_env_for):
     env = worker_env_for("llava")
     prompt = _prompt(env)
-    msg = worker_pb2.NewRequest(request_id="r", prompt_token_ids=prompt.token_ids, block_ids=list(range(8)),
-                                num_scheduled_tokens=len(prompt.token_ids))
+    msg = worker_pb2.NewRequest(
+        request_id="r",
+        prompt_token_ids=prompt.token_ids,
+        block_ids=list(range(8)),
+        num_scheduled_tokens=len(prompt.token_ids),
+    )
     msg.mm_items.extend(item_proto.feature_to_proto(f) for f in prompt.features)
     state = admit(msg, vocab_size=1024, num_blocks=64, block_size=16, max_model_len=4096, rope_kwargs=None)
     n = len(prompt.token_ids)

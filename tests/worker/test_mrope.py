@@ -72,8 +72,16 @@ def qwen3_vl():
     kwargs = _config_kwargs()
     text = {**kwargs.pop("text_config"), "head_dim": 16}
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, out_hidden_size=128, num_heads=4,
-                  spatial_merge_size=MERGE, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        out_hidden_size=128,
+        num_heads=4,
+        spatial_merge_size=MERGE,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0],
+    )
     return Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision, **kwargs)).eval()
 
 

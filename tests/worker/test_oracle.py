@@ -98,7 +98,9 @@ def test_two_requests_batched_with_different_hits(worker_env, sched, monkeypatch
     runner = worker_env.rank.worker.runner
     batches = []  # per forward: the window length of every request in it
     original = runner.forward
-    monkeypatch.setattr(runner, "forward", lambda items: batches.append([len(i.token_ids) for i in items]) or original(items))
+    monkeypatch.setattr(
+        runner, "forward", lambda items: batches.append([len(i.token_ids) for i in items]) or original(items)
+    )
     shared = two_image_prompt(worker_env, seed=30)
     other = two_image_prompt(worker_env, seed=40, text="Compare the colours of this picture and")
     first = sched.add(shared, "fill")

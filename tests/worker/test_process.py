@@ -21,11 +21,6 @@ from tests.support.worker_driver import (
 pytestmark = pytest.mark.slow
 
 
-
-
-
-
-
 # One group per variant for the whole module; the failure tests run last on each and end it.
 _TIMEOUTS = {"qwen2_vl": 3.0, "qwen2_5_vl": 2.0, "qwen3_vl": 2.0, "llava": 2.0}
 

@@ -325,8 +325,9 @@ def encoded(prompt, index: int, data: bytes):
 
     old = prompt.features[index]
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    fields = MultiModalKwargsItem({ENCODED_FIELD: MultiModalFieldElem(payload, kind=FieldKind.FLAT),
-                                   "image_grid_thw": old.data["image_grid_thw"]})
+    fields = MultiModalKwargsItem(
+        {ENCODED_FIELD: MultiModalFieldElem(payload, kind=FieldKind.FLAT), "image_grid_thw": old.data["image_grid_thw"]}
+    )
     return dc.replace(old, data=fields, encoding=PayloadEncoding.ENCODED, payload_nbytes=len(data))
 
 
@@ -338,8 +339,10 @@ def encoded_step(prompt, feature) -> list[bytes]:
     msg.mm_items.append(item_proto.feature_to_proto(feature, payload_state=PayloadState.DEFERRED))
     control = worker_pb2.StepControl(step_id=1, new_requests=[msg])
     control.encoder_inputs.add(item_identifier=feature.identifier)
-    return [*codec.payload_frames(feature.identifier, ENCODED_FIELD, feature.data[ENCODED_FIELD].data),
-            control_frame(control)]
+    return [
+        *codec.payload_frames(feature.identifier, ENCODED_FIELD, feature.data[ENCODED_FIELD].data),
+        control_frame(control),
+    ]
 
 
 def png_bytes(image) -> bytes:
@@ -384,12 +387,16 @@ def test_an_encoded_file_is_decoded_by_the_rank_and_a_corrupt_one_fails_its_item
     stream = env.rank.stream(env.model_dir)
     control = worker_pb2.StepControl(step_id=1, new_requests=[new_request(prompt)])
     control.encoder_inputs.add(item_identifier=prompt.features[0].identifier)
-    frames = codec.payload_frames(prompt.features[0].identifier, "pixel_values", prompt.features[0].data["pixel_values"].data)
+    frames = codec.payload_frames(
+        prompt.features[0].identifier, "pixel_values", prompt.features[0].data["pixel_values"].data
+    )
     for frame in [*frames, control_frame(control)]:
         stream.send(frame)
     reference = stream.recv().step_result
     stream.close()
-    assert [(s.request_id, s.token_id) for s in served.sampled] == [(s.request_id, s.token_id) for s in reference.sampled]
+    assert [(s.request_id, s.token_id) for s in served.sampled] == [
+        (s.request_id, s.token_id) for s in reference.sampled
+    ]
     assert abs(served.sampled[0].logprob - reference.sampled[0].logprob) < 1e-5
     assert served.stats.encoder_runs == 1 and served.stats.preprocess_time.ToNanoseconds() > 0
 
@@ -422,8 +429,11 @@ def test_cache_lookups_and_hits_follow_the_windows(env, mode):
 
     def counts():
         m = env.rank.metrics
-        return {(c, kind): getattr(m, f"cache_{kind}").labels(cache=c)._value.get()
-                for c in ("payload", "encoder") for kind in ("queries", "hits")}
+        return {
+            (c, kind): getattr(m, f"cache_{kind}").labels(cache=c)._value.get()
+            for c in ("payload", "encoder")
+            for kind in ("queries", "hits")
+        }
 
     before = counts()
     stream = env.rank.stream(env.model_dir)

@@ -115,6 +115,7 @@ def test_seeds_of_any_size_draw_reproducibly():
 
 # --- top-k -------------------------------------------------------------------------------------------------------
 
+
 def test_top_k_of_one_is_greedy_at_any_temperature():
     for row_seed in range(6):
         row = logits_row(row_seed)
@@ -207,15 +208,34 @@ def test_the_rank_refuses_a_top_k_above_its_vocabulary():
 # --- fuzzing -----------------------------------------------------------------------------------------------------
 
 special_floats = st.sampled_from(
-    [0.0, -0.0, 1e-45, -1e-45, 1e-40, 1e-38, 1e-30, 1e-7, GREEDY_EPSILON, 1 - 1e-7, 1.0, 1 + 1e-7, 2.0, 1e4, 3e38,
-     math.inf, -math.inf, math.nan]
+    [
+        0.0,
+        -0.0,
+        1e-45,
+        -1e-45,
+        1e-40,
+        1e-38,
+        1e-30,
+        1e-7,
+        GREEDY_EPSILON,
+        1 - 1e-7,
+        1.0,
+        1 + 1e-7,
+        2.0,
+        1e4,
+        3e38,
+        math.inf,
+        -math.inf,
+        math.nan,
+    ]
 )
 any_float = st.one_of(special_floats, st.floats(allow_nan=True, allow_infinity=True, width=32), st.floats())
 seeds = st.one_of(st.integers(0, 2**64 - 1), st.integers(-(2**80), 2**80), st.sampled_from([0, 2**63, 2**64 - 1]))
 logprob_counts = st.one_of(st.integers(-3, VOCAB + 3), st.integers(-(2**40), 2**40), st.just(20))
 top_ks = st.one_of(st.integers(-3, VOCAB + 3), st.integers(-(2**40), 2**40), st.sampled_from([0, 1]))
 logit_values = st.one_of(
-    st.floats(-30, 30, width=32), st.sampled_from([math.nan, math.inf, -math.inf, 3e38, -3e38, 1e-45]),
+    st.floats(-30, 30, width=32),
+    st.sampled_from([math.nan, math.inf, -math.inf, 3e38, -3e38, 1e-45]),
 )
 
 
@@ -250,14 +270,24 @@ def check_sample(row: torch.Tensor, params: SamplingParams, index: int) -> None:
 
 
 def run(prop, examples: int, long: bool) -> None:
-    settings(max_examples=examples * (SCALE if long else 1), deadline=None, database=None,
-             suppress_health_check=list(HealthCheck))(prop)()
+    settings(
+        max_examples=examples * (SCALE if long else 1),
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )(prop)()
 
 
 def fuzz_parameters(long: bool) -> None:
-    @given(temperature=any_float, top_p=any_float, seed=seeds, logprobs=logprob_counts,
-           return_logprobs=st.booleans(), index=st.one_of(st.integers(0, 4096), st.integers(-(2**70), 2**70)),
-           top_k=top_ks)
+    @given(
+        temperature=any_float,
+        top_p=any_float,
+        seed=seeds,
+        logprobs=logprob_counts,
+        return_logprobs=st.booleans(),
+        index=st.one_of(st.integers(0, 4096), st.integers(-(2**70), 2**70)),
+        top_k=top_ks,
+    )
     def prop(temperature, top_p, seed, logprobs, return_logprobs, index, top_k):
         params = SamplingParams(temperature, top_p, seed, logprobs, return_logprobs, top_k)
         check_sample(logits_row(abs(seed) % 7), params, index)
@@ -291,14 +321,18 @@ def test_fuzz_logits():
     fuzz_logits(long=True)
 
 
-@given(temperature=st.floats(0, 2, width=32), top_p=st.floats(0, 1, width=32, exclude_min=True),
-       top_k=st.integers(0, VOCAB))
+@given(
+    temperature=st.floats(0, 2, width=32),
+    top_p=st.floats(0, 1, width=32, exclude_min=True),
+    top_k=st.integers(0, VOCAB),
+)
 @settings(max_examples=100, deadline=None, database=None)
 def test_every_parameter_the_api_admits_samples(temperature, top_p, top_k):
     """Exactly the ranges ``scheduler_svc/request_parsing.py parse_sampling`` admits, through the rank's proto parsing."""
     from mmcast.v1 import worker_pb2
     from worker_svc.request_state import sampling_from_proto
 
-    msg = worker_pb2.WorkerSampling(temperature=temperature, top_p=top_p, seed=2**64 - 1, logprobs=20,
-                                    return_logprobs=True, top_k=top_k)
+    msg = worker_pb2.WorkerSampling(
+        temperature=temperature, top_p=top_p, seed=2**64 - 1, logprobs=20, return_logprobs=True, top_k=top_k
+    )
     check_sample(logits_row(), sampling_from_proto(msg, "r", vocab_size=VOCAB), 0)

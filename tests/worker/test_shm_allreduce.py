@@ -102,8 +102,14 @@ def _run(scenario, size=2, timeout=120):
     return got
 
 
-_EXPECT = {"f32_sum": torch.add, "bf16_sum": torch.add, "i64_max": torch.maximum, "i64_min": torch.minimum,
-           "large": torch.add, "product": torch.mul}
+_EXPECT = {
+    "f32_sum": torch.add,
+    "bf16_sum": torch.add,
+    "i64_max": torch.maximum,
+    "i64_min": torch.minimum,
+    "large": torch.add,
+    "product": torch.mul,
+}
 
 
 @pytest.mark.parametrize("scenario", ["shared", "refused"])

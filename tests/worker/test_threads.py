@@ -66,11 +66,14 @@ def test_the_default_follows_the_real_machine(tmp_path):
     assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
 
 
-@pytest.mark.parametrize(("kwargs", "needle"), [
-    ({"local_ranks": 0}, "local_ranks=0 (--local-ranks): must be in [1, 1024]"),
-    ({"threads": -1}, "threads=-1 (--threads): must be in [0, 1024]"),
-    ({"reserved_cpus": -1}, "reserved_cpus=-1 (--reserved-cpus): must be in [0, 1024]"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"local_ranks": 0}, "local_ranks=0 (--local-ranks): must be in [1, 1024]"),
+        ({"threads": -1}, "threads=-1 (--threads): must be in [0, 1024]"),
+        ({"reserved_cpus": -1}, "reserved_cpus=-1 (--reserved-cpus): must be in [0, 1024]"),
+    ],
+)
 def test_bad_thread_settings_name_the_flag(kwargs, needle):
     with pytest.raises(ValueError) as info:
         WorkerConfig(model="/m", **kwargs)
@@ -80,6 +83,10 @@ def test_bad_thread_settings_name_the_flag(kwargs, needle):
 def test_serve_local_tells_its_ranks_how_many_share_the_machine(tmp_path):
     group = LocalGroup(tmp_path / "model", tp=3, log_dir=tmp_path / "logs", env={"PATH": os.environ["PATH"]})
     assert group.env["MMCAST_LOCAL_RANKS"] == "3" and group.env["MMCAST_RESERVED_CPUS"] == "1"
-    mine = LocalGroup(tmp_path / "model", tp=3, log_dir=tmp_path / "logs",
-                      env={"MMCAST_LOCAL_RANKS": "6", "MMCAST_RESERVED_CPUS": "0"})
+    mine = LocalGroup(
+        tmp_path / "model",
+        tp=3,
+        log_dir=tmp_path / "logs",
+        env={"MMCAST_LOCAL_RANKS": "6", "MMCAST_RESERVED_CPUS": "0"},
+    )
     assert mine.env["MMCAST_LOCAL_RANKS"] == "6" and mine.env["MMCAST_RESERVED_CPUS"] == "0"  # the operator's wins

@@ -47,7 +47,9 @@ def test_tp4_over_two_kv_heads_matches_the_oracle(tiny_model_kv2_dir, tmp_path):
     oracle = Oracle(tiny_model_kv2_dir)
     images = [synthetic_jpeg(2000 + i, IMAGE_SIZE) for i in range(2)]
     with (
-        LocalGroup(tiny_model_kv2_dir, TP, "lazy", kv_blocks=KV_BLOCKS, log_dir=tmp_path / "logs", ready_timeout=240) as group,
+        LocalGroup(
+            tiny_model_kv2_dir, TP, "lazy", kv_blocks=KV_BLOCKS, log_dir=tmp_path / "logs", ready_timeout=240
+        ) as group,
         Client(group.target, timeout=300) as client,
     ):
         records = loaded_records(group)

@@ -58,8 +58,10 @@ def test_a_rank_without_authentication_refuses_to_start_naming_the_flags():
         assert flag in str(info.value)
 
 
-@pytest.mark.parametrize(("argv", "env"), [(["--insecure-allow-unauthenticated"], {}),
-                                           ([], {"MMCAST_INSECURE_ALLOW_UNAUTHENTICATED": "true"})])
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [(["--insecure-allow-unauthenticated"], {}), ([], {"MMCAST_INSECURE_ALLOW_UNAUTHENTICATED": "true"})],
+)
 def test_the_insecure_flag_must_be_explicit(argv, env):
     assert load_config(["--model", "/m", *argv], env).insecure_allow_unauthenticated
     with pytest.raises(ValueError, match="MMCAST_INSECURE_ALLOW_UNAUTHENTICATED='maybe'"):
@@ -76,7 +78,9 @@ def test_bind_hosts_are_hosts_without_ports():
 
 def test_bad_environment_value_names_the_variable():
     with pytest.raises(ValueError, match="MMCAST_KV_BLOCKS='many'"):
-        load_config([], {"MMCAST_MODEL": "/m", "MMCAST_KV_BLOCKS": "many", "MMCAST_SHARED_TOKEN_FILE": rank_token_file()})
+        load_config(
+            [], {"MMCAST_MODEL": "/m", "MMCAST_KV_BLOCKS": "many", "MMCAST_SHARED_TOKEN_FILE": rank_token_file()}
+        )
 
 
 # --- KV pool ---------------------------------------------------------------------------------------------------
@@ -100,8 +104,15 @@ def _reference_attention(q, keys, values, context, window, scaling):
 def test_paged_attention_writes_slots_and_reads_fragmented_tables():
     torch.manual_seed(0)
     block, heads, kv_heads, dim = 4, 4, 2, 8
-    pool = kv_pool.KVPool(num_layers=2, kv_heads=kv_heads, head_dim=dim, num_blocks=16, block_size=block,
-                          dtype=torch.float32, device="cpu")
+    pool = kv_pool.KVPool(
+        num_layers=2,
+        kv_heads=kv_heads,
+        head_dim=dim,
+        num_blocks=16,
+        block_size=block,
+        dtype=torch.float32,
+        device="cpu",
+    )
     pool.data.normal_()  # earlier tokens' KV (and garbage past each request's context, which must not be read)
     # (block table, computed, new tokens): a contiguous prefill chunk after a prefix, a decode over three runs, a
     # fresh prefill whose blocks are out of order
@@ -113,15 +124,20 @@ def test_paged_attention_writes_slots_and_reads_fragmented_tables():
     assert step.spans[1].rows.tolist() == [*range(36, 40), *range(0, 8), 48, 49]
     assert step.spans[2].rows.tolist() == [*range(60, 64), *range(28, 31)]
     tokens = sum(n for *_, n in windows)
-    q, k, v = torch.randn(1, heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim)
+    q, k, v = (
+        torch.randn(1, heads, tokens, dim),
+        torch.randn(1, kv_heads, tokens, dim),
+        torch.randn(1, kv_heads, tokens, dim),
+    )
     module = torch.nn.Module()
     module.layer_idx = 1
     out, _ = paged_attention.paged_attention(module, q, k, v, None, scaling=0.3, paged_step=step)
     assert torch.equal(pool.rows(1, 0)[:, step.slots], k[0]) and torch.equal(pool.rows(1, 1)[:, step.slots], v[0])
     for (ids, computed, n), span in zip(windows, step.spans, strict=True):
         rows = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[: computed + n]
-        want = _reference_attention(q[0, :, span.start : span.end], pool.rows(1, 0)[:, rows], pool.rows(1, 1)[:, rows],
-                                    computed + n, n, 0.3)
+        want = _reference_attention(
+            q[0, :, span.start : span.end], pool.rows(1, 0)[:, rows], pool.rows(1, 1)[:, rows], computed + n, n, 0.3
+        )
         torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
 
 
