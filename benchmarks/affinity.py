@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out, exist_ok=True)
     started = time.monotonic()
     log = lambda msg: print(f"[affinity {time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    model_dir = str(ensure_tiny_model(os.path.join(RESULTS, ".model", "qwen2_vl")))
+    model_dir = str(ensure_tiny_model(os.path.join(RESULTS, ".model", "qwen2_vl"), replace_stale=True))
     plan = AffinityPlan(conversations=args.conversations)
     result = run(model_dir, Images(os.path.join(RESULTS, ".images"), plan.size), plan, log)
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]

@@ -614,7 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
     out = args.out or os.path.join(root, f"{time.strftime('%Y%m%d-%H%M%S')}-http")
-    model_dir = str(ensure_tiny_model(args.model_dir or os.path.join(root, ".model", "qwen2_vl")))
+    model_dir = str(
+        ensure_tiny_model(args.model_dir or os.path.join(root, ".model", "qwen2_vl"), replace_stale=not args.model_dir)
+    )
     images = Images(os.path.join(root, ".images"), (448, 448))
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     result = measure(model_dir, images, PLANS[args.plan or "quick"], log=log)

@@ -67,7 +67,9 @@ PLANS = {
 def model_dir(width: str) -> str:
     from common.tiny_model import ensure_tiny_model
 
-    return str(ensure_tiny_model(os.path.join(RESULTS, ".model", f"qwen2_vl-{width}-width"), width=width))
+    return str(
+        ensure_tiny_model(os.path.join(RESULTS, ".model", f"qwen2_vl-{width}-width"), width=width, replace_stale=True)
+    )
 
 
 def _descendants(pid: int) -> list[int]:

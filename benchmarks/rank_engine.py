@@ -90,10 +90,14 @@ def model_dir(width: str) -> str:
     from common import tiny_model
 
     if width == "2b":
-        return str(tiny_model.ensure_tiny_model(os.path.join(MODELS, "qwen2_vl-real-width"), width="real"))
+        return str(
+            tiny_model.ensure_tiny_model(os.path.join(MODELS, "qwen2_vl-real-width"), width="real", replace_stale=True)
+        )
     if width == "qwen3-2b":
         return str(
-            tiny_model.ensure_tiny_model(os.path.join(MODELS, "qwen3_vl-real-width"), variant="qwen3_vl", width="real")
+            tiny_model.ensure_tiny_model(
+                os.path.join(MODELS, "qwen3_vl-real-width"), variant="qwen3_vl", width="real", replace_stale=True
+            )
         )
     out = os.path.join(MODELS, "qwen2_vl-7b-width")
     marker = os.path.join(out, "mmcast_rank_engine.json")

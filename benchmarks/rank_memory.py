@@ -114,7 +114,7 @@ def _plain_main(spec: dict) -> None:
 def measure(tps: list[int], model_dir: str = MODEL_DIR, log=print) -> dict:
     from common.tiny_model import ensure_tiny_model
 
-    model_dir = str(ensure_tiny_model(model_dir, width="real"))
+    model_dir = str(ensure_tiny_model(model_dir, width="real", replace_stale=True))
     rows = []
     with tempfile.TemporaryDirectory(prefix="mmcast-rank-memory-") as tmp:
         images = demo_images(tmp)

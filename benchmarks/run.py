@@ -213,7 +213,9 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     log("transport floors\n" + floors_md)
     steps = sched_steps.measure_step_flatness(plan.step_counts, decode_steps=200)
     log("scheduler step time measured")
-    model_dir = str(ensure_tiny_model(model_dir or os.path.join(RESULTS, ".model", "qwen2_vl")))
+    model_dir = str(
+        ensure_tiny_model(model_dir or os.path.join(RESULTS, ".model", "qwen2_vl"), replace_stale=model_dir is None)
+    )
     images = Images(os.path.join(RESULTS, ".images"), plan.size)
     records: list[dict] = []
     configs = []

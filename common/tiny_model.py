@@ -529,6 +529,18 @@ def _complete(path: pathlib.Path, variant: str, seed: int, kv_heads: int, width:
     return True
 
 
+def _stale(path: pathlib.Path, variant: str, seed: int, kv_heads: int, width: str) -> bool:
+    """Whether `path` holds this very tiny model built by an older recipe (another version of this file, the corpus
+    or the libraries): the same variant, seed, KV heads and width, another ``recipe``."""
+    try:
+        built = json.loads((path / MARKER_FILE).read_text())
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return False
+    wanted = _marker(variant, seed, kv_heads, width)
+    same = {k: v for k, v in built.items() if k != "recipe"} == {k: v for k, v in wanted.items() if k != "recipe"}
+    return same and built.get("recipe") != wanted["recipe"]
+
+
 def ensure_tiny_model(
     out_dir: str | os.PathLike,
     *,
@@ -536,15 +548,22 @@ def ensure_tiny_model(
     seed: int = 0,
     kv_heads: int = DEFAULT_KV_HEADS,
     width: str = "tiny",
+    replace_stale: bool = False,
 ) -> pathlib.Path:
     """Returns `out_dir` once it holds the complete tiny model, building it only if it does not yet.
 
     The build goes to a temporary sibling folder that is renamed into place, so concurrent callers (test workers,
     the ranks of one group) never see a half-written folder; the loser of a race discards its copy.
+    ``replace_stale``: a folder holding the same model built by an older recipe is rebuilt instead of refused — for
+    folders mmcast owns (the demo's, the benchmarks' caches), which an upgrade would otherwise leave unusable.
     """
     _check_variant(variant, width)
     _check_kv_heads(kv_heads)
     out = pathlib.Path(out_dir)
+    if replace_stale and _stale(out, variant, seed, kv_heads, width):
+        old = out.with_name(f".{out.name}.stale-{os.getpid()}")
+        os.rename(out, old)  # out of the way first: a concurrent reader sees a missing folder, never a mixed one
+        shutil.rmtree(old, ignore_errors=True)
     if _complete(out, variant, seed, kv_heads, width):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

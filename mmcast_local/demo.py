@@ -159,7 +159,7 @@ def run_demo(
             progress.update(0, f"building the tiny model in {model_dir} (if absent)")
             from common.tiny_model import ensure_tiny_model
 
-            model_dir = str(ensure_tiny_model(model_dir))
+            model_dir = str(ensure_tiny_model(model_dir, replace_stale=True))
             from mmcast_local.supervisor import LocalGroup
 
             progress.update(0, f"starting a local group: 1 scheduler + {tp} rank(s), transfer mode {transfer_mode}")

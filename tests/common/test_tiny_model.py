@@ -5,6 +5,7 @@ tests/common/test_tiny_llava.py)."""
 import concurrent.futures
 import json
 import pathlib
+import shutil
 import threading
 
 import numpy as np
@@ -336,6 +337,21 @@ def test_ensure_refuses_another_build_and_foreign_folders(tiny_model_dir, tmp_pa
     (foreign / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="delete it or pass another folder"):
         ensure_tiny_model(foreign)
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
+
+
+def test_a_build_of_an_older_recipe_is_refused_unless_replace_stale(tiny_model_dir, tmp_path):
+    stale = tmp_path / "stale"
+    shutil.copytree(tiny_model_dir, stale)
+    marker = json.loads((stale / MARKER_FILE).read_text())
+    (stale / MARKER_FILE).write_text(json.dumps({**marker, "recipe": "0123456789abcdef"}))
+    with pytest.raises(ValueError, match="delete it or pass another folder"):
+        ensure_tiny_model(stale)
+    with pytest.raises(ValueError, match="seed"):  # another model, not an older build of this one: still refused
+        ensure_tiny_model(stale, seed=1, replace_stale=True)
+    assert ensure_tiny_model(stale, replace_stale=True) == stale
+    assert json.loads((stale / MARKER_FILE).read_text()) == marker  # rebuilt by the current recipe
+    assert (stale / "config.json").read_bytes() == (tiny_model_dir / "config.json").read_bytes()
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
 
 
