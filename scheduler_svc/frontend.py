@@ -63,6 +63,7 @@ from common.multimodal import (
     PayloadEncoding,
     PlaceholderRange,
 )
+from scheduler_svc import admission
 from scheduler_svc.config import PROMPT_BYTES_PER_TOKEN, SchedulerConfig, context_length
 from scheduler_svc.upload_store import ByteLRU, UploadStore
 
@@ -195,13 +196,7 @@ class Frontend:
 
         Nothing is decoded. A single image over the context is refused here too: no request could use it."""
         image, header = self.headers.open(data, field)
-        if self.max_model_len and header.tokens >= self.max_model_len:
-            raise InvalidArgument(
-                f"{field}: the {header.width}x{header.height} image takes {header.tokens} prompt tokens; the context "
-                f"holds {self.max_model_len} (--max-model-len / the model's max_position_embeddings); send a smaller "
-                "image",
-                field=field,
-            )
+        admission.check_image_fits(field, header.width, header.height, header.tokens, self.max_model_len)
         return image, header
 
     def _decode(self, pending: _Pending, tenant: str) -> _Processed:
@@ -262,22 +257,15 @@ class Frontend:
             seen[key] = _Pending(field, key, data, image=image, header=header, tokens=header.tokens)
         return seen[key]
 
-    def _check_image_tokens(self, pending: list[_Pending], context: int, reserve: int) -> None:
+    @staticmethod
+    def _check_image_tokens(pending: list[_Pending], context: int, reserve: int) -> None:
         """The prompt holds at least every image's placeholders: refuse before decoding when they alone, with the
-        tokens to generate, exceed the context."""
-        if not context:
-            return
-        total = 0
-        for p in pending:
-            total += p.tokens
-            if total + reserve > context:
-                size = f"the {p.header.width}x{p.header.height} image" if p.header else "the image"
-                raise InvalidArgument(
-                    f"{p.field}: {size} takes {p.tokens} prompt tokens ({total} for the images up to it) and "
-                    f"{reserve} more are to be generated: over the context of {context} tokens (--max-model-len / "
-                    "the model's max_position_embeddings); send a smaller image or fewer images",
-                    field=(p.field, "sampling.max_tokens"),
-                )
+        tokens to generate, exceed the context (admission.check_images_fit)."""
+        images = [
+            (p.field, f"the {p.header.width}x{p.header.height} image" if p.header else "the image", p.tokens)
+            for p in pending
+        ]
+        admission.check_images_fit(images, reserve, context)
 
     # --- text ----------------------------------------------------------------------------------------------
     def _thread_tokenizer(self):
@@ -338,12 +326,7 @@ class Frontend:
         hits = len(pending) - len(decoded)  # from the cache, or a repeat of an image earlier in the request
         template_ids = self._tokenize(messages, add_generation_prompt)
         token_ids, features = self._expand(template_ids, processed)
-        if self.max_model_len and len(token_ids) >= self.max_model_len:
-            raise InvalidArgument(
-                f"the prompt has {len(token_ids)} tokens; the context holds {self.max_model_len} including at least "
-                "one generated token (--max-model-len / the model's max_position_embeddings)",
-                field="messages",
-            )
+        admission.check_prompt_fits("messages", len(token_ids), 1, context)
         return ProcessedPrompt(
             token_ids,
             features,
@@ -379,12 +362,7 @@ class Frontend:
         self._count("prompts_tokenized", 1)
         self._count("tokenized_bytes", size)
         token_ids = tokenizer(prompt)["input_ids"]
-        if context and len(token_ids) + max(1, reserve_tokens) > context:
-            raise InvalidArgument(
-                f"the prompt has {len(token_ids)} tokens; with {max(1, reserve_tokens)} to generate that exceeds the "
-                f"context of {context} tokens (--max-model-len / the model's max_position_embeddings)",
-                field=("prompt", "sampling.max_tokens"),
-            )
+        admission.check_prompt_fits(("prompt", admission.GENERATE_FIELD), len(token_ids), reserve_tokens, context)
         return ProcessedPrompt(token_ids, [], 0, [], 0, [], 0.0, [])
 
     def commit(self, prompt: ProcessedPrompt) -> None:
