@@ -17,19 +17,21 @@ Every check whose input is at hand runs before the work it protects (docs/SECURI
    then the processor cache keyed by the tenant and that sha256 (a hit: no decoding, preprocessing or hashing), else
    the header (``common.image_header``: allowed formats only, pixels, placeholder tokens by the processor's
    resize rule) — before any pixel is decoded;
-3. the images' tokens plus the tokens to generate against the context — before any image is decoded;
+3. the images' tokens plus the tokens to generate against the context (``admission.check_images_fit``) — before
+   any image is decoded;
 4. decode, EXIF orientation, preprocess (at most ``--max-concurrent-decodes`` at once) and
    ``common.hashing.item_identifier(encoded bytes, processor settings, scope=tenant)``;
 5. the chat template with one image token per image, tokenized once with the calling thread's own tokenizer, each
    image token expanded to the item's placeholder count exactly as the processor would (tests compare with the
-   processor itself); the whole prompt against the context.
+   processor itself); the whole prompt against the context (``admission.check_prompt_fits``).
 Newly processed images enter the processor cache only through ``commit``, once the request is admitted.
 All of it runs on the service's thread pool, never on the event loop.
 
 Errors (``common.errors``; messages name the field, the value, the limit and the flag):
 InvalidArgument — unknown role, empty prompt, too many images, text over ``max_prompt_bytes``, an image of a format
 not in ``image_formats``, undecodable / zero-size / over-``max_image_pixels`` image, images whose tokens exceed the
-context, image placeholder text in a message, prompt not shorter than the context; ResourceExhausted — an image
+context, image placeholder text in a message, prompt not shorter than the context (the context limit's one message:
+``scheduler_svc/admission.py``); ResourceExhausted — an image
 over ``max_upload_bytes``, a request over ``max_request_bytes``; NotFound — an uploaded hash not in the store.
 """
 

@@ -227,7 +227,7 @@ def test_text_over_the_byte_bound_is_never_tokenized(tiny_model_dir):
 def test_a_refused_request_leaves_nothing_in_the_processor_cache(tiny_model_dir):
     fe = Frontend(tiny_model_dir, SchedulerConfig(payload_encoding="pixels", max_model_len=300))
     turns = user(ImagePart(encoded(224, 224)), TextPart("the quick brown fox jumps " * 45))  # 64 + ~400 tokens
-    with pytest.raises(InvalidArgument, match="the prompt has"):
+    with pytest.raises(InvalidArgument, match=r"^messages: \d+ prompt tokens \+ 1 to generate"):  # the whole prompt
         fe.process(turns)
     assert fe.counts["images_decoded"] == 1 and fe.cache.used == 0 and len(fe.cache) == 0
     ok = fe.process(user(ImagePart(encoded(224, 224)), TextPart("short")))
