@@ -96,7 +96,7 @@ def check_images_fit(images: Iterable[tuple[str, str, int]], generate: int, cont
     total = 0
     for field, what, tokens in images:
         total += tokens
-        detail = f"{what} takes {tokens}, the images up to it {total}"
+        detail = f"{what} takes {tokens}" + (f", the images up to it {total}" if total > tokens else "")
         how = {"at_least": True, "detail": detail, "shorten": "smaller or fewer images"}
         check_context((field, GENERATE_FIELD), total, generate, context, **how)
 
