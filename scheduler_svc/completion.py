@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from common import tracing
-from common.errors import InvalidArgument, MmcastError, Unavailable
-from scheduler_svc import affinity_key, request_parsing
+from common.errors import MmcastError, Unavailable
+from scheduler_svc import admission, affinity_key, request_parsing
 from scheduler_svc.detok import TextStream
 from scheduler_svc.engine import Engine, FinishEvent, RequestHandle, TokenEvent
 from scheduler_svc.request_log import RequestSummary
@@ -29,7 +29,7 @@ from scheduler_svc.tenancy import scoped_cache_salt, scoped_request_id
 log = logging.getLogger("scheduler_svc.servicer")  # the name the request log lines have always carried
 
 # Field paths the shared checks name; each door renames them to its own request's paths where they differ.
-MAX_TOKENS_FIELD = "sampling.max_tokens"
+MAX_TOKENS_FIELD = admission.GENERATE_FIELD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,12 +227,8 @@ class Completions:
             sampling = dataclasses.replace(
                 sampling, max_tokens=max(1, min(self.config.max_tokens_limit, context - prompt_tokens))
             )
-        if prompt_tokens + sampling.max_tokens > context:
-            raise InvalidArgument(
-                f"prompt has {prompt_tokens} tokens and {MAX_TOKENS_FIELD}={sampling.max_tokens}: together "
-                f"{prompt_tokens + sampling.max_tokens} exceed the model context {context}",
-                field=("messages" if req.prompt is None else "prompt", MAX_TOKENS_FIELD),
-            )
+        prompt_field = "messages" if req.prompt is None else "prompt"
+        admission.check_request_fits(prompt_field, prompt_tokens, sampling.max_tokens, context)
         salt = scoped_cache_salt(req.tenant, req.cache_salt)
         handle = self.engine.submit(self.make_request(request_id, processed, sampling, salt), req.received)
         try:

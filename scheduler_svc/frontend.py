@@ -17,19 +17,21 @@ Every check whose input is at hand runs before the work it protects (docs/SECURI
    then the processor cache keyed by the tenant and that sha256 (a hit: no decoding, preprocessing or hashing), else
    the header (``common.image_header``: allowed formats only, pixels, placeholder tokens by the processor's
    resize rule) — before any pixel is decoded;
-3. the images' tokens plus the tokens to generate against the context — before any image is decoded;
+3. the images' tokens plus the tokens to generate against the context (``admission.check_images_fit``) — before
+   any image is decoded;
 4. decode, EXIF orientation, preprocess (at most ``--max-concurrent-decodes`` at once) and
    ``common.hashing.item_identifier(encoded bytes, processor settings, scope=tenant)``;
 5. the chat template with one image token per image, tokenized once with the calling thread's own tokenizer, each
    image token expanded to the item's placeholder count exactly as the processor would (tests compare with the
-   processor itself); the whole prompt against the context.
+   processor itself); the whole prompt against the context (``admission.check_prompt_fits``).
 Newly processed images enter the processor cache only through ``commit``, once the request is admitted.
 All of it runs on the service's thread pool, never on the event loop.
 
 Errors (``common.errors``; messages name the field, the value, the limit and the flag):
 InvalidArgument — unknown role, empty prompt, too many images, text over ``max_prompt_bytes``, an image of a format
 not in ``image_formats``, undecodable / zero-size / over-``max_image_pixels`` image, images whose tokens exceed the
-context, image placeholder text in a message, prompt not shorter than the context; ResourceExhausted — an image
+context, image placeholder text in a message, prompt not shorter than the context (the context limit's one message:
+``scheduler_svc/admission.py``); ResourceExhausted — an image
 over ``max_upload_bytes``, a request over ``max_request_bytes``; NotFound — an uploaded hash not in the store.
 """
 
@@ -63,6 +65,7 @@ from common.multimodal import (
     PayloadEncoding,
     PlaceholderRange,
 )
+from scheduler_svc import admission
 from scheduler_svc.config import PROMPT_BYTES_PER_TOKEN, SchedulerConfig, context_length
 from scheduler_svc.upload_store import ByteLRU, UploadStore
 
@@ -195,13 +198,7 @@ class Frontend:
 
         Nothing is decoded. A single image over the context is refused here too: no request could use it."""
         image, header = self.headers.open(data, field)
-        if self.max_model_len and header.tokens >= self.max_model_len:
-            raise InvalidArgument(
-                f"{field}: the {header.width}x{header.height} image takes {header.tokens} prompt tokens; the context "
-                f"holds {self.max_model_len} (--max-model-len / the model's max_position_embeddings); send a smaller "
-                "image",
-                field=field,
-            )
+        admission.check_image_fits(field, header.width, header.height, header.tokens, self.max_model_len)
         return image, header
 
     def _decode(self, pending: _Pending, tenant: str) -> _Processed:
@@ -262,22 +259,15 @@ class Frontend:
             seen[key] = _Pending(field, key, data, image=image, header=header, tokens=header.tokens)
         return seen[key]
 
-    def _check_image_tokens(self, pending: list[_Pending], context: int, reserve: int) -> None:
+    @staticmethod
+    def _check_image_tokens(pending: list[_Pending], context: int, reserve: int) -> None:
         """The prompt holds at least every image's placeholders: refuse before decoding when they alone, with the
-        tokens to generate, exceed the context."""
-        if not context:
-            return
-        total = 0
-        for p in pending:
-            total += p.tokens
-            if total + reserve > context:
-                size = f"the {p.header.width}x{p.header.height} image" if p.header else "the image"
-                raise InvalidArgument(
-                    f"{p.field}: {size} takes {p.tokens} prompt tokens ({total} for the images up to it) and "
-                    f"{reserve} more are to be generated: over the context of {context} tokens (--max-model-len / "
-                    "the model's max_position_embeddings); send a smaller image or fewer images",
-                    field=(p.field, "sampling.max_tokens"),
-                )
+        tokens to generate, exceed the context (admission.check_images_fit)."""
+        images = [
+            (p.field, f"the {p.header.width}x{p.header.height} image" if p.header else "the image", p.tokens)
+            for p in pending
+        ]
+        admission.check_images_fit(images, reserve, context)
 
     # --- text ----------------------------------------------------------------------------------------------
     def _thread_tokenizer(self):
@@ -338,12 +328,7 @@ class Frontend:
         hits = len(pending) - len(decoded)  # from the cache, or a repeat of an image earlier in the request
         template_ids = self._tokenize(messages, add_generation_prompt)
         token_ids, features = self._expand(template_ids, processed)
-        if self.max_model_len and len(token_ids) >= self.max_model_len:
-            raise InvalidArgument(
-                f"the prompt has {len(token_ids)} tokens; the context holds {self.max_model_len} including at least "
-                "one generated token (--max-model-len / the model's max_position_embeddings)",
-                field="messages",
-            )
+        admission.check_prompt_fits("messages", len(token_ids), 1, context)
         return ProcessedPrompt(
             token_ids,
             features,
@@ -379,12 +364,7 @@ class Frontend:
         self._count("prompts_tokenized", 1)
         self._count("tokenized_bytes", size)
         token_ids = tokenizer(prompt)["input_ids"]
-        if context and len(token_ids) + max(1, reserve_tokens) > context:
-            raise InvalidArgument(
-                f"the prompt has {len(token_ids)} tokens; with {max(1, reserve_tokens)} to generate that exceeds the "
-                f"context of {context} tokens (--max-model-len / the model's max_position_embeddings)",
-                field=("prompt", "sampling.max_tokens"),
-            )
+        admission.check_prompt_fits(("prompt", admission.GENERATE_FIELD), len(token_ids), reserve_tokens, context)
         return ProcessedPrompt(token_ids, [], 0, [], 0, [], 0.0, [])
 
     def commit(self, prompt: ProcessedPrompt) -> None:

@@ -15,6 +15,7 @@ from common.errors import InvalidArgument
 from common.ids import BlockHash, RequestId
 from common.multimodal import MultiModalFeatureSpec
 from scheduler_svc.accounting import RequestUsage
+from scheduler_svc.admission import check_max_tokens_fits
 
 
 class FinishReason(enum.Enum):
@@ -63,13 +64,7 @@ def validate_sampling(
             f"sampling.max_tokens={sampling.max_tokens} exceeds the limit {max_tokens_limit} (--max-tokens-limit)",
             field="sampling.max_tokens",
         )
-    if num_prompt_tokens + sampling.max_tokens > max_model_len:
-        raise InvalidArgument(
-            f"sampling.max_tokens={sampling.max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds the "
-            f"context of {max_model_len} tokens (--max-model-len); ask for at most "
-            f"{max(max_model_len - num_prompt_tokens, 0)}",
-            field="sampling.max_tokens",
-        )
+    check_max_tokens_fits(num_prompt_tokens, sampling.max_tokens, max_model_len)
     if not 0.0 <= sampling.temperature <= 2.0:
         raise InvalidArgument(
             f"sampling.temperature={sampling.temperature} must be in [0, 2]", field="sampling.temperature"

@@ -54,6 +54,7 @@ from common.errors import (
     Status,
 )
 from common.ids import ItemId, RequestId
+from scheduler_svc import admission
 from scheduler_svc.config import SchedulerConfig, context_length
 from scheduler_svc.inputs import GroupBudget, StepOutcome
 from scheduler_svc.kv_cache import KVCacheManager
@@ -157,12 +158,7 @@ class Scheduler:
             )
         if not request.prompt_token_ids:
             raise InvalidArgument("the prompt is empty: at least one token is needed", field="messages")
-        if request.num_tokens >= self.max_model_len:
-            raise InvalidArgument(
-                f"the prompt has {request.num_tokens} tokens; the context holds {self.max_model_len} "
-                f"(--max-model-len) including at least one generated token",
-                field="messages",
-            )
+        admission.check_core_fits(request.num_tokens, self.max_model_len)  # a defence: the service checked it
         validate_sampling(
             request.sampling,
             request.num_tokens,

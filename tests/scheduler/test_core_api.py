@@ -75,7 +75,7 @@ def _with_feature_payload(nbytes_rows: int):
     ("make_kwargs", "req", "error", "needles"),
     [
         ({}, plain("r", 0), InvalidArgument, ["prompt is empty"]),
-        ({}, plain("r", 600), InvalidArgument, ["600 tokens", "512", "--max-model-len"]),
+        ({}, plain("r", 600), InvalidArgument, ["600 prompt tokens", "context of 512", "--max-model-len"]),
         ({}, plain(max_tokens=0), InvalidArgument, ["sampling.max_tokens=0"]),
         ({}, plain(max_tokens=505), InvalidArgument, ["sampling.max_tokens=505", "context of 512", "at most 502"]),
         ({"max_tokens_limit": 8}, plain(max_tokens=9), InvalidArgument, ["max_tokens=9", "8", "--max-tokens-limit"]),

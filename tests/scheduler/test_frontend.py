@@ -259,7 +259,7 @@ def user(*parts):
             {"max_model_len": 40},
             user(TextPart("a long question " * 10)),
             InvalidArgument,
-            ["tokens", "context holds 40", "--max-model-len"],
+            ["messages: ", "prompt tokens", "context of 40 tokens", "--max-model-len"],
         ),
         (
             {},

@@ -55,7 +55,9 @@ def test_status_table(err, status, kind, retry_after):
 
 def test_field_names_are_the_bodys():
     err = InvalidArgument(
-        "prompt has 9 tokens and sampling.max_tokens=100: together 109 exceed the model context 64",
+        "messages and sampling.max_tokens: 9 prompt tokens + 100 to generate (sampling.max_tokens=100) = 109 tokens, "
+        "over the context of 64 tokens (--max-model-len / the model's max_position_embeddings); send a shorter prompt "
+        "or set sampling.max_tokens to at most 55",
         field=("messages", "sampling.max_tokens"),
     )
     http = openai_errors.from_mmcast(err, {"sampling.max_tokens": "max_completion_tokens"})

@@ -605,7 +605,8 @@ def _(ctx):
     "prompt-plus-max-tokens-over-context",
     "INVALID_ARGUMENT",
     "sampling.max_tokens=500",
-    "exceed the model context 1024",
+    "500 to generate",
+    "context of 1024",
     what="a 700-token prompt with max_tokens 500",
 )
 def _(ctx):
