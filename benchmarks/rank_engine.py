@@ -13,7 +13,8 @@ Jobs: N = 1, 4, 16, 32 concurrent text requests with equal (~1k tokens) or mixed
 number of new tokens each. Served: one local group (TP 1, real processes), all N requests of a job sent at once
 through the SDK with token streaming. Reference: one process with plain transformers, the same prompt token ids
 left-padded into one batch, ``generate`` with the same new tokens. The two sides take turns job by job (never at
-the same time), so a machine whose load drifts weighs on both alike.
+the same time), so a machine whose load drifts weighs on both alike; the rank gets every CPU, as the transformers
+process does (``MMCAST_RESERVED_CPUS=0``; serve-local's default leaves one to the scheduler).
 
 Figures per job, both sides: prefill tokens/s (real prompt tokens over the time until every request has its first
 token) and decode tokens/s (tokens produced after the last first token, over that phase: pure decode steps on both
@@ -279,6 +280,9 @@ def run_jobs(
     blocks = 2 * (peak // 16 + 64 * 4)  # the largest job twice over: room beside the prefix cache's freed blocks
     out = []
     reference = Reference(model)
+    # The rank takes every CPU, as the transformers process does: the two take turns, never run at once, and the
+    # question is the forward's. (serve-local leaves one CPU to the scheduler: MMCAST_RESERVED_CPUS=1.)
+    env = {**(os.environ if env is None else env), "MMCAST_RESERVED_CPUS": "0"}
     try:
         # A long prefill step on a loaded 2-core machine can outlast the scheduler's default step timeout (120 s),
         # which would count the group as lost and restart it mid-job.
