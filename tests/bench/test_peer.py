@@ -24,6 +24,18 @@ def _point(rate, p99, throughput, wait=0.0, offered=10, failed=0):
     }
 
 
+def test_throughput_at_the_slo_compares_the_rate_held_then_ties_within_one_percent():
+    from benchmarks.peer_report import throughput_held
+
+    assert throughput_held({"rate": 2.0, "request_throughput": 1.5}, {"rate": 1.0, "request_throughput": 0.8})
+    assert not throughput_held({"rate": 1.0, "request_throughput": 0.8}, {"rate": 2.0, "request_throughput": 1.5})
+    # The same schedule served whole by both: the achieved rates differ by when the last answer landed.
+    assert throughput_held({"rate": 1.0, "request_throughput": 0.8097}, {"rate": 1.0, "request_throughput": 0.8101})
+    assert not throughput_held({"rate": 1.0, "request_throughput": 0.78}, {"rate": 1.0, "request_throughput": 0.81})
+    assert not throughput_held({"rate": None, "request_throughput": 0.0}, {"rate": 0.5, "request_throughput": 0.5})
+    assert throughput_held({"rate": 0.5, "request_throughput": 0.5}, {"rate": None, "request_throughput": 0.0})
+
+
 def test_a_rate_is_held_within_the_slo_without_holding_conversations_back():
     from benchmarks.peer_report import at_slo, holds
 
