@@ -10,19 +10,16 @@ fails its request alone with INVALID_ARGUMENT, the group keeps serving without a
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 
 import pytest
 
-from mmcast_client import Client, InvalidArgument
+from mmcast_client import InvalidArgument
 from mmcast_local.synthetic_images import synthetic_jpeg
-from scheduler_svc.config import SchedulerConfig
 from tests.support.oracle import GENERATE, Oracle, assert_matches, scrape, user_turn
 from tests.support.rank_group import Group
-from tests.support.service_harness import scheduler_server
-from tests.support.worker_driver import rank_token_file
+from tests.support.service_harness import scheduler_client
 
 pytestmark = pytest.mark.slow
 
@@ -54,21 +51,9 @@ def oracle(tiny_model_dir) -> Oracle:
     return Oracle(tiny_model_dir)
 
 
-@contextlib.contextmanager
 def scheduler(ranks, model_dir, **settings):
     """The real scheduler server, connected to the shared ranks under a new epoch; yields an SDK client."""
-    config = SchedulerConfig(
-        model=str(model_dir),
-        workers=[f"127.0.0.1:{p}" for p in ranks.ports],
-        listen="127.0.0.1:0",
-        metrics_port=0,
-        worker_token_file=rank_token_file(),
-        scheduler_id="test",
-        kv_blocks=128,
-        **settings,
-    )
-    with scheduler_server(config) as port, Client(f"127.0.0.1:{port}", timeout=300) as client:
-        yield client
+    return scheduler_client(ranks.ports, model_dir, **settings)
 
 
 @pytest.mark.parametrize(("encoding", "placement", "mode"), COMBINATIONS)

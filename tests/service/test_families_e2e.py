@@ -12,20 +12,16 @@ shows the comparison can fail.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
 
 from common.multimodal import PayloadState
-from mmcast_client import Client
 from mmcast_local.synthetic_images import synthetic_jpeg
 from scheduler_svc import plan_proto
-from scheduler_svc.config import SchedulerConfig
 from tests.support.oracle import GENERATE, Oracle, assert_matches, mismatch, user_turn
 from tests.support.rank_group import Group
-from tests.support.service_harness import scheduler_server
-from tests.support.worker_driver import rank_token_file
+from tests.support.service_harness import scheduler_client
 
 pytestmark = pytest.mark.slow
 
@@ -76,20 +72,9 @@ def image(family: str, seed: int) -> bytes:
     return synthetic_jpeg(8000 + seed, FAMILIES[family].size)
 
 
-@contextlib.contextmanager
 def scheduler(ranks, model_dir, **settings):
-    config = SchedulerConfig(
-        model=str(model_dir),
-        workers=[f"127.0.0.1:{p}" for p in ranks.ports],
-        listen="127.0.0.1:0",
-        metrics_port=0,
-        worker_token_file=rank_token_file(),
-        scheduler_id="test",
-        kv_blocks=128,
-        **settings,
-    )
-    with scheduler_server(config) as port, Client(f"127.0.0.1:{port}", timeout=300) as client:
-        yield client
+    """The real scheduler server, connected to the shared ranks under a new epoch; yields an SDK client."""
+    return scheduler_client(ranks.ports, model_dir, **settings)
 
 
 def two_images(a: bytes, b: bytes) -> list[dict]:

@@ -49,6 +49,25 @@ def scheduler_server(config: SchedulerConfig, ready_timeout: float = 60.0):
             loop.close()
 
 
+@contextlib.contextmanager
+def scheduler_client(rank_ports, model_dir, **settings):
+    """The real scheduler server connected to real ranks listening on ``rank_ports`` (the shared test token, a new
+    epoch), with 128 KV blocks unless ``settings`` say otherwise; yields an SDK client of it."""
+    from mmcast_client import Client
+
+    settings = {"kv_blocks": 128, "scheduler_id": "test", **settings}
+    config = SchedulerConfig(
+        model=str(model_dir),
+        workers=[f"127.0.0.1:{p}" for p in rank_ports],
+        listen="127.0.0.1:0",
+        metrics_port=0,
+        worker_token_file=rank_token_file(),
+        **settings,
+    )
+    with scheduler_server(config) as port, Client(f"127.0.0.1:{port}", timeout=300) as client:
+        yield client
+
+
 class FakeGroupScheduler:
     """A scheduler process's insides on loopback, with ``n_ranks`` recording fake ranks that demand the shared
     token, which the scheduler sends (``--worker-token-file``)."""
