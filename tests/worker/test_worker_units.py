@@ -141,6 +141,59 @@ def test_paged_attention_writes_slots_and_reads_fragmented_tables():
         torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows():
+    torch.manual_seed(1)
+    block, heads, kv_heads, dim = 4, 4, 2, 8
+    pool = kv_pool.KVPool(
+        num_layers=1,
+        kv_heads=kv_heads,
+        head_dim=dim,
+        num_blocks=64,
+        block_size=block,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    pool.data.normal_()
+    # decodes of contexts 9, 10, 12 (fragmented tables, one batch padded to 12), one of 40 (too long to pad the
+    # others to: a batch of its own, attended alone), a prefill chunk between them, and a decode that shares its
+    # first blocks with another (a cached prefix)
+    windows = [
+        ([5, 1, 30], 8, 9),
+        ([20, 21, 22, 23, 24, 25, 26, 27, 28, 29], 39, 40),
+        ([2, 3], 0, 6),
+        ([7, 9, 11], 9, 10),
+        ([5, 1, 12], 11, 12),
+    ]
+    step = paged_attention.plan_step(pool.data, [(ids, a, b) for ids, a, b in windows], block)
+    (batch,) = step.batches
+    assert batch.width == 12 and sorted(batch.tokens.tolist()) == [0, 8, 9]
+    assert {s.start for s in step.singles} == {1, 2}  # the long decode alone, and the chunk
+    assert batch.bias is not None and torch.isinf(batch.bias).sum() == (12 - 9) + (12 - 10)
+    # padding repeats the window's own last row: no other request's keys, and finite values even under the mask
+    rows = batch.rows.view(3, 12)
+    for i, (ids, _, context) in enumerate(
+        sorted((w for w in windows if w[2] - w[1] == 1 and w[2] < 40), key=lambda w: -w[2])
+    ):
+        own = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[:context]
+        assert rows[i, :context].tolist() == own.tolist() and set(rows[i, context:].tolist()) <= {own[-1].item()}
+    tokens = sum(b - a for _, a, b in windows)
+    q, k, v = (
+        torch.randn(1, heads, tokens, dim),
+        torch.randn(1, kv_heads, tokens, dim),
+        torch.randn(1, kv_heads, tokens, dim),
+    )
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    out, _ = paged_attention.paged_attention(module, q, k, v, None, scaling=0.3, paged_step=step)
+    for (ids, computed, end), span in zip(windows, step.spans, strict=True):
+        rows = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[:end]
+        n = end - computed
+        want = _reference_attention(
+            q[0, :, span.start : span.end], pool.rows(0, 0)[:, rows], pool.rows(0, 1)[:, rows], end, n, 0.3
+        )
+        torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+
+
 # --- sampling --------------------------------------------------------------------------------------------------
 
 
