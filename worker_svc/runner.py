@@ -86,6 +86,23 @@ class ForwardInput:
     want_logits: bool  # True when the window ends at the request's last known token
 
 
+@dataclasses.dataclass(frozen=True)
+class StepLogits:
+    """The last-token logits of a forward's windows: one float32 ``[wanted, vocab]`` tensor for every window that
+    samples (sampled in one call, ``worker_svc/sampling.py``'s ``sample_batch``), and each window's row in it."""
+
+    batch: torch.Tensor | None  # [rows, vocab]; None when no window samples
+    rows: list[int | None]  # per window, in forward order: its row of ``batch``, or None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor | None:
+        """Window ``i``'s ``[vocab]`` logits (a view of ``batch``), or None."""
+        row = self.rows[i]
+        return None if row is None else self.batch[row]
+
+
 class ModelRunner:
     """Owns the model and the KV pool of this rank. Not thread-safe: one compute thread calls it."""
 
@@ -246,11 +263,11 @@ class ModelRunner:
         return self.family.text_model_kwargs(self.hidden, base, flat[order], torch.cat(rows)[order])
 
     @torch.inference_mode()
-    def forward(self, items: Sequence[ForwardInput]) -> list[torch.Tensor | None]:
+    def forward(self, items: Sequence[ForwardInput]) -> StepLogits:
         """Runs every item's window in one forward and returns its last-token logits (float32 ``[vocab]``) where
         wanted. Each window's KV lands in the pool at its block table's slots."""
         if not items:
-            return []
+            return StepLogits(None, [])
         step = paged_attention.plan_step(
             self.pool.data, [(it.block_ids, it.start, it.start + len(it.token_ids)) for it in items], self.block_size
         )
@@ -266,9 +283,8 @@ class ModelRunner:
             **self._encoder_kwargs(items),
         ).last_hidden_state[0]
         wanted = [span.end - 1 for span, it in zip(step.spans, items, strict=True) if it.want_logits]
-        out: list[torch.Tensor | None] = [None] * len(items)
-        if wanted:
-            logits = self.model.lm_head(hidden[torch.tensor(wanted, device=hidden.device)]).float()
-            rows = iter(logits)
-            out = [next(rows) if it.want_logits else None for it in items]
-        return out
+        if not wanted:
+            return StepLogits(None, [None] * len(items))
+        logits = self.model.lm_head(hidden[torch.tensor(wanted, device=hidden.device)]).float()
+        rows = iter(range(len(wanted)))
+        return StepLogits(logits, [next(rows) if it.want_logits else None for it in items])

@@ -4,6 +4,9 @@ The draw for output token ``i`` uses a fresh CPU generator seeded from ``(seed, 
 preemption or recovery repeats exactly the draws it made before. Log-probabilities are those of the unmodified
 model distribution (``log_softmax`` of the logits), whatever temperature, top-k and top-p did to the draw.
 
+A step samples every request in one ``sample_batch`` call, equal to ``sample`` row by row (tests check it on fuzzed
+batches): the greedy rows share one finiteness check, one ``argmax`` and one ``log_softmax``.
+
 ``sample`` is total over its parameters: whatever the temperature, top-k, top-p, seed or logprobs count (NaN,
 infinities, -0.0, denormals, negative or huge values) it returns a token inside the vocabulary and log-probabilities
 that are never NaN. The rules, in order:
@@ -134,3 +137,52 @@ def sample(logits: torch.Tensor, params: SamplingParams, index: int) -> Sample:
         values, ids = torch.topk(logprobs, k)
         top = [(i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v != -math.inf]
     return Sample(token, float(logprobs[token]), top)
+
+
+def sample_batch(
+    logits: torch.Tensor, params: list[SamplingParams], indices: list[int]
+) -> list[Sample | SamplingError]:
+    """``sample`` of every row of ``logits`` (``[n, vocab]``) with its own parameters and output index, one result
+    per row: its ``Sample``, or the ``SamplingError`` that row alone raised.
+
+    Equal to calling ``sample`` row by row; what is common to the rows is done once: one finiteness check, one
+    ``argmax`` for the greedy rows, one ``log_softmax`` and one ``topk`` for the rows that want log-probabilities.
+    Rows that draw (a temperature) or hold a non-finite value go through ``sample`` alone: their generator is
+    seeded per row, and their cleaning is per row."""
+    n = logits.shape[0]
+    logits = logits.detach().float()
+    finite = torch.isfinite(logits.sum(dim=-1)).tolist() if n else []  # one reduction; NaN/inf shows in the sum
+    out: list[Sample | SamplingError | None] = [None] * n
+    greedy = [i for i in range(n) if finite[i] and is_greedy(float(params[i].temperature))]
+    for i in range(n):
+        if out[i] is None and i not in greedy:
+            try:
+                out[i] = sample(logits[i], params[i], indices[i])
+            except SamplingError as exc:
+                out[i] = exc
+    if greedy:
+        rows = logits[greedy] if len(greedy) < n else logits
+        tokens = torch.argmax(rows, dim=-1).tolist()
+        wanting = [j for j, i in enumerate(greedy) if params[i].return_logprobs]
+        lp_of: dict[int, tuple[float, list[tuple[int, float]]]] = {}
+        if wanting:
+            logprobs = torch.log_softmax(rows[wanting], dim=-1)
+            chosen = logprobs.gather(1, torch.tensor([[tokens[j]] for j in wanting])).flatten().tolist()
+            k = min(max(int(params[greedy[j]].logprobs) for j in wanting), logprobs.shape[-1])
+            values, ids = torch.topk(logprobs, k) if k > 0 else (None, None)
+            for r, j in enumerate(wanting):
+                top: list[tuple[int, float]] = []
+                kj = min(int(params[greedy[j]].logprobs), logprobs.shape[-1])
+                if kj > 0:
+                    top = [
+                        (t, v)
+                        for t, v in zip(ids[r, :kj].tolist(), values[r, :kj].tolist(), strict=True)
+                        if v != -math.inf
+                    ]
+                lp_of[j] = (chosen[r], top)
+        for j, i in enumerate(greedy):
+            if j in lp_of:
+                out[i] = Sample(tokens[j], *lp_of[j])
+            else:
+                out[i] = Sample(tokens[j], None, [])
+    return out  # type: ignore[return-value]

@@ -30,8 +30,8 @@ from worker_svc import step_checks as checks
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.request_state import RequestState
-from worker_svc.runner import ForwardInput
-from worker_svc.sampling import Sample, SamplingError, sample
+from worker_svc.runner import ForwardInput, StepLogits
+from worker_svc.sampling import Sample, SamplingError, sample, sample_batch
 from worker_svc.step_errors import StepError, code
 
 log = logging.getLogger(__name__)
@@ -315,29 +315,49 @@ class Session:
             )
         logits = r.forward(inputs)
 
-        for (state, _start, end), row in zip(windows, logits, strict=True):
+        sampling: list[RequestState] = []
+        for (state, _start, end), row in zip(windows, logits.rows, strict=True):
             state.num_computed = end
             full = end // r.block_size  # blocks now complete in the pool: a later request's prefix may read them
             self.written.update(state.block_ids[state.blocks_in_pool : full])
             state.blocks_in_pool = max(state.blocks_in_pool, full)
             if row is not None and self.rank == 0:
-                drawn = self._sample(state, row)
+                sampling.append(state)
+        if sampling:
+            for state, drawn in zip(sampling, self._sample(sampling, logits), strict=True):
                 (outcome.sampled if isinstance(drawn, Sample) else outcome.failed).append((state.request_id, drawn))
         self._report_sizes()
         return outcome
 
-    def _sample(self, state: RequestState, row: torch.Tensor) -> Sample | str:
-        """The request's token, or why sampling it failed. Sampling runs after every collective of the step and
-        only here on rank 0, so a failure is the request's alone: the group's state is intact (see worker.py)."""
+    def _sample(self, states: list[RequestState], logits: StepLogits) -> list[Sample | str]:
+        """Each request's token, or why sampling it failed, in one batched call (``sample_batch``). Sampling runs
+        after every collective of the step and only here on rank 0, so a failure is the request's alone: the
+        group's state is intact (see worker.py). Should the batched call itself fail, each request is sampled
+        alone, so only the request whose draw raises fails."""
+        params = [s.sampling for s in states]
+        indices = [s.num_output_tokens for s in states]
+        rows = [row for row in logits.rows if row is not None]  # 0, 1, ...: every window that samples, in order
         try:
-            return sample(row, state.sampling, state.num_output_tokens)
-        except Exception as exc:  # any failure of one request's draw or log-probabilities
+            drawn: list = sample_batch(logits.batch, params, indices)
+        except Exception:  # noqa: BLE001 - isolate the failing request below
+            drawn = []
+            for state, row in zip(states, rows, strict=True):
+                try:
+                    drawn.append(sample(logits.batch[row], state.sampling, state.num_output_tokens))
+                except Exception as exc:  # any failure of one request's draw or log-probabilities
+                    drawn.append(exc)
+        out: list[Sample | str] = []
+        for state, got in zip(states, drawn, strict=True):
+            if isinstance(got, Sample):
+                out.append(got)
+                continue
             log.warning(
                 "sampling failed; the request fails alone",
-                extra={"request_id": state.request_id, "error": repr(exc)},
-                exc_info=not isinstance(exc, SamplingError),
+                extra={"request_id": state.request_id, "error": repr(got)},
+                exc_info=(type(got), got, got.__traceback__) if not isinstance(got, SamplingError) else False,
             )
-            return f"sampling failed on rank {self.rank}: {exc}"
+            out.append(f"sampling failed on rank {self.rank}: {got}")
+        return out
 
     def _report_sizes(self) -> None:
         if self.metrics is not None:

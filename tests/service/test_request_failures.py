@@ -1,7 +1,7 @@
 """A request that fails at the rank fails alone: the real scheduler service in-process, connected to a real
 in-process rank (world size 1, the tiny model), with rank 0's sampler made to raise for marked requests.
 
-The failure is injected by wrapping ``worker_svc.session.sample`` in the test (no fault hook in production code):
+The failure is injected by wrapping ``worker_svc.session.sample_batch`` and ``sample`` in the test (no fault hook in production code):
 requests with seed ``FAIL_SEED + k`` raise from output token ``k`` on. Checked: the failing request ends with
 INTERNAL naming its id (an abort when nothing was streamed, a final with the error otherwise), a concurrent request
 is answered exactly as the transformers oracle answers it, the rank's stream is never torn down (no recovery), the
@@ -29,13 +29,29 @@ FAIL_SEED = 7_000_000
 N = 8
 
 
+def _marked(params, index) -> bool:
+    return FAIL_SEED <= params.seed < FAIL_SEED + 100 and index >= params.seed - FAIL_SEED
+
+
 def failing_sample(real):
     def sample(row, params, index):
-        if FAIL_SEED <= params.seed < FAIL_SEED + 100 and index >= params.seed - FAIL_SEED:
+        if _marked(params, index):
             raise RuntimeError(f"injected failure at output token {index}")
         return real(row, params, index)
 
     return sample
+
+
+def failing_batch(real):
+    """The step's batched draw raises when any of its rows is marked: the rank then samples each request alone
+    (``session.sample``, also failing for the marked ones), so only those fail."""
+
+    def sample_batch(logits, params, indices):
+        if any(_marked(p, i) for p, i in zip(params, indices, strict=True)):
+            raise RuntimeError("injected failure of the batched draw")
+        return real(logits, params, indices)
+
+    return sample_batch
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +116,7 @@ def counter(server, name, **labels):
 def test_a_request_that_fails_at_the_rank_fails_alone(service, tiny_model_dir, monkeypatch):
     server, rank, target = service
     monkeypatch.setattr(session_module, "sample", failing_sample(session_module.sample))
+    monkeypatch.setattr(session_module, "sample_batch", failing_batch(session_module.sample_batch))
     oracle = Oracle(tiny_model_dir)
     good_prompt, later_prompt = "Describe a quiet harbour at dawn.", "Name three colours of the sea."
     expected = oracle([{"role": "user", "content": good_prompt}], N)

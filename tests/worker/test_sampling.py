@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker_svc.sampling import GREEDY_EPSILON, SamplingError, SamplingParams, draw_seed, sample
+from worker_svc.sampling import GREEDY_EPSILON, SamplingError, SamplingParams, draw_seed, sample, sample_batch
 
 VOCAB = 64
 SCALE = 100  # make fuzz: this many times the examples of make test
@@ -319,6 +319,67 @@ def test_fuzz_sampling_parameters():
 @pytest.mark.fuzz
 def test_fuzz_logits():
     fuzz_logits(long=True)
+
+
+def check_batch(rows: list[torch.Tensor], params: list[SamplingParams], indices: list[int]) -> None:
+    """``sample_batch`` equals ``sample`` row by row: the same token, log-probabilities and alternatives, or the same
+    failure for that row alone."""
+    got = sample_batch(torch.stack(rows), params, indices)
+    assert len(got) == len(rows)
+    for row, p, index, g in zip(rows, params, indices, got, strict=True):
+        try:
+            want = sample(row, p, index)
+        except SamplingError:
+            assert isinstance(g, SamplingError)
+            continue
+        assert isinstance(g, type(want)) and g.token_id == want.token_id and g.top == want.top
+        assert g.logprob == want.logprob
+
+
+def test_a_batch_samples_each_row_as_alone():
+    rows = [logits_row(i) for i in range(6)]
+    rows[2] = rows[2].clone()
+    rows[2][5] = math.nan  # a non-finite row beside finite ones
+    rows[3] = torch.full((VOCAB,), -math.inf)  # no token at all: that row's failure only
+    rows[4] = rows[1].clone()  # ties across rows are irrelevant; within a row the first maximum wins
+    params = [
+        SamplingParams(),
+        SamplingParams(return_logprobs=True, logprobs=3),
+        SamplingParams(return_logprobs=True, logprobs=0),
+        SamplingParams(return_logprobs=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, return_logprobs=True, logprobs=5),
+        SamplingParams(return_logprobs=True, logprobs=VOCAB + 10),
+    ]
+    check_batch(rows, params, [0, 3, 1, 2, 9, 4])
+    got = sample_batch(torch.stack(rows), params, [0, 3, 1, 2, 9, 4])
+    assert isinstance(got[3], SamplingError) and all(isinstance(g, type(got[0])) for i, g in enumerate(got) if i != 3)
+    assert sample_batch(torch.empty(0, VOCAB), [], []) == []
+
+
+@given(
+    batch=st.lists(
+        st.tuples(
+            st.integers(0, 30),
+            st.lists(st.tuples(st.integers(0, VOCAB - 1), logit_values), max_size=3),
+            st.sampled_from([0.0, 1e-6, 0.7, math.nan]),
+            logprob_counts,
+            st.booleans(),
+            top_ks,
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+@settings(max_examples=60, deadline=None, database=None)
+def test_fuzz_a_batch_samples_each_row_as_alone(batch):
+    rows, params = [], []
+    for seed, edits, temperature, logprobs, return_logprobs, top_k in batch:
+        row = logits_row(seed)
+        for index, value in edits:
+            row[index] = value
+        rows.append(row)
+        params.append(SamplingParams(temperature, 0.9, seed, logprobs, return_logprobs, top_k))
+    check_batch(rows, params, list(range(len(rows))))
 
 
 @given(
