@@ -2,8 +2,9 @@
 
 - ``ladder``: the load workload (``peer_workloads.load``: multi-turn conversations, one new image a turn, Poisson
   arrivals) at increasing offered rates, stopping at the first rate the engine fails the SLO (``holds``), at the
-  last rate of the plan (the cap) or when the ladder's time budget is spent (``ladder_stops``). The rate failed
-  first is named in the report beside the highest rate held: a ladder that never fails has not found the limit.
+  last rate of the plan (the cap) or when the ladder's time budget is spent (``ladder_stops``); when its first
+  rate fails, the rates below it (``LoadPlan.below``) are offered down to one held. The lowest rate failed is
+  named in the report beside the highest rate held: a ladder that never fails has not found the limit.
 - ``closed_loop``: every request sent at once, the engine's batch as large as it makes it: one never-seen image
   per request (``new``), or one image warmed first and sent with every request beside distinct questions
   (``cached``). Request and output-token throughput over the span from the sends to the last token, TTFT p50/p99
@@ -60,6 +61,11 @@ async def ladder(client: Client, parts: Parts, plan: LoadPlan, slo_ms: float, te
     while (why := ladder_stops(points, slo_ms, plan.rates, time.monotonic() - t0, plan.budget_s)) is None:
         i = len(points)
         points.append(await step(f"load {plan.rates[i]:g}/s", load(client, parts, plan, i, texts)))
+    if why == "failed" and len(points) == 1:  # the first rate failed: down the rates below it to one held
+        for j, rate in enumerate(plan.below):
+            points.append(await step(f"load {rate:g}/s", load(client, parts, plan, len(plan.rates) + j, texts)))
+            if holds(points[-1], slo_ms):
+                break
     return {"points": points, "stopped": why, "first_failing_rate": first_failing_rate(points, slo_ms),
             "seconds": time.monotonic() - t0}  # fmt: skip
 

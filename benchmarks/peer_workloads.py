@@ -59,6 +59,14 @@ class LoadPlan:
     # load, so the higher rates get more conversations (more users, each turn still waiting for its answer).
     min_schedule_s: float = 0.0
     budget_s: float = float("inf")  # the ladder takes no further rate once this much time went into it
+    # Offered, highest first, only when the ladder's first rate fails: a limit below the ladder is named too, and
+    # the engine gets a throughput at the SLO instead of none.
+    below: tuple[float, ...] = ()
+
+    @property
+    def all_rates(self) -> tuple[float, ...]:
+        """The ladder's rates, then the ones below it: a rate's index here picks its seeds (``load``)."""
+        return self.rates + self.below
 
     def conversations_at(self, rate: float) -> int:
         return max(self.conversations, math.ceil(rate * self.min_schedule_s / self.turns))
@@ -132,7 +140,7 @@ async def new_images(
 
 
 async def load(client: Client, parts: Parts, plan: LoadPlan, rate_index: int, texts: dict) -> dict:
-    rate = plan.rates[rate_index]
+    rate = plan.all_rates[rate_index]
     conversations = plan.conversations_at(rate)
     total = conversations * plan.turns
     rng = random.Random(1234 + rate_index)  # the same schedule on every engine
