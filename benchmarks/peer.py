@@ -11,7 +11,8 @@ engines are compared request by request (random weights: near-ties may flip a to
 
 Output: ``benchmarks/results/<timestamp>-peer/``: ``results.json`` (machine, load average, versions, every request,
 every figure and the ratios mmcast / vLLM), ``results.md`` (the tables and goals), ``peer.png`` (matplotlib) and the
-engines' logs. ``--profile`` then runs the new-image and load workloads once more on mmcast TP 1 under py-spy
+engines' logs. ``--full`` runs every engine 3 times (rounds, engine after engine, each on a fresh start) and
+reports medians with their min–max; quick and smoke run once. ``--profile`` then runs the new-image and load workloads once more on mmcast TP 1 under py-spy
 (``benchmarks/peer_profile.py``); those runs are not timed figures.
 """
 
@@ -25,7 +26,7 @@ import os
 import sys
 import time
 
-from benchmarks import peer_report, peer_workloads
+from benchmarks import peer_capacity, peer_report, peer_stages, peer_workloads
 from benchmarks.peer_client import Client
 from benchmarks.peer_engines import Mmcast, Vllm
 from benchmarks.peer_workloads import LoadPlan, Parts
@@ -50,17 +51,31 @@ class Plan:
     sliding_turns: int
     window: int
     max_tokens: int = 8  # per request of the single-request workloads (TTFT is their subject)
+    closed_requests: int = 32  # the closed-loop workloads: every request at once, each new or one cached image
+    closed_tokens: int = 32
+    burst_decodes: int = 8  # decodes streaming before the burst; long enough to outlast its admission
+    burst_decode_tokens: int = 384
+    burst_requests: int = 24  # new-image requests arriving at once while they decode
+    burst_tokens: int = 16
+    rounds: int = 1  # runs of every engine (fresh starts, in turn); figures and ratios are medians over them
 
 
 PLANS = {
     # tests/bench/test_peer.py: every workload once, smallest sizes (mmcast alone where vLLM is not installed).
     "smoke": Plan("smoke", (1, 2), 1, ((448, 448),), {"448x448": (1, 2)}, 1,
-                  LoadPlan(rates=(2.0,), conversations=2, turns=2, max_tokens=4), 3, 2, max_tokens=4),
-    # ≤ 10 minutes after the installs: vLLM starts in ~40-95 s here, each mmcast group in ~10-45 s.
+                  LoadPlan(rates=(2.0, 4.0), conversations=2, turns=2, max_tokens=4, budget_s=15), 3, 2, max_tokens=4,
+                  closed_requests=3, closed_tokens=4, burst_decodes=2, burst_decode_tokens=64, burst_requests=3,
+                  burst_tokens=4),
+    # ≤ 10 minutes after the installs: vLLM starts in ~40-95 s here, each mmcast group in ~10-45 s. The ladder
+    # starts at 1/s (both engines held it on an idle machine; 0.5/s only where 1/s fails) and offers at least 12 s
+    # of arrivals a rate.
     "quick": Plan("quick", (2, 8, 16, 26), 3, ((448, 448),), {"448x448": (1, 4, 8)}, 2,
-                  LoadPlan(rates=(0.5, 1.0), conversations=8, turns=3, max_tokens=16), 8, 4),
+                  LoadPlan(rates=(1.0, 2.0, 3.0, 4.0, 6.0, 8.0), conversations=8, turns=3, max_tokens=16,
+                           min_schedule_s=12, budget_s=100, below=(0.5,)), 8, 4),
     "full": Plan("full", (2, 8, 16, 26), 6, ((448, 448), (1280, 720)), {"448x448": (1, 4, 8), "1280x720": (1, 2, 4)},
-                 3, LoadPlan(rates=(0.25, 0.5, 1.0, 1.5, 2.0), conversations=16, turns=4, max_tokens=32), 16, 6),
+                 3, LoadPlan(rates=(1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0), conversations=16, turns=4, max_tokens=32,
+                             min_schedule_s=30, budget_s=600, below=(0.5, 0.25)), 16, 6,
+                 closed_requests=40, burst_decode_tokens=512, burst_requests=40, burst_tokens=32, rounds=3),
 }  # fmt: skip
 
 
@@ -114,31 +129,41 @@ def prepare_images(plan: Plan, parts: Parts) -> None:
                 for j in range(n):
                     parts(seed + j, size)
                 seed += n
-    for r in range(len(plan.load.rates)):
-        for k in range(plan.load.conversations * plan.load.turns):
+    for r, rate in enumerate(plan.load.all_rates):
+        for k in range(plan.load.conversations_at(rate) * plan.load.turns):
             parts(seeds["load"] + 1000 * r + k)
+    for k in range(plan.closed_requests):
+        parts(seeds["max_new"] + k)
+    parts(seeds["max_cached"])
+    for k in range(plan.burst_requests):
+        parts(seeds["burst"] + k)
     for t in range(plan.sliding_turns):
         parts(seeds["sliding"] + t)
 
 
-async def drive(engine, plan: Plan, parts: Parts, log) -> dict:
+async def drive(engine, plan: Plan, parts: Parts, slo_ms: float, log) -> dict:
     """Every workload on one engine, in one event loop, with the engine's CPU seconds and the load average."""
     client = Client(engine.base_url)
+    # mmcast's scheduler: its stage histogram around each single request (vLLM: none, metrics_url is None)
+    probe = peer_stages.Probe(engine.metrics_url) if engine.metrics_url else None
     texts: dict[str, str] = {}
     out: dict = {"startup_s": engine.startup_s, "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     cpu: dict[str, float] = {}
 
-    async def step(name, coro):
+    async def step(name, coro, attach_cpu: bool = False):
         c0, t0 = engine_cpu_s(engine), time.monotonic()
         result = await coro
         cpu[name] = engine_cpu_s(engine) - c0
+        if attach_cpu:  # a load point carries its own CPU seconds (the CPU ratio per rate)
+            result["engine_cpu_s"] = cpu[name]
         log(f"{engine.name}: {name} in {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.2f})")
         return result
 
     try:
         await step("warmup", peer_workloads.warmup(client, parts))
         out["cached"] = await step(
-            "cached", peer_workloads.cached(client, parts, plan.cached_ns, plan.cached_repeats, plan.max_tokens, texts)
+            "cached",
+            peer_workloads.cached(client, parts, plan.cached_ns, plan.cached_repeats, plan.max_tokens, texts, probe),
         )
         new_ns = {size: plan.new_ns[f"{size[0]}x{size[1]}"] for size in plan.new_sizes}
         out["new"] = {}
@@ -146,14 +171,35 @@ async def drive(engine, plan: Plan, parts: Parts, log) -> dict:
             out["new"].update(
                 await step(
                     f"new {size[0]}x{size[1]}",
-                    peer_workloads.new_images(client, parts, [size], ns, plan.new_repeats, plan.max_tokens, texts),
+                    peer_workloads.new_images(
+                        client, parts, [size], ns, plan.new_repeats, plan.max_tokens, texts, probe
+                    ),
                 )
             )
-        out["load"] = []
-        for i in range(len(plan.load.rates)):
-            out["load"].append(
-                await step(f"load {plan.load.rates[i]:g}/s", peer_workloads.load(client, parts, plan.load, i, texts))
+        ladder = await peer_capacity.ladder(
+            client, parts, plan.load, slo_ms, texts, lambda name, coro: step(name, coro, attach_cpu=True)
+        )
+        out["load"] = ladder.pop("points")
+        out["ladder"] = ladder
+        log(f"{engine.name}: ladder stopped ({ladder['stopped']}), first rate failed {ladder['first_failing_rate']}")
+        out["max"] = {}
+        for variant in ("new", "cached"):
+            out["max"][variant] = await step(
+                f"closed loop {variant}",
+                peer_capacity.closed_loop(client, parts, plan.closed_requests, plan.closed_tokens, variant, texts),
             )
+        out["burst"] = await step(
+            "burst",
+            peer_capacity.burst(
+                client,
+                parts,
+                plan.burst_decodes,
+                plan.burst_decode_tokens,
+                plan.burst_requests,
+                plan.burst_tokens,
+                texts,
+            ),
+        )
         out["sliding"] = await step(
             "sliding", peer_workloads.sliding(client, parts, plan.sliding_turns, plan.window, plan.max_tokens, texts)
         )
@@ -208,23 +254,30 @@ def run(plan: Plan, out_dir: str, width: str, engines: list[str], slo_ms: float,
             "slo_ttft_p99_ms": slo_ms, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_meta(),
             "versions": versions(), "git": git_meta(), "engines": engines}  # fmt: skip
     log(f"plan {plan.name}, width {width}, engines {engines} -> {out_dir}")
-    results: dict[str, dict] = {}
-    for name in engines:
-        engine = start_engine(name, model, logs)
-        with engine:
-            log(f"{name} ready in {engine.startup_s:.1f} s at {engine.base_url}")
-            results[name] = asyncio.run(drive(engine, plan, parts, log))
+    rounds: dict[str, list[dict]] = {name: [] for name in engines}
+    for r in range(plan.rounds):  # engine after engine, then again: round i of every engine close in time
+        round_logs = logs if r == 0 else os.path.join(logs, f"round{r + 1}")
+        os.makedirs(round_logs, exist_ok=True)
+        for name in engines:
+            engine = start_engine(name, model, round_logs)
+            with engine:
+                log(f"{name} ready in {engine.startup_s:.1f} s at {engine.base_url} (round {r + 1}/{plan.rounds})")
+                rounds[name].append(asyncio.run(drive(engine, plan, parts, slo_ms, log)))
+    results = {name: runs[0] for name, runs in rounds.items()}
     meta["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     meta["wall_seconds"] = time.monotonic() - started
-    analysis = peer_report.analyze(results, model, slo_ms)
+    analysis = peer_report.analyze(rounds, model, slo_ms)
     if profile and "mmcast_tp1" in engines:
         from benchmarks import peer_profile
 
         analysis["profile"] = peer_profile.run(plan, model, parts, os.path.join(out_dir, "profile"), log)
     figures = peer_report.write_plots(out_dir, results, analysis, slo_ms)
     peer_report.write_markdown(os.path.join(out_dir, "results.md"), meta, results, analysis, figures)
+    data = {"meta": meta, "analysis": analysis, "engines": results}
+    if plan.rounds > 1:
+        data["more_rounds"] = {name: runs[1:] for name, runs in rounds.items()}  # "engines" holds round 1
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"meta": meta, "analysis": analysis, "engines": results}, f, indent=1, default=str)
+        json.dump(data, f, indent=1, default=str)
     log(f"wrote {out_dir}/results.md, results.json, {len(figures)} plot(s)")
     return analysis
 
@@ -247,10 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="p99 TTFT service level of the load workload (default 1000 ms head64, 5000 ms real)",
     )
+    parser.add_argument("--rounds", type=int, help="runs of every engine (default: the plan's; full 3, else 1)")
     parser.add_argument("--profile", action="store_true", help="then profile mmcast TP 1 under py-spy")
     parser.add_argument("--out", help="output folder (default benchmarks/results/<timestamp>-peer)")
     args = parser.parse_args(argv)
     plan = PLANS[args.plan or "quick"]
+    if args.rounds:
+        plan = dataclasses.replace(plan, rounds=args.rounds)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     slo = args.slo_ms or (1000.0 if args.width == "head64" else 5000.0)
     out = args.out or os.path.join(RESULTS, f"{time.strftime('%Y%m%d-%H%M%S')}-peer")

@@ -76,7 +76,9 @@ class Client:
             self.model = (await self._client.models.list()).data[0].id
         return self.model
 
-    async def chat(self, messages: list[dict], max_tokens: int) -> Reply:
+    async def chat(self, messages: list[dict], max_tokens: int, first: asyncio.Event | None = None) -> Reply:
+        """One streamed request; ``first`` (optional) is set when its first content chunk arrives, so a workload
+        can start something else while this request is decoding (the burst workload)."""
         model = await self.resolve_model()
         t0 = time.monotonic()
         chunks: list[float] = []
@@ -89,6 +91,8 @@ class Client:
             if chunk.choices and chunk.choices[0].delta.content:
                 chunks.append((time.monotonic() - t0) * 1e3)
                 parts.append(chunk.choices[0].delta.content)
+                if first is not None:
+                    first.set()
             if chunk.usage is not None:
                 usage = chunk.usage
         e2e = (time.monotonic() - t0) * 1e3

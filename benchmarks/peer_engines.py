@@ -5,7 +5,9 @@
   compilation: mmcast compiles nothing either), prefix caching on (vLLM's default), ``cached_tokens`` reported.
 - mmcast: a ``LocalGroup`` (scheduler + TP ranks, the lazy transfer mode, float32 default) with its HTTP API.
 
-Both expose ``base_url`` (".../v1"), ``pids`` (name -> pid, for CPU clocks and the profiler) and ``startup_s``.
+Both expose ``base_url`` (".../v1"), ``pids`` (name -> pid, for CPU clocks and the profiler), ``startup_s`` and
+``metrics_url``: mmcast's scheduler /metrics (its request-stage histogram); None for vLLM, which has no such
+breakdown.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class Vllm:
         self.port = _free_port()
         self.proc: subprocess.Popen | None = None
         self.startup_s = 0.0
+
+    metrics_url = None
 
     @property
     def base_url(self) -> str:
@@ -146,6 +150,10 @@ class Mmcast:
     @property
     def base_url(self) -> str:
         return self.group.openai_base_url
+
+    @property
+    def metrics_url(self) -> str:
+        return self.group.metrics_urls["scheduler"]
 
     @property
     def pids(self) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """Where mmcast's time goes in the side-by-side workloads: ``benchmarks/peer.py --profile``.
 
-A fresh mmcast TP 1 group runs the new-image workload and the load workload at the plan's highest rate once more,
+A fresh mmcast TP 1 group runs the new-image workload and the load workload at the ladder's second rate once more,
 with py-spy (from ``.venv-peer``) sampling the scheduler and the rank (100 Hz, native frames off, idle threads
 off, so a sample is a thread on the CPU or holding the GIL). Output under ``profile/``: each process's collapsed
 stacks (``<name>.txt``, the input of any flame-graph tool), and a table per process of the functions with the
@@ -108,7 +108,9 @@ def run(plan, model_dir: str, parts, out_dir: str, log) -> dict:
                 await peer_workloads.new_images(
                     client, parts, [size], plan.new_ns[f"{size[0]}x{size[1]}"], 1, plan.max_tokens, texts
                 )
-                await peer_workloads.load(client, parts, plan.load, len(plan.load.rates) - 1, texts)
+                # the ladder's second rate: loaded, yet not far past the limit, where a profile of queueing says
+                # little (the ladder's higher rates are there to fail)
+                await peer_workloads.load(client, parts, plan.load, min(1, len(plan.load.rates) - 1), texts)
                 nonlocal seconds
                 seconds = time.monotonic() - t0
                 for p in spies:

@@ -1,10 +1,11 @@
-"""Figures, ratios, goals, token agreement, tables and the plot of ``benchmarks/peer.py``.
+"""The analysis entry point, token agreement, tables and the plot of ``benchmarks/peer.py``.
 
-Ratios are mmcast / vLLM: for TTFT slopes lower is better, for throughput at the SLO higher is better. An engine
-"holds" a load rate when no request failed, the p99 TTFT is within the SLO, and the p99 of the time a
-conversation's next question waited for its previous answer past its scheduled arrival is within the SLO too: a
-chat user cannot ask before the answer came, so an engine that falls behind the schedule shows there, not in the
-TTFT of the questions it delays.
+Figures, ratios (mmcast / vLLM) and goals are ``benchmarks/peer_analysis.py``'s, over every round; the tables of
+single requests and the plot show round 1, the tables of medians every round (``benchmarks/peer_tables.py``). An
+engine "holds" a load rate when no request failed, the p99 TTFT is within the SLO, and the p99 of the time a
+conversation's next question waited for its previous answer past its scheduled arrival is within the SLO too
+(``peer_capacity.holds``): a chat user cannot ask before the answer came, so an engine that falls behind the
+schedule shows there, not in the TTFT of the questions it delays.
 
 Greedy texts are compared as token ids (the checkpoint's tokenizer) after dropping trailing U+FFFD: when
 ``max_tokens`` cuts a multi-byte character, mmcast streams the incomplete bytes as U+FFFD and vLLM holds them back
@@ -15,31 +16,9 @@ from __future__ import annotations
 
 import os
 
-
-def _slope(result: dict | None) -> float | None:
-    return (result or {}).get("slope", {}) and result["slope"]["slope"]
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
-def holds(point: dict, slo_ms: float) -> bool:
-    if not point.get("completed") or point["failed"]:
-        return False
-    return point["ttft_p99_ms"] <= slo_ms and point["conversation_wait_p99_ms"] <= slo_ms
-
-
-def at_slo(points: list[dict], slo_ms: float) -> dict:
-    """The highest offered rate held, and the request throughput measured there (0 when none is held)."""
-    held = [p for p in points if holds(p, slo_ms)]
-    if not held:
-        return {"rate": None, "request_throughput": 0.0}
-    best = max(held, key=lambda p: p["rate"])
-    return {"rate": best["rate"], "request_throughput": best["request_throughput"],
-            "output_token_throughput": best["output_token_throughput"]}  # fmt: skip
+from benchmarks import peer_stages, peer_tables
+from benchmarks.peer_analysis import TIE_TOLERANCE, analyze_rounds, at_slo, throughput_held  # noqa: F401 - re-exported
+from benchmarks.peer_capacity import holds
 
 
 def agreement(results: dict, model_dir: str) -> dict:
@@ -76,116 +55,49 @@ def agreement(results: dict, model_dir: str) -> dict:
     return out
 
 
-def analyze(results: dict, model_dir: str, slo_ms: float) -> dict:
-    for res in results.values():  # the schedule's span: what the rate offered over this sample
-        for p in res.get("load", []):
-            p["schedule_s"] = max((r["at_s"] for r in p["rows"]), default=None)
-            p["holds_slo"] = holds(p, slo_ms)
-    figures = {}
-    for name, res in results.items():
-        figures[name] = {
-            "cached_ttft_slope_ms": _slope(res.get("cached")),
-            "new_image_ttft_slope_ms": {size: _slope(r) for size, r in res.get("new", {}).items()},
-            "at_slo": at_slo(res.get("load", []), slo_ms),
-            "sliding_ttft_mean_after_window_ms": (res.get("sliding") or {}).get("ttft_mean_after_window_ms"),
-        }
-    ratios = {}
-    v = figures.get("vllm")
-    for name in (n for n in figures if n != "vllm"):
-        m = figures[name]
-        suffix = "" if name == "mmcast_tp1" else f"_{name.removeprefix('mmcast_')}"
-        if v is None:
-            break
-        ratios["cached_ttft_slope_ratio" + suffix] = _ratio(m["cached_ttft_slope_ms"], v["cached_ttft_slope_ms"])
-        ratios["new_image_ttft_ratio" + suffix] = _ratio(
-            m["new_image_ttft_slope_ms"].get("448x448"), v["new_image_ttft_slope_ms"].get("448x448")
-        )
-        for size in m["new_image_ttft_slope_ms"]:
-            if size != "448x448":
-                ratios[f"new_image_ttft_ratio_{size}" + suffix] = _ratio(
-                    m["new_image_ttft_slope_ms"][size], v["new_image_ttft_slope_ms"].get(size)
-                )
-        ratios["throughput_at_slo_ratio" + suffix] = _ratio(
-            m["at_slo"]["request_throughput"], v["at_slo"]["request_throughput"]
-        )
-        ratios["sliding_ttft_ratio" + suffix] = _ratio(
-            m["sliding_ttft_mean_after_window_ms"], v["sliding_ttft_mean_after_window_ms"]
-        )
-    return {
-        "figures": figures,
-        "ratios": ratios,
-        "goals": goals(figures, ratios),
-        "agreement": agreement(results, model_dir),
-        "slo_ttft_p99_ms": slo_ms,
-    }
+def _stage_n(by_n: dict, want: int):
+    """The accumulators of N = ``want`` (the smallest N of the plan when it has no such N)."""
+    if not by_n:
+        return None, None
+    n = want if (want in by_n or str(want) in by_n) else min(by_n, key=int)
+    return int(n), by_n.get(n, by_n.get(str(n)))
+
+
+def stage_breakdown(rounds: dict[str, list[dict]]) -> dict:
+    """Per mmcast engine, for cached N=2 and new N=1: the stage means over every round's timed requests."""
+    out = {}
+    for name, runs in rounds.items():
+        if name == "vllm":
+            continue
+        for label, pick, want in (("cached", lambda r: (r.get("cached") or {}).get("stages"), 2),
+                                  ("new", lambda r: ((r.get("new") or {}).get("448x448") or {}).get("stages"), 1)):  # fmt: skip
+            picked = [_stage_n(pick(r) or {}, want) for r in runs]
+            n = next((k for k, _ in picked if k is not None), want)
+            acc = peer_stages.merge([a for _, a in picked])
+            out.setdefault(name, {})[label] = {"n": n, "requests": (acc or {}).get("requests", 0),
+                                               "stages": peer_stages.means(acc)}  # fmt: skip
+    return out
+
+
+def analyze(rounds: dict[str, list[dict]], model_dir: str, slo_ms: float) -> dict:
+    """``rounds``: engine -> its rounds' results (one for quick). Marks each load point held or not, then the
+    figures, ratios and goals over the rounds, the token agreement of round 1 and the TTFT breakdown."""
+    for runs in rounds.values():
+        for res in runs:
+            for p in res.get("load", []):  # the schedule's span: what the rate offered over this sample
+                p["schedule_s"] = max((r["at_s"] for r in p["rows"]), default=None)
+                p["holds_slo"] = holds(p, slo_ms)
+    analysis = analyze_rounds(rounds, slo_ms)
+    analysis["agreement"] = agreement({name: runs[0] for name, runs in rounds.items()}, model_dir)
+    analysis["stages"] = stage_breakdown(rounds)
+    return analysis
+
+
+# --- markdown ----------------------------------------------------------------------------------------------------
 
 
 def _fmt(x, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
-
-
-TIE_TOLERANCE = 0.01  # at one offered rate, both engines' req/s differ by when the last answer lands, not capacity
-
-
-def throughput_held(mmcast: dict, vllm: dict) -> bool:
-    """mmcast holds at least vLLM's throughput at the SLO: a higher rate held, or the same offered rate held with
-    req/s within ``TIE_TOLERANCE`` (a Poisson schedule's achieved rate is its arrivals' over the run's span, so
-    two engines that serve every request of the same schedule tie up to the last answer's time)."""
-    if mmcast.get("rate") is None or vllm.get("rate") is None:
-        return mmcast.get("rate") is not None
-    if mmcast["rate"] != vllm["rate"]:
-        return mmcast["rate"] > vllm["rate"]
-    return mmcast["request_throughput"] >= (1 - TIE_TOLERANCE) * vllm["request_throughput"]
-
-
-def goals(figures: dict, ratios: dict) -> list[dict]:
-    out = []
-
-    def goal(name: str, ok: bool | None, measured: str) -> None:
-        out.append({"name": name, "status": "n/a" if ok is None else ("met" if ok else "missed"), "measured": measured})
-
-    r = ratios.get("cached_ttft_slope_ratio")
-    goal(
-        "TP1 cached-image TTFT slope <= vLLM's",
-        None if r is None else r <= 1,
-        f"ratio {_fmt(r)} ({_fmt(figures.get('mmcast_tp1', {}).get('cached_ttft_slope_ms'))} vs "
-        f"{_fmt(figures.get('vllm', {}).get('cached_ttft_slope_ms'))} ms/image)",
-    )
-    r = ratios.get("new_image_ttft_ratio")
-    m = figures.get("mmcast_tp1", {}).get("new_image_ttft_slope_ms", {}).get("448x448")
-    v = figures.get("vllm", {}).get("new_image_ttft_slope_ms", {}).get("448x448")
-    goal(
-        "TP1 TTFT per new 448x448 image <= vLLM's",
-        None if r is None else r <= 1,
-        f"ratio {_fmt(r)} ({_fmt(m, 1)} vs {_fmt(v, 1)} ms/image)",
-    )
-    r = ratios.get("throughput_at_slo_ratio")
-    m, v = (figures.get(e, {}).get("at_slo", {}) for e in ("mmcast_tp1", "vllm"))
-    goal(
-        "TP1 request throughput at the SLO >= vLLM's",
-        None if r is None else throughput_held(m, v),
-        f"ratio {_fmt(r)} ({_fmt(m.get('request_throughput'), 3)} req/s at {m.get('rate')}/s offered vs "
-        f"{_fmt(v.get('request_throughput'), 3)} at {v.get('rate')}/s)",
-    )
-    t1, t2 = figures.get("mmcast_tp1"), figures.get("mmcast_tp2")
-    if t1 and t2:
-        pairs = [
-            ("cached slope", t1["cached_ttft_slope_ms"], t2["cached_ttft_slope_ms"]),
-            (
-                "new-image slope",
-                t1["new_image_ttft_slope_ms"].get("448x448"),
-                t2["new_image_ttft_slope_ms"].get("448x448"),
-            ),
-            ("sliding TTFT", t1["sliding_ttft_mean_after_window_ms"], t2["sliding_ttft_mean_after_window_ms"]),
-        ]
-        ok = all(b is not None and a is not None and b <= a for _, a, b in pairs)
-        goal(
-            "TP2 no worse than TP1 per request", ok, "; ".join(f"{n} TP2/TP1 {_fmt(_ratio(b, a))}" for n, a, b in pairs)
-        )
-    return out
-
-
-# --- markdown ----------------------------------------------------------------------------------------------------
 
 
 def _ci(slope: dict | None, digits: int = 2) -> str:
@@ -227,23 +139,24 @@ def tables(results: dict, analysis: dict) -> str:
     slo = analysis["slo_ttft_p99_ms"]
     lines += ["", f"Multi-turn chat under Poisson arrivals (SLO: p99 TTFT ≤ {slo:.0f} ms, and p99 of a "
               f"conversation's wait for its previous answer ≤ {slo:.0f} ms)", "",
-              "| engine | rate /s | done | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 / p99 | req/s | out tok/s | "
-              "conv. wait p99 | holds |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+              "| engine | rate /s | conv. | done | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 / p99 | req/s | "
+              "out tok/s | conv. wait p99 | engine CPU s/req | holds |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for name in names:
         for p in results[name]["load"]:
+            conv, cpu = p.get("conversations", "–"), p.get("engine_cpu_s")
             if not p.get("completed"):
-                lines.append(f"| {name} | {p['rate']:g} | 0/{p['offered']} | – | – | – | – | – | – | – | no |")
+                lines.append(f"| {name} | {p['rate']:g} | {conv} | 0/{p['offered']} |" + " – |" * 9 + " no |")
                 continue
             lines.append(
-                f"| {name} | {p['rate']:g} | {p['completed']}/{p['offered']} | {p['ttft_p50_ms']:.0f} | "
+                f"| {name} | {p['rate']:g} | {conv} | {p['completed']}/{p['offered']} | {p['ttft_p50_ms']:.0f} | "
                 f"{p['ttft_p99_ms']:.0f} | {_fmt(p['tpot_p50_ms'], 1)} | {_fmt(p['itl_p50_ms'], 1)} / "
                 f"{_fmt(p['itl_p99_ms'], 1)} | {p['request_throughput']:.3f} | {p['output_token_throughput']:.1f} | "
-                f"{p['conversation_wait_p99_ms']:.0f} | {'yes' if p['holds_slo'] else 'no'} |"
+                f"{p['conversation_wait_p99_ms']:.0f} | {_fmt(None if cpu is None else cpu / p['completed'], 3)} | "
+                f"{'yes' if p['holds_slo'] else 'no'} |"
             )
-    lines += ["", "| engine | highest rate held | req/s there |", "|---|---:|---:|"]
-    for name in names:
-        s = analysis["figures"][name]["at_slo"]
-        lines.append(f"| {name} | {s['rate'] if s['rate'] is not None else 'none'} | {s['request_throughput']:.3f} |")
+    lines += ["", peer_tables.ladder(results, analysis)]
+    lines += ["", peer_tables.closed_loop(results), "", peer_tables.burst(results)]
     s0 = next(iter(results.values()))["sliding"]
     lines += [
         "",
@@ -259,8 +172,8 @@ def tables(results: dict, analysis: dict) -> str:
             f"| {name} | {s['ttft_mean_ms']:.1f} | {_fmt(s['ttft_mean_after_window_ms'], 1)} | "
             f"{_fmt(sum(after) / len(after) if after else None, 0)} |"
         )
-    lines += ["", "| ratio (mmcast / vLLM) | value |", "|---|---:|"]
-    lines += [f"| `{k}` | {_fmt(v)} |" for k, v in analysis["ratios"].items()]
+    lines += ["", peer_tables.breakdown(results, analysis)]
+    lines += ["", peer_tables.figures(analysis), "", peer_tables.ratios(analysis)]
     lines += ["", "| goal | measured | status |", "|---|---|---|"]
     lines += [f"| {g['name']} | {g['measured']} | {g['status']} |" for g in analysis["goals"]]
     if analysis["agreement"]:

@@ -9,6 +9,8 @@
   requests arriving as a Poisson process at a fixed rate (one seeded schedule for every engine); a conversation's
   next turn waits for its previous answer, as a chat user does (the wait is recorded). TTFT p50/p99, TPOT, ITL,
   request and output-token throughput.
+  The load workload is offered at a ladder of rates (``benchmarks/peer_capacity.py``) until the engine fails the
+  SLO; the closed-loop and burst workloads are there too.
 - ``sliding``: one conversation keeping only its last k images (older turns dropped), so the prefix cache misses
   from the first image on once the window slides: TTFT and cached tokens per turn.
 
@@ -20,13 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
 import time
 
-from benchmarks import stats
+from benchmarks import peer_stages, stats
 from benchmarks.peer_client import Client, Reply, assistant, image_part, question, user
 
-SEEDS = {"warmup": 9000, "cached": 10_000, "new": 20_000, "load": 30_000, "sliding": 40_000}
+SEEDS = {"warmup": 9000, "cached": 10_000, "new": 20_000, "load": 30_000, "sliding": 40_000, "max_new": 50_000,
+         "max_cached": 60_000, "burst": 70_000}  # fmt: skip
 
 
 class Parts:
@@ -47,10 +51,25 @@ class Parts:
 
 @dataclasses.dataclass(frozen=True)
 class LoadPlan:
-    rates: tuple[float, ...]  # requests/s offered
-    conversations: int
+    rates: tuple[float, ...]  # requests/s offered, increasing: the SLO ladder stops at the first rate failed
+    conversations: int  # at the lowest rates; more at the higher ones (``conversations_at``)
     turns: int
     max_tokens: int
+    # Each rate offers at least this many seconds of arrivals: 24 requests at 8/s would be a 3 s transient, not a
+    # load, so the higher rates get more conversations (more users, each turn still waiting for its answer).
+    min_schedule_s: float = 0.0
+    budget_s: float = float("inf")  # the ladder takes no further rate once this much time went into it
+    # Offered, highest first, only when the ladder's first rate fails: a limit below the ladder is named too, and
+    # the engine gets a throughput at the SLO instead of none.
+    below: tuple[float, ...] = ()
+
+    @property
+    def all_rates(self) -> tuple[float, ...]:
+        """The ladder's rates, then the ones below it: a rate's index here picks its seeds (``load``)."""
+        return self.rates + self.below
+
+    def conversations_at(self, rate: float) -> int:
+        return max(self.conversations, math.ceil(rate * self.min_schedule_s / self.turns))
 
 
 def _row(reply: Reply, **extra) -> dict:
@@ -78,50 +97,63 @@ async def warmup(client: Client, parts: Parts) -> None:
     await client.chat([user([parts(base + 1)], question(2))], 4)
 
 
-async def cached(client: Client, parts: Parts, ns, repeats: int, max_tokens: int, texts: dict) -> dict:
-    rows = []
+async def _probed(client: Client, messages: list[dict], max_tokens: int, probe, stages: dict, n: int) -> Reply:
+    """One request with the scheduler's stage histogram read before and after it (``peer_stages``; probe None:
+    vLLM, nothing read). The reads are between requests, outside the timed span."""
+    before = probe.snapshot() if probe else None
+    reply = await client.chat(messages, max_tokens)
+    if probe:
+        peer_stages.add(stages.setdefault(n, peer_stages.new_accumulator()), before, probe.snapshot())
+    return reply
+
+
+async def cached(client: Client, parts: Parts, ns, repeats: int, max_tokens: int, texts: dict, probe=None) -> dict:
+    rows, stages = [], {}
     for i, n in enumerate(ns):
         imgs = [parts(SEEDS["cached"] + 100 * i + j) for j in range(n)]
         first = user(imgs, "Describe the pictures.")
         await client.chat([first, assistant(), user([], question(0))], max_tokens)  # fills the cache
         for r in range(repeats):
-            reply = await client.chat([first, assistant(), user([], question(r + 1))], max_tokens)
+            reply = await _probed(client, [first, assistant(), user([], question(r + 1))], max_tokens, probe, stages, n)
             rows.append(_row(reply, n=n, repeat=r))
             texts[f"cached/n{n}/r{r}"] = reply.text
-    return {"rows": rows, "ttft_p50_by_n": _by_n(rows), "slope": _slope(rows)}
+    return {"rows": rows, "ttft_p50_by_n": _by_n(rows), "slope": _slope(rows), "stages": stages}
 
 
-async def new_images(client: Client, parts: Parts, sizes, ns, repeats: int, max_tokens: int, texts: dict) -> dict:
+async def new_images(
+    client: Client, parts: Parts, sizes, ns, repeats: int, max_tokens: int, texts: dict, probe=None
+) -> dict:
     out = {}
     seed = SEEDS["new"]
     for size in sizes:
-        rows = []
+        rows, stages = [], {}
         label = f"{size[0]}x{size[1]}"
         for r in range(repeats):
             for n in ns:
                 imgs = [parts(seed + j, size) for j in range(n)]
                 seed += n
-                reply = await client.chat([user(imgs, question(r))], max_tokens)
+                reply = await _probed(client, [user(imgs, question(r))], max_tokens, probe, stages, n)
                 rows.append(_row(reply, n=n, repeat=r))
                 texts[f"new/{label}/n{n}/r{r}"] = reply.text
-        out[label] = {"rows": rows, "ttft_p50_by_n": _by_n(rows), "slope": _slope(rows)}
+        out[label] = {"rows": rows, "ttft_p50_by_n": _by_n(rows), "slope": _slope(rows), "stages": stages}
     return out
 
 
 async def load(client: Client, parts: Parts, plan: LoadPlan, rate_index: int, texts: dict) -> dict:
-    rate = plan.rates[rate_index]
-    total = plan.conversations * plan.turns
+    rate = plan.all_rates[rate_index]
+    conversations = plan.conversations_at(rate)
+    total = conversations * plan.turns
     rng = random.Random(1234 + rate_index)  # the same schedule on every engine
     arrivals, t = [], 0.0
     for _ in range(total):
         t += rng.expovariate(rate)
         arrivals.append(t)
-    histories: list[list[dict]] = [[] for _ in range(plan.conversations)]
+    histories: list[list[dict]] = [[] for _ in range(conversations)]
     seed0 = SEEDS["load"] + 1000 * rate_index
     start = time.monotonic() + 0.05
 
     async def one(k: int, at: float, previous: asyncio.Task | None) -> dict:
-        c, turn = k % plan.conversations, k // plan.conversations
+        c, turn = k % conversations, k // conversations
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
         if previous is not None:
             await previous  # a chat user asks the next question after the answer
@@ -146,16 +178,17 @@ async def load(client: Client, parts: Parts, plan: LoadPlan, rate_index: int, te
         )
 
     tasks: list[asyncio.Task] = []
-    last: list[asyncio.Task | None] = [None] * plan.conversations
+    last: list[asyncio.Task | None] = [None] * conversations
     for k, at in enumerate(arrivals):
-        task = asyncio.create_task(one(k, at, last[k % plan.conversations]))
-        last[k % plan.conversations] = task
+        task = asyncio.create_task(one(k, at, last[k % conversations]))
+        last[k % conversations] = task
         tasks.append(task)
     rows = await asyncio.gather(*tasks)
     ok = [r for r in rows if "failed" not in r]
     return {
         "rate": rate,
         "offered": total,
+        "conversations": conversations,
         **summarise_load(ok, len(rows) - len(ok)),
         "failures": [r for r in rows if "failed" in r][:5],
         "rows": ok,

@@ -64,10 +64,24 @@ def test_smoke_plan_on_mmcast_alone_writes_every_workload(tmp_path):
     assert peer.main(["--smoke", "--engines", "mmcast_tp1", "--out", str(out)]) == 0
     data = json.loads((out / "results.json").read_text())
     res = data["engines"]["mmcast_tp1"]
-    assert {"cached", "new", "load", "sliding", "texts"} <= set(res)
+    assert {"cached", "new", "load", "ladder", "max", "burst", "sliding", "texts"} <= set(res)
     # the cached workload's prompts hit the prefix cache: every image token cached
     rows = [r for r in res["cached"]["rows"] if r["n"] == 2]
     assert rows and all(r["cached_tokens"] >= 2 * 256 for r in rows)
     assert res["load"][0]["completed"] == res["load"][0]["offered"] == 4
+    # the ladder went on from 2/s only if 2/s was held, and carries each rate's CPU seconds
+    assert res["ladder"]["stopped"] in ("failed", "cap", "budget")
+    assert len(res["load"]) == 2 or res["ladder"]["stopped"] != "cap"
+    assert all(p["engine_cpu_s"] > 0 for p in res["load"])
+    for variant in ("new", "cached"):  # closed loop: every request at once, each answered in full
+        m = res["max"][variant]
+        assert m["completed"] == 3 and m["failed"] == 0 and m["request_throughput"] > 0
+        assert all(r["completion_tokens"] == 4 for r in m["rows"])
+    assert all(r["cached_tokens"] >= 256 for r in res["max"]["cached"]["rows"])  # the warmed image
+    b = res["burst"]
+    assert b["completed"] == 3 and b["failed"] == 0 and b["ttft_spread_ms"] >= 0 and b["decode_itl_p99_ms"] > 0
+    assert data["analysis"]["stages"]["mmcast_tp1"]["cached"]["requests"] == 1  # N=2 once, probed
+    md = (out / "results.md").read_text()
+    assert "TTFT breakdown (mmcast) beside vLLM's TTFT" in md and "Closed loop" in md
     assert all(r["completion_tokens"] == 4 for r in res["new"]["448x448"]["rows"])  # ignore_eos: fixed length
-    assert (out / "results.md").read_text().count("| mmcast_tp1 |") >= 4
+    assert md.count("| mmcast_tp1 |") >= 4
