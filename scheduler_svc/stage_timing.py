@@ -114,10 +114,3 @@ class RequestStages:
         if self.first_byte is not None:
             out["first_byte"] = self.first_byte
         return {name: out[name] for name in STAGES if name in out}
-
-    def observe(self, histogram) -> dict[str, float]:
-        """One observation per measured stage into ``mmcast_request_stage_seconds``; returns what it observed."""
-        seconds = self.seconds()
-        for name, value in seconds.items():
-            histogram.labels(name).observe(value)
-        return seconds
