@@ -21,7 +21,8 @@ from common import tracing
 from common.errors import MmcastError, Unavailable
 from scheduler_svc import admission, affinity_key, request_parsing
 from scheduler_svc.detok import TextStream
-from scheduler_svc.engine import Engine, FinishEvent, RequestHandle, TokenEvent
+from scheduler_svc.engine import Engine
+from scheduler_svc.request_handle import FinishEvent, RequestHandle, TokenEvent
 from scheduler_svc.request_log import RequestSummary
 from scheduler_svc.request_parsing import SamplingSpec
 from scheduler_svc.tenancy import scoped_cache_salt, scoped_request_id
@@ -89,6 +90,7 @@ def summarize(
         time_to_first_token_seconds=ttft,
         total_seconds=now - handle.received_at,
         queue_seconds=(handle.first_scheduled_at or now) - handle.received_at,
+        stage_seconds=handle.stages.seconds(),
         error_code=error.status.value if error is not None else "",
         error=error.message if error is not None else "",
     )
@@ -117,6 +119,16 @@ class Completion:
         self.tenant = tenant
         self.result: CompletionResult | None = None
         self.first_token_at: float | None = None  # time.monotonic() of the first chunk with tokens
+        self.stage_histogram = engine.metrics.request_stage_seconds
+
+    def first_byte_written(self) -> None:
+        """The door hands the first token's message to its server to write (a streamed answer; call once, just
+        before): ends the ``first_byte`` stage, which starts when the engine delivered the token and leaves out its
+        detokenization. Not when the write completes: grpc resumes the handler only when the event loop next
+        polls its completions, often after the client already holds the message."""
+        stages, delivered = self.handle.stages, self.handle.first_token_at
+        if stages.first_byte is None and delivered is not None:
+            stages.first_byte = time.monotonic() - delivered - (stages.detokenize or 0.0)
 
     @property
     def prompt_tokens(self) -> int:
@@ -146,7 +158,12 @@ class Completion:
                 if ttft is None:
                     self.first_token_at = time.monotonic()
                     ttft = self.first_token_at - handle.received_at
-                chunk = Chunk(ids, text.add(ids), list(event.logprobs[: len(ids)]) if sampling.return_logprobs else [])
+                    d0 = time.perf_counter()
+                    delta = text.add(ids)
+                    handle.stages.detokenize = time.perf_counter() - d0
+                else:
+                    delta = text.add(ids)
+                chunk = Chunk(ids, delta, list(event.logprobs[: len(ids)]) if sampling.return_logprobs else [])
                 if text.stopped_by is not None:
                     self.engine.finish(handle.request_id, "stop")
                     finish = FinishEvent("stop")
@@ -166,6 +183,9 @@ class Completion:
                     handle, finish or FinishEvent("cancelled"), self.processed, completion_tokens, ttft, self.tenant
                 )
             summary.log(log)
+            if ttft is not None:  # the histogram holds TTFT breakdowns: requests that got a first token
+                for stage, seconds in summary.stage_seconds.items():
+                    self.stage_histogram.labels(stage).observe(seconds)
 
     def cancel(self) -> None:
         """Ends the request from the client side (a stream that was never iterated, a deadline)."""
@@ -201,6 +221,7 @@ class Completions:
         sampling = req.sampling
         reserve = 1 if req.default_max_tokens else sampling.max_tokens
         context = self.engine.max_model_len
+        parsed_at = time.monotonic()  # the door's own reading and translation of the call end here
         with tracing.span("mmcast.frontend", request_id=request_id) as current:  # decode, preprocess, tokenize
             if req.prompt is not None:
                 process = functools.partial(
@@ -220,7 +241,9 @@ class Completions:
             def work():
                 return process(), req.affinity or affinity_key.key_of(req.turns, req.prompt)
 
+            f0 = time.perf_counter()
             processed, key = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+            frontend_seconds = time.perf_counter() - f0
             tracing.set_attributes(current, prompt_tokens=len(processed.token_ids), images=len(processed.mm_features))
         prompt_tokens = len(processed.token_ids)
         if req.default_max_tokens:
@@ -231,6 +254,7 @@ class Completions:
         admission.check_request_fits(prompt_field, prompt_tokens, sampling.max_tokens, context)
         salt = scoped_cache_salt(req.tenant, req.cache_salt)
         handle = self.engine.submit(self.make_request(request_id, processed, sampling, salt), req.received)
+        handle.stages.http_parse, handle.stages.frontend = parsed_at - req.received, frontend_seconds
         try:
             self.frontend.commit(processed)  # admitted: only now may its new images enter the processor cache
         except Exception:

@@ -9,7 +9,6 @@ has been down longer than the deadline fail with UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -17,41 +16,16 @@ from collections.abc import Callable
 from common import tracing
 from common.errors import REQUEST_RESOURCE, MmcastError, Resource, Status, Unavailable
 from common.ids import ItemId, RequestId
-from scheduler_svc.accounting import Disposition, RequestUsage
+from scheduler_svc.accounting import Disposition
 from scheduler_svc.inputs import GroupBudget, Sample, StepOutcome
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.plan_proto import step_control
 from scheduler_svc.rank_streams import GroupDown, PayloadTensors, WorkerGroup
 from scheduler_svc.request import FinishReason
+from scheduler_svc.request_handle import FinishEvent, RequestHandle, TokenEvent
+from scheduler_svc.stage_timing import StepTimes
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class TokenEvent:
-    token_ids: list[int]  # tokens delivered in this event, in order
-    logprobs: list  # one (logprob, [(token_id, logprob), ...]) per token, or empty
-
-
-@dataclasses.dataclass
-class FinishEvent:
-    reason: str  # "stop" | "length" | "cancelled" | "error"
-    error: MmcastError | None = None  # set when reason == "error"
-
-
-class RequestHandle:
-    """What a client stream reads: token and finish events for one request."""
-
-    def __init__(self, request_id: RequestId, received_at: float) -> None:
-        self.request_id = request_id
-        self.received_at = received_at
-        self.first_scheduled_at: float | None = None  # when the first step that schedules it was planned
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None  # for the inter-token latency
-        self.generated_tokens = 0  # tokens delivered to ``events``
-        self.events: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
-        self.usage = RequestUsage()  # the core's cumulative accounting, refreshed every step
-        self.finished = False
 
 
 def _plan_attributes(plan) -> dict[str, object]:
@@ -215,11 +189,13 @@ class Engine:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self.backoff[1])
                 continue
+            queued_until = time.monotonic()  # the queue stage of the requests this step first schedules ends here
             t0, t0_ns = time.perf_counter(), time.time_ns()
             plan = self.core.schedule()
-            self.metrics.schedule_seconds.observe(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self.metrics.schedule_seconds.observe(t1 - t0)
             if plan is not None:
-                self._mark_scheduled(plan, time.monotonic())
+                self._mark_scheduled(plan, time.monotonic(), queued_until)
                 if tracing.enabled():
                     tracing.record_span("mmcast.schedule", t0_ns, time.time_ns(), **_plan_attributes(plan))
             if plan is None:
@@ -244,8 +220,10 @@ class Engine:
             except GroupDown as exc:
                 await self._group_lost(str(exc))
                 continue
-            self.metrics.step_seconds.observe(time.perf_counter() - t0)
-            self._apply(plan, results)
+            t2 = time.perf_counter()
+            self.metrics.step_seconds.observe(t2 - t0)
+            sent = self.group.last_sent_at  # building, serializing and writing the step (t1 → sent), then waiting
+            self._apply(plan, results, StepTimes(t1 - t0, sent - t1, t2 - sent, results))
             await asyncio.sleep(0)  # let client streams and new requests run between steps
 
     def reconnect_wait(self) -> float:
@@ -331,7 +309,7 @@ class Engine:
             self._finish_handle(handle, FinishEvent("error", err))
         self._update_gauges()
 
-    def _apply(self, plan, results) -> None:
+    def _apply(self, plan, results, times: StepTimes | None = None) -> None:
         now = time.monotonic()
         rank0 = results[0]
         self._count_plan(plan)
@@ -351,7 +329,7 @@ class Engine:
         for ident, message in outcome.item_failures.items():
             log.warning("image failed at its owner rank", extra={"item": ident[:16], "reason": message})
         for update in self.core.update_from_output(plan, outcome):
-            self._deliver(update, now)
+            self._deliver(update, now, times)
         for request_id, handle in self.handles.items():
             if request_id in plan.accounting:
                 request = self.core.get_request(request_id)
@@ -359,16 +337,18 @@ class Engine:
                     handle.usage = request.usage
         self._update_gauges()
 
-    def _mark_scheduled(self, plan, now: float) -> None:
+    def _mark_scheduled(self, plan, now: float, queued_until: float) -> None:
         """Ends the queue time of the requests this step schedules for the first time (a resumed one keeps its
-        first)."""
+        first). ``queued_until``: when this step's ``schedule()`` began, the end of the queue stage."""
         for request_id in plan.num_scheduled_tokens:
             handle = self.handles.get(request_id)
             if handle is not None and handle.first_scheduled_at is None:
                 handle.first_scheduled_at = now
+                handle.stages.queue = queued_until - handle.submitted_at
                 self.metrics.queue_seconds.observe(now - handle.received_at)
 
-    def _deliver(self, update, now: float) -> None:
+    def _deliver(self, update, now: float, times: StepTimes | None = None) -> None:
+        """``times``: the step that produced the update (None for updates from outside a step)."""
         handle = self.handles.get(update.request_id)
         if handle is None:
             return
@@ -377,6 +357,7 @@ class Engine:
         if update.new_token_ids:
             if handle.first_token_at is None:
                 handle.first_token_at = now
+                handle.stages.first_token_step = times
                 self.metrics.ttft.observe(now - handle.received_at)
             else:
                 self.metrics.inter_token_seconds.observe(now - handle.last_token_at)

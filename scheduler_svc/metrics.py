@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from scheduler_svc.stage_timing import STAGES
+
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _IMAGE_CPU_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 20.0)
@@ -12,6 +14,8 @@ _REQUEST_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Between two tokens of one request: about one step, longer when the step carries prefills or encoder work.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+# One stage of a request before its first token: from a header parse (~100 µs) to a long queue or prefill (10 s).
+_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Tokens per request, prompt or generated: powers of two up to long contexts.
 _TOKEN_BUCKETS = tuple(float(2**k) for k in range(0, 18))
 
@@ -62,6 +66,22 @@ class SchedulerMetrics:
             "mmcast_request_queue_time_seconds",
             "Request received to the first step that schedules it (frontend work included), once per request.",
             buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
+        # The stages are defined in scheduler_svc/stage_timing.py; the help text is docs/METRICS.md's row.
+        self.request_stage_seconds = Histogram(
+            "mmcast_request_stage_seconds",
+            "Time one request spent in each stage up to its first token (its TTFT breakdown), one sample per stage "
+            "per request that got a first token. In order, disjoint: http_parse (HTTP body read and parse, image "
+            "URLs; gRPC message translation), frontend (chat template, image headers, hashing, tokenization), queue "
+            "(queued to first scheduled), then of the step that produced the first token: schedule (the core's "
+            "schedule()), step_send (control built, serialized, written to every rank stream), rank (the slowest "
+            "rank's step time), result_back (the round trip less rank); detokenize (the first token's text), "
+            "first_byte (the token delivered to handed to the transport, streamed answers only). Parts of that step on the "
+            "ranks, each the slowest rank's: rank_encode, rank_forward, rank_sample (within rank), rank_assemble "
+            "(payload frames assembled, overlapping step_send).",
+            ["stage"],
+            buckets=_STAGE_BUCKETS,
             registry=r,
         )
         self.inter_token_seconds = Histogram(
@@ -240,3 +260,5 @@ class SchedulerMetrics:
             self.mm_items.labels(disposition)
         for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):  # vLLM's event types (kv_events.py)
             self.kv_events.labels(kind)
+        for stage in STAGES:
+            self.request_stage_seconds.labels(stage)

@@ -542,7 +542,7 @@ class OpenAIApi:
         }
         usage_field = {"usage": None} if include_usage else {}
         logprobs = completion.sampling.return_logprobs
-        offset = 0
+        offset, first_written = 0, False
 
         def event(choice: dict) -> bytes:
             return _sse({**envelope, "choices": [choice], **usage_field})
@@ -556,7 +556,7 @@ class OpenAIApi:
             while chunk is not None:
                 if chunk.text or (logprobs and chunk.token_ids):
                     if call.kind == "chat":
-                        yield event(
+                        out = event(
                             {
                                 "index": 0,
                                 "delta": {"content": chunk.text},
@@ -565,7 +565,7 @@ class OpenAIApi:
                             }
                         )
                     else:
-                        yield event(
+                        out = event(
                             {
                                 "index": 0,
                                 "text": chunk.text,
@@ -573,6 +573,10 @@ class OpenAIApi:
                                 "finish_reason": None,
                             }
                         )
+                    if not first_written:  # handed to the server's transport next, as the gRPC door does
+                        completion.first_byte_written()
+                        first_written = True
+                    yield out
                     offset += len(chunk.text)
                 chunk = await anext(chunks, None)
             err = self._ended_badly(completion)

@@ -218,6 +218,7 @@ class WorkerGroup:
         self.epoch = 0
         self._streams: list[_RankStream] = []
         self.budget: GroupBudget | None = None
+        self.last_sent_at = 0.0  # perf_counter() when the latest step's control was written to every rank
         self.any_failed = asyncio.Event()  # set when a connected rank's stream fails (wakes an idle step loop)
 
     @property
@@ -325,6 +326,7 @@ class WorkerGroup:
             raise ValueError(f"rank_payloads has {len(rank_payloads)} entries for {self.world_size} ranks")
         with tracing.span("mmcast.broadcast", step_id=step_id, ranks=self.world_size) as current:
             await self._broadcast(control, rank_payloads, current)
+        self.last_sent_at = time.perf_counter()
         return await self._await_results(step_id)
 
     async def _broadcast(

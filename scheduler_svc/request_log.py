@@ -29,6 +29,9 @@ class RequestSummary:
     time_to_first_token_seconds: float | None  # None: no token was streamed
     total_seconds: float  # request received -> finished (the e2e latency)
     queue_seconds: float  # request received -> first step that scheduled it (total_seconds if never scheduled)
+    # Its TTFT breakdown, stage -> seconds, for the stages measured (scheduler_svc/stage_timing.py defines them):
+    # the record's ttft_<stage>_seconds keys.
+    stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     error_code: str = ""  # the gRPC status name when finish_reason is "error"
     error: str = ""  # its message
 
@@ -48,6 +51,8 @@ class RequestSummary:
             "total_seconds": _seconds(self.total_seconds),
             "queue_seconds": _seconds(self.queue_seconds),
         }
+        for stage, seconds in self.stage_seconds.items():
+            out[f"ttft_{stage}_seconds"] = _seconds(seconds)
         if self.tenant:
             out["tenant"] = self.tenant
         if self.error_code:

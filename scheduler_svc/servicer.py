@@ -117,7 +117,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
         # x-mmcast-affinity request header on its later turns (scheduler_svc/affinity_key.py). Sent with the first
         # message, not before: a failure before the first token stays a trailers-only status that gRPC's retry
         # policy (and a proxy's) may still retry, which response headers would commit.
-        headers_sent = False
+        headers_sent = first_written = False
         try:
             async for chunk in completion.chunks():
                 if not headers_sent:
@@ -133,6 +133,9 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
                                 top_logprobs=[logprob_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top],
                             )
                         )
+                if not first_written and chunk.token_ids:  # handed to grpc, which writes it (not resumed when written)
+                    completion.first_byte_written()
+                    first_written = True
                 yield generation_pb2.GenerateResponse(delta=delta)
         except MmcastError as err:  # failed before its first token: a plain status, which clients may retry
             await rich_status.abort(context, err)

@@ -40,6 +40,8 @@ README_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("scheduler", "max_num_seqs", ""),
     ("scheduler", "max_waiting", ""),
     ("worker", "kv_blocks", ""),
+    ("worker", "kv_cache_memory_fraction", "vLLM's `gpu_memory_utilization` / `VLLM_CPU_KVCACHE_SPACE`"),
+    ("worker", "kv_cache_max_bytes", ""),
     ("worker", "payload_cache_bytes", ""),
     ("worker", "encoder_cache_tokens", ""),
     (

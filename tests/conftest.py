@@ -7,6 +7,11 @@ import pytest
 
 from common.tiny_model import ensure_tiny_model, recipe_id
 
+# The ranks the suite starts size their KV pools from free memory (worker_svc/kv_sizing.py) under this cap rather
+# than the default's 1 GiB: many ranks run at once on a shared machine, and 16 MiB is 1,024 blocks of the tiny model
+# (16 KiB each; 2,048 per rank at TP 2), the pool it had before. A test that needs another size passes --kv-blocks.
+os.environ.setdefault("MMCAST_KV_CACHE_MAX_BYTES", str(16 << 20))
+
 # Set to a folder to keep the tiny models between test sessions; the folder names carry the build recipe, so a
 # changed build never reuses a stale copy.
 TINY_MODEL_CACHE_ENV = "MMCAST_TINY_MODEL_CACHE"

@@ -115,10 +115,25 @@ class WorkerConfig:
 
     # --- caches -------------------------------------------------------------------------------------------------
     kv_blocks: int = setting(
-        1024,
-        "KV pool size in blocks (the scheduler's prefix cache has exactly this many)",
-        min=1,
+        0,
+        "KV pool size in blocks (the scheduler's prefix cache has exactly this many); 0: sized from the memory "
+        "available after the model loads, by --kv-cache-memory-fraction and --kv-cache-max-bytes",
+        min=0,
         max=1 << 24,
+        section=_CACHES,
+    )
+    kv_cache_memory_fraction: float = setting(
+        0.5,
+        "share of the memory available after the model loads that the KV pool takes when --kv-blocks is 0 (CUDA: "
+        "the device's free memory; CPU: MemAvailable or the cgroup's limit, divided among --local-ranks)",
+        min=0.001,
+        max=1.0,
+        section=_CACHES,
+    )
+    kv_cache_max_bytes: int = setting(
+        1 << 30,
+        "most bytes the KV pool takes when sized from free memory (0: no cap; raise it on a machine of its own)",
+        min=0,
         section=_CACHES,
     )
     block_size: int = setting(16, "tokens per KV block (must equal the scheduler's)", min=1, max=1024, section=_CACHES)

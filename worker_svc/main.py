@@ -39,6 +39,7 @@ from common.model_checks import ModelConfigError, check_checkpoint
 from common.process import ensure_allocator_env, setup_logging, startup_failure
 from mmcast.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig, load_config
+from worker_svc.kv_sizing import PoolSizeError
 from worker_svc.metrics import WorkerMetrics
 
 log = logging.getLogger("mmcast.worker")
@@ -152,6 +153,8 @@ async def serve(config: WorkerConfig) -> int:
             )
             return EXIT_GROUP_NOT_FORMED
         cause = f"could not load the model from --model {config.model}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, PoolSizeError):  # the model loaded; the settings leave its KV pool no room
+            cause = str(exc)
         return startup_failure(log, cause, rank=config.rank)
     await stop.wait()
     log.info("shutting down", extra={"rank": config.rank})

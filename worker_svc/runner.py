@@ -34,7 +34,7 @@ import torch
 from common import model_checks
 from common.families import family_of
 from common.multimodal import ENCODED_FIELD, Modality, MultiModalFeatureSpec, PayloadEncoding
-from worker_svc import cpu_linear, kv_pool, kv_replication, paged_attention
+from worker_svc import cpu_linear, kv_pool, kv_replication, kv_sizing, paged_attention
 from worker_svc.config import WorkerConfig
 from worker_svc.mrope import uses_mrope
 
@@ -162,14 +162,26 @@ class ModelRunner:
         kv_heads_local = shape.kv_heads_local(config.world_size)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
         self.block_size = config.block_size
+        num_layers = int(text.num_hidden_layers)
+        # Sized after the weights are in place, so the memory left is what the pool may take (kv_sizing.py).
+        size = self._pool_size(config, num_layers, kv_heads_local, head_dim)
         self.pool = kv_pool.KVPool(
-            num_layers=int(text.num_hidden_layers),
+            num_layers=num_layers,
             kv_heads=kv_heads_local,
             head_dim=head_dim,
-            num_blocks=config.kv_blocks,
+            num_blocks=size.blocks,
             block_size=config.block_size,
             dtype=self.dtype,
             device=self.device,
+        )
+        log.info(
+            "KV pool sized",
+            extra={
+                "kv_blocks": size.blocks,
+                "kv_pool_bytes": size.nbytes,
+                "block_bytes": size.block_bytes,
+                "why": size.reason,
+            },
         )
         self.uses_mrope = uses_mrope(model.config)
         self.rope_kwargs = self.family.rope_kwargs(model.config) if self.uses_mrope else {}
@@ -195,6 +207,29 @@ class ModelRunner:
     # --- encoder ---------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def _pool_size(self, config: WorkerConfig, num_layers: int, kv_heads: int, head_dim: int) -> kv_sizing.PoolSize:
+        per_block = kv_sizing.block_bytes(
+            num_layers=num_layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=config.block_size,
+            dtype_bytes=self.dtype.itemsize,
+        )
+        if config.kv_blocks > 0:
+            return kv_sizing.size_pool(
+                block_bytes=per_block, kv_blocks=config.kv_blocks, available_bytes=0, fraction=1.0, max_bytes=0
+            )
+        available, source = kv_sizing.available_memory(self.device)
+        return kv_sizing.size_pool(
+            block_bytes=per_block,
+            kv_blocks=0,
+            available_bytes=available,
+            fraction=config.kv_cache_memory_fraction,
+            max_bytes=config.kv_cache_max_bytes,
+            sharers=config.local_ranks if self.device.type == "cpu" else 1,
+            source=source,
+        )
+
     def encoder_input_problem(self, feature: MultiModalFeatureSpec) -> str | None:
         """Why ``encode`` could not run on this item's fields (their shapes disagree), or None.
 

@@ -26,7 +26,15 @@ from worker_svc.worker import StreamHandle, Worker
 log = logging.getLogger(__name__)
 
 
-def step_result(step_id: int, rank: int, outcome: StepOutcome, handle: StreamHandle, payload_bytes: int, t0: float):
+def step_result(
+    step_id: int,
+    rank: int,
+    outcome: StepOutcome,
+    handle: StreamHandle,
+    payload_bytes: int,
+    t0: float,
+    assemble_seconds: float = 0.0,
+):
     session = handle.session
     result = worker_pb2.StepResult(step_id=step_id, rank=rank)
     for request_id, s in outcome.sampled:
@@ -50,6 +58,9 @@ def step_result(step_id: int, rank: int, outcome: StepOutcome, handle: StreamHan
     stats.payload_cache_items = len(session.payloads)
     stats.encoder_cache_tokens = session.encoded.tokens
     stats.received_payload_bytes = payload_bytes
+    stats.forward_time.FromNanoseconds(int(outcome.forward_seconds * 1e9))
+    stats.sample_time.FromNanoseconds(int(outcome.sample_seconds * 1e9))
+    stats.assemble_time.FromNanoseconds(int(assemble_seconds * 1e9))
     stats.step_time.FromNanoseconds(int((time.perf_counter() - t0) * 1e9))
     return result
 
@@ -142,7 +153,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         loop = asyncio.get_running_loop()
         rank = self.worker.config.rank
         superseded = asyncio.ensure_future(handle.superseded.wait())
-        step_payload_bytes = 0
+        step_payload_bytes, step_assemble_seconds = 0, 0.0
         try:
             while True:
                 frame = await self._next(handle, context, superseded)
@@ -159,10 +170,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 kind = frame.WhichOneof("frame")
                 if kind == "payload":
                     if handle.pending_error is None:
+                        a0 = time.perf_counter()  # per frame (tens of KB to MBs), not per token
                         try:
                             handle.session.receive_payload(frame.payload)
                         except StepError as exc:
                             handle.pending_error = exc  # reported with the step, after the peers agree
+                        step_assemble_seconds += time.perf_counter() - a0
                 elif kind == "keepalive":
                     await context.write(worker_pb2.StepResponse(keepalive=frame.keepalive))
                 elif kind == "control":
@@ -178,8 +191,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                             return
                         if handle.superseded.is_set():
                             continue  # the next read reports it
-                        result = step_result(control.step_id, rank, outcome, handle, step_payload_bytes, t0)
-                        step_payload_bytes = 0
+                        result = step_result(
+                            control.step_id, rank, outcome, handle, step_payload_bytes, t0, step_assemble_seconds
+                        )
+                        step_payload_bytes, step_assemble_seconds = 0, 0.0
                         await context.write(worker_pb2.StepResponse(step_result=result))
                     self.metrics.step_seconds.observe(time.perf_counter() - t0)
                 else:

@@ -64,6 +64,8 @@ class StepOutcome:
     collective_bytes: int = 0  # encoder-output bytes sent or received over the collective
     collective_seconds: float = 0.0
     preprocess_seconds: float = 0.0  # decoding + preprocessing encoded payloads
+    forward_seconds: float = 0.0  # the language model's forward over every window
+    sample_seconds: float = 0.0  # sampling (rank 0)
 
 
 class Session:
@@ -313,7 +315,10 @@ class Session:
                     want_logits=end == len(state.token_ids),
                 )
             )
+        t0 = time.perf_counter()
         logits = r.forward(inputs)
+        t1 = time.perf_counter()
+        outcome.forward_seconds = t1 - t0
 
         sampling: list[RequestState] = []
         for (state, _start, end), row in zip(windows, logits.rows, strict=True):
@@ -326,6 +331,7 @@ class Session:
         if sampling:
             for state, drawn in zip(sampling, self._sample(sampling, logits), strict=True):
                 (outcome.sampled if isinstance(drawn, Sample) else outcome.failed).append((state.request_id, drawn))
+        outcome.sample_seconds = time.perf_counter() - t1  # the block bookkeeping beside it is negligible
         self._report_sizes()
         return outcome
 

@@ -120,7 +120,7 @@ class Worker:
             model_fingerprint=self.identity.model_fingerprint,
             rank=c.rank,
             world_size=c.world_size,
-            kv_blocks=c.kv_blocks,
+            kv_blocks=r.pool.num_blocks,  # --kv-blocks, or what the free memory allowed (kv_sizing.py)
             payload_cache_bytes=c.payload_cache_bytes,
             encoder_cache_tokens=c.encoder_cache_tokens,
             max_tensor_bytes=c.max_tensor_bytes,

@@ -220,7 +220,7 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_logprob_pb2.TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerStepStats(_message.Message):
-    __slots__ = ("step_time", "encoder_time", "encoder_items", "payload_cache_bytes", "payload_cache_items", "encoder_cache_tokens", "received_payload_bytes", "encoder_runs", "collective_bytes", "collective_time", "preprocess_time")
+    __slots__ = ("step_time", "encoder_time", "encoder_items", "payload_cache_bytes", "payload_cache_items", "encoder_cache_tokens", "received_payload_bytes", "encoder_runs", "collective_bytes", "collective_time", "preprocess_time", "forward_time", "sample_time", "assemble_time")
     STEP_TIME_FIELD_NUMBER: _ClassVar[int]
     ENCODER_TIME_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,9 @@ class WorkerStepStats(_message.Message):
     COLLECTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_TIME_FIELD_NUMBER: _ClassVar[int]
     PREPROCESS_TIME_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_TIME_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_TIME_FIELD_NUMBER: _ClassVar[int]
+    ASSEMBLE_TIME_FIELD_NUMBER: _ClassVar[int]
     step_time: _duration_pb2.Duration
     encoder_time: _duration_pb2.Duration
     encoder_items: int
@@ -243,7 +246,10 @@ class WorkerStepStats(_message.Message):
     collective_bytes: int
     collective_time: _duration_pb2.Duration
     preprocess_time: _duration_pb2.Duration
-    def __init__(self, step_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., encoder_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., encoder_items: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., payload_cache_items: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., received_payload_bytes: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., collective_bytes: _Optional[int] = ..., collective_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., preprocess_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    forward_time: _duration_pb2.Duration
+    sample_time: _duration_pb2.Duration
+    assemble_time: _duration_pb2.Duration
+    def __init__(self, step_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., encoder_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., encoder_items: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., payload_cache_items: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., received_payload_bytes: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., collective_bytes: _Optional[int] = ..., collective_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., preprocess_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., forward_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., sample_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., assemble_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ItemFailure(_message.Message):
     __slots__ = ("item_identifier", "message")

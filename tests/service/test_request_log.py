@@ -16,6 +16,7 @@ from common.process import JsonFormatter, iso_time
 from mmcast.v1 import generation_pb2 as g
 from mmcast.v1 import generation_pb2_grpc as gg
 from scheduler_svc.request_log import FINISHED_MESSAGE
+from scheduler_svc.stage_timing import DISJOINT_STAGES, STAGES
 from tests.support.chat import IMG_A, IMG_B, image, request, text, user
 from tests.support.service_harness import FakeGroupScheduler
 
@@ -76,6 +77,12 @@ def test_finished_line_carries_the_final_messages_numbers(harness, caplog):
         assert record.total_seconds == pytest.approx(t.total_time.ToNanoseconds() / 1e9, abs=2e-6)
         assert record.queue_seconds == pytest.approx(t.queue_time.ToNanoseconds() / 1e9, abs=2e-6)
         assert not hasattr(record, "tenant") and not hasattr(record, "error_code")
+        # its TTFT breakdown (fake ranks report no step time of their own): up to the engine's delivery, the
+        # disjoint stages lie inside the server's TTFT
+        stages = {s: getattr(record, f"ttft_{s}_seconds") for s in STAGES}
+        assert all(v >= 0 for v in stages.values()) and stages["frontend"] > 0, stages
+        engine_side = sum(stages[s] for s in DISJOINT_STAGES if s not in ("detokenize", "first_byte"))
+        assert engine_side <= record.time_to_first_token_seconds + 1e-5 * len(DISJOINT_STAGES), stages
     assert finals[0].usage.payload_bytes_broadcast > 0 and records[1].cached_tokens > 0
     assert records[1].payload_bytes_saved > 0
 
