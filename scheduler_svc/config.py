@@ -190,7 +190,7 @@ class SchedulerConfig:
     )
     encoder_cache_tokens: int = setting(
         0,
-        "encoder-output rows the ranks hold and one step may encode (0 = the ranks' budget; never more)",
+        "encoder-output rows the ranks hold (0 = the ranks' budget; never more)",
         min=0,
         max=_INT_MAX,
         section=_CACHES,
@@ -201,7 +201,20 @@ class SchedulerConfig:
 
     # --- batching ---------------------------------------------------------------------------------------------
     max_num_batched_tokens: int = setting(
-        8192, "tokens computed in one step over all requests (chunked prefill)", min=1, max=2**31 - 1, section=_BATCHING
+        2048,
+        "tokens computed in one step over all requests (chunked prefill): running decodes first, new prompts in "
+        "the rest, so a burst of new requests prefills over several steps instead of stalling every decode",
+        min=1,
+        max=2**31 - 1,
+        section=_BATCHING,
+    )
+    max_num_encoder_tokens: int = setting(
+        1024,
+        "encoder-output rows one step may encode (the vision encoder's work per step); a step's first item is "
+        "encoded whatever its size, so no image is ever starved (0 = no limit but the encoder cache)",
+        min=0,
+        max=_INT_MAX,
+        section=_BATCHING,
     )
     max_num_seqs: int = setting(64, "requests running at once", min=1, max=65536, section=_BATCHING)
     max_waiting: int = setting(

@@ -137,6 +137,7 @@ class Scheduler:
             self.encoder_cache_tokens,
             placement=cfg.encoder_placement,
             encoder_row_bytes=group.encoder_row_bytes,
+            step_encoder_tokens=cfg.max_num_encoder_tokens,
         )
 
     # --- requests in ------------------------------------------------------------------------------------------

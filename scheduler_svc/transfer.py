@@ -51,6 +51,7 @@ class TransferDecider:
         encoder_cache_tokens: int,
         placement: str = "replicated",
         encoder_row_bytes: int = 0,
+        step_encoder_tokens: int = 0,
     ) -> None:
         if mode not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode={mode!r}; choose one of {TRANSFER_MODES}")
@@ -62,6 +63,8 @@ class TransferDecider:
         self.uses_mrope = uses_mrope
         self.num_ranks = num_ranks
         self.encoder_cache_tokens = encoder_cache_tokens
+        # encoder rows one step may encode (0: no limit but the cache); a step's first item is exempt
+        self.step_encoder_tokens = step_encoder_tokens
         self.mirrors = GroupMirrors(num_ranks, payload_cache_bytes, encoder_cache_tokens)
         self.book = TransferAccounting(num_ranks)  # the dues and the fold of this decider's delivery events
         self._deferring: set[RequestId] = set()  # strip requests admitted with deferred payloads (too big)
@@ -188,13 +191,16 @@ class TransferDecider:
     # --- windows -----------------------------------------------------------------------------------------------
     def plan_window(self, request: Request, start: int, end: int) -> Window:
         """Cuts ``[start, end)`` before the first item whose encoder work cannot be scheduled; changes nothing."""
+        room = self.encoder_cache_tokens - self.encoder_tokens
+        compute = room if not self.step_encoder_tokens else self.step_encoder_tokens - self.encoder_tokens
         window = windows.plan_window(
             request,
             start,
             end,
             self.mirrors,
-            self.encoder_cache_tokens - self.encoder_tokens,
+            min(room, compute),
             self._load,
+            first_room=room if self.encoder_tokens == 0 else 0,
             lazy=self._lazy(request),
             sharded=self.sharded,
         )

@@ -38,12 +38,15 @@ def plan_window(
     budget_left: int,
     load: Sequence[int],
     *,
+    first_room: int = 0,
     lazy: bool,
     sharded: bool,
 ) -> Window:
     """Cuts ``[start, end)`` before the first item whose encoder work cannot be scheduled; changes nothing.
 
-    ``budget_left``: encoder rows the step can still schedule; ``load``: encoder rows given to each rank this step
+    ``budget_left``: encoder rows the step can still schedule; ``first_room``: rows the step's first item may take
+    beyond that (the encoder cache's room when the step encodes nothing yet, else 0: an item larger than the per-step
+    budget is encoded alone in a step of its own rather than never); ``load``: encoder rows given to each rank this step
     (sharded owners go to the least loaded); ``lazy``: the request's payloads travel with its encoder work. Every
     check is cumulative over the window: what it encodes must fit beside everything it keeps."""
     features = request.mm_features
@@ -70,7 +73,7 @@ def plan_window(
         fits = (
             key not in encoder  # held but its neighbours' room depends on evicting it: wait
             and mirrors.usable(key)
-            and enc_tokens + tokens <= budget_left
+            and (enc_tokens + tokens <= budget_left or (enc_tokens == 0 and tokens <= first_room))
             and encoder.can_fit(enc_tokens + tokens, keep_enc)
         )
         if fits and lazy and sharded:

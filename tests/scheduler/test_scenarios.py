@@ -244,3 +244,24 @@ def test_the_simulated_ranks_catch_a_missing_payload():
     h.ranks[0].apply(control, plan.rank_payloads[0])
     with pytest.raises(Violation, match="payload is missing"):
         h.ranks[1].apply(control, plan.rank_payloads[1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_burst_of_new_images_is_encoded_over_steps_while_a_decode_keeps_its_pace(mode):
+    """--max-num-encoder-tokens bounds a step's encoder work: a burst of new images is encoded a few per step, a
+    running decode gets a token in every step meanwhile, and an image above the per-step budget is encoded alone in
+    a step of its own (never starved)."""
+    h = Harness(mode, num_ranks=1, step_encoder=20)
+    h.add(request("decode", [text("d", 8)], max_tokens=14))
+    h.step()  # its prefill; from here on it decodes
+    for i in range(5):
+        h.add(request(f"b{i}", [text(f"q{i}", 4), (f"img{i}", 8), text(f"u{i}", 4)]))
+    h.add(request("big", [text("q", 4), ("huge", 40), text("u", 4)]))
+    records = h.run()
+    rows = {f"img{i}": 8 for i in range(5)} | {"huge": 40}
+    encoding = [r for r in records if r.encoder_inputs]
+    for r in encoding:
+        assert sum(rows[i] for i in r.encoder_inputs) <= 20 or r.encoder_inputs == ["huge"], r.encoder_inputs
+    assert [r.encoder_inputs for r in encoding] == [["img0", "img1"], ["img2", "img3"], ["img4"], ["huge"]]
+    assert len(h.outputs["decode"]) == 14 and all(r.scheduled.get("decode") == 1 for r in records[:13])
+    assert all(h.finished[rid].finished is FinishReason.LENGTH for rid in h.outputs)

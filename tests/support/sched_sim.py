@@ -296,6 +296,7 @@ class Harness:
         keep_plans: bool = False,
         placement: str = "replicated",
         kv_events=None,
+        step_encoder: int | None = None,
     ) -> None:
         self.mode = mode
         self.sharded = placement == "sharded"
@@ -306,6 +307,7 @@ class Harness:
             max_num_seqs=max_seqs,
             max_model_len=max_model_len,
             encoder_placement=placement,
+            **({} if step_encoder is None else {"max_num_encoder_tokens": step_encoder}),
         )
         self.group = GroupBudget(num_ranks, kv_blocks, encoder_tokens, payload_bytes)
         self.sched = Scheduler(self.config, self.group, uses_mrope=True, eos_token_ids={EOS}, kv_events=kv_events)
