@@ -34,7 +34,7 @@ import torch
 from common import model_checks
 from common.families import family_of
 from common.multimodal import ENCODED_FIELD, Modality, MultiModalFeatureSpec, PayloadEncoding
-from worker_svc import cpu_linear, kv_pool, kv_replication, kv_sizing, paged_attention
+from worker_svc import cpu_linear, kv_pool, kv_replication, kv_sizing, paged_attention, patch_conv
 from worker_svc.config import WorkerConfig
 from worker_svc.mrope import uses_mrope
 
@@ -138,6 +138,8 @@ class ModelRunner:
             model = model.to(self.device)
         # Serving never trains: no parameter asks autograd to record, whatever path calls the model.
         self.model = model.eval().requires_grad_(False)
+        # the vision tower's patch embedding as one product (worker_svc/patch_conv.py)
+        self.patch_convolutions = patch_conv.swap_patch_convolutions(model)
         self.linear_layout = "dense"
         if config.cpu_linear == "onednn":
             why = cpu_linear.unsupported(self.device, self.dtype, config.world_size)

@@ -281,3 +281,26 @@ def test_epoch_gate():
     gate.release(6)
     with pytest.raises(HandshakeRejected, match="older than epoch 6"):
         gate.admit(4)
+
+
+# --- patch embedding ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_patch_convolution_is_one_product_and_other_inputs_keep_the_convolution(bias):
+    from worker_svc.patch_conv import swap_patch_convolutions
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4), bias=bias),  # Qwen-VL's patch embedding
+        torch.nn.Conv2d(3, 8, 3, stride=1, padding=1),  # a stride below the kernel: not a patch embedding
+    )
+    patches, image, whole = torch.randn(5, 3, 2, 4, 4), torch.randn(1, 3, 6, 6), torch.randn(1, 3, 4, 8, 8)
+    reference = [model[0](patches), model[1](image), model[0](whole)]
+    assert swap_patch_convolutions(model) == 1 and "forward" in vars(model[0]) and "forward" not in vars(model[1])
+    got = model[0](patches)
+    assert got.shape == (5, 8, 1, 1, 1)
+    torch.testing.assert_close(got, reference[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model[1](image), reference[1])
+    torch.testing.assert_close(model[0](whole), reference[2])  # several patches in one input: the convolution
+    assert swap_patch_convolutions(model) == 0  # idempotent
