@@ -66,11 +66,22 @@ class _Server(uvicorn.Server):
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (``[::]``/``::`` is dual-stack; port 0 picks one)."""
+    """A listening TCP socket on ``host:port`` (``[::]``/``::`` is dual-stack; port 0 picks one) whose connections
+    send without Nagle's delay.
+
+    ``socket.create_server`` makes a socket of protocol 0, and asyncio sets ``TCP_NODELAY`` only on connections whose
+    socket says ``IPPROTO_TCP``: on such a socket a server-sent event written after the response headers waited for
+    the client's delayed ACK (~40 ms on Linux) before it left, and every streamed answer's first token with it. The
+    socket is therefore re-made with its protocol named, and the option is set on the listener too (Linux connections
+    inherit it)."""
     host = host.strip("[]")
     if ":" in host:
-        return socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=host == "::")
-    return socket.create_server((host, port))
+        made = socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=host == "::")
+    else:
+        made = socket.create_server((host, port))
+    sock = socket.socket(made.family, made.type, socket.IPPROTO_TCP, fileno=made.detach())
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 class HttpServer:
