@@ -89,6 +89,12 @@ def add_serve_local_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-blocks", type=int, default=None, metavar="K", help="KV pool blocks per rank")
     p.add_argument("--log-dir", default=None, help="where the processes' logs go (default: a new temp folder)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    p.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="with at least tp+1 CPUs, pin the scheduler to one and each rank to an equal slice of the rest "
+        "(default: unpinned, the kernel places them)",
+    )
 
 
 def cmd_serve_local(args: argparse.Namespace) -> int:
@@ -110,6 +116,7 @@ def cmd_serve_local(args: argparse.Namespace) -> int:
             scheduler_args=args.extra,
             log_dir=log_dir,
             ready_timeout=args.ready_timeout,
+            pin_cpus=args.pin_cpus,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from common.process import available_cpus, default_threads
-from mmcast_local.supervisor import LocalGroup
+from mmcast_local.supervisor import LocalGroup, cpu_plan
 from worker_svc.config import WorkerConfig, load_config
 
 EIGHT = set(range(8))
@@ -81,12 +81,57 @@ def test_bad_thread_settings_name_the_flag(kwargs, needle):
 
 
 def test_serve_local_tells_its_ranks_how_many_share_the_machine(tmp_path):
-    group = LocalGroup(tmp_path / "model", tp=3, log_dir=tmp_path / "logs", env={"PATH": os.environ["PATH"]})
+    group = LocalGroup(
+        tmp_path / "model", tp=3, log_dir=tmp_path / "logs", env={"PATH": os.environ["PATH"]}, pin_cpus=False
+    )
     assert group.env["MMCAST_LOCAL_RANKS"] == "3" and group.env["MMCAST_RESERVED_CPUS"] == "1"
     mine = LocalGroup(
         tmp_path / "model",
         tp=3,
         log_dir=tmp_path / "logs",
         env={"MMCAST_LOCAL_RANKS": "6", "MMCAST_RESERVED_CPUS": "0"},
+        pin_cpus=False,
     )
     assert mine.env["MMCAST_LOCAL_RANKS"] == "6" and mine.env["MMCAST_RESERVED_CPUS"] == "0"  # the operator's wins
+
+
+def test_cpu_plans_give_the_scheduler_one_cpu_and_each_rank_an_equal_disjoint_slice():
+    assert cpu_plan([0, 1], 1) == {"scheduler": [0], "rank0": [1]}
+    assert cpu_plan([0, 1], 2) is None  # fewer CPUs than processes: shared, unpinned
+    assert cpu_plan(range(8), 2) == {"scheduler": [0, 7], "rank0": [1, 2, 3], "rank1": [4, 5, 6]}
+    assert cpu_plan([3, 5, 9, 11], 3) == {"scheduler": [3], "rank0": [5], "rank1": [9], "rank2": [11]}
+
+
+def test_a_pinned_group_gives_each_rank_its_slice_as_threads(eight_cpus):
+    group = LocalGroup(
+        eight_cpus / "model", tp=3, log_dir=eight_cpus / "logs", env={"PATH": os.environ["PATH"]}, pin_cpus=True
+    )
+    assert group.cpus == {"scheduler": [0, 7], "rank0": [1, 2], "rank1": [3, 4], "rank2": [5, 6]}
+    assert group.env["MMCAST_LOCAL_RANKS"] == "1" and group.env["MMCAST_RESERVED_CPUS"] == "0"
+    assert group.describe()["cpus"] == group.cpus
+
+
+def test_the_launcher_pins_the_child_before_it_runs(tmp_path):
+    import subprocess
+    import sys
+
+    from mmcast_local.supervisor import _LAUNCHER
+
+    cpu = min(os.sched_getaffinity(0))
+    probe = "import os; print(sorted(os.sched_getaffinity(0)))"
+    out = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, str(os.getpid()), str(cpu), sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert out.strip() == f"[{cpu}]"
+    unpinned = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, str(os.getpid()), "", sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert unpinned.strip() == str(sorted(os.sched_getaffinity(0)))
