@@ -7,7 +7,8 @@ import os
 import pytest
 
 from common.process import available_cpus, default_threads
-from mmcast_local.supervisor import LocalGroup, cpu_plan
+from mmcast_local.cpu_pinning import cpu_plan
+from mmcast_local.supervisor import LocalGroup
 from worker_svc.config import WorkerConfig, load_config
 
 EIGHT = set(range(8))
