@@ -1,8 +1,8 @@
 """Where an mmcast request's time to first token goes, beside vLLM's TTFT (``benchmarks/peer.py``).
 
 The scheduler may export a histogram ``mmcast_request_stage_seconds{stage=...}`` on its ``/metrics`` (stages such
-as http_parse, frontend, queue, schedule, step_send, rank_receive, encode, forward, sample, result_back, detokenize,
-first_byte). The single-request workloads (cached, new) scrape it before and after every timed request, so the
+as http_parse, frontend, queue, schedule, step_send, rank, result_back, detokenize, first_byte, and the parts
+rank_assemble, rank_encode, rank_forward, rank_sample of the rank's step; ``scheduler_svc/stage_timing.py``). The single-request workloads (cached, new) scrape it before and after every timed request, so the
 ``_sum``/``_count`` deltas belong to that request alone (nothing else is in flight then), and the report shows the
 mean of each stage beside the client's TTFT and vLLM's. Nothing here depends on the label set: whatever stages
 the build exports are shown (known ones in pipeline order, others after them), and a build without the metric
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import urllib.request
 
+from scheduler_svc.stage_timing import DISJOINT_STAGES, RANK_PARTS
+
 METRIC = "mmcast_request_stage_seconds"
-# Pipeline order of the stages named in issue 32; stages not listed here follow, sorted by name.
-ORDER = ("http_parse", "frontend", "queue", "schedule", "step_send", "rank_receive", "encode", "forward", "sample",
-         "result_back", "detokenize", "first_byte")  # fmt: skip
+# Pipeline order: the stages that follow one another (their sum is at most the TTFT), then the parts of the rank's
+# step that lie inside ``rank``; stages not listed here follow, sorted by name, and are not summed.
+ORDER = DISJOINT_STAGES + RANK_PARTS
 NOT_EXPORTED = "not exported by this build"
 
 Snapshot = dict[str, tuple[float, float]]  # stage -> (sum of seconds, count)
@@ -125,8 +127,11 @@ def markdown(columns: list[tuple[str, dict | None, float | None]], vllm_ttft: li
             e = (m or {}).get(stage)
             cells.append("–" if e is None else f"{_fmt(e['mean_ms'], 2)} ({e['per_request']:.2g})")
         lines.append(f"| {stage} | " + " | ".join(cells) + " |")
-    sums = [None if m is None else sum(e["ms_per_request"] for e in m.values()) for _, m, _ in columns]
-    lines.append("| sum of the stages per request | " + " | ".join(_fmt(s) for s in sums) + " |")
+    sums = [
+        None if m is None else sum(e["ms_per_request"] for s, e in m.items() if s in DISJOINT_STAGES)
+        for _, m, _ in columns
+    ]
+    lines.append(f"| sum of {', '.join(DISJOINT_STAGES)} per request | " + " | ".join(_fmt(s) for s in sums) + " |")
     lines.append("| mmcast client TTFT p50 | " + " | ".join(_fmt(t) for _, _, t in columns) + " |")
     lines.append("| vLLM client TTFT p50 | " + " | ".join(_fmt(t) for t in vllm_ttft) + " |")
     missing = [h for h, m, _ in columns if m is None]

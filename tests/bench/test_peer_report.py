@@ -267,17 +267,21 @@ def test_stage_deltas_give_means_per_observation_in_pipeline_order_and_the_table
 
     acc = peer_stages.new_accumulator()
     before = {"queue": (0.01, 2.0)}
-    after = {"queue": (0.03, 4.0), "encode": (0.3, 2.0), "brand_new": (0.5, 1.0)}
+    after = {"queue": (0.03, 4.0), "rank": (0.4, 2.0), "rank_encode": (0.3, 2.0), "brand_new": (0.5, 1.0)}
     peer_stages.add(acc, before, after)
-    peer_stages.add(acc, after, {"queue": (0.05, 6.0), "encode": (0.5, 3.0), "brand_new": (0.5, 1.0)})
+    later = {"queue": (0.05, 6.0), "rank": (0.6, 3.0), "rank_encode": (0.5, 3.0), "brand_new": (0.5, 1.0)}
+    peer_stages.add(acc, after, later)
     m = peer_stages.means(acc)
-    assert list(m) == ["queue", "encode", "brand_new"]  # known stages in pipeline order, then others
+    assert list(m) == ["queue", "rank", "rank_encode", "brand_new"]  # pipeline order, the rank's parts, others
     assert m["queue"]["mean_ms"] == pytest.approx(10.0) and m["queue"]["per_request"] == pytest.approx(2.0)
-    assert m["encode"]["mean_ms"] == pytest.approx(500.0 / 3)  # (0.3 + 0.2) s over 2 + 1 observations
+    assert m["rank_encode"]["mean_ms"] == pytest.approx(500.0 / 3)  # (0.3 + 0.2) s over 2 + 1 observations
     merged = peer_stages.merge([acc, None, acc])
-    assert merged["requests"] == 4 and merged["stages"]["encode"][1] == pytest.approx(6.0)
+    assert merged["requests"] == 4 and merged["stages"]["rank_encode"][1] == pytest.approx(6.0)
     table = peer_stages.markdown([("mmcast_tp1 cached N=2", m, 90.0)], [120.0])
     assert "| queue | 10.00 (2) |" in table and "| vLLM client TTFT p50 | 120.0 |" in table
+    # the sum is of the stages that follow one another: queue and rank, not rank_encode (inside rank) nor others
+    want = m["queue"]["ms_per_request"] + m["rank"]["ms_per_request"]
+    assert f"per request | {want:.1f} |" in table
     absent = peer_stages.new_accumulator()
     peer_stages.add(absent, None, None)  # a build without the metric
     assert peer_stages.means(absent) is None
