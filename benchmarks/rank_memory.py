@@ -49,7 +49,11 @@ def serve(model_dir: str, tp: int, images: list[str]) -> dict:
 
     history: list[dict] = []
     answers, tokens = [], []
-    with LocalGroup(model_dir, tp=tp, transfer_mode="lazy") as group, Client(group.target, timeout=900) as client:
+    # the pool of 1,024 blocks the figures were taken with, not one sized from free memory (a fixed share of RAM)
+    with (
+        LocalGroup(model_dir, tp=tp, transfer_mode="lazy", kv_blocks=1024) as group,
+        Client(group.target, timeout=900) as client,
+    ):
         for turn, path in enumerate(images):
             history.append(
                 {
