@@ -496,8 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--cpu-linear",
-        choices=("onednn", "dense"),
-        help="the rank's --cpu-linear (default: the rank's own, onednn): dense shows the share of the packed weights",
+        choices=("auto", "onednn", "dense"),
+        help="the rank's --cpu-linear (default: the rank's own, auto): dense shows the share of the packed weights",
     )
     parser.add_argument("--reference", help=argparse.SUPPRESS)  # internal: the transformers process
     args = parser.parse_args(argv)
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=args.worker_tree) if args.worker_tree else None
     worker_args = ("--cpu-linear", args.cpu_linear) if args.cpu_linear else ()
     result = measure(plans, log=lambda m: print(m, file=sys.stderr, flush=True), env=env, worker_args=worker_args)
-    result["cpu_linear"] = args.cpu_linear or "onednn"
+    result["cpu_linear"] = args.cpu_linear or "auto"
     print(write(args.out, result) if args.out else tables(result))
     return 0
 

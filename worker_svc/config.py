@@ -76,10 +76,11 @@ class WorkerConfig:
         "auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)", choices=_DTYPES, section=_GROUP
     )
     cpu_linear: str = setting(
-        "onednn",
-        "decoder linear layers of a one-rank float32 CPU group: onednn (weights packed for oneDNN, faster "
-        "at decode batch sizes) or dense (PyTorch's own layout); other ranks are always dense",
-        choices=("onednn", "dense"),
+        "auto",
+        "decoder linear layers of a one-rank float32 CPU group: onednn (every weight packed for oneDNN, faster "
+        "at decode batch sizes from ~0.5M weights up), auto (only those of at least 300k weights; smaller "
+        "products run faster dense) or dense (PyTorch's own layout); other ranks are always dense",
+        choices=("auto", "onednn", "dense"),
         section=_GROUP,
     )
     threads: int = setting(

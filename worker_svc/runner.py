@@ -141,11 +141,13 @@ class ModelRunner:
         # the vision tower's patch embedding as one product (worker_svc/patch_conv.py)
         self.patch_convolutions = patch_conv.swap_patch_convolutions(model)
         self.linear_layout = "dense"
-        if config.cpu_linear == "onednn":
+        if config.cpu_linear != "dense":
             why = cpu_linear.unsupported(self.device, self.dtype, config.world_size)
             if why is None:
-                cpu_linear.pack_decoder(model)
-                self.linear_layout = "onednn"
+                auto = config.cpu_linear == "auto"
+                packed = cpu_linear.pack_decoder(model, cpu_linear.AUTO_MIN_ELEMENTS if auto else 0)
+                if packed["layers"]:
+                    self.linear_layout = "onednn" if not auto else "auto"
             else:
                 log.debug("decoder linear layers stay dense", extra={"reason": why})
         self.config = model.config

@@ -86,3 +86,23 @@ def test_a_rank_packs_its_decoder_unless_told_dense_and_answers_alike(tiny_model
     with torch.inference_mode():
         want = plain(input_ids=torch.tensor([ids]), position_ids=positions[:, None]).logits[0, -1]
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_auto_packs_only_the_layers_of_at_least_300k_weights(tiny_model_dir):
+    from tests.support.worker_driver import rank_token_file
+
+    runner = ModelRunner(WorkerConfig(model=str(tiny_model_dir), kv_blocks=16, shared_token_file=rank_token_file()))
+    assert WorkerConfig.__dataclass_fields__["cpu_linear"].default == "auto"
+    # the tiny model's layers are all far below the threshold: every one stays dense, and the rank says so
+    layers = [m for m in runner.model.model.language_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert layers and all(m.weight is not None and "forward" not in vars(m) for m in layers)
+    assert runner.linear_layout == "dense"
+    big, small = torch.nn.Linear(1536, 256), torch.nn.Linear(256, 1024)  # 393k (2B's KV projection), 262k
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.language_model = torch.nn.ModuleList([big, small])
+    model.get_input_embeddings = lambda: torch.nn.Embedding(4, 4)
+    model.get_output_embeddings = lambda: None
+    sizes = cpu_linear.pack_decoder(model, cpu_linear.AUTO_MIN_ELEMENTS)
+    assert sizes["layers"] == 1 and "forward" in vars(big) and "forward" not in vars(small)
+    assert sizes["packed"] == 4 * 1536 * 256
