@@ -158,12 +158,14 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
     spans: list[Span] = []
     singles: list[Span] = []
     decodes: list[tuple[int, Sequence[int], int]] = []
+    span_of: dict[int, int] = {}  # a decode's packed index -> its place in ``spans``
     packed = 0
     for block_ids, start, end in windows:
         n = end - start
         # the slots of the window's tokens, in Python ints: a decode's is one multiply, and a chunk's a short loop
         slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
         if n == 1:
+            span_of[packed] = len(spans)
             spans.append(Span(packed, packed + 1, end, ()))
             decodes.append((packed, block_ids, end))
         else:
@@ -176,7 +178,7 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
         if len(group) == 1:  # alone, a decode attends over a view of its pool rows where its blocks are one run
             index, block_ids, context = group[0]
             span = _single(block_ids, context - 1, context, index, block_size, device)
-            spans[next(i for i, s in enumerate(spans) if s.start == index)] = span
+            spans[span_of[index]] = span
             singles.append(span)
         else:
             batches.append(_decode_batch(group, block_size, device))
