@@ -168,17 +168,12 @@ def sample_batch(
         if wanting:
             logprobs = torch.log_softmax(rows[wanting], dim=-1)
             chosen = logprobs.gather(1, torch.tensor([[tokens[j]] for j in wanting])).flatten().tolist()
-            k = min(max(int(params[greedy[j]].logprobs) for j in wanting), logprobs.shape[-1])
-            values, ids = torch.topk(logprobs, k) if k > 0 else (None, None)
             for r, j in enumerate(wanting):
                 top: list[tuple[int, float]] = []
                 kj = min(int(params[greedy[j]].logprobs), logprobs.shape[-1])
-                if kj > 0:
-                    top = [
-                        (t, v)
-                        for t, v in zip(ids[r, :kj].tolist(), values[r, :kj].tolist(), strict=True)
-                        if v != -math.inf
-                    ]
+                if kj > 0:  # per row with its own k: topk's order among tied values depends on k
+                    values, ids = torch.topk(logprobs[r], kj)
+                    top = [(t, v) for t, v in zip(ids.tolist(), values.tolist(), strict=True) if v != -math.inf]
                 lp_of[j] = (chosen[r], top)
         for j, i in enumerate(greedy):
             if j in lp_of:

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from worker_svc.sampling import GREEDY_EPSILON, SamplingError, SamplingParams, draw_seed, sample, sample_batch
@@ -369,6 +369,14 @@ def test_a_batch_samples_each_row_as_alone():
         min_size=1,
         max_size=8,
     )
+)
+@example(  # tied log-probabilities: topk's order among ties depends on k, so each row takes its own k
+    batch=[
+        (16, [], 1e-06, 20, True, 56),
+        (30, [], math.nan, 20, True, 0),
+        (3, [], 0.0, 6, True, 30),
+        (7, [(6, 3e38)], 0.0, 2, True, 51),
+    ]  # fmt: skip
 )
 @settings(max_examples=60, deadline=None, database=None)
 def test_fuzz_a_batch_samples_each_row_as_alone(batch):
