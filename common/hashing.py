@@ -116,6 +116,7 @@ _FINGERPRINT_FILES = (
     "config.json",
     "generation_config.json",
     "preprocessor_config.json",
+    "video_preprocessor_config.json",
     "processor_config.json",
     "tokenizer.json",
     "tokenizer_config.json",

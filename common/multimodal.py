@@ -41,6 +41,8 @@ class PayloadEncoding(enum.Enum):
 
 
 ENCODED_FIELD = "image_bytes"  # the payload field of an ENCODED image: the file's bytes as a 1-D uint8 tensor
+VIDEO_ENCODED_FIELD = "video_bytes"  # ... of an ENCODED video: the container file's bytes, 1-D uint8
+FRAME_INDICES_FIELD = "video_frame_indices"  # ... and the frames its owner decodes, 1-D int64 (the sampling plan)
 
 
 class Modality(enum.Enum):

@@ -84,6 +84,30 @@ class SchedulerConfig:
         max=2**40,
         section=_LIMITS,
     )
+    max_videos_per_request: int = setting(8, "videos one request may contain", min=0, max=10_000, section=_LIMITS)
+    max_video_frames: int = setting(
+        256,
+        "frames one video may sample (each frame costs a decode and its patches); caps every fps/num_frames request",
+        min=1,
+        max=65_536,
+        section=_LIMITS,
+    )
+    max_video_seconds: float = setting(
+        3600.0, "duration of one video, from its container header", min=0.001, max=10**7, section=_LIMITS
+    )
+    max_video_total_frames: int = setting(
+        1_000_000, "frames in one video's stream, from its container header", min=1, max=2**40, section=_LIMITS
+    )
+    max_video_frame_pixels: int = setting(
+        3840 * 2160,
+        "width * height of one video frame, from the container header before any frame is decoded",
+        min=1,
+        max=2**40,
+        section=_LIMITS,
+    )
+    max_video_streams: int = setting(
+        16, "streams (video, audio, subtitles, data) one container may hold", min=1, max=10_000, section=_LIMITS
+    )
     max_upload_bytes: int = setting(
         32 << 20, "bytes of one encoded image (inline or uploaded)", min=1, max=_INT_MAX, section=_LIMITS
     )

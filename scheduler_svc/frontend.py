@@ -57,6 +57,8 @@ from common.image_header import ImageHeader
 from common.image_input import ImageInput
 from common.multimodal import (
     ENCODED_FIELD,
+    FRAME_INDICES_FIELD,
+    VIDEO_ENCODED_FIELD,
     FieldKind,
     Modality,
     MultiModalFeatureSpec,
@@ -96,14 +98,15 @@ class ChatTurn:
 class ProcessedPrompt:
     token_ids: list[int]  # the whole prompt, image placeholders expanded
     mm_features: list[MultiModalFeatureSpec]  # one per image, ordered by position, payload included
-    num_images: int
-    image_sha256: list[str]  # sha256 of each image's encoded bytes (the processor-cache / upload-store key)
+    num_images: int  # images among mm_features
+    image_sha256: list[str]  # sha256 of each item's encoded bytes (the processor-cache / upload-store key)
     processor_cache_hits: int  # images served by the processor cache (not decoded, processed nor hashed)
     # (cache key, processed image) of every image processed for this prompt; Frontend.commit stores them once the
     # request is admitted (and empties the list), so a refused request leaves nothing in the cache.
     pending_cache: list = dataclasses.field(default_factory=list)
     image_cpu_seconds: float = 0.0  # this thread's CPU time on the images: hashing, headers, decoding (pixels)
-    image_fields: list[str] = dataclasses.field(default_factory=list)  # where each image came from, for errors
+    image_fields: list[str] = dataclasses.field(default_factory=list)  # where each item came from, for errors
+    num_videos: int = 0  # videos among mm_features (num_images counts the images)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +118,9 @@ class _Processed:
     grid_thw: Any  # (1, 3) int64 tensor: keep_on_cpu metadata; None for a family without a grid field
     num_tokens: int  # placeholder tokens in the prompt
     encoding: PayloadEncoding = PayloadEncoding.PIXELS
+    modality: Modality = Modality.IMAGE
+    frame_indices: Any = None  # a video's sampled frames, 1-D int64 (encoded payloads: the rank decodes these)
+    second_per_grid_t: Any = None  # a video's seconds per temporal patch, (1,) float32 (Qwen2.5-VL positions)
 
 
 @dataclasses.dataclass
@@ -128,6 +134,14 @@ class _Pending:
     image: Any = None  # else: the PIL image opened lazily (header read, pixels not decoded)
     header: ImageHeader | None = None
     tokens: int = 0  # placeholder tokens (from the cache or predicted from the header)
+    video: Any = None  # a video: its VideoHeader (container header only) ...
+    plan: Any = None  # ... and its VideoPlan (frames, grid, tokens), nothing decoded
+
+    def describe(self) -> str:
+        if self.video is not None:
+            v = self.video
+            return f"the {v.width}x{v.height} video ({len(self.plan.frame_indices)} sampled frames)"
+        return f"the {self.header.width}x{self.header.height} image" if self.header else "the image"
 
 
 class Frontend:
@@ -146,6 +160,7 @@ class Frontend:
         self.image_token = self.processor.image_token
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         video_token = getattr(self.processor, "video_token", None)
+        self.video_token_id = self.tokenizer.convert_tokens_to_ids(video_token) if video_token else None
         self._placeholder_tokens = [t for t in (self.image_token, video_token) if t]
         self.processor_settings = json.loads(json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str))
         model_config = AutoConfig.from_pretrained(self.model_dir)
@@ -169,6 +184,7 @@ class Frontend:
             self.image_processor, config.image_formats, config.max_image_pixels, self.family, processor=self.processor
         )
         self.headers = self.images.headers
+        self.videos = self._video_input(config)  # None: this model folder serves no video
         self.encoded = config.payload_encoding == "encoded"  # header-only: the ranks decode (common/image_input.py)
         self._decode_slots = threading.BoundedSemaphore(config.max_concurrent_decodes)
         self._local = threading.local()  # per thread: its own tokenizer
@@ -176,6 +192,15 @@ class Frontend:
         self.counts: collections.Counter = collections.Counter()
         self._counts_lock = threading.Lock()
         self.metrics = metrics  # SchedulerMetrics or None
+
+    def _video_input(self, config: SchedulerConfig):
+        """The container-header checks and sampling rule of the folder's video processor, under the --max-video-*
+        limits; None when the folder has no video processor config (video parts are then refused)."""
+        from common.video_input import VideoInput
+
+        if not (self.model_dir / "video_preprocessor_config.json").is_file() or config.max_videos_per_request < 1:
+            return None
+        return VideoInput.from_model_dir(self.model_dir, video_limits(config), self.family)
 
     def _eos_token_ids(self) -> set[int]:
         from transformers import GenerationConfig
@@ -200,6 +225,24 @@ class Frontend:
         image, header = self.headers.open(data, field)
         admission.check_image_fits(field, header.width, header.height, header.tokens, self.max_model_len)
         return image, header
+
+    def check_upload(self, data: bytes, field: str = "upload") -> None:
+        """An upload is an image whose header passes (``check_image_header``) or, where videos are served, a video
+        whose container header passes the --max-video-* limits (its tokens depend on the sampling a request asks
+        for, so they are checked per request); neither: InvalidArgument giving both reasons."""
+        try:
+            self.check_image_header(data, field)
+            return
+        except InvalidArgument as image_error:
+            if self.videos is None:
+                raise
+            try:
+                self.videos.probe(data, field)
+            except InvalidArgument as video_error:
+                raise InvalidArgument(
+                    f"{field}: neither an image ({image_error.message}) nor a video ({video_error.message})",
+                    field=field,
+                ) from None
 
     def _decode(self, pending: _Pending, tenant: str) -> _Processed:
         """Decodes and preprocesses one image whose header passed every check; at most ``max_concurrent_decodes``
@@ -248,6 +291,9 @@ class Frontend:
             raise InvalidArgument(f"{field} has neither data nor uploaded_sha256", field=field)
         if data is None:  # a reference: the store holds the bytes under this hash (NOT_FOUND when it does not)
             data = self.uploads.get(sha, field=f"{field}.uploaded_sha256", tenant=tenant)
+        options = getattr(part, "video_options", None)
+        if options is not None:
+            return self._resolve_video(data, sha, options, field, tenant, seen)
         key = (tenant, sha)  # per tenant: a hit's timing must not tell one tenant what another sent
         if key in seen:
             return seen[key]
@@ -259,14 +305,48 @@ class Frontend:
             seen[key] = _Pending(field, key, data, image=image, header=header, tokens=header.tokens)
         return seen[key]
 
+    def _resolve_video(self, data: bytes, sha: str, options, field: str, tenant: str, seen: dict) -> _Pending:
+        """A video's container header checked (limits named) and its sampling planned; nothing decoded."""
+        if self.videos is None:
+            raise InvalidArgument(
+                f"{field}: this model serves no video (its folder has no video_preprocessor_config.json, or "
+                "--max-videos-per-request is 0)",
+                field=field,
+            )
+        key = (tenant, sha, options)  # the same file sampled otherwise is another item
+        if key in seen:
+            return seen[key]
+        header = self.videos.probe(data, field)
+        plan = self.videos.plan(header, options, field)
+        seen[key] = _Pending(field, key, data, video=header, plan=plan, tokens=plan.tokens)
+        return seen[key]
+
+    def _video(self, pending: _Pending, tenant: str) -> _Processed:
+        """A video's item: under ``encoded`` the file as sent and the frames to decode (the owner rank decodes only
+        those), under ``pixels`` the sampled frames decoded and preprocessed here (at most
+        ``max_concurrent_decodes`` at once). The identifier covers the bytes and the sampling (frames and grid)."""
+        plan, options = pending.plan, pending.key[2]
+        settings = {"image": self.processor_settings, "video": self.videos.settings_key(options)}
+        settings["frames"] = list(plan.frame_indices)
+        settings["grid"] = plan.grid.reshape(-1).tolist()
+        identifier = item_identifier(pending.data, settings, scope=tenant)
+        frames = torch.tensor(plan.frame_indices, dtype=torch.int64)
+        seconds = torch.tensor([plan.second_per_grid_t], dtype=torch.float32)
+        if self.encoded:
+            payload = torch.frombuffer(bytearray(pending.data), dtype=torch.uint8)
+            encoding = PayloadEncoding.ENCODED
+        else:
+            with self._decode_slots:
+                self._count("videos_decoded", 1)
+                payload = self.videos.process(pending.data, plan, pending.field)
+            encoding = PayloadEncoding.PIXELS
+        return _Processed(identifier, payload, plan.grid, plan.tokens, encoding, Modality.VIDEO, frames, seconds)
+
     @staticmethod
     def _check_image_tokens(pending: list[_Pending], context: int, reserve: int) -> None:
-        """The prompt holds at least every image's placeholders: refuse before decoding when they alone, with the
+        """The prompt holds at least every item's placeholders: refuse before decoding when they alone, with the
         tokens to generate, exceed the context (admission.check_images_fit)."""
-        images = [
-            (p.field, f"the {p.header.width}x{p.header.height} image" if p.header else "the image", p.tokens)
-            for p in pending
-        ]
+        images = [(p.field, p.describe(), p.tokens) for p in pending]
         admission.check_images_fit(images, reserve, context)
 
     # --- text ----------------------------------------------------------------------------------------------
@@ -320,7 +400,10 @@ class Frontend:
         processed = []
         for p in pending:
             if p.cached is None and p.key not in decoded:
-                decoded[p.key] = self._encoded(p, tenant) if self.encoded else self._decode(p, tenant)
+                if p.video is not None:
+                    decoded[p.key] = self._video(p, tenant)
+                else:
+                    decoded[p.key] = self._encoded(p, tenant) if self.encoded else self._decode(p, tenant)
             processed.append(p.cached if p.cached is not None else decoded[p.key])
         image_cpu_seconds = time.thread_time() - cpu
         if self.metrics is not None and pending:
@@ -329,15 +412,18 @@ class Frontend:
         template_ids = self._tokenize(messages, add_generation_prompt)
         token_ids, features = self._expand(template_ids, processed)
         admission.check_prompt_fits("messages", len(token_ids), 1, context)
+        videos = sum(1 for f in features if f.modality is Modality.VIDEO)
+        cacheable = [] if self.encoded else [(k, v) for k, v in decoded.items() if v.modality is Modality.IMAGE]
         return ProcessedPrompt(
             token_ids,
             features,
-            len(features),
+            len(features) - videos,
             [p.key[1] for p in pending],
             hits,
-            [] if self.encoded else list(decoded.items()),
+            cacheable,
             image_cpu_seconds,
             [p.field for p in pending],
+            videos,
         )
 
     def process_text(self, prompt: str, *, reserve_tokens: int = 1, context: int | None = None) -> ProcessedPrompt:
@@ -379,8 +465,8 @@ class Frontend:
         cfg = self.config
         if not turns:
             raise InvalidArgument("messages is empty: at least one message is required", field="messages")
-        messages, images = [], []
-        request_bytes = text_bytes = 0
+        messages, images = [], []  # images: every media item (images and videos), in prompt order
+        videos = request_bytes = text_bytes = 0
         has_content = False
         for i, turn in enumerate(turns):
             if turn.role not in ROLES:
@@ -414,8 +500,18 @@ class Frontend:
                     request_bytes += size
                     has_content = has_content or bool(part.text.strip())
                     continue
-                field = getattr(part, "field", None) or f"messages[{i}].content[{j}].image"
-                if len(images) >= cfg.max_images_per_request:
+                is_video = getattr(part, "video_options", None) is not None
+                kind = "video" if is_video else "image"
+                field = getattr(part, "field", None) or f"messages[{i}].content[{j}].{kind}"
+                if is_video:
+                    videos += 1
+                    if videos > cfg.max_videos_per_request:
+                        raise InvalidArgument(
+                            f"{field}: more than {cfg.max_videos_per_request} videos in one request "
+                            "(--max-videos-per-request)",
+                            field=field,
+                        )
+                elif len(images) - videos >= cfg.max_images_per_request:
                     raise InvalidArgument(
                         f"{field}: more than {cfg.max_images_per_request} images in one request "
                         "(--max-images-per-request)",
@@ -423,50 +519,85 @@ class Frontend:
                     )
                 images.append((field, part))
                 request_bytes += len(getattr(part, "data", None) or b"")
-                content.append({"type": "image"})
+                content.append({"type": kind})
                 has_content = True
             messages.append({"role": turn.role, "content": content})
         if not has_content:
-            raise InvalidArgument("messages contain no text and no image: the prompt is empty", field="messages")
+            raise InvalidArgument("messages contain no text, image or video: the prompt is empty", field="messages")
         if request_bytes > cfg.max_request_bytes:
             raise ResourceExhausted(
                 f"the request carries {request_bytes} bytes of text and images; the limit is {cfg.max_request_bytes} "
-                "(--max-request-bytes); upload large images first and reference them by hash",
+                "(--max-request-bytes); upload large images and videos first and reference them by hash",
                 field="messages",  # a limit of the request: no retry hint
             )
         return messages, images
 
-    def _expand(self, template_ids: list[int], images: list[_Processed]) -> tuple[list[int], list]:
-        positions = [k for k, t in enumerate(template_ids) if t == self.image_token_id]
-        if len(positions) != len(images):
+    def _expand(self, template_ids: list[int], items: list[_Processed]) -> tuple[list[int], list]:
+        """Each image or video token of the template expanded to its item's placeholder count (in prompt order)."""
+        video_id = self.video_token_id
+        positions = [k for k, t in enumerate(template_ids) if t == self.image_token_id or t == video_id]
+        if len(positions) != len(items):
             raise InvalidArgument(
-                f"the chat template produced {len(positions)} image placeholders for {len(images)} images",
+                f"the chat template produced {len(positions)} image/video placeholders for {len(items)} items",
                 field="messages",
             )
         token_ids: list[int] = []
         features = []
         prev = 0
-        for pos, image in zip(positions, images, strict=True):
+        for pos, item in zip(positions, items, strict=True):
+            video = item.modality is Modality.VIDEO
+            if template_ids[pos] != (video_id if video else self.image_token_id):
+                raise InvalidArgument("the chat template reordered the images and videos", field="messages")
             token_ids += template_ids[prev:pos]
             offset = len(token_ids)
-            token_ids += [self.image_token_id] * image.num_tokens
+            token_ids += [template_ids[pos]] * item.num_tokens
             prev = pos + 1
-            name = ENCODED_FIELD if image.encoding is PayloadEncoding.ENCODED else "pixel_values"
-            fields = {name: MultiModalFieldElem(image.payload, keep_on_cpu=False, kind=FieldKind.FLAT)}
-            if self.family.grid_field is not None:  # the grid M-RoPE positions need; a fixed-size family has none
-                fields[self.family.grid_field] = MultiModalFieldElem(
-                    image.grid_thw, keep_on_cpu=True, kind=FieldKind.BATCHED
-                )
-            data = MultiModalKwargsItem(fields)
-            features.append(
-                MultiModalFeatureSpec(
-                    data,
-                    Modality.IMAGE,
-                    image.identifier,
-                    PlaceholderRange(offset, image.num_tokens),
-                    payload_nbytes=int(image.payload.nbytes),
-                    encoding=image.encoding,
-                )
-            )
+            features.append(self._feature(item, offset))
         token_ids += template_ids[prev:]
         return token_ids, features
+
+    def _feature(self, item: _Processed, offset: int) -> MultiModalFeatureSpec:
+        """The item of one image or video: its payload fields and its keep_on_cpu grid (and, for a video, what
+        positions need: seconds per temporal patch; and what decoding needs: the sampled frames)."""
+        encoded = item.encoding is PayloadEncoding.ENCODED
+        video = item.modality is Modality.VIDEO
+        if video:
+            name = VIDEO_ENCODED_FIELD if encoded else "pixel_values_videos"
+        else:
+            name = ENCODED_FIELD if encoded else "pixel_values"
+        fields = {name: MultiModalFieldElem(item.payload, keep_on_cpu=False, kind=FieldKind.FLAT)}
+        payload_nbytes = int(item.payload.nbytes)
+        if video and encoded:
+            fields[FRAME_INDICES_FIELD] = MultiModalFieldElem(
+                item.frame_indices, keep_on_cpu=False, kind=FieldKind.FLAT
+            )
+            payload_nbytes += int(item.frame_indices.nbytes)
+        if self.family.grid_field is not None:  # the grid M-RoPE positions need; a fixed-size family has none
+            grid_name = "video_grid_thw" if video else self.family.grid_field
+            fields[grid_name] = MultiModalFieldElem(item.grid_thw, keep_on_cpu=True, kind=FieldKind.BATCHED)
+        if video and getattr(self.family, "temporal_step_by_seconds", False):
+            fields["second_per_grid_ts"] = MultiModalFieldElem(
+                item.second_per_grid_t, keep_on_cpu=True, kind=FieldKind.BATCHED
+            )
+        return MultiModalFeatureSpec(
+            MultiModalKwargsItem(fields),
+            item.modality,
+            item.identifier,
+            PlaceholderRange(offset, item.num_tokens),
+            payload_nbytes=payload_nbytes,
+            encoding=item.encoding,
+        )
+
+
+def video_limits(config: SchedulerConfig):
+    """The ``VideoLimits`` of the scheduler's --max-video-* flags (the ranks receive the same in the handshake)."""
+    from common.video_input import VideoLimits
+
+    return VideoLimits(
+        max_bytes=config.max_upload_bytes,
+        max_frame_pixels=config.max_video_frame_pixels,
+        max_duration_s=config.max_video_seconds,
+        max_total_frames=config.max_video_total_frames,
+        max_sampled_frames=config.max_video_frames,
+        max_streams=config.max_video_streams,
+    )

@@ -220,8 +220,9 @@ class MediaLoader:
         self._ssl = ssl_context
 
     # --- data: ------------------------------------------------------------------------------------------------------
-    def decode_data_url(self, url: str, field: str) -> bytes:
-        """The bytes of ``data:image/<type>[;params];base64,<data>`` (RFC 2397). Pure, no I/O.
+    def decode_data_url(self, url: str, field: str, kind: str = "image") -> bytes:
+        """The bytes of ``data:image/<type>[;params];base64,<data>`` (RFC 2397; ``kind`` "video": ``data:video/``).
+        Pure, no I/O.
 
         The size is checked from the base64 length before anything is decoded, so an oversize URL costs nothing.
         Base64 is the standard alphabet, padded, with no whitespace or line breaks (strict decoding)."""
@@ -240,12 +241,16 @@ class MediaLoader:
                 f"{field}: {_shown(url)} is not base64-encoded: an image data: URL is data:image/<type>;base64,<data>",
                 field=field,
             )
-        subtype = mime[len("image/") :] if mime.startswith("image/") else ""
+        subtype = mime[len(kind) + 1 :] if mime.startswith(f"{kind}/") else ""
         if not subtype or not re.fullmatch(r"[a-z0-9][a-z0-9!#$&^_.+-]*", subtype):
+            accepted = (
+                "image/* (image/png, image/jpeg, image/webp, ...; the format itself is checked against --image-formats)"
+                if kind == "image"
+                else "video/* (video/mp4, video/webm, ...; the container and codec themselves are checked)"
+            )
             raise InvalidArgument(
-                f"{field}: media type {mime or '(none)'!r} is not an image; accepted: image/* "
-                "(image/png, image/jpeg, image/webp, ...; the format itself is checked against "
-                "--image-formats)",
+                f"{field}: media type {mime or '(none)'!r} is not {'an image' if kind == 'image' else 'a video'}; "
+                f"accepted: {accepted}",
                 field=field,
             )
         chars = len(url) - comma - 1
@@ -273,16 +278,17 @@ class MediaLoader:
         return data
 
     # --- every scheme ---------------------------------------------------------------------------------------------
-    async def load(self, url: str, field: str) -> bytes:
-        """The encoded image ``url`` stands for; ``field`` is its request path (``messages[0].content[1].image_url
-        .url``) and is named in every refusal. A large data: URL is decoded in a thread, off the event loop."""
+    async def load(self, url: str, field: str, kind: str = "image") -> bytes:
+        """The encoded image (``kind`` "video": the video file) ``url`` stands for; ``field`` is its request path
+        (``messages[0].content[1].image_url.url``) and is named in every refusal. A large data: URL is decoded in a
+        thread, off the event loop."""
         scheme = url.split(":", 1)[0].strip().lower() if ":" in url else ""
         if scheme == "data":
             if len(url) > THREAD_DECODE_CHARS:
-                return await asyncio.to_thread(self.decode_data_url, url, field)
-            return self.decode_data_url(url, field)
+                return await asyncio.to_thread(self.decode_data_url, url, field, kind)
+            return self.decode_data_url(url, field, kind)
         if scheme in ("http", "https"):
-            return await self._fetch(url, field)
+            return await self._fetch(url, field, kind)
         if scheme == "file":
             return await asyncio.to_thread(self._read_file, url, field)
         raise InvalidArgument(
@@ -346,7 +352,7 @@ class MediaLoader:
         return data
 
     # --- http(s):// -----------------------------------------------------------------------------------------------
-    async def _fetch(self, url: str, field: str) -> bytes:
+    async def _fetch(self, url: str, field: str, kind: str = "image") -> bytes:
         policy = self.policy
         if not policy.allowed_domains:
             raise InvalidArgument(
@@ -357,7 +363,7 @@ class MediaLoader:
         hops = [url]  # the URL of each hop, the last one being fetched
         try:
             async with asyncio.timeout(policy.timeout_seconds):
-                return await self._follow(hops, field)
+                return await self._follow(hops, field, kind)
         except (TimeoutError, httpx.TimeoutException):
             raise InvalidArgument(
                 f"{field}: fetching {_shown(hops[-1])} took more than {policy.timeout_seconds} s "
@@ -405,13 +411,13 @@ class MediaLoader:
                 )
         return addresses
 
-    async def _follow(self, hops: list[str], field: str) -> bytes:
+    async def _follow(self, hops: list[str], field: str, kind: str = "image") -> bytes:
         for hop in range(self.policy.max_redirects + 1):
             target = self._checked_url(hops[-1], field, hop)
             host = host_of(target)
             port = target.port or (443 if target.scheme == "https" else 80)
             addresses = await self._checked_addresses(host, port, field)
-            answer = await self._get(target, host, addresses, field)
+            answer = await self._get(target, host, addresses, field, kind)
             if isinstance(answer, bytes):
                 return answer
             hops.append(answer.location)
@@ -421,7 +427,9 @@ class MediaLoader:
             field=field,
         )
 
-    async def _get(self, target: httpx.URL, host: str, addresses: list[str], field: str) -> bytes | _Redirect:
+    async def _get(
+        self, target: httpx.URL, host: str, addresses: list[str], field: str, kind: str = "image"
+    ) -> bytes | _Redirect:
         """One GET of ``target`` at the first of ``addresses`` that accepts a connection."""
         # A transport (connection pool) per hop: a connection verified for one name never carries a request for
         # another. The transport, unlike httpx's client, adds nothing of its own: no redirect handling, cookies,
@@ -441,7 +449,7 @@ class MediaLoader:
                     target.copy_with(host=str(_address(address)), fragment=None),
                     headers={
                         "Host": target.netloc.decode("ascii"),
-                        "Accept": "image/*",
+                        "Accept": f"{kind}/*",
                         "Accept-Encoding": "identity",
                         "User-Agent": "mmcast-media-fetch",
                     },

@@ -22,6 +22,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -34,7 +35,7 @@ from mmcast.v1 import generation_pb2
 from scheduler_svc import affinity_key, openai_errors, openai_schema, request_parsing
 from scheduler_svc.completion import MAX_TOKENS_FIELD, Chunk, Completion, CompletionRequest, Completions
 from scheduler_svc.openai_errors import HttpError
-from scheduler_svc.request_parsing import ImageContent, TextContent, Turn
+from scheduler_svc.request_parsing import ImageContent, TextContent, Turn, VideoContent
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,52 @@ class _Call:
     @property
     def object_id(self) -> str:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.client_id
+
+
+_VIDEO_KEYS = ("fps", "num_frames", "max_frames", "min_pixels", "max_pixels")
+
+
+def _video_options(body):
+    """The video sampling a chat request asks for, from vLLM's ``mm_processor_kwargs`` (``fps``, ``num_frames``,
+    ``max_frames``, ``min_pixels``, ``max_pixels``; also the processor's ``size`` as ``{shortest_edge,
+    longest_edge}``) and ``media_io_kwargs.video`` (``fps``, ``num_frames``); None when it asks for none. A key mmcast
+    does not read is refused, naming it, rather than dropped."""
+    values: dict[str, Any] = {}
+    for name, given in (("mm_processor_kwargs", body.mm_processor_kwargs), ("media_io_kwargs", body.media_io_kwargs)):
+        if not given:
+            continue
+        where, allowed, unknown = name, _VIDEO_KEYS, []
+        if name == "media_io_kwargs":
+            unknown = sorted(k for k in given if k != "video")
+            given, where, allowed = given.get("video") or {}, f"{name}.video", ("fps", "num_frames")
+        if not isinstance(given, dict):
+            raise HttpError(400, f"{where} must be an object", param=where, code="invalid_type")
+        given = dict(given)
+        size = given.pop("size", None) if name == "mm_processor_kwargs" else None
+        if isinstance(size, dict):
+            given.setdefault("min_pixels", size.get("shortest_edge"))
+            given.setdefault("max_pixels", size.get("longest_edge"))
+        unknown += sorted(f"{where}.{k}" for k in given if k not in allowed)
+        if unknown:
+            raise HttpError(
+                400,
+                f"{name}: {', '.join(unknown)} not supported; mmcast reads {', '.join(allowed)}",
+                param=name,
+                code="unsupported",
+            )
+        for key, value in given.items():
+            if value is None:
+                continue
+            integer = key != "fps"
+            if isinstance(value, bool) or not isinstance(value, int | float) or (integer and value != int(value)):
+                kind = "an integer" if integer else "a number"
+                raise HttpError(
+                    400, f"{where}.{key}={value!r} must be {kind}", param=f"{where}.{key}", code="invalid_type"
+                )
+            values[key] = int(value) if integer else float(value)
+    if not values:
+        return None
+    return request_parsing.video_options("mm_processor_kwargs", **{k: values.get(k) for k in _VIDEO_KEYS})
 
 
 class OpenAIApi:
@@ -308,7 +355,7 @@ class OpenAIApi:
                     code="unsupported",
                 )
             return CompletionRequest(prompt=prompt, **common)
-        turns = await self._turns(call, body.messages)
+        turns = await self._turns(call, body.messages, _video_options(body))
         add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
         return CompletionRequest(turns=turns, add_generation_prompt=add_generation_prompt, **common)
 
@@ -352,7 +399,7 @@ class OpenAIApi:
             spec = dataclasses.replace(spec, return_logprobs=return_logprobs)
         return spec, max_tokens is None
 
-    async def _turns(self, call: _Call, messages) -> list[Turn]:
+    async def _turns(self, call: _Call, messages, video_options=None) -> list[Turn]:
         turns = []
         for i, m in enumerate(messages):
             if m.content is None:
@@ -362,7 +409,7 @@ class OpenAIApi:
                     param=f"messages[{i}].content",
                     code="invalid_value",
                 )
-            parts: list[TextContent | ImageContent] = []
+            parts: list[TextContent | ImageContent | VideoContent] = []
             content = (
                 [openai_schema.TextContentPart(type="text", text=m.content)]
                 if isinstance(m.content, str)
@@ -371,10 +418,65 @@ class OpenAIApi:
             for j, part in enumerate(content):
                 if part.type == "text":
                     parts.append(TextContent(part.text))
+                elif part.type == "video_url":
+                    parts.append(await self._video(call, part, f"messages[{i}].content[{j}]", video_options))
                 else:
                     parts.append(await self._image(call, part, f"messages[{i}].content[{j}]"))
             turns.append(Turn(_ROLES[m.role], tuple(parts)))
         return turns
+
+    async def _video(self, call: _Call, part, where: str, options) -> VideoContent:
+        """A ``video_url`` part: the same sources as an image (a ``data:video/...`` URL, a remote or local URL where
+        allowed, or ``uuid`` naming a file the server holds), sampled as the request's video options say."""
+        field = f"{where}.video_url"
+        if options is None:
+            options = request_parsing.video_options(
+                field, fps=None, num_frames=None, max_frames=None, min_pixels=None, max_pixels=None
+            )
+        digest = self._uuid_digest(part, where)
+        if part.video_url is None:
+            if digest is None:
+                raise HttpError(
+                    400,
+                    f"{field} is null and {where}.uuid is not set: send the video as a URL, or "
+                    "reference one the server holds by its uuid",
+                    param=field,
+                    code="invalid_value",
+                )
+            call.uuid_fields[digest] = f"{where}.uuid"
+            return VideoContent(None, digest, field, options)
+        data = await self.media.load(part.video_url.url, f"{field}.url", "video")
+        self._check_uuid(digest, data, where)
+        call.inline.append((hashlib.sha256(data).hexdigest(), data))
+        return VideoContent(data, None, field, options)
+
+    def _uuid_digest(self, part, where: str) -> str | None:
+        """The sha256 hex a part's ``uuid`` names (``sha256:<hex>``), or None when it has none."""
+        if part.uuid is None:
+            return None
+        match = _UUID.fullmatch(part.uuid)
+        if match is None:
+            raise HttpError(
+                400,
+                f"{where}.uuid={part.uuid[:80]!r} is not 'sha256:' and 64 lowercase hex "
+                "characters (the sha256 of the file's bytes)",
+                param=f"{where}.uuid",
+                code="invalid_value",
+            )
+        return match.group(1)
+
+    @staticmethod
+    def _check_uuid(digest: str | None, data: bytes, where: str) -> None:
+        if digest is None:
+            return
+        sha = hashlib.sha256(data).hexdigest()
+        if digest != sha:
+            raise HttpError(
+                400,
+                f"{where}.uuid=sha256:{digest} does not match the sha256 of the file's bytes ({sha})",
+                param=f"{where}.uuid",
+                code="invalid_value",
+            )
 
     async def _image(self, call: _Call, part, where: str) -> ImageContent:
         field = f"{where}.image_url"

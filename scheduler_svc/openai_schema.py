@@ -41,7 +41,17 @@ class ImageContentPart(_Body):
     uuid: str | None = None  # "sha256:<hex>" of the image's bytes (vLLM's media uuid convention)
 
 
-ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+class VideoURL(_Body):
+    url: str  # data:video/...;base64,..., or http(s):// / file:// where the server allows them
+
+
+class VideoContentPart(_Body):
+    type: Literal["video_url"]
+    video_url: VideoURL | None = None  # null: ``uuid`` names a video the server already holds
+    uuid: str | None = None  # "sha256:<hex>" of the video file's bytes
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart | VideoContentPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Body):
@@ -91,6 +101,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extras for the processor and the media loader; mmcast reads the video sampling in them (fps,
+    # num_frames, max_frames, min_pixels, max_pixels) and refuses any other key rather than drop it.
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):

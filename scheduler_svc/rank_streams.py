@@ -195,10 +195,12 @@ class WorkerGroup:
         call_metadata: Sequence[tuple[str, str]] = (),
         image_formats: Sequence[str] = (),
         max_image_pixels: int = 0,
+        video_limits: worker_pb2.VideoDecodeLimits | None = None,
     ) -> None:
         """``channel_factory``: (address, options) -> channel (TLS); ``call_metadata``: sent when opening every
         Step stream (the ranks' shared token); ``image_formats`` / ``max_image_pixels``: the limits a rank applies
-        to an encoded payload before decoding it (the frontend's own, sent in the handshake)."""
+        to an encoded payload before decoding it (the frontend's own, sent in the handshake); ``video_limits``:
+        likewise for encoded videos (None: the ranks refuse them)."""
         if not addresses:
             raise ValueError("workers: at least one rank address is required (--workers host:port,...)")
         self.addresses = list(addresses)
@@ -213,6 +215,7 @@ class WorkerGroup:
         self.call_metadata = tuple(call_metadata)
         self.image_formats = list(image_formats)
         self.max_image_pixels = max_image_pixels
+        self.video_limits = video_limits
         self.bytes = ByteCounters()
         self._on_bytes_hook = on_bytes
         self.epoch = 0
@@ -268,6 +271,7 @@ class WorkerGroup:
                 block_size=self.block_size,
                 image_formats=self.image_formats,
                 max_image_pixels=self.max_image_pixels,
+                video_limits=self.video_limits,
             )
             return await s.handshake(hs, self.handshake_timeout)
 

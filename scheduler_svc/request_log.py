@@ -22,7 +22,7 @@ class RequestSummary:
     prompt_tokens: int  # image placeholders included
     completion_tokens: int  # tokens streamed to the client
     cached_tokens: int  # prompt tokens found in the prefix cache
-    images: int
+    images: int  # images in the prompt
     payload_bytes_broadcast: int  # payload tensor bytes written to the ranks for it, summed over ranks
     payload_bytes_saved: int  # bytes `full` would have written for its items that were not sent, summed over ranks
     preemptions: int
@@ -32,6 +32,7 @@ class RequestSummary:
     # Its TTFT breakdown, stage -> seconds, for the stages measured (scheduler_svc/stage_timing.py defines them):
     # the record's ttft_<stage>_seconds keys.
     stage_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    videos: int = 0  # videos in the prompt
     error_code: str = ""  # the gRPC status name when finish_reason is "error"
     error: str = ""  # its message
 
@@ -44,6 +45,7 @@ class RequestSummary:
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
             "images": self.images,
+            "videos": self.videos,
             "payload_bytes_broadcast": self.payload_bytes_broadcast,
             "payload_bytes_saved": self.payload_bytes_saved,
             "preemptions": self.preemptions,

@@ -12,6 +12,7 @@ import math
 import re
 
 from common.errors import InvalidArgument
+from common.video_input import VideoOptions
 from mmcast.v1 import generation_pb2
 
 ROLES = {
@@ -57,9 +58,70 @@ class ImageContent:
 
 
 @dataclasses.dataclass(frozen=True)
+class VideoContent:
+    data: bytes | None  # the container file's bytes
+    uploaded_sha256: str | None  # reference to an upload
+    field: str  # where it came from, for error messages: "messages[1].content[0].video"
+    video_options: VideoOptions  # how to sample it (unset options: the model's video processor defaults)
+
+
+@dataclasses.dataclass(frozen=True)
 class Turn:
     role: str
-    parts: tuple[TextContent | ImageContent, ...]
+    parts: tuple[TextContent | ImageContent | VideoContent, ...]
+
+
+MAX_VIDEO_FPS = 60.0
+
+
+def video_options(
+    where: str,
+    *,
+    fps: float | None,
+    num_frames: int | None,
+    max_frames: int | None,
+    min_pixels: int | None,
+    max_pixels: int | None,
+) -> VideoOptions:
+    """The sampling options of one video part, each range checked (``where``: the part's field path)."""
+    if fps is not None and not (math.isfinite(fps) and 0.0 < fps <= MAX_VIDEO_FPS):
+        raise InvalidArgument(f"{where}.fps={fps} must be in (0, {MAX_VIDEO_FPS:g}]", field=f"{where}.fps")
+    if fps is not None and num_frames is not None:
+        raise InvalidArgument(
+            f"{where}: fps and num_frames are exclusive (fps={fps:g}, num_frames={num_frames}); give one",
+            field=f"{where}.num_frames",
+        )
+    for name, value in (("num_frames", num_frames), ("max_frames", max_frames)):
+        if value is not None and value < 1:
+            raise InvalidArgument(f"{where}.{name}={value} must be >= 1", field=f"{where}.{name}")
+    for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if value is not None and value < 1:
+            raise InvalidArgument(f"{where}.{name}={value} must be >= 1", field=f"{where}.{name}")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise InvalidArgument(
+            f"{where}: min_pixels={min_pixels} exceeds max_pixels={max_pixels}", field=f"{where}.min_pixels"
+        )
+    return VideoOptions(
+        fps=fps, num_frames=num_frames, max_frames=max_frames, min_pixels=min_pixels, max_pixels=max_pixels
+    )
+
+
+def _source(message, where: str) -> tuple[bytes | None, str | None]:
+    """``(data, uploaded_sha256)`` of an ImageInput or VideoInput, checked."""
+    source = message.WhichOneof("source")
+    if source == "data":
+        if not message.data:
+            raise InvalidArgument(f"{where}.data is empty", field=f"{where}.data")
+        return message.data, None
+    if source == "uploaded_sha256":
+        digest = message.uploaded_sha256
+        if not _SHA256_HEX.fullmatch(digest):
+            raise InvalidArgument(
+                f"{where}.uploaded_sha256={digest[:80]!r} is not 64 lowercase hex characters",
+                field=f"{where}.uploaded_sha256",
+            )
+        return None, digest
+    raise InvalidArgument(f"{where} has neither data nor uploaded_sha256", field=where)
 
 
 def parse_sampling(
@@ -133,7 +195,7 @@ def parse_messages(messages, *, max_images: int) -> list[Turn]:
                 f"messages[{i}].role={m.role} is not a known role (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT)",
                 field=f"messages[{i}].role",
             )
-        parts: list[TextContent | ImageContent] = []
+        parts: list[TextContent | ImageContent | VideoContent] = []
         for j, part in enumerate(m.content):
             kind = part.WhichOneof("part")
             where = f"messages[{i}].content[{j}]"
@@ -141,21 +203,8 @@ def parse_messages(messages, *, max_images: int) -> list[Turn]:
                 parts.append(TextContent(part.text))
                 has_content = has_content or bool(part.text.strip())
             elif kind == "image":
-                source = part.image.WhichOneof("source")
-                if source == "data":
-                    if not part.image.data:
-                        raise InvalidArgument(f"{where}.image.data is empty", field=f"{where}.image.data")
-                    parts.append(ImageContent(part.image.data, None, f"{where}.image"))
-                elif source == "uploaded_sha256":
-                    digest = part.image.uploaded_sha256
-                    if not _SHA256_HEX.fullmatch(digest):
-                        raise InvalidArgument(
-                            f"{where}.image.uploaded_sha256={digest[:80]!r} is not 64 lowercase hex characters",
-                            field=f"{where}.image.uploaded_sha256",
-                        )
-                    parts.append(ImageContent(None, digest, f"{where}.image"))
-                else:
-                    raise InvalidArgument(f"{where}.image has neither data nor uploaded_sha256", field=f"{where}.image")
+                data, digest = _source(part.image, f"{where}.image")
+                parts.append(ImageContent(data, digest, f"{where}.image"))
                 images += 1
                 has_content = True
                 if images > max_images:
@@ -163,8 +212,23 @@ def parse_messages(messages, *, max_images: int) -> list[Turn]:
                         f"{where}: more than {max_images} images in one request (--max-images-per-request)",
                         field=where,
                     )
+            elif kind == "video":
+                v = part.video
+                data, digest = _source(v, f"{where}.video")
+                options = video_options(
+                    f"{where}.video",
+                    fps=v.fps if v.HasField("fps") else None,
+                    num_frames=v.num_frames if v.HasField("num_frames") else None,
+                    max_frames=v.max_frames if v.HasField("max_frames") else None,
+                    min_pixels=v.min_pixels if v.HasField("min_pixels") else None,
+                    max_pixels=v.max_pixels if v.HasField("max_pixels") else None,
+                )
+                parts.append(VideoContent(data, digest, f"{where}.video", options))
+                has_content = True
             else:
-                raise InvalidArgument(f"{where} has no text or image (unknown or empty content part)", field=where)
+                raise InvalidArgument(
+                    f"{where} has no text, image or video (unknown or empty content part)", field=where
+                )
         turns.append(Turn(ROLES[m.role], tuple(parts)))
     if not has_content:
         raise InvalidArgument("messages contain no text and no image: the prompt is empty", field="messages")

@@ -32,7 +32,7 @@ from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
 from common.decode_guard import DecodeGuardInterceptor
 from common.hashing import model_fingerprint
 from common.process import StartupError
-from mmcast.v1 import generation_pb2, generation_pb2_grpc
+from mmcast.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from scheduler_svc.completion import Completions
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
@@ -115,6 +115,14 @@ class SchedulerServer:
             call_metadata=worker_metadata,
             image_formats=config.image_formats,
             max_image_pixels=config.max_image_pixels,
+            video_limits=worker_pb2.VideoDecodeLimits(
+                max_bytes=config.max_upload_bytes,
+                max_frame_pixels=config.max_video_frame_pixels,
+                max_duration_seconds=config.max_video_seconds,
+                max_total_frames=config.max_video_total_frames,
+                max_sampled_frames=config.max_video_frames,
+                max_streams=config.max_video_streams,
+            ),
         )
         self.metrics.upload_store_bytes.set_function(lambda: self.uploads.used)
         self.metrics.processor_cache_bytes.set_function(lambda: self.frontend.cache.used)
@@ -220,6 +228,9 @@ class SchedulerServer:
             transfer_mode=generation_pb2.TransferMode.Value(f"TRANSFER_MODE_{c.transfer_mode.upper()}"),
             tensor_parallel_size=len(c.workers),
             group_ready=self.engine.ready,
+            max_video_frames=c.max_video_frames if self.frontend.videos is not None else 0,
+            max_video_seconds=c.max_video_seconds,
+            max_video_frame_pixels=c.max_video_frame_pixels,
         )
 
     def _on_group_state(self, up: bool) -> None:

@@ -159,6 +159,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
                 completion_tokens=summary.completion_tokens,
                 cached_tokens=summary.cached_tokens,
                 images=summary.images,
+                videos=summary.videos,
                 images_sent=u.items_sent,
                 images_stripped=u.items_stripped,
                 images_rank_cached=u.items_rank_cached,
@@ -212,7 +213,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
                 )
             data = b"".join(parts)
             parts.clear()
-            await self.completions.run_in_executor(self.frontend.check_image_header, data, "upload")
+            await self.completions.run_in_executor(self.frontend.check_upload, data, "upload")
             sha2, already = self.uploads.put(data, sha256_hex=sha, tenant=tenant)
         except MmcastError as err:
             if err.fields == ("upload",):  # the image checks name the upload "upload"; on the wire it is `data`

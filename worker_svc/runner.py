@@ -33,7 +33,14 @@ import torch
 
 from common import model_checks
 from common.families import family_of
-from common.multimodal import ENCODED_FIELD, Modality, MultiModalFeatureSpec, PayloadEncoding
+from common.multimodal import (
+    ENCODED_FIELD,
+    FRAME_INDICES_FIELD,
+    VIDEO_ENCODED_FIELD,
+    Modality,
+    MultiModalFeatureSpec,
+    PayloadEncoding,
+)
 from worker_svc import cpu_linear, kv_pool, kv_replication, kv_sizing, paged_attention, patch_conv
 from worker_svc.config import WorkerConfig
 from worker_svc.mrope import uses_mrope
@@ -51,8 +58,11 @@ ENCODER_FIELDS = {
 
 def encoder_fields(feature: MultiModalFeatureSpec, family=None) -> tuple[str, ...]:
     """The fields a rank needs to encode the item: payload, then grid where the family has one (``family`` None:
-    the Qwen-VL families') — the payload being the file's bytes for an encoded image."""
+    the Qwen-VL families') — the payload being the file's bytes for an encoded image, and for an encoded video
+    the file and the frames to decode."""
     pixels, grid = ENCODER_FIELDS[feature.modality]
+    if feature.encoding is PayloadEncoding.ENCODED and feature.modality is Modality.VIDEO:
+        return VIDEO_ENCODED_FIELD, FRAME_INDICES_FIELD, grid
     if feature.encoding is PayloadEncoding.ENCODED:
         pixels = ENCODED_FIELD
     if family is not None and family.grid_field is None:
@@ -239,8 +249,11 @@ class ModelRunner:
 
         Checked while planning, so a malformed item is refused before any rank starts the step."""
         pixels_name, grid_name = ENCODER_FIELDS[feature.modality]
+        video = feature.modality is Modality.VIDEO
+        if video and self.family.grid_field is None:
+            return f"this model ({self.family.name}) takes no video"
         if feature.encoding is PayloadEncoding.ENCODED:
-            pixels_name = ENCODED_FIELD
+            pixels_name = VIDEO_ENCODED_FIELD if video else ENCODED_FIELD
         pixels = feature.data[pixels_name].data
         grid = feature.data[grid_name].data if self.family.grid_field is not None else None
         problem = self.family.grid_problem(self.config, grid, grid_name)
@@ -249,6 +262,13 @@ class ModelRunner:
         if feature.encoding is PayloadEncoding.ENCODED:  # decoded by the item's owner, which checks the rest
             if pixels.dim() != 1 or pixels.dtype != torch.uint8:
                 return f"{pixels_name} must be a 1-D uint8 tensor (the file's bytes); got {pixels.dtype}{tuple(pixels.shape)}"
+            if video:
+                frames = feature.data[FRAME_INDICES_FIELD].data
+                if frames.dim() != 1 or frames.dtype != torch.int64 or frames.numel() == 0:
+                    return (
+                        f"{FRAME_INDICES_FIELD} must be a non-empty 1-D int64 tensor; got "
+                        f"{frames.dtype}{tuple(frames.shape)}"
+                    )
             return None
         return self.family.pixel_problem(self.config, pixels, grid, pixels_name, grid_name)
 

@@ -24,7 +24,15 @@ import torch
 from common import item_proto
 from common.errors import InvalidArgument
 from common.ids import ItemId, RequestId
-from common.multimodal import ENCODED_FIELD, MultiModalFieldElem, MultiModalKwargsItem, PayloadEncoding
+from common.multimodal import (
+    ENCODED_FIELD,
+    FRAME_INDICES_FIELD,
+    VIDEO_ENCODED_FIELD,
+    Modality,
+    MultiModalFieldElem,
+    MultiModalKwargsItem,
+    PayloadEncoding,
+)
 from mmcast.v1 import worker_pb2
 from worker_svc import step_checks as checks
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
@@ -82,13 +90,16 @@ class Session:
         metrics: WorkerMetrics | None = None,
         group=None,
         images=None,
+        videos=None,
     ) -> None:
         """``group``: the rank's ``worker_svc.process_group.Group`` (sharded placement's collectives; None for one rank);
         ``images``: a ``common.image_input.ImageInput`` with the limits the scheduler's handshake sent (None: encoded
-        payloads are refused)."""
+        payloads are refused); ``videos``: a ``common.video_input.VideoInput`` likewise (None: encoded videos are
+        refused)."""
         self.runner = runner
         self.group = group
         self.images = images
+        self.videos = videos
         self.rank = rank
         self.metrics = metrics
         self.requests: dict[RequestId, RequestState] = {}
@@ -145,6 +156,7 @@ class Session:
             rank=self.rank,
             world_size=getattr(self.group, "world_size", 1),
             images_allowed=self.images is not None,
+            videos_allowed=self.videos is not None,
             runner=r,
         )
         encoder_hits, encoder_queries = checks.check_encoder_outputs_for_windows(windows, encode, encoded_after)
@@ -215,6 +227,8 @@ class Session:
         InvalidArgument for a file that fails (the item's failure, not the rank's)."""
         if feature.encoding is not PayloadEncoding.ENCODED:
             return feature
+        if feature.modality is Modality.VIDEO:
+            return self._video_pixels(ident, feature)
         data = feature.data[ENCODED_FIELD].data.numpy().tobytes()
         pixels, grid = self.images.process_bytes(data, f"item {ident[:16]}")
         fields = {"pixel_values": MultiModalFieldElem(pixels)}
@@ -227,6 +241,20 @@ class Session:
                     f"item {ident[:16]}: the decoded image has the grid {got}, its header gave {want.tolist()[0]}"
                 )
             fields[name] = feature.data[name]
+        return dataclasses.replace(feature, data=MultiModalKwargsItem(fields), encoding=PayloadEncoding.PIXELS)
+
+    def _video_pixels(self, ident: ItemId, feature):
+        """An encoded video decoded at the planned frames and preprocessed as the model's video processor does
+        (common/video_input.py); the grid it gives must be the item's (the prompt and positions were built from it)."""
+        from common.video_input import VideoPlan
+
+        data = feature.data[VIDEO_ENCODED_FIELD].data.numpy().tobytes()
+        grid = feature.data["video_grid_thw"]
+        plan = VideoPlan.for_decoding(
+            tuple(int(i) for i in feature.data[FRAME_INDICES_FIELD].data.tolist()), grid.data.reshape(1, 3)
+        )
+        pixels = self.videos.process(data, plan, f"item {ident[:16]}")
+        fields = {"pixel_values_videos": MultiModalFieldElem(pixels), "video_grid_thw": grid}
         return dataclasses.replace(feature, data=MultiModalKwargsItem(fields), encoding=PayloadEncoding.PIXELS)
 
     def _encode_step(self, checked: _CheckedStep, outcome: StepOutcome) -> set[ItemId]:

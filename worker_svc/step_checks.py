@@ -14,7 +14,7 @@ import torch
 
 from common import item_proto
 from common.ids import ItemId, RequestId
-from common.multimodal import PayloadEncoding
+from common.multimodal import Modality, PayloadEncoding
 from mmcast.v1 import worker_pb2
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.request_state import RequestState, admit, check_blocks, check_prefix_written, check_tokens
@@ -172,6 +172,7 @@ def check_encoder_inputs(
     rank: int,
     world_size: int,
     images_allowed: bool,
+    videos_allowed: bool = False,
     runner,
 ) -> tuple[list[EncoderWork], set[ItemId], int, int]:
     """Each item to encode that the rank does not hold encoded already belongs to a request of the step or one the
@@ -197,7 +198,13 @@ def check_encoder_inputs(
             payload_queries += 1
             payload_hits += ident not in incoming and bool(fields)
             feature = check_local_encoder_input(
-                msg, ident, fields, images_allowed=images_allowed, payloads_held=len(payloads), runner=runner
+                msg,
+                ident,
+                fields,
+                images_allowed=images_allowed,
+                videos_allowed=videos_allowed,
+                payloads_held=len(payloads),
+                runner=runner,
             )
         work.append((ident, feature, owner))
         encoded_after.add(ident)
@@ -248,17 +255,29 @@ def decode_item(msg, ident: ItemId, payload: dict[str, torch.Tensor] | None = No
 
 
 def check_local_encoder_input(
-    msg, ident: ItemId, fields: dict[str, torch.Tensor], *, images_allowed: bool, payloads_held: int, runner
+    msg,
+    ident: ItemId,
+    fields: dict[str, torch.Tensor],
+    *,
+    images_allowed: bool,
+    payloads_held: int,
+    runner,
+    videos_allowed: bool = False,
 ):
     """An item this rank encodes decodes with its payload, is in an encoding the handshake allowed, has every field
     the encoder reads, and passes the runner's own input checks."""
     feature = decode_item(msg, ident, fields)
-    if feature.encoding is PayloadEncoding.ENCODED and not images_allowed:
-        raise StepError(
-            code.BAD_TENSOR,
-            f"encoder_inputs[{ident[:16]}] is an encoded image, but the handshake allowed no image format",
-            item_identifier=ident,
-        )
+    if feature.encoding is PayloadEncoding.ENCODED:
+        video = feature.modality is Modality.VIDEO
+        if not (videos_allowed if video else images_allowed):
+            what = (
+                "video, but the handshake set no video limits"
+                if video
+                else "image, but the handshake allowed no image format"
+            )
+            raise StepError(
+                code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}] is an encoded {what}", item_identifier=ident
+            )
     missing = [n for n in runner.encoder_fields(feature) if feature.data is None or n not in feature.data]
     if missing:
         raise StepError(

@@ -159,6 +159,7 @@ class Worker:
             metrics=self.metrics,
             group=self.group,
             images=self._image_input(hs),
+            videos=self._video_input(hs),
         )
         self.active = StreamHandle(hs.scheduler_epoch, session, asyncio.Event())
         log.info("stream admitted", extra={"epoch": hs.scheduler_epoch, "scheduler_id": hs.scheduler_id})
@@ -183,6 +184,29 @@ class Worker:
             family_of(read_config(self.config.model)),
             processor=self.processor,
         )
+
+    def _video_input(self, hs: worker_pb2.Handshake):
+        """The checks and preprocessing of encoded videos under the scheduler's --max-video-* limits (sent in the
+        handshake); None when it sent none or the model folder has no video processor config."""
+        from pathlib import Path
+
+        from common.families import family_of
+        from common.model_checks import read_config
+        from common.video_input import VideoInput, VideoLimits
+
+        folder = Path(self.config.model)
+        if not hs.HasField("video_limits") or not (folder / "video_preprocessor_config.json").is_file():
+            return None
+        v = hs.video_limits
+        limits = VideoLimits(
+            max_bytes=v.max_bytes,
+            max_frame_pixels=v.max_frame_pixels,
+            max_duration_s=v.max_duration_seconds,
+            max_total_frames=v.max_total_frames,
+            max_sampled_frames=v.max_sampled_frames,
+            max_streams=v.max_streams,
+        )
+        return VideoInput.from_model_dir(folder, limits, family_of(read_config(self.config.model)))
 
     def close_stream(self, handle: StreamHandle) -> None:
         if self.active is handle:

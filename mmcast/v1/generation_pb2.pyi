@@ -54,13 +54,33 @@ class ImageInput(_message.Message):
     uploaded_sha256: str
     def __init__(self, data: _Optional[bytes] = ..., uploaded_sha256: _Optional[str] = ...) -> None: ...
 
+class VideoInput(_message.Message):
+    __slots__ = ("data", "uploaded_sha256", "fps", "num_frames", "max_frames", "min_pixels", "max_pixels")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_SHA256_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    uploaded_sha256: str
+    fps: float
+    num_frames: int
+    max_frames: int
+    min_pixels: int
+    max_pixels: int
+    def __init__(self, data: _Optional[bytes] = ..., uploaded_sha256: _Optional[str] = ..., fps: _Optional[float] = ..., num_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
+
 class ContentPart(_message.Message):
-    __slots__ = ("text", "image")
+    __slots__ = ("text", "image", "video")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     text: str
     image: ImageInput
-    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImageInput, _Mapping]] = ...) -> None: ...
+    video: VideoInput
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImageInput, _Mapping]] = ..., video: _Optional[_Union[VideoInput, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -129,7 +149,7 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "images", "images_sent", "images_stripped", "images_rank_cached", "payload_bytes_broadcast", "payload_bytes_saved", "preemptions", "encoder_runs", "encoder_output_bytes_shared", "image_cpu_time", "images_encoder_shared")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "images", "images_sent", "images_stripped", "images_rank_cached", "payload_bytes_broadcast", "payload_bytes_saved", "preemptions", "encoder_runs", "encoder_output_bytes_shared", "image_cpu_time", "images_encoder_shared", "videos")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +164,7 @@ class Usage(_message.Message):
     ENCODER_OUTPUT_BYTES_SHARED_FIELD_NUMBER: _ClassVar[int]
     IMAGE_CPU_TIME_FIELD_NUMBER: _ClassVar[int]
     IMAGES_ENCODER_SHARED_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -158,7 +179,8 @@ class Usage(_message.Message):
     encoder_output_bytes_shared: int
     image_cpu_time: _duration_pb2.Duration
     images_encoder_shared: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images: _Optional[int] = ..., images_sent: _Optional[int] = ..., images_stripped: _Optional[int] = ..., images_rank_cached: _Optional[int] = ..., payload_bytes_broadcast: _Optional[int] = ..., payload_bytes_saved: _Optional[int] = ..., preemptions: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., encoder_output_bytes_shared: _Optional[int] = ..., image_cpu_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., images_encoder_shared: _Optional[int] = ...) -> None: ...
+    videos: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images: _Optional[int] = ..., images_sent: _Optional[int] = ..., images_stripped: _Optional[int] = ..., images_rank_cached: _Optional[int] = ..., payload_bytes_broadcast: _Optional[int] = ..., payload_bytes_saved: _Optional[int] = ..., preemptions: _Optional[int] = ..., encoder_runs: _Optional[int] = ..., encoder_output_bytes_shared: _Optional[int] = ..., image_cpu_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., images_encoder_shared: _Optional[int] = ..., videos: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("time_to_first_token", "total_time", "queue_time")
@@ -225,7 +247,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model", "model_fingerprint", "max_model_len", "max_images_per_request", "max_image_pixels", "max_request_bytes", "max_upload_bytes", "transfer_mode", "tensor_parallel_size", "group_ready")
+    __slots__ = ("model", "model_fingerprint", "max_model_len", "max_images_per_request", "max_image_pixels", "max_request_bytes", "max_upload_bytes", "transfer_mode", "tensor_parallel_size", "group_ready", "max_video_frames", "max_video_seconds", "max_video_frame_pixels")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +258,9 @@ class GetServerInfoResponse(_message.Message):
     TRANSFER_MODE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     GROUP_READY_FIELD_NUMBER: _ClassVar[int]
+    MAX_VIDEO_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_VIDEO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_VIDEO_FRAME_PIXELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_fingerprint: str
     max_model_len: int
@@ -246,4 +271,7 @@ class GetServerInfoResponse(_message.Message):
     transfer_mode: TransferMode
     tensor_parallel_size: int
     group_ready: bool
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., transfer_mode: _Optional[_Union[TransferMode, str]] = ..., tensor_parallel_size: _Optional[int] = ..., group_ready: _Optional[bool] = ...) -> None: ...
+    max_video_frames: int
+    max_video_seconds: float
+    max_video_frame_pixels: int
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., transfer_mode: _Optional[_Union[TransferMode, str]] = ..., tensor_parallel_size: _Optional[int] = ..., group_ready: _Optional[bool] = ..., max_video_frames: _Optional[int] = ..., max_video_seconds: _Optional[float] = ..., max_video_frame_pixels: _Optional[int] = ...) -> None: ...

@@ -84,8 +84,9 @@ class GenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UploadImage(self, request_iterator, context):
-        """Stores an encoded image (any size up to the server's limit) and returns its content hash; Generate can then
-        reference it by hash instead of sending the bytes again.
+        """Stores an encoded image or video file (any size up to the server's limit) and returns its content hash;
+        Generate can then reference it by hash (ImageInput or VideoInput uploaded_sha256) instead of sending the bytes
+        again. The bytes are checked as an image or a video when a request references them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

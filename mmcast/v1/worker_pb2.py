@@ -28,17 +28,17 @@ from mmcast.v1 import multimodal_pb2 as mmcast_dot_v1_dot_multimodal__pb2
 from mmcast.v1 import tensor_pb2 as mmcast_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16mmcast/v1/worker.proto\x12\tmmcast.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x17mmcast/v1/logprob.proto\x1a\x1ammcast/v1/multimodal.proto\x1a\x16mmcast/v1/tensor.proto\"\xc3\x01\n\x0bStepRequest\x12)\n\thandshake\x18\x01 \x01(\x0b\x32\x14.mmcast.v1.HandshakeH\x00\x12*\n\x07payload\x18\x02 \x01(\x0b\x32\x17.mmcast.v1.PayloadFrameH\x00\x12)\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x16.mmcast.v1.StepControlH\x00\x12)\n\tkeepalive\x18\x04 \x01(\x0b\x32\x14.mmcast.v1.KeepaliveH\x00\x42\x07\n\x05\x66rame\"\xcd\x01\n\x0cStepResponse\x12\x30\n\rhandshake_ack\x18\x01 \x01(\x0b\x32\x17.mmcast.v1.HandshakeAckH\x00\x12,\n\x0bstep_result\x18\x02 \x01(\x0b\x32\x15.mmcast.v1.StepResultH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.mmcast.v1.ProtocolErrorH\x00\x12)\n\tkeepalive\x18\x04 \x01(\x0b\x32\x14.mmcast.v1.KeepaliveH\x00\x42\x07\n\x05\x66rame\"$\n\tKeepalive\x12\x17\n\x0fsent_unix_nanos\x18\x01 \x01(\x04\"\xf2\x01\n\tHandshake\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.mmcast.v1.ProtocolVersion\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x17\n\x0fscheduler_epoch\x18\x05 \x01(\x04\x12\x14\n\x0cscheduler_id\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rimage_formats\x18\x08 \x03(\t\x12\x18\n\x10max_image_pixels\x18\t \x01(\x04\"\xb2\x02\n\x0cHandshakeAck\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.mmcast.v1.ProtocolVersion\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tkv_blocks\x18\x05 \x01(\r\x12\x1b\n\x13payload_cache_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14\x65ncoder_cache_tokens\x18\x07 \x01(\x04\x12\x18\n\x10max_tensor_bytes\x18\x08 \x01(\x04\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12 \n\x18\x65ncoder_output_row_bytes\x18\x0b \x01(\x04\"\x8b\x01\n\x0cPayloadFrame\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x12\n\nfield_name\x18\x02 \x01(\t\x12\'\n\x06header\x18\x03 \x01(\x0b\x32\x17.mmcast.v1.TensorHeader\x12%\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x16.mmcast.v1.TensorChunk\"|\n\x0eWorkerSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x10\n\x08logprobs\x18\x04 \x01(\r\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\r\n\x05top_k\x18\x06 \x01(\r\"\xfd\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08mm_items\x18\x03 \x03(\x0b\x32\x19.mmcast.v1.MultiModalItem\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.mmcast.v1.WorkerSampling\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x08 \x01(\r\"\x8d\x01\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\"O\n\x0c\x45ncoderInput\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x12\n\nowner_rank\x18\x02 \x01(\r\x12\x12\n\nreplicated\x18\x03 \x01(\x08\"\x92\x02\n\x0bStepControl\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x15.mmcast.v1.NewRequest\x12*\n\x07running\x18\x03 \x03(\x0b\x32\x19.mmcast.v1.RunningRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x0e\x65ncoder_inputs\x18\x05 \x03(\x0b\x32\x17.mmcast.v1.EncoderInput\x12\x19\n\x11\x65vict_payload_ids\x18\x06 \x03(\t\x12\x19\n\x11\x65vict_encoder_ids\x18\x07 \x03(\t\x12\x14\n\x0creset_caches\x18\x08 \x01(\x08\"r\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.mmcast.v1.TopLogprob\"\xaa\x04\n\x0fWorkerStepStats\x12,\n\tstep_time\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0c\x65ncoder_time\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rencoder_items\x18\x03 \x01(\r\x12\x1b\n\x13payload_cache_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13payload_cache_items\x18\x05 \x01(\r\x12\x1c\n\x14\x65ncoder_cache_tokens\x18\x06 \x01(\x04\x12\x1e\n\x16received_payload_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x65ncoder_runs\x18\x08 \x01(\r\x12\x18\n\x10\x63ollective_bytes\x18\t \x01(\x04\x12\x32\n\x0f\x63ollective_time\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0fpreprocess_time\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0c\x66orward_time\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\x0bsample_time\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\rassemble_time\x18\x0e \x01(\x0b\x32\x19.google.protobuf.Duration\"7\n\x0bItemFailure\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"5\n\x0eRequestFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xdc\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12(\n\x07sampled\x18\x03 \x03(\x0b\x32\x17.mmcast.v1.SampledToken\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.mmcast.v1.WorkerStepStats\x12+\n\x08\x66\x61ilures\x18\x05 \x03(\x0b\x32\x19.mmcast.v1.RequestFailure\x12-\n\ritem_failures\x18\x06 \x03(\x0b\x32\x16.mmcast.v1.ItemFailure\"\x98\x01\n\rProtocolError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x1c.mmcast.v1.ProtocolErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0fitem_identifier\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*\x9e\x02\n\x11ProtocolErrorCode\x12#\n\x1fPROTOCOL_ERROR_CODE_UNSPECIFIED\x10\x00\x12\'\n#PROTOCOL_ERROR_CODE_MISSING_PAYLOAD\x10\x01\x12\'\n#PROTOCOL_ERROR_CODE_UNKNOWN_REQUEST\x10\x02\x12\"\n\x1ePROTOCOL_ERROR_CODE_BAD_TENSOR\x10\x03\x12&\n\"PROTOCOL_ERROR_CODE_STATE_MISMATCH\x10\x04\x12$\n PROTOCOL_ERROR_CODE_OUT_OF_RANGE\x10\x05\x12 \n\x1cPROTOCOL_ERROR_CODE_INTERNAL\x10\x06\x32L\n\rWorkerService\x12;\n\x04Step\x12\x16.mmcast.v1.StepRequest\x1a\x17.mmcast.v1.StepResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16mmcast/v1/worker.proto\x12\tmmcast.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x17mmcast/v1/logprob.proto\x1a\x1ammcast/v1/multimodal.proto\x1a\x16mmcast/v1/tensor.proto\"\xc3\x01\n\x0bStepRequest\x12)\n\thandshake\x18\x01 \x01(\x0b\x32\x14.mmcast.v1.HandshakeH\x00\x12*\n\x07payload\x18\x02 \x01(\x0b\x32\x17.mmcast.v1.PayloadFrameH\x00\x12)\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x16.mmcast.v1.StepControlH\x00\x12)\n\tkeepalive\x18\x04 \x01(\x0b\x32\x14.mmcast.v1.KeepaliveH\x00\x42\x07\n\x05\x66rame\"\xcd\x01\n\x0cStepResponse\x12\x30\n\rhandshake_ack\x18\x01 \x01(\x0b\x32\x17.mmcast.v1.HandshakeAckH\x00\x12,\n\x0bstep_result\x18\x02 \x01(\x0b\x32\x15.mmcast.v1.StepResultH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.mmcast.v1.ProtocolErrorH\x00\x12)\n\tkeepalive\x18\x04 \x01(\x0b\x32\x14.mmcast.v1.KeepaliveH\x00\x42\x07\n\x05\x66rame\"$\n\tKeepalive\x12\x17\n\x0fsent_unix_nanos\x18\x01 \x01(\x04\"\xa6\x02\n\tHandshake\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.mmcast.v1.ProtocolVersion\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x17\n\x0fscheduler_epoch\x18\x05 \x01(\x04\x12\x14\n\x0cscheduler_id\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rimage_formats\x18\x08 \x03(\t\x12\x18\n\x10max_image_pixels\x18\t \x01(\x04\x12\x32\n\x0cvideo_limits\x18\n \x01(\x0b\x32\x1c.mmcast.v1.VideoDecodeLimits\"\xa9\x01\n\x11VideoDecodeLimits\x12\x11\n\tmax_bytes\x18\x01 \x01(\x04\x12\x18\n\x10max_frame_pixels\x18\x02 \x01(\x04\x12\x1c\n\x14max_duration_seconds\x18\x03 \x01(\x01\x12\x18\n\x10max_total_frames\x18\x04 \x01(\x04\x12\x1a\n\x12max_sampled_frames\x18\x05 \x01(\r\x12\x13\n\x0bmax_streams\x18\x06 \x01(\r\"\xb2\x02\n\x0cHandshakeAck\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.mmcast.v1.ProtocolVersion\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tkv_blocks\x18\x05 \x01(\r\x12\x1b\n\x13payload_cache_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14\x65ncoder_cache_tokens\x18\x07 \x01(\x04\x12\x18\n\x10max_tensor_bytes\x18\x08 \x01(\x04\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12 \n\x18\x65ncoder_output_row_bytes\x18\x0b \x01(\x04\"\x8b\x01\n\x0cPayloadFrame\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x12\n\nfield_name\x18\x02 \x01(\t\x12\'\n\x06header\x18\x03 \x01(\x0b\x32\x17.mmcast.v1.TensorHeader\x12%\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x16.mmcast.v1.TensorChunk\"|\n\x0eWorkerSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x10\n\x08logprobs\x18\x04 \x01(\r\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\r\n\x05top_k\x18\x06 \x01(\r\"\xfd\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08mm_items\x18\x03 \x03(\x0b\x32\x19.mmcast.v1.MultiModalItem\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.mmcast.v1.WorkerSampling\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x08 \x01(\r\"\x8d\x01\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\"O\n\x0c\x45ncoderInput\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x12\n\nowner_rank\x18\x02 \x01(\r\x12\x12\n\nreplicated\x18\x03 \x01(\x08\"\x92\x02\n\x0bStepControl\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x15.mmcast.v1.NewRequest\x12*\n\x07running\x18\x03 \x03(\x0b\x32\x19.mmcast.v1.RunningRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x0e\x65ncoder_inputs\x18\x05 \x03(\x0b\x32\x17.mmcast.v1.EncoderInput\x12\x19\n\x11\x65vict_payload_ids\x18\x06 \x03(\t\x12\x19\n\x11\x65vict_encoder_ids\x18\x07 \x03(\t\x12\x14\n\x0creset_caches\x18\x08 \x01(\x08\"r\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.mmcast.v1.TopLogprob\"\xaa\x04\n\x0fWorkerStepStats\x12,\n\tstep_time\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0c\x65ncoder_time\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rencoder_items\x18\x03 \x01(\r\x12\x1b\n\x13payload_cache_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13payload_cache_items\x18\x05 \x01(\r\x12\x1c\n\x14\x65ncoder_cache_tokens\x18\x06 \x01(\x04\x12\x1e\n\x16received_payload_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x65ncoder_runs\x18\x08 \x01(\r\x12\x18\n\x10\x63ollective_bytes\x18\t \x01(\x04\x12\x32\n\x0f\x63ollective_time\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0fpreprocess_time\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0c\x66orward_time\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\x0bsample_time\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\rassemble_time\x18\x0e \x01(\x0b\x32\x19.google.protobuf.Duration\"7\n\x0bItemFailure\x12\x17\n\x0fitem_identifier\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"5\n\x0eRequestFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xdc\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12(\n\x07sampled\x18\x03 \x03(\x0b\x32\x17.mmcast.v1.SampledToken\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.mmcast.v1.WorkerStepStats\x12+\n\x08\x66\x61ilures\x18\x05 \x03(\x0b\x32\x19.mmcast.v1.RequestFailure\x12-\n\ritem_failures\x18\x06 \x03(\x0b\x32\x16.mmcast.v1.ItemFailure\"\x98\x01\n\rProtocolError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x1c.mmcast.v1.ProtocolErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0fitem_identifier\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*\x9e\x02\n\x11ProtocolErrorCode\x12#\n\x1fPROTOCOL_ERROR_CODE_UNSPECIFIED\x10\x00\x12\'\n#PROTOCOL_ERROR_CODE_MISSING_PAYLOAD\x10\x01\x12\'\n#PROTOCOL_ERROR_CODE_UNKNOWN_REQUEST\x10\x02\x12\"\n\x1ePROTOCOL_ERROR_CODE_BAD_TENSOR\x10\x03\x12&\n\"PROTOCOL_ERROR_CODE_STATE_MISMATCH\x10\x04\x12$\n PROTOCOL_ERROR_CODE_OUT_OF_RANGE\x10\x05\x12 \n\x1cPROTOCOL_ERROR_CODE_INTERNAL\x10\x06\x32L\n\rWorkerService\x12;\n\x04Step\x12\x16.mmcast.v1.StepRequest\x1a\x17.mmcast.v1.StepResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmcast.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=3333
-  _globals['_PROTOCOLVERSION']._serialized_end=3408
-  _globals['_PROTOCOLERRORCODE']._serialized_start=3411
-  _globals['_PROTOCOLERRORCODE']._serialized_end=3697
+  _globals['_PROTOCOLVERSION']._serialized_start=3557
+  _globals['_PROTOCOLVERSION']._serialized_end=3632
+  _globals['_PROTOCOLERRORCODE']._serialized_start=3635
+  _globals['_PROTOCOLERRORCODE']._serialized_end=3921
   _globals['_STEPREQUEST']._serialized_start=147
   _globals['_STEPREQUEST']._serialized_end=342
   _globals['_STEPRESPONSE']._serialized_start=345
@@ -46,33 +46,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KEEPALIVE']._serialized_start=552
   _globals['_KEEPALIVE']._serialized_end=588
   _globals['_HANDSHAKE']._serialized_start=591
-  _globals['_HANDSHAKE']._serialized_end=833
-  _globals['_HANDSHAKEACK']._serialized_start=836
-  _globals['_HANDSHAKEACK']._serialized_end=1142
-  _globals['_PAYLOADFRAME']._serialized_start=1145
-  _globals['_PAYLOADFRAME']._serialized_end=1284
-  _globals['_WORKERSAMPLING']._serialized_start=1286
-  _globals['_WORKERSAMPLING']._serialized_end=1410
-  _globals['_NEWREQUEST']._serialized_start=1413
-  _globals['_NEWREQUEST']._serialized_end=1666
-  _globals['_RUNNINGREQUEST']._serialized_start=1669
-  _globals['_RUNNINGREQUEST']._serialized_end=1810
-  _globals['_ENCODERINPUT']._serialized_start=1812
-  _globals['_ENCODERINPUT']._serialized_end=1891
-  _globals['_STEPCONTROL']._serialized_start=1894
-  _globals['_STEPCONTROL']._serialized_end=2168
-  _globals['_SAMPLEDTOKEN']._serialized_start=2170
-  _globals['_SAMPLEDTOKEN']._serialized_end=2284
-  _globals['_WORKERSTEPSTATS']._serialized_start=2287
-  _globals['_WORKERSTEPSTATS']._serialized_end=2841
-  _globals['_ITEMFAILURE']._serialized_start=2843
-  _globals['_ITEMFAILURE']._serialized_end=2898
-  _globals['_REQUESTFAILURE']._serialized_start=2900
-  _globals['_REQUESTFAILURE']._serialized_end=2953
-  _globals['_STEPRESULT']._serialized_start=2956
-  _globals['_STEPRESULT']._serialized_end=3176
-  _globals['_PROTOCOLERROR']._serialized_start=3179
-  _globals['_PROTOCOLERROR']._serialized_end=3331
-  _globals['_WORKERSERVICE']._serialized_start=3699
-  _globals['_WORKERSERVICE']._serialized_end=3775
+  _globals['_HANDSHAKE']._serialized_end=885
+  _globals['_VIDEODECODELIMITS']._serialized_start=888
+  _globals['_VIDEODECODELIMITS']._serialized_end=1057
+  _globals['_HANDSHAKEACK']._serialized_start=1060
+  _globals['_HANDSHAKEACK']._serialized_end=1366
+  _globals['_PAYLOADFRAME']._serialized_start=1369
+  _globals['_PAYLOADFRAME']._serialized_end=1508
+  _globals['_WORKERSAMPLING']._serialized_start=1510
+  _globals['_WORKERSAMPLING']._serialized_end=1634
+  _globals['_NEWREQUEST']._serialized_start=1637
+  _globals['_NEWREQUEST']._serialized_end=1890
+  _globals['_RUNNINGREQUEST']._serialized_start=1893
+  _globals['_RUNNINGREQUEST']._serialized_end=2034
+  _globals['_ENCODERINPUT']._serialized_start=2036
+  _globals['_ENCODERINPUT']._serialized_end=2115
+  _globals['_STEPCONTROL']._serialized_start=2118
+  _globals['_STEPCONTROL']._serialized_end=2392
+  _globals['_SAMPLEDTOKEN']._serialized_start=2394
+  _globals['_SAMPLEDTOKEN']._serialized_end=2508
+  _globals['_WORKERSTEPSTATS']._serialized_start=2511
+  _globals['_WORKERSTEPSTATS']._serialized_end=3065
+  _globals['_ITEMFAILURE']._serialized_start=3067
+  _globals['_ITEMFAILURE']._serialized_end=3122
+  _globals['_REQUESTFAILURE']._serialized_start=3124
+  _globals['_REQUESTFAILURE']._serialized_end=3177
+  _globals['_STEPRESULT']._serialized_start=3180
+  _globals['_STEPRESULT']._serialized_end=3400
+  _globals['_PROTOCOLERROR']._serialized_start=3403
+  _globals['_PROTOCOLERROR']._serialized_end=3555
+  _globals['_WORKERSERVICE']._serialized_start=3923
+  _globals['_WORKERSERVICE']._serialized_end=3999
 # @@protoc_insertion_point(module_scope)

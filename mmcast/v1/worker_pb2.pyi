@@ -68,7 +68,7 @@ class Keepalive(_message.Message):
     def __init__(self, sent_unix_nanos: _Optional[int] = ...) -> None: ...
 
 class Handshake(_message.Message):
-    __slots__ = ("protocol_version", "model_fingerprint", "rank", "world_size", "scheduler_epoch", "scheduler_id", "block_size", "image_formats", "max_image_pixels")
+    __slots__ = ("protocol_version", "model_fingerprint", "rank", "world_size", "scheduler_epoch", "scheduler_id", "block_size", "image_formats", "max_image_pixels", "video_limits")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class Handshake(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FORMATS_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_LIMITS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     model_fingerprint: str
     rank: int
@@ -87,7 +88,24 @@ class Handshake(_message.Message):
     block_size: int
     image_formats: _containers.RepeatedScalarFieldContainer[str]
     max_image_pixels: int
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., scheduler_epoch: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., block_size: _Optional[int] = ..., image_formats: _Optional[_Iterable[str]] = ..., max_image_pixels: _Optional[int] = ...) -> None: ...
+    video_limits: VideoDecodeLimits
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., scheduler_epoch: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., block_size: _Optional[int] = ..., image_formats: _Optional[_Iterable[str]] = ..., max_image_pixels: _Optional[int] = ..., video_limits: _Optional[_Union[VideoDecodeLimits, _Mapping]] = ...) -> None: ...
+
+class VideoDecodeLimits(_message.Message):
+    __slots__ = ("max_bytes", "max_frame_pixels", "max_duration_seconds", "max_total_frames", "max_sampled_frames", "max_streams")
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLED_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    max_bytes: int
+    max_frame_pixels: int
+    max_duration_seconds: float
+    max_total_frames: int
+    max_sampled_frames: int
+    max_streams: int
+    def __init__(self, max_bytes: _Optional[int] = ..., max_frame_pixels: _Optional[int] = ..., max_duration_seconds: _Optional[float] = ..., max_total_frames: _Optional[int] = ..., max_sampled_frames: _Optional[int] = ..., max_streams: _Optional[int] = ...) -> None: ...
 
 class HandshakeAck(_message.Message):
     __slots__ = ("protocol_version", "model_fingerprint", "rank", "world_size", "kv_blocks", "payload_cache_bytes", "encoder_cache_tokens", "max_tensor_bytes", "max_model_len", "device", "encoder_output_row_bytes")
