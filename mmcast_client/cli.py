@@ -141,6 +141,11 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the text of the user turn")
     p.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT", help="scheduler address")
     p.add_argument("--image", action="append", default=[], metavar="FILE", help="an image file (repeatable)")
+    p.add_argument(
+        "--video", action="append", default=[], metavar="FILE", help="a video file, after the images (repeatable)"
+    )
+    p.add_argument("--video-fps", type=float, default=None, metavar="FPS", help="frames to sample per second of video")
+    p.add_argument("--video-frames", type=int, default=None, metavar="N", help="frames to sample from each video")
     p.add_argument("--system", default=None, help="a system message before the user turn")
     p.add_argument("--max-tokens", type=int, default=64, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T")
@@ -222,7 +227,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    content = [{"type": "image", "image": path} for path in args.image] + [{"type": "text", "text": args.prompt}]
+    sampling = {"fps": args.video_fps, "num_frames": args.video_frames}
+    content = [{"type": "image", "image": path} for path in args.image]
+    content += [{"type": "video", "video": path, **sampling} for path in args.video]
+    content.append({"type": "text", "text": args.prompt})
     messages.append({"role": "user", "content": content})
     try:
         options = connection_options(args)

@@ -12,7 +12,7 @@ from mmcast.v1 import generation_pb2 as pb
 from mmcast_client import affinity
 from mmcast_client.errors import InvalidArgument, MmcastError, NotFound, ResourceExhausted
 from mmcast_client.images import ImageRef, ImageStore
-from mmcast_client.messages import Prepared, to_proto
+from mmcast_client.messages import Prepared, VideoPart, to_proto
 
 UPLOAD_CHUNK_BYTES = 1 << 20  # an upload travels in chunks of this size
 
@@ -115,7 +115,15 @@ def affinity_key(prepared: Prepared, session_id: str | None) -> str:
     if session_id is not None:
         return _session_key(session_id)
     first = next((parts for role, parts in prepared.messages if role == pb.ROLE_USER), prepared.messages[0][1])
-    return affinity.conversation_key([p if isinstance(p, str) else ("image", p.sha256) for p in first])
+    return affinity.conversation_key([_affinity_part(p) for p in first])
+
+
+def _affinity_part(part) -> str | tuple[str, str]:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, VideoPart):
+        return ("video", part.ref.sha256)
+    return ("image", part.sha256)
 
 
 def upload_key(ref: ImageRef, session_id: str | None) -> str:
