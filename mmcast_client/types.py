@@ -43,7 +43,8 @@ class Delta:
 
 @dataclasses.dataclass(frozen=True)
 class Usage:
-    """The server's per-request counters (mmcast.v1.Usage); item counts are deliveries summed over ranks."""
+    """The server's per-request counters (mmcast.v1.Usage); item counts (images and videos alike) are deliveries
+    summed over ranks."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -59,6 +60,7 @@ class Usage:
     encoder_output_bytes_shared: int = 0  # encoder-output bytes the owner rank shared with the others (sharded)
     image_cpu_seconds: float = 0.0  # the scheduler's CPU seconds on this request's images
     images_encoder_shared: int = 0  # deliveries replaced by the owner's encoder output (sharded placement)
+    videos: int = 0  # videos in the prompt (the images_* and byte counters count videos as items too)
 
     @property
     def payload_bytes_full(self) -> int:

@@ -170,6 +170,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic images (default 0)")
     p.add_argument("--target", default=None, metavar="HOST:PORT", help="use a running scheduler instead")
+    p.add_argument(
+        "--video",
+        action="store_true",
+        help="the video workloads instead: a clip re-read each turn, then a live stream of 2 s segments",
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -183,6 +188,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
         target=args.target,
+        video=args.video,
     )
 
 

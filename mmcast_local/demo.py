@@ -145,7 +145,9 @@ def run_demo(
     max_tokens: int = 16,
     seed: int = 0,
     target: str | None = None,
+    video: bool = False,
 ) -> int:
+    """``video``: the video demo (mmcast_local/video_demo.py) instead of the image conversation."""
     import contextlib
 
     from mmcast_client import Client, MmcastError
@@ -171,6 +173,11 @@ def run_demo(
                 f"TP={tp}, transfer mode {transfer_mode}, model {model_dir}"
             )
         client = stack.enter_context(Client(target, timeout=600))
+        if video:
+            from mmcast_local.video_demo import run_video_demo
+
+            progress.total = 0  # the tables are the progress
+            return run_video_demo(client, turns=turns, max_tokens=max_tokens, seed=seed, progress=progress)
         progress.print(HEADER)
         last = None
         total_broadcast = total_full = 0
