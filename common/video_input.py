@@ -185,7 +185,9 @@ class VideoPlan:
 def smart_resize_frame(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's ``smart_resize`` (``video_processing_qwen2_vl``): per frame."""
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -210,7 +212,9 @@ def smart_resize_video(
         height = int(height * scale)
         width = int(width * scale)
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     t_bar = round(num_frames / temporal_factor) * temporal_factor
@@ -431,7 +435,9 @@ class VideoInput:
             n = min(max(n, eff["min_frames"]), max_frames, total)
             num_frames = math.floor(n / tps) * tps
         else:
-            raise InvalidArgument(f"{field}: the model samples video frames but sets neither fps nor num_frames; give one", field=field)
+            raise InvalidArgument(
+                f"{field}: the model samples video frames but sets neither fps nor num_frames; give one", field=field
+            )
         if num_frames > total:
             raise InvalidArgument(f"{field}: {what} asks for {num_frames} frames; the video has {total}", field=field)
         if num_frames < 1:
@@ -458,12 +464,20 @@ class VideoInput:
                 resized = (header.height, header.width)
             elif self.kind == QWEN3_VL:
                 resized = smart_resize_video(
-                    frames, header.height, header.width, tps, patch * merge, size["shortest_edge"],
+                    frames,
+                    header.height,
+                    header.width,
+                    tps,
+                    patch * merge,
+                    size["shortest_edge"],
                     self._max_pixels(size, frames, patch * merge, tps),
                 )
             else:
                 resized = smart_resize_frame(
-                    header.height, header.width, patch * merge, size["shortest_edge"],
+                    header.height,
+                    header.width,
+                    patch * merge,
+                    size["shortest_edge"],
                     self._max_pixels(size, frames, patch * merge, tps),
                 )
         except ValueError as exc:
@@ -507,6 +521,21 @@ class VideoInput:
             indices.extend(indices[-1] for _ in range(tps - len(indices) % tps))
         times = [i / fps for i in indices]
         return [(times[i] + times[i + tps - 1]) / 2 for i in range(0, len(times), tps)]
+
+    def placeholder_text(
+        self,
+        plan: VideoPlan,
+        video_token: str = "<|video_pad|>",
+        vision_start: str = "<|vision_start|>",
+        vision_end: str = "<|vision_end|>",
+    ) -> str:
+        """What the processor writes in place of the one ``video_token`` the chat template gives a video: Qwen2-VL's
+        processor repeats it ``plan.tokens`` times; Qwen3-VL's writes, per temporal patch, ``"<{t:.1f} seconds>"``
+        then ``vision_start``, the patch's tokens and ``vision_end`` (inside the template's own start and end)."""
+        if self.kind != QWEN3_VL:
+            return video_token * plan.tokens
+        per = plan.tokens_per_grid_t
+        return "".join(f"<{t:.1f} seconds>{vision_start}{video_token * per}{vision_end}" for t in plan.timestamps)
 
     # --- decoding and preprocessing -----------------------------------------------------------------------------
 
@@ -594,7 +623,9 @@ class VideoInput:
         pixels = self.preprocess(self.decode(data, plan, field), plan)
         rows = int(plan.grid.prod())
         if pixels.shape[0] != rows:  # not reachable: the frames have the header's size
-            raise InvalidArgument(f"{field}: the video gives {pixels.shape[0]} patch rows; its grid needs {rows}", field=field)
+            raise InvalidArgument(
+                f"{field}: the video gives {pixels.shape[0]} patch rows; its grid needs {rows}", field=field
+            )
         return pixels
 
     def process_bytes(self, data: bytes, options: VideoOptions | None, field: str, grid: torch.Tensor | None = None):
@@ -619,9 +650,20 @@ class VideoInput:
         key = {
             name: s[name]
             for name in (
-                "video_processor_type", "patch_size", "temporal_patch_size", "merge_size", "do_sample_frames",
-                "min_frames", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize",
-                "image_mean", "image_std", "max_video_tokens",
+                "video_processor_type",
+                "patch_size",
+                "temporal_patch_size",
+                "merge_size",
+                "do_sample_frames",
+                "min_frames",
+                "do_resize",
+                "resample",
+                "do_rescale",
+                "rescale_factor",
+                "do_normalize",
+                "image_mean",
+                "image_std",
+                "max_video_tokens",
             )
         }
         key["image_mean"], key["image_std"] = list(key["image_mean"]), list(key["image_std"])

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import fractions
 import io
+import os
+import tempfile
 
 import numpy as np
 
@@ -71,13 +73,17 @@ def make_clip(
     audio_only: bool = False,
     seed: int = 0,
     pix_fmt: str | None = None,
+    flat: bool = False,
+    faststart: bool = False,
 ) -> bytes:
     """The bytes of a video file (see the module docstring). ``frames`` defaults to ``round(seconds * fps)``.
 
     ``rotation``: degrees counter-clockwise written as the stream's display matrix (what phones write; ``ffprobe``
     shows it as side data ``rotation``). ``video_streams``: that many video streams, each of the same frames.
     ``audio``: a silent AAC stream beside the video; ``audio_only``: no video stream at all. ``pix_fmt``: the
-    encoded pixel format (libx264 takes odd sizes only in 4:4:4, ``yuv444p``)."""
+    encoded pixel format (libx264 takes odd sizes only in 4:4:4, ``yuv444p``). ``flat``: mid-gray frames (fast to
+    make and encode at large sizes). ``faststart``: an MP4's index (``moov``) before the frames, so a file cut short
+    still has a header that counts every frame."""
     import av
 
     fmt, default_pix_fmt = CODECS[codec]
@@ -86,9 +92,29 @@ def make_clip(
     if fmt == "mkv":
         fmt = "matroska"
     count = int(frames if frames is not None else round(seconds * float(fps)))
+    if faststart:  # the muxer's second pass reopens the file by name: a real file
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "clip.mp4")
+            _encode(av.open(path, mode="w", format=fmt, options={"movflags": "faststart"}), **_args(locals()))
+            with open(path, "rb") as f:
+                return f.read()
     buf = io.BytesIO()
     buf.name = "clip" + _SUFFIX.get(fmt, ".bin")
-    with av.open(buf, mode="w", format=fmt) as out:
+    _encode(av.open(buf, mode="w", format=fmt), **_args(locals()))
+    return buf.getvalue()
+
+
+def _args(scope: dict) -> dict:
+    names = ("codec", "width", "height", "fps", "count", "rotation", "audio", "video_streams", "audio_only", "seed")
+    return {name: scope[name] for name in (*names, "pix_fmt", "flat", "seconds")}
+
+
+def _encode(
+    out, *, codec, width, height, fps, count, rotation, audio, video_streams, audio_only, seed, pix_fmt, flat, seconds
+) -> None:
+    import av
+
+    with out:
         streams = []
         if not audio_only:
             for _ in range(video_streams):
@@ -108,7 +134,8 @@ def make_clip(
             sound = out.add_stream("aac", rate=16000)
             sound.layout = "mono"
         for i in range(count if not audio_only else 0):
-            frame = av.VideoFrame.from_ndarray(frame_pattern(i, width, height, seed), format="rgb24")
+            pixels = np.full((height, width, 3), 128, np.uint8) if flat else frame_pattern(i, width, height, seed)
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
             for stream in streams:
                 for packet in stream.encode(frame.reformat(format=pix_fmt)):
                     out.mux(packet)
@@ -126,7 +153,6 @@ def make_clip(
                     out.mux(packet)
             for packet in sound.encode():
                 out.mux(packet)
-    return buf.getvalue()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +177,14 @@ def clip_corpus() -> list[Clip]:
             {"codec": "h264", "width": 75, "height": 53, "fps": 10, "seconds": 3, "pix_fmt": "yuv444p"},
         ),
         ("h264_120x40_24fps_17f", {"codec": "h264", "width": 120, "height": 40, "fps": 24, "frames": 17}),
-        ("h264_rot90_80x48_10fps", {"codec": "h264", "width": 80, "height": 48, "fps": 10, "seconds": 1, "rotation": 90}),
-        ("h264_audio_64x64_10fps", {"codec": "h264", "width": 64, "height": 64, "fps": 10, "seconds": 2, "audio": True}),
+        (
+            "h264_rot90_80x48_10fps",
+            {"codec": "h264", "width": 80, "height": 48, "fps": 10, "seconds": 1, "rotation": 90},
+        ),
+        (
+            "h264_audio_64x64_10fps",
+            {"codec": "h264", "width": 64, "height": 64, "fps": 10, "seconds": 2, "audio": True},
+        ),
         ("vp9_100x60_24fps_1s", {"codec": "vp9", "width": 100, "height": 60, "fps": 24, "seconds": 1}),
         ("mjpeg_63x47_10fps_2s", {"codec": "mjpeg", "width": 63, "height": 47, "fps": 10, "seconds": 2}),
         ("hevc_96x72_30fps_1s", {"codec": "hevc", "width": 96, "height": 72, "fps": 30, "seconds": 1}),

@@ -5,7 +5,8 @@ never in the product venv, and imports nothing of mmcast. Reads one JSON request
 
     {"mode": "preprocess" | "generate", "model_dir": ..., "out_dir": ...,
      "max_new_tokens": 4,                              # generate only
-     "cases": [{"video": path, "options": {...}, "attributes": {...}, "prompt": "Describe." | null}, ...]}
+     "cases": [{"video": path, "options": {...}, "attributes": {...}, "prompt": "Describe." | null,
+                "model_dir": ... (optional: another model folder for this case; preprocess only)}, ...]}
 
 ``options`` are the processor call's video keyword arguments as a user passes them (``fps``, ``num_frames``,
 ``min_frames``, ``max_frames``, ``size``...); ``attributes`` are set on the video processor before the call (what a
@@ -43,7 +44,8 @@ def _use_pyav_loader() -> None:
 
     def fetch_videos(self, video_url_or_urls, sample_indices_fn=None):
         if isinstance(video_url_or_urls, list):
-            return list(zip(*[fetch_videos(self, x, sample_indices_fn=sample_indices_fn) for x in video_url_or_urls]))
+            loaded = [fetch_videos(self, x, sample_indices_fn=sample_indices_fn) for x in video_url_or_urls]
+            return list(zip(*loaded, strict=True))
         return load_video(video_url_or_urls, backend="pyav", sample_indices_fn=sample_indices_fn)
 
     video_processing_utils.VideoProcessorMixin.fetch_videos = fetch_videos
@@ -100,15 +102,18 @@ def _inputs(processor, case: dict):
         picked.append([int(i) for i in list(indices)])
         return indices
 
-    processor.video_processor.sample_frames = recording
+    processor.video_processor.sample_frames = recording  # an instance attribute: removed again below
     prompt = case.get("prompt")
     text = None
-    if prompt is not None:
-        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
-        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        out = processor(text=[text], videos=videos, return_tensors="pt", **options, **extra)
-    else:
-        out = processor.video_processor(videos, return_tensors="pt", return_metadata=True, **options, **extra)
+    try:
+        if prompt is not None:
+            messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
+            text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            out = processor(text=[text], videos=videos, return_tensors="pt", **options, **extra)
+        else:
+            out = processor.video_processor(videos, return_tensors="pt", return_metadata=True, **options, **extra)
+    finally:
+        del processor.video_processor.sample_frames
     header["frames_indices"] = picked[-1] if picked else None
     return out, text, header
 
@@ -178,8 +183,15 @@ def main() -> None:
 
         model = AutoModelForImageTextToText.from_pretrained(request["model_dir"]).eval()
     results = []
+    processors = {}  # model_dir -> a processor no case has changed
     for index, case in enumerate(request["cases"]):
-        processor = AutoProcessor.from_pretrained(request["model_dir"])  # fresh: attributes are per case
+        model_dir = case.get("model_dir") or request["model_dir"]
+        if case.get("attributes"):  # a fresh one: attributes are per case
+            processor = AutoProcessor.from_pretrained(model_dir)
+        else:
+            processor = processors.get(model_dir) or processors.setdefault(
+                model_dir, AutoProcessor.from_pretrained(model_dir)
+            )
         try:
             if mode == "generate":
                 results.append(_generate(processor, model, case, int(request.get("max_new_tokens", 4))))
@@ -192,8 +204,11 @@ def main() -> None:
     import torchvision
     import transformers
 
-    versions = {"torch": torch.__version__, "torchvision": torchvision.__version__,
-                "transformers": transformers.__version__}
+    versions = {
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "transformers": transformers.__version__,
+    }
     json.dump({"results": results, "versions": versions}, sys.stdout)
 
 
