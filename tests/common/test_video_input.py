@@ -22,6 +22,9 @@ from common.video_input import VideoInput, VideoLimits, VideoOptions
 from tests.oracle import oracle, oracle_options
 from tests.video_clips import clip_corpus, make_clip
 
+# The first test may install the oracle venv (about a minute; later runs find its stamp).
+pytestmark = pytest.mark.timeout(900)
+
 FIELD = "messages[0].content[1].video"
 VIDEO_TOKEN = SPECIAL_TOKEN_IDS["<|video_pad|>"]
 
