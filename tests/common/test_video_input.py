@@ -277,3 +277,13 @@ def test_webm_without_a_frame_count_counts_packets(video):
     data = make_clip(codec="vp9", width=64, height=64, fps=10, seconds=1)
     header = video.probe(data, FIELD)
     assert header.frames_counted and header.total_frames == 10 and header.duration_s == 1.0
+
+
+def test_refuses_a_video_stream_without_frames(video):
+    """A WebM cut before its first packet: a video stream in the header, no frame in the file."""
+    import av
+
+    data = make_clip(codec="vp9", width=64, height=64, fps=10, seconds=1)
+    with av.open(io.BytesIO(data)) as container:
+        first = next(p.pos for p in container.demux(video=0) if p.size)
+    _refused(video, data[:first], None, "the video stream has no frame")
