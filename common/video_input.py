@@ -32,7 +32,11 @@ sideways, as transformers sees it, and its header size is the coded size.
 
 Rules of the module: every refusal is ``InvalidArgument`` naming the field, the value and the limit (with the
 ``VideoLimits`` field or the option that sets it); every limit is checked on the header before the cost it bounds is
-paid; nothing decodes more frames than ``max_total_frames`` or keeps more than ``max_sampled_frames``.
+paid; nothing decodes more frames than ``max_total_frames`` or keeps more than ``max_sampled_frames``, and the
+decoder itself refuses a frame over twice ``max_frame_pixels`` (FFmpeg's ``max_pixels``), so a stream that changes
+its frame size mid-stream costs at most one such frame before it is refused. FFmpeg's stream probing inside ``open``
+(``avformat_find_stream_info``) may decode a frame before the header's size is known; that one frame is the cost of
+reading any header.
 """
 
 from __future__ import annotations
@@ -555,6 +559,10 @@ class VideoInput:
                     field=field,
                 )
             container.seek(0)
+            # FFmpeg's own bound on one frame: a stream whose size grows mid-stream (a new SPS) fails in the decoder
+            # before it allocates a frame far over the limit; twice the limit leaves room for the coded alignment
+            # (1080 lines are coded as 1088). The exact check is the size comparison below.
+            container.streams.video[0].codec_context.options = {"max_pixels": str(2 * self.limits.max_frame_pixels)}
             try:
                 for i, frame in enumerate(container.decode(video=0)):
                     if i > last:
