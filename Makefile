@@ -7,7 +7,7 @@ PYTEST_TIMEOUT ?= 300
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml client/pyproject.toml | sha256sum | cut -c1-12)
 PROTOS := $(wildcard proto/mmcast/v1/*.proto)
 
-.PHONY: install proto proto-baseline proto-check lint test test-fast demo bench bench-quick bench-aiperf bench-peer bench-peer-quick peer-install soak fuzz tools clean
+.PHONY: install oracle-install proto proto-baseline proto-check lint test test-fast demo bench bench-quick bench-aiperf bench-peer bench-peer-quick peer-install soak fuzz tools clean
 
 install: $(STAMP)
 
@@ -52,10 +52,15 @@ proto-baseline: tools
 tools: install
 	bash scripts/install-tools.sh
 
-test: install tools proto-check lint
+# The video tests' reference: transformers' own video processors, with torchvision's Python part, in .venv-oracle
+# (test-only; about a minute from the local wheels, then skipped by its stamp). The tests install it themselves too.
+oracle-install:
+	bash scripts/install-oracle-venv.sh .venv-oracle
+
+test: install tools oracle-install proto-check lint
 	$(BIN)/python -m pytest -q --timeout=$(PYTEST_TIMEOUT) tests
 
-test-fast: install
+test-fast: install oracle-install
 	$(BIN)/python -m pytest -q --timeout=$(PYTEST_TIMEOUT) -m "not slow" tests
 
 demo: install
@@ -102,4 +107,4 @@ fuzz: install
 	$(BIN)/python -m pytest -q --timeout=3600 -m fuzz tests --run-fuzz
 
 clean:
-	rm -rf $(VENV) $(AIPERF_VENV) .venv-peer .pytest_cache .ruff_cache .hypothesis build *.egg-info client/build client/*.egg-info
+	rm -rf $(VENV) $(AIPERF_VENV) .venv-peer .venv-oracle .pytest_cache .ruff_cache .hypothesis build *.egg-info client/build client/*.egg-info

@@ -2,7 +2,8 @@
 
 `build_tiny_model` writes a complete Hugging Face model folder — `config.json`, `model.safetensors` (float32),
 `generation_config.json`, a byte-level BPE tokenizer trained here on `common/data/tiny_corpus.txt`, the Qwen2-VL
-chat template and the Qwen2-VL image processor with the real Qwen2-VL-2B-Instruct preprocessing settings. The
+chat template, the Qwen2-VL image processor with the real Qwen2-VL-2B-Instruct preprocessing settings and the
+family's video processor settings (``video_preprocessor_config.json``, ``VIDEO_PROCESSOR_SETTINGS``). The
 architecture is the real one, only narrow (hidden 128, 2 decoder layers, 8 query / 4 KV heads of width 16, a 2-block
 vision tower, a 1024-token vocabulary with the Qwen2-VL special tokens at its top), so the folder is ~2.5 MB and
 runs on a CPU in milliseconds. Nothing is downloaded.
@@ -157,6 +158,58 @@ QWEN3_IMAGE_PROCESSOR_SETTINGS = {
     "image_mean": [0.5, 0.5, 0.5],
     "image_std": [0.5, 0.5, 0.5],
 }
+
+# video_preprocessor_config.json (transformers' video processor of the family: Qwen2VLVideoProcessor for Qwen2-VL
+# and Qwen2.5-VL, Qwen3VLVideoProcessor for Qwen3-VL), written as JSON so no torchvision is needed to build it.
+# The real checkpoints' sampling (2 frames a second, do_sample_frames) and normalisation (the image processor's), but
+# size bounds for small test clips: the real minimum (128 merged patches a frame) would upscale a 160x120 clip to
+# 100k pixels. Qwen2-VL's bounds are per frame: at least 56x56, at most 64 tokens (28*28*64 pixels); Qwen3-VL's
+# bound the whole sampled video (frames x height x width, its smart_resize): at least 64x64, at most 64 tokens a
+# frame over 8 frames. cap_pixels_per_frame is pinned False (transformers warns when it is unset and plans to make
+# True the default), so token counts do not change with the transformers version.
+VIDEO_PROCESSOR_SETTINGS = {
+    "qwen2_vl": {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 64},
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": IMAGE_PROCESSOR_SETTINGS["image_mean"],
+        "image_std": IMAGE_PROCESSOR_SETTINGS["image_std"],
+    },
+    "qwen3_vl": {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "size": {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 64 * 8},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": QWEN3_IMAGE_PROCESSOR_SETTINGS["image_mean"],
+        "image_std": QWEN3_IMAGE_PROCESSOR_SETTINGS["image_std"],
+    },
+}
+_VIDEO_COMMON = {
+    "do_resize": True,
+    "resample": 3,  # BICUBIC
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "do_sample_frames": True,
+    "fps": 2.0,
+    "min_frames": 4,
+    "max_frames": 64,
+    "cap_pixels_per_frame": False,
+}
+
+
+def video_processor_settings(variant: str) -> dict | None:
+    """The ``video_preprocessor_config.json`` of `variant` as a dict; None for a variant without video (LLaVA)."""
+    _check_variant(variant)
+    if variant == "llava":
+        return None
+    own = VIDEO_PROCESSOR_SETTINGS["qwen3_vl" if variant == "qwen3_vl" else "qwen2_vl"]
+    return {**_VIDEO_COMMON, **own, "processor_class": _processor_class(variant).__name__}
+
 
 _VISION_CONFIGS = {
     # Output width (`hidden_size` here) is the text model's hidden size.
@@ -500,6 +553,9 @@ def build_tiny_model(
     processor.tokenizer.save_pretrained(out)
     processor.image_processor.save_pretrained(out)
     _add_json_fields(out / "preprocessor_config.json", processor_class=_processor_class(variant).__name__)
+    (out / "video_preprocessor_config.json").write_text(
+        json.dumps(video_processor_settings(variant), indent=2, sort_keys=True) + "\n"
+    )
     (out / MARKER_FILE).write_text(json.dumps(_marker(variant, seed, kv_heads, width), sort_keys=True) + "\n")
     return out
 

@@ -156,3 +156,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if marker in item.keywords:
                 item.add_marker(skip)
+
+
+# --- the video oracle: transformers' own video processors, in their own venv (tests/oracle) -------------------------
+
+
+@pytest.fixture(scope="session")
+def oracle_venv() -> pathlib.Path:
+    """The oracle venv's Python, installed on first use (scripts/install-oracle-venv.sh, skipped by its stamp
+    after); the test is skipped only when pip cannot reach a package index."""
+    from tests.oracle import OracleUnavailable, ensure_oracle_venv
+
+    try:
+        return ensure_oracle_venv()
+    except OracleUnavailable as exc:
+        pytest.skip(str(exc).splitlines()[0])

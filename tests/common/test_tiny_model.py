@@ -93,8 +93,15 @@ def test_folder_has_the_layout_of_a_hub_checkpoint(variant_dir):
         "tokenizer_config.json",
         "chat_template.jinja",
         "preprocessor_config.json",
+        "video_preprocessor_config.json",
         MARKER_FILE,
     } <= names
+    video = json.loads((variant_dir / "video_preprocessor_config.json").read_text())
+    assert video["cap_pixels_per_frame"] is False and video["do_sample_frames"] is True and video["fps"] == 2.0
+    assert (
+        video["processor_class"]
+        == json.loads((variant_dir / "preprocessor_config.json").read_text())["processor_class"]
+    )
     preprocessor = json.loads((variant_dir / "preprocessor_config.json").read_text())
     assert preprocessor["processor_class"] in ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor")
     assert preprocessor["size"] == {"shortest_edge": 3136, "longest_edge": 12845056}
