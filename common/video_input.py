@@ -139,12 +139,12 @@ class VideoLimits:
     max_sampled_frames: int = 768  # frames the plan keeps
     max_streams: int = 8
 
-    FLAGS = {
-        "max_bytes": "--max-video-bytes",
+    FLAGS = {  # the scheduler's flags (scheduler_svc/config.py); the ranks receive the same limits in the handshake
+        "max_bytes": "--max-upload-bytes",
         "max_frame_pixels": "--max-video-frame-pixels",
         "max_duration_s": "--max-video-seconds",
-        "max_total_frames": "--max-video-frames",
-        "max_sampled_frames": "--max-video-sampled-frames",
+        "max_total_frames": "--max-video-total-frames",
+        "max_sampled_frames": "--max-video-frames",
         "max_streams": "--max-video-streams",
     }
 
@@ -635,6 +635,29 @@ class VideoInput:
                 f"{field}: the video gives {pixels.shape[0]} patch rows; its grid needs {rows}", field=field
             )
         return pixels
+
+    def item_plan(self, data: bytes, frame_indices, grid: torch.Tensor, field: str) -> VideoPlan:
+        """The plan of an encoded item as the scheduler made it: its sampled frames and its grid, checked against
+        this file's header (the owner rank's side of ``plan``: the frames are the item's, not re-derived)."""
+        header = self.probe(data, field)
+        indices = tuple(int(i) for i in frame_indices)
+        t, h, w = (int(v) for v in grid.reshape(-1).tolist())
+        problem = None
+        if not indices or len(indices) > self.limits.max_sampled_frames:
+            problem = f"{len(indices)} sampled frames (1 to {self.limits.describe('max_sampled_frames')})"
+        elif any(b <= a for a, b in zip(indices, indices[1:], strict=False)) or indices[0] < 0:
+            problem = "sampled frames that are not strictly increasing from 0"
+        elif indices[-1] >= header.total_frames:
+            problem = f"sampled frame {indices[-1]} of a video of {header.total_frames} frames"
+        elif t != -(-len(indices) // self.temporal_patch_size):
+            problem = f"{len(indices)} sampled frames for a grid of {t} temporal patches"
+        if problem is not None:
+            raise InvalidArgument(f"{field}: the item asks for {problem}", field=field)
+        resized = (h * self.patch_size, w * self.patch_size)
+        tokens = t * h * w // (self.merge_size**2)
+        return VideoPlan(
+            indices, grid.reshape(1, 3).to(torch.int64), tokens, 0.0, (), resized, header.width, header.height
+        )
 
     def process_bytes(self, data: bytes, options: VideoOptions | None, field: str, grid: torch.Tensor | None = None):
         """``(pixel_values_videos, plan)``: probe, plan and process, what a rank does with an encoded payload;

@@ -313,6 +313,12 @@ class Frontend:
                 "--max-videos-per-request is 0)",
                 field=field,
             )
+        if self.family.name == "qwen3-vl":
+            raise InvalidArgument(
+                f"{field}: Qwen3-VL video is not served (its per-frame timestamps split one video into several "
+                "placeholder blocks, which mmcast's items do not represent yet)",
+                field=field,
+            )
         key = (tenant, sha, options)  # the same file sampled otherwise is another item
         if key in seen:
             return seen[key]

@@ -246,14 +246,11 @@ class Session:
     def _video_pixels(self, ident: ItemId, feature):
         """An encoded video decoded at the planned frames and preprocessed as the model's video processor does
         (common/video_input.py); the grid it gives must be the item's (the prompt and positions were built from it)."""
-        from common.video_input import VideoPlan
-
+        field = f"item {ident[:16]}"
         data = feature.data[VIDEO_ENCODED_FIELD].data.numpy().tobytes()
         grid = feature.data["video_grid_thw"]
-        plan = VideoPlan.for_decoding(
-            tuple(int(i) for i in feature.data[FRAME_INDICES_FIELD].data.tolist()), grid.data.reshape(1, 3)
-        )
-        pixels = self.videos.process(data, plan, f"item {ident[:16]}")
+        plan = self.videos.item_plan(data, feature.data[FRAME_INDICES_FIELD].data.tolist(), grid.data, field)
+        pixels = self.videos.process(data, plan, field)
         fields = {"pixel_values_videos": MultiModalFieldElem(pixels), "video_grid_thw": grid}
         return dataclasses.replace(feature, data=MultiModalKwargsItem(fields), encoding=PayloadEncoding.PIXELS)
 
