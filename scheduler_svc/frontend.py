@@ -344,6 +344,7 @@ class Frontend:
         else:
             with self._decode_slots:
                 self._count("videos_decoded", 1)
+                self._count("decoded_video_frames", len(plan.frame_indices))
                 payload = self.videos.process(pending.data, plan, pending.field)
             encoding = PayloadEncoding.PIXELS
         return _Processed(identifier, payload, plan.grid, plan.tokens, encoding, Modality.VIDEO, frames, seconds)

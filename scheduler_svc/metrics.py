@@ -177,6 +177,14 @@ class SchedulerMetrics:
             "decoded_pixels": Counter(
                 "mmcast_frontend_decoded_pixels_total", "Pixels (width x height) of the images decoded.", registry=r
             ),
+            "videos_decoded": Counter(
+                "mmcast_frontend_videos_decoded_total",
+                "Videos decoded and preprocessed by the frontend (--payload-encoding pixels; encoded: the owner rank).",
+                registry=r,
+            ),
+            "decoded_video_frames": Counter(
+                "mmcast_frontend_decoded_video_frames_total", "Sampled video frames the frontend decoded.", registry=r
+            ),
             "prompts_tokenized": Counter("mmcast_frontend_prompts_tokenized_total", "Prompts tokenized.", registry=r),
             "tokenized_bytes": Counter(
                 "mmcast_frontend_tokenized_bytes_total",
