@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from common.errors import InvalidArgument
 from mmcast_client.affinity import AFFINITY_HEADER, conversation_key, session_key
-from scheduler_svc.request_parsing import ImageContent, Turn
+from scheduler_svc.request_parsing import ImageContent, Turn, VideoContent
 
 SESSION_HEADER = "x-session-id"  # a client's own conversation id (the name proxies and gateways commonly hash on)
 MAX_KEY_CHARS = 256  # longest x-mmcast-affinity / x-session-id value accepted (the SDK's keys have 32)
@@ -63,7 +63,7 @@ def key_of(turns: Sequence[Turn] | None, prompt: str | None) -> str:
     first = next((t.parts for t in turns if t.role == "user"), turns[0].parts if turns else ())
     parts: list[str | tuple[str, str]] = []
     for part in first:
-        if isinstance(part, ImageContent):
+        if isinstance(part, ImageContent | VideoContent):  # a video keys like an image of the same file (the SDK's)
             sha = part.uploaded_sha256 or hashlib.sha256(part.data or b"").hexdigest()
             parts.append(("image", sha))
         else:

@@ -8,6 +8,10 @@ never in the product venv, and imports nothing of mmcast. Reads one JSON request
      "cases": [{"video": path, "options": {...}, "attributes": {...}, "prompt": "Describe." | null,
                 "model_dir": ... (optional: another model folder for this case; preprocess only)}, ...]}
 
+A case may give a whole conversation instead of ``video`` and ``prompt``: ``"messages"`` (chat messages as
+transformers' chat templates take them, ``{"type": "video"}`` marking each video) with ``"videos"`` (their files, in
+order; each with a frame count in its header). ``input_ids`` are then the conversation's with the generation prompt.
+
 ``options`` are the processor call's video keyword arguments as a user passes them (``fps``, ``num_frames``,
 ``min_frames``, ``max_frames``, ``size``...); ``attributes`` are set on the video processor before the call (what a
 checkpoint's ``video_preprocessor_config.json`` would say; Qwen3-VL's ``sample_frames`` reads ``min_frames`` and
@@ -81,9 +85,19 @@ def _decoded(path: str):
     return torch.from_numpy(np.stack(frames)), meta
 
 
+def _conversation(processor, case: dict, options: dict):
+    text = processor.apply_chat_template(case["messages"], tokenize=False, add_generation_prompt=True)
+    out = processor(text=[text], videos=list(case["videos"]), return_tensors="pt", **options)
+    return out, text, {}
+
+
 def _inputs(processor, case: dict):
-    video = case["video"]
     options = dict(case.get("options") or {})
+    if "messages" in case:
+        for name, value in (case.get("attributes") or {}).items():
+            setattr(processor.video_processor, name, value)
+        return _conversation(processor, case, options)
+    video = case["video"]
     for name, value in (case.get("attributes") or {}).items():
         setattr(processor.video_processor, name, value)
     if "size" in options:  # a partial size override keeps the processor's other bound

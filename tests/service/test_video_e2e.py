@@ -1,0 +1,156 @@
+"""Video end to end: a real TP=2 group (serve-local: the scheduler and two `mmcast-worker` processes, the defaults —
+encoded payload, sharded encoder placement, lazy transfer) serves a two-turn conversation about a synthetic h264
+clip through the SDK and through the real `openai` package, compared with plain transformers fed the same file
+through transformers' own processor, video processor included (tests/oracle: its own venv, where torchvision's
+Python part loads; docs/ARCHITECTURE.md §3, invariant 3).
+
+Qwen2-VL (temporal positions step by 1) and Qwen2.5-VL (by ``second_per_grid_ts * tokens_per_second``). Turn 2
+hits the prefix holding the clip: its file travels to no rank. The live-stream pattern (a new segment each turn,
+the last two kept, the prompt rebuilt) sends and encodes each segment once, even after the window slides. A
+negative control shows the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import openai
+import pytest
+
+from mmcast_client import Client
+from tests.oracle import oracle, oracle_options
+from tests.support.oracle import LOGPROB_TOLERANCE, mismatch
+from tests.video_clips import make_clip
+
+pytestmark = pytest.mark.slow
+
+N = 6  # tokens per answer
+GENERATE = dict(max_tokens=N, ignore_eos=True, logprobs=0, temperature=0.0)
+FPS = 2.0
+PROCESSOR = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen2_5_vl": "Qwen2VLVideoProcessor"}
+
+
+def clip(seed: int) -> bytes:
+    """2 s of 160x112 h264 at 10 fps: sampled at 2 fps, 4 frames -> 2 temporal patches of 4x6 merged patches."""
+    return make_clip(codec="h264", width=160, height=112, fps=10, seconds=2.0, seed=seed)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def group(family, request, oracle_venv):
+    if family == "qwen2_vl":  # the suite's shared TP=2 group of the default model
+        yield request.getfixturevalue("serve_local_tp2"), request.getfixturevalue("tiny_model_dir")
+        return
+    from mmcast_local.supervisor import LocalGroup
+
+    model_dir = request.getfixturevalue("tiny_model_25_dir")
+    with LocalGroup(model_dir, 2, "lazy", ready_timeout=180) as local:
+        yield local, model_dir
+
+
+def sdk_turn(video: bytes, question: str) -> dict:
+    return {
+        "role": "user",
+        "content": [{"type": "video", "video": video, "fps": FPS}, {"type": "text", "text": question}],
+    }
+
+
+def hf(messages: list[dict]) -> list[dict]:
+    """The conversation as transformers' chat template takes it: one ``{"type": "video"}`` per video."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        out.append({"role": m["role"], "content": [p if p["type"] == "text" else {"type": "video"} for p in content]})
+    return out
+
+
+def expected(model_dir, family, tmp_path, conversations: list[list[dict]]) -> list[tuple[list[int], list[float]]]:
+    """The oracle's (tokens, log-probabilities) of each conversation, in one run of the oracle venv."""
+    call, attributes = oracle_options({"fps": FPS}, PROCESSOR[family])
+    cases = []
+    for k, messages in enumerate(conversations):
+        videos = []
+        for i, m in enumerate(messages):
+            for j, part in enumerate(m["content"] if isinstance(m["content"], list) else []):
+                if part["type"] == "video":
+                    path = tmp_path / f"conv{k}-m{i}-p{j}.mp4"
+                    path.write_bytes(part["video"])
+                    videos.append(str(path))
+        cases.append({"messages": hf(messages), "videos": videos, "options": call, "attributes": attributes})
+    answer = oracle({"mode": "generate", "model_dir": str(model_dir), "max_new_tokens": N, "cases": cases})
+    out = []
+    for result in answer["results"]:
+        assert "error" not in result, result
+        out.append((result["tokens"], result["logprobs"]))
+    return out
+
+
+def test_two_turns_sdk_and_openai(group, family, tmp_path):
+    local, model_dir = group
+    video = clip(1)
+    first = [sdk_turn(video, "What happens in this clip?")]
+    with Client(local.target, timeout=300) as client:
+        r1 = client.generate(first, **GENERATE)
+        second = [*first, {"role": "assistant", "content": r1.text}, {"role": "user", "content": "And at the end?"}]
+        r2 = client.generate(second, **GENERATE)
+    control = [sdk_turn(clip(2), "What happens in this clip?")]
+    want1, want2, other = expected(model_dir, family, tmp_path, [first, second, control])
+    assert mismatch(r1, want1) is None, f"turn 1: {mismatch(r1, want1)}"
+    assert mismatch(r2, want2) is None, f"turn 2: {mismatch(r2, want2)}"
+    assert mismatch(r1, other) is not None, "negative control: another clip's answer passed"
+    # turn 1: the file once, to its owner rank, one encoder run whose rows reach the other rank on the collective
+    assert (r1.usage.videos, r1.usage.images_sent, r1.usage.encoder_runs) == (1, 1, 1), r1.usage
+    assert 0 < r1.usage.payload_bytes_broadcast < 2 * len(video) + 1024, r1.usage
+    # turn 2: the clip inside the prefix hit costs no payload byte and no encoder run
+    assert r2.usage.cached_tokens > 0 and r2.usage.payload_bytes_broadcast == 0, r2.usage
+    assert r2.usage.encoder_runs == 0 and r2.usage.images_stripped == 2, r2.usage
+
+    # the same turn 1 through the openai package: video_url as a data: URL, vLLM's mm_processor_kwargs for the fps
+    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+    with openai.OpenAI(base_url=local.openai_base_url, api_key="unused", max_retries=0, timeout=300) as api:
+        model = api.models.list().data[0].id
+        reply = api.chat.completions.create(
+            model=model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "video_url", "video_url": {"url": url}},
+                        {"type": "text", "text": "What happens in this clip?"},
+                    ],
+                }
+            ],
+            max_tokens=N,
+            temperature=0.0,
+            logprobs=True,
+            extra_body={"ignore_eos": True, "mm_processor_kwargs": {"fps": FPS}},
+        )
+    served = [t.logprob for t in reply.choices[0].logprobs.content]
+    worst = max(abs(a - b) for a, b in zip(served, want1[1], strict=True))
+    assert worst < LOGPROB_TOLERANCE, f"openai: log-probabilities differ by up to {worst:.2e}"
+    assert reply.usage.prompt_tokens == r1.usage.prompt_tokens, reply.usage
+    assert reply.usage.prompt_tokens_details.cached_tokens > 0, reply.usage  # the SDK's turn 1 left the prefix
+
+
+def test_live_stream_sends_and_encodes_each_segment_once(group, family):
+    """Exact mode: turn k sends segments k-2 and k-1 (the window of two) and the question; once the window slides
+    the prefix changes, yet only the new segment travels and is encoded."""
+    local, _ = group
+    segments = [make_clip(codec="h264", width=112, height=84, fps=4, seconds=1.0, seed=40 + k) for k in range(4)]
+    with Client(local.target, timeout=300) as client:
+        for k in range(1, len(segments) + 1):
+            kept = segments[max(0, k - 2) : k]
+            content = [{"type": "video", "video": s, "fps": FPS} for s in kept]
+            messages = [{"role": "user", "content": [*content, {"type": "text", "text": "What is new?"}]}]
+            r = client.generate(messages, **GENERATE)
+            new = segments[k - 1]
+            assert r.usage.videos == len(kept), (k, r.usage)
+            assert r.usage.encoder_runs == 1, (k, r.usage)  # the new segment only, by its owner rank
+            assert r.usage.images_sent == 1, (k, r.usage)  # its file, once, to the owner
+            assert len(new) <= r.usage.payload_bytes_broadcast <= len(new) + 1024, (k, r.usage)
