@@ -121,6 +121,10 @@ class _Processed:
     modality: Modality = Modality.IMAGE
     frame_indices: Any = None  # a video's sampled frames, 1-D int64 (encoded payloads: the rank decodes these)
     second_per_grid_t: Any = None  # a video's seconds per temporal patch, (1,) float32 (Qwen2.5-VL positions)
+    # What replaces the template's one placeholder when it is more than num_tokens placeholders (Qwen3-VL's video:
+    # a timestamp, then its own start/end tokens around each temporal patch), and which of those tokens take rows.
+    placeholder_ids: list[int] | None = None
+    is_embed: list[bool] | None = None
 
 
 @dataclasses.dataclass
@@ -313,12 +317,6 @@ class Frontend:
                 "--max-videos-per-request is 0)",
                 field=field,
             )
-        if self.family.name == "qwen3-vl":
-            raise InvalidArgument(
-                f"{field}: Qwen3-VL video is not served (its per-frame timestamps split one video into several "
-                "placeholder blocks, which mmcast's items do not represent yet)",
-                field=field,
-            )
         key = (tenant, sha, options)  # the same file sampled otherwise is another item
         if key in seen:
             return seen[key]
@@ -347,7 +345,31 @@ class Frontend:
                 self._count("decoded_video_frames", len(plan.frame_indices))
                 payload = self.videos.process(pending.data, plan, pending.field)
             encoding = PayloadEncoding.PIXELS
-        return _Processed(identifier, payload, plan.grid, plan.tokens, encoding, Modality.VIDEO, frames, seconds)
+        ids, mask = self._video_placeholder(plan)
+        return _Processed(
+            identifier, payload, plan.grid, plan.tokens, encoding, Modality.VIDEO, frames, seconds, ids, mask
+        )
+
+    def _video_placeholder(self, plan) -> tuple[list[int] | None, list[bool] | None]:
+        """Qwen3-VL: the token ids its processor writes for a video (``VideoInput.placeholder_text``: per temporal
+        patch ``<t seconds>``, vision start, the patch's placeholders, vision end) and which take encoder rows; the
+        text pieces sit between special tokens, so each is tokenized alone as the processor's whole text would be.
+        Other families: None (the placeholder repeated ``plan.tokens`` times)."""
+        from common.video_input import QWEN3_VL
+
+        if self.videos.kind != QWEN3_VL:
+            return None, None
+        tokenizer = self._thread_tokenizer()
+        start = self.tokenizer.convert_tokens_to_ids(self.processor.vision_start_token)
+        end = self.tokenizer.convert_tokens_to_ids(self.processor.vision_end_token)
+        ids: list[int] = []
+        mask: list[bool] = []
+        per = plan.tokens_per_grid_t
+        for t in plan.timestamps:
+            text = tokenizer(f"<{t:.1f} seconds>", add_special_tokens=False)["input_ids"]
+            ids += [*text, start, *[self.video_token_id] * per, end]
+            mask += [False] * (len(text) + 1) + [True] * per + [False]
+        return ids, mask
 
     @staticmethod
     def _check_image_tokens(pending: list[_Pending], context: int, reserve: int) -> None:
@@ -557,7 +579,10 @@ class Frontend:
                 raise InvalidArgument("the chat template reordered the images and videos", field="messages")
             token_ids += template_ids[prev:pos]
             offset = len(token_ids)
-            token_ids += [template_ids[pos]] * item.num_tokens
+            if item.placeholder_ids is not None:
+                token_ids += item.placeholder_ids
+            else:
+                token_ids += [template_ids[pos]] * item.num_tokens
             prev = pos + 1
             features.append(self._feature(item, offset))
         token_ids += template_ids[prev:]
@@ -590,7 +615,9 @@ class Frontend:
             MultiModalKwargsItem(fields),
             item.modality,
             item.identifier,
-            PlaceholderRange(offset, item.num_tokens),
+            PlaceholderRange(offset, len(item.is_embed), item.is_embed)
+            if item.is_embed is not None
+            else PlaceholderRange(offset, item.num_tokens),
             payload_nbytes=payload_nbytes,
             encoding=item.encoding,
         )

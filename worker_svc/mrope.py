@@ -46,22 +46,20 @@ from common.multimodal import Modality, MultiModalFeatureSpec
 _GRID_FIELD = {Modality.IMAGE: "image_grid_thw", Modality.VIDEO: "video_grid_thw"}
 
 
-def _vision_span(feature: MultiModalFeatureSpec) -> tuple[int, int]:
-    """``(offset, length)`` of the tokens that take the item's embeddings (all of them unless ``is_embed``)."""
+def _vision_runs(feature: MultiModalFeatureSpec) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each contiguous run of the tokens that take the item's embeddings: one run (all of
+    its tokens) unless ``is_embed`` says otherwise; several for a Qwen3-VL video, whose temporal patches are separate
+    blocks with a timestamp between them."""
     pos = feature.mm_position
     if pos.is_embed is None:
-        return pos.offset, pos.length
+        return [(pos.offset, pos.length)]
     mask = torch.as_tensor(pos.is_embed, dtype=torch.bool).reshape(-1)
     idx = mask.nonzero().reshape(-1)
     if idx.numel() == 0:
-        return pos.offset, 0
-    first, last = int(idx[0]), int(idx[-1])
-    if last - first + 1 != idx.numel():
-        raise ValueError(
-            f"item {feature.identifier!r} at offset {pos.offset}: its is_embed tokens are not contiguous; "
-            "M-RoPE needs one block of placeholder tokens per item"
-        )
-    return pos.offset + first, idx.numel()
+        return []
+    breaks = (idx[1:] != idx[:-1] + 1).nonzero().reshape(-1) + 1
+    bounds = [0, *breaks.tolist(), idx.numel()]
+    return [(pos.offset + int(idx[a]), b - a) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _grid(feature: MultiModalFeatureSpec) -> tuple[int, int, int]:
@@ -76,6 +74,41 @@ def _grid(feature: MultiModalFeatureSpec) -> tuple[int, int, int]:
         raise ValueError(f"item {feature.identifier!r}: {name} has {grid.numel()} values, expected 3 (t, h, w)")
     t, h, w = (int(v) for v in grid.tolist())
     return t, h, w
+
+
+def _blocks(features, merge: int):
+    """``(feature, offset, length, t, h, w)`` of every block of placeholder tokens, in merged patches: an item is one
+    block, or, when its embedding tokens form ``t`` separate runs (Qwen3-VL's video: a timestamp before each temporal
+    patch), ``t`` blocks of one temporal patch each — transformers 5.24's Qwen3-VL ``get_rope_index`` splits the
+    video's grid into ``t`` grids of ``(1, h, w)`` the same way, the text between them counting as text."""
+    for feature in features:
+        runs = _vision_runs(feature)
+        if not runs:
+            continue  # no placeholder token takes an embedding: the item holds no position of its own
+        t, h, w = _grid(feature)
+        offset = runs[0][0]
+        if min(t, h, w) < 1 or h % merge or w % merge:
+            raise ValueError(
+                f"item {feature.identifier!r} at offset {offset}: grid ({t}, {h}, {w}) must be positive with h and w "
+                f"multiples of spatial_merge_size={merge}"
+            )
+        lt, lh, lw = t, h // merge, w // merge
+        if len(runs) == 1:
+            if lt * lh * lw != runs[0][1]:
+                raise ValueError(
+                    f"item {feature.identifier!r} at offset {offset} has {runs[0][1]} placeholder tokens but its grid "
+                    f"({t}, {h}, {w}) with spatial_merge_size={merge} gives {lt * lh * lw}"
+                )
+            yield feature, offset, runs[0][1], lt, lh, lw
+            continue
+        if len(runs) != lt or any(length != lh * lw for _, length in runs):
+            raise ValueError(
+                f"item {feature.identifier!r} at offset {offset}: its embedding tokens form {len(runs)} blocks of "
+                f"{[length for _, length in runs]} tokens; its grid ({t}, {h}, {w}) with spatial_merge_size={merge} "
+                f"needs one block of {lh * lw} per temporal patch ({lt}), or a single block"
+            )
+        for run_offset, length in runs:
+            yield feature, run_offset, length, 1, lh, lw
 
 
 def _interval(feature: MultiModalFeatureSpec, tokens_per_second: float | None) -> Any:
@@ -112,22 +145,7 @@ def mrope_positions(
     offsets, ends, starts, blocks = [], [], [], []
     relative: dict[tuple, torch.Tensor] = {}  # blocks of equal shape and temporal steps are built once
     shift = 0  # position - index of the text before the current item
-    for feature in features:
-        offset, length = _vision_span(feature)
-        if length == 0:
-            continue  # no placeholder token takes an embedding: the item holds no position of its own
-        t, h, w = _grid(feature)
-        if min(t, h, w) < 1 or h % spatial_merge_size or w % spatial_merge_size:
-            raise ValueError(
-                f"item {feature.identifier!r} at offset {offset}: grid ({t}, {h}, {w}) must be positive with h and w "
-                f"multiples of spatial_merge_size={spatial_merge_size}"
-            )
-        lt, lh, lw = t, h // spatial_merge_size, w // spatial_merge_size
-        if lt * lh * lw != length:
-            raise ValueError(
-                f"item {feature.identifier!r} at offset {offset} has {length} placeholder tokens but its grid "
-                f"({t}, {h}, {w}) with spatial_merge_size={spatial_merge_size} gives {lt * lh * lw}"
-            )
+    for feature, offset, length, lt, lh, lw in _blocks(features, spatial_merge_size):
         prev_end = ends[-1] if ends else 0
         if offset < prev_end or offset + length > n:
             raise ValueError(

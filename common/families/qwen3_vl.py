@@ -7,9 +7,11 @@ decoder tensor-parallel plan of its own.
   ``Qwen3VLModel.get_rope_index``: ``start + (t, h, w)`` over the merged grid, text resuming at ``start + max(h, w)``,
   checked by ``tests/worker/test_mrope.py``); the interleaving of the temporal/height/width frequencies
   (``mrope_interleaved``) happens inside the model's rotary embedding, from the same ids. A stripped item therefore
-  keeps its ``keep_on_cpu`` grid. Video is not served for this family: 5.24 splits each video into one grid per
-  frame with timestamps as text, a rule ``worker_svc/mrope.py`` does not implement.
-- Encoder: ``get_image_features`` gives the merged rows (``pooler_output``) and one DeepStack row set per level of
+  keeps its ``keep_on_cpu`` grid. A video is one item whose placeholder range holds, per temporal patch, the
+  processor's ``<t seconds>`` text, a vision start, the patch's placeholders and a vision end; ``is_embed`` marks
+  the placeholders, and positions treat each temporal patch as its own ``(1, h, w)`` block with the text between
+  (5.24's ``get_rope_index`` splits the video's grid the same way; ``worker_svc/mrope.py``).
+- Encoder: ``get_image_features`` (``get_video_features`` for a video, the same tower) gives the merged rows (``pooler_output``) and one DeepStack row set per level of
   ``vision_config.deepstack_visual_indexes``. A row here is ``[merged | level 0 | level 1 | ...]``
   (``row_width = hidden * (1 + levels)``), so the encoder cache, the owner rank's broadcast over the group and the
   window slicing carry every level with the item, unchanged.
@@ -56,9 +58,8 @@ class Qwen3VLFamily(Qwen2VLFamily):
     def encode(self, model, pixels, grid, video: bool):
         import torch
 
-        if video:
-            raise ValueError("Qwen3-VL video is not served (its per-frame positions are not implemented)")
-        out = model.model.get_image_features(pixels, grid, return_dict=True)
+        features = model.model.get_video_features if video else model.model.get_image_features
+        out = features(pixels, grid, return_dict=True)
         merged = torch.cat(list(out.pooler_output), dim=0)
         levels = [torch.cat(list(level), dim=0) for level in out.deepstack_features]
         return torch.cat([merged, *levels], dim=1)

@@ -4,7 +4,8 @@ clip through the SDK and through the real `openai` package, compared with plain 
 through transformers' own processor, video processor included (tests/oracle: its own venv, where torchvision's
 Python part loads; docs/ARCHITECTURE.md §3, invariant 3).
 
-Qwen2-VL (temporal positions step by 1) and Qwen2.5-VL (by ``second_per_grid_ts * tokens_per_second``). Turn 2
+Qwen2-VL (temporal positions step by 1), Qwen2.5-VL (by ``second_per_grid_ts * tokens_per_second``) and Qwen3-VL
+(a ``<t seconds>`` timestamp before each temporal patch, each patch its own position block, DeepStack). Turn 2
 hits the prefix holding the clip: its file travels to no rank. The live-stream pattern (a new segment each turn,
 the last two kept, the prompt rebuilt) sends and encodes each segment once, even after the window slides. A
 negative control shows the comparison can fail.
@@ -27,7 +28,12 @@ pytestmark = pytest.mark.slow
 N = 6  # tokens per answer
 GENERATE = dict(max_tokens=N, ignore_eos=True, logprobs=0, temperature=0.0)
 FPS = 2.0
-PROCESSOR = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen2_5_vl": "Qwen2VLVideoProcessor"}
+PROCESSOR = {
+    "qwen2_vl": "Qwen2VLVideoProcessor",
+    "qwen2_5_vl": "Qwen2VLVideoProcessor",
+    "qwen3_vl": "Qwen3VLVideoProcessor",
+}
+MODELS = {"qwen2_5_vl": "tiny_model_25_dir", "qwen3_vl": "tiny_model_q3_dir"}
 
 
 def clip(seed: int) -> bytes:
@@ -35,7 +41,7 @@ def clip(seed: int) -> bytes:
     return make_clip(codec="h264", width=160, height=112, fps=10, seconds=2.0, seed=seed)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def family(request):
     return request.param
 
@@ -47,7 +53,7 @@ def group(family, request, oracle_venv):
         return
     from mmcast_local.supervisor import LocalGroup
 
-    model_dir = request.getfixturevalue("tiny_model_25_dir")
+    model_dir = request.getfixturevalue(MODELS[family])
     with LocalGroup(model_dir, 2, "lazy", ready_timeout=180) as local:
         yield local, model_dir
 
