@@ -1,5 +1,7 @@
 """M-RoPE positions from placeholder ranges and grids equal transformers' ``get_rope_index`` (docs/ARCHITECTURE.md §3, invariant 4)."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -457,3 +459,32 @@ def test_uses_mrope(qwen2_vl, qwen2_5_vl, qwen3_vl):
     assert not uses_mrope({"model_type": "llama", "rope_parameters": {"rope_type": "default"}})
     assert rope_index_kwargs(qwen2_vl.config) == {"spatial_merge_size": MERGE, "tokens_per_second": None}
     assert rope_index_kwargs(qwen2_5_vl.config) == {"spatial_merge_size": MERGE, "tokens_per_second": 2}
+
+
+def test_qwen3_vl_video_blocks_equal_transformers(qwen3_vl):
+    """A Qwen3-VL video as the processor writes it: per temporal patch a timestamp (text), vision start, the patch's
+    placeholders, vision end — one item whose is_embed marks the placeholders. transformers splits its grid into
+    (1, h, w) grids, one per block; mmcast's blocks must land on the same positions, and the text between blocks
+    and after the video continue as transformers' do. A non-contiguous mask that does not match the grid fails."""
+    t, h, w = 3, 4, 6
+    per = h * w // MERGE**2
+    ids = [7, VISION_START]
+    offset = len(ids)
+    mask: list[bool] = []
+    for stamp in ([21, 22], [23], [24, 25, 26]):  # "<0.5 seconds>" etc.: a few text tokens each
+        block = [*stamp, VISION_START, *[VIDEO] * per, VISION_END]
+        ids += block
+        mask += [False] * (len(stamp) + 1) + [True] * per + [False]
+    ids += [VISION_END, 9, 10]
+    item = video_item(offset, t, h, w, None)
+    item = MultiModalFeatureSpec(
+        data=item.data,
+        modality=Modality.VIDEO,
+        identifier="vid",
+        mm_position=PlaceholderRange(offset, len(mask), is_embed=mask),
+    )
+    pos, delta = assert_same(qwen3_vl, ids, [item])
+    assert int(pos[0, offset + 3]) == int(pos[0, offset + 2]) + 1  # every block at temporal offset 0 of its own
+    broken = dataclasses.replace(item, mm_position=PlaceholderRange(offset, len(mask), is_embed=[True] + mask[1:]))
+    with pytest.raises(ValueError, match="blocks"):
+        mrope_positions(ids, [broken], MERGE)
