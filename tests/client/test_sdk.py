@@ -190,7 +190,9 @@ def test_cli_generate_sends_top_k(fake, capsys):
     [
         ([], "messages is empty"),
         ([{"role": "robot", "content": "x"}], "messages[0].role='robot'"),
-        ([{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}], "messages[0].content[0].type='video'"),
+        ([{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}], "messages[0].content[0].type='audio'"),
+        ([{"role": "user", "content": [{"type": "video"}]}], "a video part needs 'video'"),
+        ([{"role": "user", "content": [{"type": "video", "video": "v.mp4", "fps": 0}]}], "fps=0 must be a number > 0"),
         ([{"role": "user", "content": [{"type": "image"}]}], "needs 'image'"),
         ([{"role": "user", "content": [{"type": "image", "image": "sha256:xyz"}]}], "64 hex digits"),
         ([{"role": "user", "content": [{"type": "image", "image": "/no/such/file.png"}]}], "cannot read image file"),

@@ -237,11 +237,11 @@ def test_refuses_by_limits_before_decoding(video, good):
     _refused(video, many, None, "9 streams", "8 (--max-video-streams)")
     small = dataclasses.replace
     limited = VideoInput(video.settings, small(video.limits, max_bytes=1000))
-    _refused(limited, good, None, f"{len(good)} bytes", "1000 (--max-video-bytes)")
+    _refused(limited, good, None, f"{len(good)} bytes", "1000 (--max-upload-bytes)")
     limited = VideoInput(video.settings, small(video.limits, max_total_frames=10))
-    _refused(limited, good, None, "24 frames", "10 (--max-video-frames)")
+    _refused(limited, good, None, "24 frames", "10 (--max-video-total-frames)")
     limited = VideoInput(video.settings, small(video.limits, max_sampled_frames=4))
-    _refused(limited, good, VideoOptions(num_frames=8), "sampled to 8 frames", "4 (--max-video-sampled-frames)")
+    _refused(limited, good, VideoOptions(num_frames=8), "sampled to 8 frames", "4 (--max-video-frames)")
     limited = VideoInput(video.settings, VideoLimits(), codecs=("h264",))
     _refused(limited, make_clip(codec="vp9", width=64, height=64, fps=10, seconds=1), None, "codec 'vp9'", "h264")
 
