@@ -160,3 +160,40 @@ def test_live_stream_sends_and_encodes_each_segment_once(group, family):
             assert r.usage.encoder_runs == 1, (k, r.usage)  # the new segment only, by its owner rank
             assert r.usage.images_sent == 1, (k, r.usage)  # its file, once, to the owner
             assert len(new) <= r.usage.payload_bytes_broadcast <= len(new) + 1024, (k, r.usage)
+
+
+@pytest.fixture(scope="module")
+def q25_ranks(oracle_venv, tiny_model_25_dir, tmp_path_factory):
+    """Two bare Qwen2.5-VL ranks for schedulers of other settings than serve-local's defaults."""
+    from tests.support.rank_group import Group
+
+    group = Group(tiny_model_25_dir, tmp_path_factory.mktemp("video-ranks"), world_size=2, timeout_s=60.0)
+    yield group
+    group.stop()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # encoded, sharded, lazy
+        {"payload_encoding": "pixels", "encoder_placement": "replicated", "transfer_mode": "strip"},
+    ],
+    ids=["encoded-lazy", "pixels-strip"],
+)
+def test_chunked_prefill_across_a_long_video(q25_ranks, tiny_model_25_dir, tmp_path, settings):
+    """A 4 s clip sampled to 8 frames (4 temporal patches, 96 placeholders) under a 64-token step budget: the prefill crosses
+    the video's span over several steps (its encoder work in the first of them, the rows used as each window needs
+    them); the answer equals transformers'. Turn 2 covers the video: its payload never travels again."""
+    from tests.support.service_harness import scheduler_client
+
+    video = make_clip(codec="h264", width=160, height=112, fps=8, seconds=4.0, seed=7)
+    first = [sdk_turn(video, "Describe the clip.")]
+    with scheduler_client(q25_ranks.ports, tiny_model_25_dir, max_num_batched_tokens=64, **settings) as client:
+        r1 = client.generate(first, **GENERATE)
+        second = [*first, {"role": "assistant", "content": r1.text}, {"role": "user", "content": "Why?"}]
+        r2 = client.generate(second, **GENERATE)
+    want1, want2 = expected(tiny_model_25_dir, "qwen2_5_vl", tmp_path, [first, second])
+    assert mismatch(r1, want1) is None, f"turn 1: {mismatch(r1, want1)}"
+    assert mismatch(r2, want2) is None, f"turn 2: {mismatch(r2, want2)}"
+    assert r1.usage.prompt_tokens > 2 * 64, r1.usage  # the prompt spans three steps, the video two
+    assert r2.usage.cached_tokens > 96 and r2.usage.payload_bytes_broadcast == 0, r2.usage
