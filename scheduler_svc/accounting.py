@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from common.ids import ItemId, RequestId
+from common.multimodal import Modality
 
 if TYPE_CHECKING:  # request.py imports RequestUsage from here
     from scheduler_svc.request import Request
@@ -193,6 +194,11 @@ class TransferAccounting:
         self.num_ranks = num_ranks
         self._dues: dict[RequestId, dict[ItemId, _Due]] = {}  # lazy dues each request holds, by item
         self.released = ItemAccounting()  # abandoned by requests that ended since the last plan (for the metrics)
+        # The video items of requests still held, so the metrics can say which deliveries were videos: the
+        # requests holding each, and the video share of the events since the last plan (``take_video``).
+        self._videos_of: dict[RequestId, set[ItemId]] = {}
+        self._video_refs: dict[ItemId, int] = {}
+        self.video = ItemAccounting()
         self.begin_step()
 
     def begin_step(self) -> None:
@@ -214,6 +220,8 @@ class TransferAccounting:
 
     def record(self, event: Delivery | EncoderRun) -> None:
         self.opened(event.request_id).fold(event)
+        if event.item in self._video_refs:
+            self.video.fold(event)
 
     def record_ranks(
         self, request_id: RequestId, key: ItemId, disposition: Disposition, nbytes: int, but: int | None = None
@@ -227,8 +235,12 @@ class TransferAccounting:
         """Registers the request's items in this step's dues (one per item, whatever the occurrences or requests);
         a lazy request holds the dues of the items it still has to reach. ``sizes``: each item's payload bytes."""
         held = self._dues.setdefault(request.request_id, {})
+        videos = self._videos_of.setdefault(request.request_id, set())
         for k, f in enumerate(request.mm_features):
             key = f.identifier
+            if f.modality is Modality.VIDEO and key not in videos:
+                videos.add(key)
+                self._video_refs[key] = self._video_refs.get(key, 0) + 1
             due = self._step_dues.get(key)
             if due is None:
                 due = self._step_dues[key] = _Due(sizes[k], request.request_id)
@@ -270,6 +282,12 @@ class TransferAccounting:
         released, self.released = self.released, ItemAccounting()
         return self.step, released
 
+    def take_video(self) -> ItemAccounting:
+        """The video items' share of the events since the last call (this step's and what ended requests left):
+        the metrics' ``modality="video"`` series; the rest of ``StepPlan.totals`` is images."""
+        video, self.video = self.video, ItemAccounting()
+        return video
+
     def release(self, request: Request, ended: bool) -> None:
         """The request holds no due any more; an ended one abandons (on every rank) each lazy due it held last, in
         its Usage at once and in ``released`` for the metrics. A preempted one comes back with dues of its own."""
@@ -280,6 +298,13 @@ class TransferAccounting:
                 due.open = False
                 if ended:
                     for rank in range(self.num_ranks):
-                        abandoned.fold(Delivery(request.request_id, key, rank, Disposition.ABANDONED, due.nbytes))
+                        event = Delivery(request.request_id, key, rank, Disposition.ABANDONED, due.nbytes)
+                        abandoned.fold(event)
+                        if key in self._video_refs:
+                            self.video.fold(event)
         abandoned.add_to_usage(request.usage)
         self.released.add(abandoned)
+        for key in self._videos_of.pop(request.request_id, ()):
+            self._video_refs[key] -= 1
+            if not self._video_refs[key]:
+                del self._video_refs[key]

@@ -376,11 +376,15 @@ class Engine:
         """Per-step item dispositions and saved bytes, and the core's cumulative counters as deltas."""
         m = self.metrics
         totals = plan.totals()
-        for disposition, items, nbytes, saved_reason in totals.by_disposition():
-            if items or disposition is not Disposition.ABANDONED:  # the abandoned series starts with the first one
-                m.mm_items.labels(disposition.value).inc(items)
-            if saved_reason is not None:
-                m.payload_bytes_saved.labels(saved_reason).inc(nbytes)
+        video = plan.video_totals.by_disposition()
+        for (disposition, items, nbytes, saved_reason), (_, v_items, v_bytes, _) in zip(
+            totals.by_disposition(), video, strict=True
+        ):
+            for modality, n, b in (("image", items - v_items, nbytes - v_bytes), ("video", v_items, v_bytes)):
+                if n or (modality == "image" and disposition is not Disposition.ABANDONED):
+                    m.mm_items.labels(disposition.value, modality).inc(n)  # abandoned and video: from the first
+                if saved_reason is not None and (b or modality == "image"):
+                    m.payload_bytes_saved.labels(saved_reason, modality).inc(b)
         m.encoder_items.inc(len(plan.encoder_inputs))
         m.encoder_runs.inc(totals.encoder_runs)
         m.encoder_output_shared_bytes.inc(totals.encoder_output_bytes_shared)

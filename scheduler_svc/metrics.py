@@ -34,14 +34,16 @@ class SchedulerMetrics:
         )
         self.payload_bytes_saved = Counter(
             "mmcast_broadcast_payload_bytes_saved_total",
-            "Payload bytes the full transfer mode would have written for items that were not sent, summed over ranks.",
-            ["reason"],
+            "Payload bytes the full transfer mode would have written for items that were not sent, summed over ranks "
+            "(modality: image or video).",
+            ["reason", "modality"],
             registry=r,
         )
         self.mm_items = Counter(
             "mmcast_mm_items_total",
-            "Multimodal item deliveries per rank by disposition (a deferred item counts when sent or dropped).",
-            ["disposition"],
+            "Multimodal item deliveries per rank by disposition (a deferred item counts when sent or dropped) and "
+            "modality (image or video).",
+            ["disposition", "modality"],
             registry=r,
         )
         self.prefix_query_tokens = Counter(
@@ -262,10 +264,10 @@ class SchedulerMetrics:
     def _init_labels(self) -> None:
         for kind in ("payload", "metadata", "control"):
             self.broadcast_bytes.labels(kind)
-        for reason in ("prefix_covered", "rank_cached", "encoder_shared"):
-            self.payload_bytes_saved.labels(reason)
+        for reason in ("prefix_covered", "rank_cached", "encoder_shared"):  # video series start with their first
+            self.payload_bytes_saved.labels(reason, "image")
         for disposition in ("sent", "stripped", "rank_cached", "encoder_shared"):
-            self.mm_items.labels(disposition)
+            self.mm_items.labels(disposition, "image")
         for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):  # vLLM's event types (kv_events.py)
             self.kv_events.labels(kind)
         for stage in STAGES:

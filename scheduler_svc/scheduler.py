@@ -356,6 +356,7 @@ class Scheduler:
             items_examined=decider.items_examined,
             scheduled=scheduled,
             released=released,
+            video_totals=decider.book.take_video(),
         )
         self._next_step_id += 1
         self._reset_next = False

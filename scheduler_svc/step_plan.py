@@ -94,6 +94,8 @@ class StepPlan:
     # What requests that ended since the previous plan left (abandoned deliveries): already in their Usage, so
     # only the metrics add it (``totals``).
     released: ItemAccounting = dataclasses.field(default_factory=ItemAccounting)
+    # The video items' share of ``totals`` (the metrics' modality label; the rest is images).
+    video_totals: ItemAccounting = dataclasses.field(default_factory=ItemAccounting)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -53,9 +53,9 @@ def test_usage_and_metrics_equal_the_payload_the_ranks_received(tiny_model_dir, 
     assert sum(u.images_sent for u in usages) == sum(n for n, _ in per_rank) // fields_per_item
     assert sum(u.payload_bytes_broadcast for u in usages) == sum(b for _, b in per_rank)
     m = h.server.metrics
-    assert m.mm_items.labels("sent")._value.get() == sum(u.images_sent for u in usages)
+    assert m.mm_items.labels("sent", "image")._value.get() == sum(u.images_sent for u in usages)
     saved = sum(
-        m.payload_bytes_saved.labels(reason)._value.get()
+        m.payload_bytes_saved.labels(reason, "image")._value.get()
         for reason in ("prefix_covered", "rank_cached", "encoder_shared")
     )
     assert saved == sum(u.payload_bytes_saved for u in usages)

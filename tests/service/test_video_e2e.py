@@ -20,7 +20,7 @@ import pytest
 
 from mmcast_client import Client
 from tests.oracle import oracle, oracle_options
-from tests.support.oracle import LOGPROB_TOLERANCE, mismatch
+from tests.support.oracle import LOGPROB_TOLERANCE, mismatch, scrape
 from tests.video_clips import make_clip
 
 pytestmark = pytest.mark.slow
@@ -148,6 +148,8 @@ def test_live_stream_sends_and_encodes_each_segment_once(group, family):
     """Exact mode: turn k sends segments k-2 and k-1 (the window of two) and the question; once the window slides
     the prefix changes, yet only the new segment travels and is encoded."""
     local, _ = group
+    url = local.metrics_urls["scheduler"]
+    sent_before = scrape(url, "mmcast_mm_items_total", disposition="sent", modality="video")
     segments = [make_clip(codec="h264", width=112, height=84, fps=4, seconds=1.0, seed=40 + k) for k in range(4)]
     with Client(local.target, timeout=300) as client:
         for k in range(1, len(segments) + 1):
@@ -160,6 +162,8 @@ def test_live_stream_sends_and_encodes_each_segment_once(group, family):
             assert r.usage.encoder_runs == 1, (k, r.usage)  # the new segment only, by its owner rank
             assert r.usage.images_sent == 1, (k, r.usage)  # its file, once, to the owner
             assert len(new) <= r.usage.payload_bytes_broadcast <= len(new) + 1024, (k, r.usage)
+    # the item metrics say they were videos: one delivery per segment (its owner rank)
+    assert scrape(url, "mmcast_mm_items_total", disposition="sent", modality="video") - sent_before == len(segments)
 
 
 @pytest.fixture(scope="module")
