@@ -23,6 +23,10 @@ services the same flags.
     - --max-waiting={{ $v.scheduler.limits.maxWaiting }}
     - --max-images-per-request={{ $v.scheduler.limits.maxImagesPerRequest }}
     - --max-image-pixels={{ int64 $v.scheduler.limits.maxImagePixels }}
+    - --max-videos-per-request={{ $v.scheduler.limits.maxVideosPerRequest }}
+    - --max-video-frames={{ $v.scheduler.limits.maxVideoFrames }}
+    - --max-video-seconds={{ $v.scheduler.limits.maxVideoSeconds }}
+    - --max-video-frame-pixels={{ int64 $v.scheduler.limits.maxVideoFramePixels }}
     - --max-request-bytes={{ int64 $v.scheduler.limits.maxRequestBytes }}
     - --chunk-size-bytes={{ int64 $v.scheduler.chunkSizeBytes }}
     - --group-deadline-seconds={{ $v.scheduler.groupDeadlineSeconds }}
