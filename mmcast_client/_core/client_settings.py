@@ -55,6 +55,9 @@ class ServerInfo:
     transfer_mode: str
     tensor_parallel_size: int
     group_ready: bool
+    max_video_frames: int = 0  # frames one video may sample; 0: the server serves no video
+    max_video_seconds: float = 0.0
+    max_video_frame_pixels: int = 0
 
     @classmethod
     def from_proto(cls, msg: Any) -> ServerInfo:
