@@ -379,8 +379,9 @@ class VideoInput:
         if width < 1 or height < 1:  # none, or one FFmpeg refused while probing (max_pixels, its own bound)
             self._refuse(
                 field,
-                f"the video header gives a {width}x{height} frame: its size is missing or was refused while probing "
-                "(a frame over twice the limit, or over FFmpeg's own bound of about 2^28 pixels, is never decoded)",
+                f"the video's frame size could not be read ({width}x{height} after FFmpeg's probing): its first "
+                "frame is over twice the limit (refused before it is decoded) or past FFmpeg's own bound of about "
+                "2^28 pixels, or the stream gives none",
                 "max_frame_pixels",
             )
         if width * height > limits.max_frame_pixels:

@@ -239,9 +239,9 @@ class Frontend:
             try:
                 self.videos.probe(data, field)
             except InvalidArgument as video_error:
+                image_why, video_why = (e.message.removeprefix(f"{field}: ") for e in (image_error, video_error))
                 raise InvalidArgument(
-                    f"{field}: neither an image ({image_error.message}) nor a video ({video_error.message})",
-                    field=field,
+                    f"{field}: neither an image ({image_why}) nor a video ({video_why})", field=field
                 ) from None
 
     def _decode(self, pending: _Pending, tenant: str) -> _Processed:

@@ -633,7 +633,7 @@ for _id, _make, _mentions, _what, _kwargs in [
     (
         "video-header-16384",
         lambda: hostile_video.h264_claiming(16384, 16384),
-        ("0x0 frame", "65536 (--max-video-frame-pixels)"),
+        ("frame size could not be read (0x0", "65536 (--max-video-frame-pixels)"),
         "an SPS claiming 16384 x 16384, past FFmpeg's own bound (its parser drops the size)",
         {"untouched": VIDEO_NOT_DECODED + NOT_TOKENIZED},
     ),
@@ -957,8 +957,8 @@ for _id, _msg, _mentions, _what in [
     (
         "content-part-empty",
         user(pb.ContentPart(), text("hi")),
-        ("messages[0].content[0]", "no text or image"),
-        "a content part with neither text nor image",
+        ("messages[0].content[0]", "no text, image or video"),
+        "a content part with neither text, image nor video",
     ),
 ]:
     case("client", "message", _id, "INVALID_ARGUMENT", *_mentions, what=_what)(generate(request(_msg)))
