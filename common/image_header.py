@@ -32,6 +32,36 @@ _ORIENTATION_TAG = 0x0112
 _QUARTER_TURNS = (5, 6, 7, 8)  # transpose, rotate 270, transverse, rotate 90: width and height trade places
 
 
+# Signatures of the common image and video files, only to tell a client that sent one as the other what it sent.
+_IMAGE_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", 0, "PNG"),
+    (b"\xff\xd8\xff", 0, "JPEG"),
+    (b"GIF8", 0, "GIF"),
+    (b"WEBP", 8, "WEBP"),
+    (b"BM", 0, "BMP"),
+)
+_VIDEO_MAGIC = (
+    (b"ftyp", 4, "MP4"),
+    (b"moov", 4, "MP4"),
+    (b"\x1a\x45\xdf\xa3", 0, "Matroska/WebM"),
+    (b"AVI ", 8, "AVI"),
+)
+
+
+def _magic(data: bytes, table) -> str | None:
+    return next((name for magic, at, name in table if data[at : at + len(magic)] == magic), None)
+
+
+def image_signature(data: bytes) -> str | None:
+    """``"PNG"``, ``"JPEG"``, ...: the image format whose signature ``data`` starts with (nothing is parsed)."""
+    return _magic(data, _IMAGE_MAGIC)
+
+
+def video_signature(data: bytes) -> str | None:
+    """``"MP4"``, ``"Matroska/WebM"`` or ``"AVI"``: the video container whose signature ``data`` starts with."""
+    return _magic(data, _VIDEO_MAGIC)
+
+
 def reason(exc: BaseException) -> str:
     """An exception as a client may see it: its type and text, without object reprs (they hold heap addresses)."""
     text = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the data", str(exc))[:200]
@@ -91,9 +121,11 @@ class ImageHeaderReader:
                 f"{field}: {detected} images are not accepted; allowed formats: {allowed} (--image-formats)",
                 field=field,
             ) from None
+        video = video_signature(data)
+        hint = f" (the bytes are an {video} video: send it as a video part)" if video else ""
         raise InvalidArgument(
             f"{field}: {len(data)} bytes are not a decodable image of an allowed format ({allowed}, "
-            f"--image-formats): {reason(exc)}",
+            f"--image-formats){hint}: {reason(exc)}",
             field=field,
         ) from None
 

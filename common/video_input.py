@@ -51,7 +51,8 @@ from pathlib import Path
 import torch
 
 from common.errors import InvalidArgument
-from common.image_header import reason
+from common.image_header import image_signature, reason
+from common.multimodal import FRAME_INDICES_FIELD as FRAME_INDICES
 
 __all__ = ["VideoHeader", "VideoInput", "VideoLimits", "VideoOptions", "VideoPlan"]
 
@@ -62,6 +63,11 @@ VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
 DEFAULT_FORMATS = ("mov", "mp4", "matroska", "webm", "avi")
 # FFmpeg decoder names of the first video stream.
 DEFAULT_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg")
+# Codecs whose FFmpeg parser gives the frame size from the parameter sets (SPS): their header needs no decoded
+# frame (``_open``). The others' size comes from the first frame FFmpeg's probing decodes.
+_SIZE_FROM_PARSER = ("h264", "hevc")
+
+GRID = "video_grid_thw"  # an item's grid field (FRAME_INDICES: its sampled frames, common/multimodal.py)
 
 QWEN2_VL = "Qwen2VLVideoProcessor"  # Qwen2-VL and Qwen2.5-VL
 QWEN3_VL = "Qwen3VLVideoProcessor"
@@ -186,6 +192,12 @@ class VideoPlan:
         return self.tokens // int(self.grid[0, 0])
 
 
+def _sniffed(data: bytes) -> str:
+    """`` (the bytes are a PNG image: ...)`` where ``data`` starts with an image's signature, else ``""``."""
+    image = image_signature(data)
+    return f" (the bytes are a {image} image: send it as an image part)" if image else ""
+
+
 def smart_resize_frame(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's ``smart_resize`` (``video_processing_qwen2_vl``): per frame."""
     if max(height, width) / min(height, width) > 200:
@@ -293,14 +305,48 @@ class VideoInput:
         raise InvalidArgument(f"{field}: {what}; the limit is {self.limits.describe(name)}", field=field)
 
     def _open(self, data: bytes, field: str):
+        """The container opened for reading, FFmpeg's stream probing (``avformat_find_stream_info``) bounded:
+
+        - ``max_streams``: the demuxer makes at most one stream over the limit (probing opens a decoder for each,
+          ~300 kB for H.264: 500 empty video tracks in 250 kB would cost 157 MB before the count is checked);
+        - ``skip_frame=all`` where the codec's parser reads the frame size from its parameter sets (H.264, HEVC):
+          probing decodes nothing, so an SPS claiming 16000 x 16000 costs no frame buffer (otherwise ~670 MB and
+          a second, before the size check refuses it);
+        - ``max_pixels``: the codecs whose size only a decoded frame gives (Motion-JPEG, VP9, MPEG-4 part 2) decode
+          one frame while probing; one over twice ``max_frame_pixels`` fails in the decoder before it is allocated
+          (the header then has no size: refused below, naming the limit).
+
+        The first open skips every frame; where the first video stream's codec needs a decoded frame for its size,
+        the file is opened again without skipping (both opens read the header only)."""
+        limits = self.limits
+        options = {
+            "format_whitelist": ",".join(self.formats),
+            "max_streams": str(limits.max_streams + 1),
+            "max_pixels": str(min(2 * limits.max_frame_pixels, 2**31 - 1)),
+        }
+        container = self._open_with(data, field, {**options, "skip_frame": "all"})
+        video = container.streams.video
+        if not video or video[0].codec_context.name in _SIZE_FROM_PARSER:
+            return container
+        container.close()
+        return self._open_with(data, field, options)
+
+    def _open_with(self, data: bytes, field: str, options: dict):
         import av
 
         try:
-            return av.open(io.BytesIO(data), mode="r", options={"format_whitelist": ",".join(self.formats)})
+            return av.open(io.BytesIO(data), mode="r", options=options)
+        except MemoryError:  # ENOMEM: what the MP4 and AVI demuxers answer to a stream past max_streams
+            self._refuse(
+                field,
+                "FFmpeg stopped reading the container: it declares more streams than the limit (or a table too "
+                "large to allocate)",
+                "max_streams",
+            )
         except Exception as exc:  # noqa: BLE001 - PyAV raises many types for bad input
             raise InvalidArgument(
                 f"{field}: {len(data)} bytes are not a readable video container of an allowed format "
-                f"({', '.join(self.formats)}): {reason(exc)}",
+                f"({', '.join(self.formats)}){_sniffed(data)}: {reason(exc)}",
                 field=field,
             ) from None
 
@@ -315,8 +361,8 @@ class VideoInput:
     def _header(self, container, field: str) -> VideoHeader:
         limits = self.limits
         streams = len(container.streams)
-        if streams > limits.max_streams:
-            self._refuse(field, f"the container has {streams} streams", "max_streams")
+        if streams > limits.max_streams:  # _open lets the demuxer make one stream over the limit, no more
+            self._refuse(field, f"the container has more than {limits.max_streams} streams", "max_streams")
         if not container.streams.video:
             kinds = sorted({s.type for s in container.streams}) or ["none"]
             raise InvalidArgument(
@@ -330,9 +376,13 @@ class VideoInput:
                 field=field,
             )
         width, height = int(stream.width or 0), int(stream.height or 0)
-        if width < 1 or height < 1:
-            raise InvalidArgument(
-                f"{field}: the video header gives a {width}x{height} frame; both sides must be >= 1 pixel", field=field
+        if width < 1 or height < 1:  # none, or one FFmpeg refused while probing (max_pixels, its own bound)
+            self._refuse(
+                field,
+                f"the video's frame size could not be read ({width}x{height} after FFmpeg's probing): its first "
+                "frame is over twice the limit (refused before it is decoded) or past FFmpeg's own bound of about "
+                "2^28 pixels, or the stream gives none",
+                "max_frame_pixels",
             )
         if width * height > limits.max_frame_pixels:
             self._refuse(field, f"video frames are {width}x{height} = {width * height} pixels", "max_frame_pixels")
@@ -425,6 +475,7 @@ class VideoInput:
                 num_frames = min(max(num_frames, eff["min_frames"]), eff["max_frames"], total)
             if num_frames is None:
                 num_frames = min(max(total, eff["min_frames"]), eff["max_frames"])
+            self._check_sampled(num_frames, what, field)
             if num_frames > total:
                 raise InvalidArgument(
                     f"{field}: {what} asks for {num_frames} frames; the video has {total}", field=field
@@ -442,6 +493,7 @@ class VideoInput:
             raise InvalidArgument(
                 f"{field}: the model samples video frames but sets neither fps nor num_frames; give one", field=field
             )
+        self._check_sampled(num_frames, what, field)
         if num_frames > total:
             raise InvalidArgument(f"{field}: {what} asks for {num_frames} frames; the video has {total}", field=field)
         if num_frames < 1:
@@ -451,6 +503,10 @@ class VideoInput:
                 field=field,
             )
         return torch.arange(0, total, total / num_frames).int().tolist()
+
+    def _check_sampled(self, num_frames: int, what: str, field: str) -> None:
+        if num_frames > self.limits.max_sampled_frames:  # before "the video has N": the limit is the answer
+            self._refuse(field, f"{what} asks for {num_frames} sampled frames", "max_sampled_frames")
 
     def plan(self, header: VideoHeader, options: VideoOptions | None, field: str) -> VideoPlan:
         """The sampled frames, grid, placeholder count and temporal metadata for ``header`` under ``options``."""
@@ -636,23 +692,76 @@ class VideoInput:
             )
         return pixels
 
+    def item_problem(
+        self, frame_indices: Sequence[int], grid: torch.Tensor, placeholder_tokens: int | None
+    ) -> str | None:
+        """Why an encoded video item's plan cannot be right whatever its file holds, or None: what a rank checks
+        before it opens the file. ``frame_indices``: the item's ``video_frame_indices``; ``grid``: its
+        ``video_grid_thw`` (already positive with h, w multiples of the merge: ``Family.grid_problem``);
+        ``placeholder_tokens``: the tokens its prompt position takes (None: not checked)."""
+        n, limit = len(frame_indices), self.limits
+        if not 1 <= n <= limit.max_sampled_frames:
+            return f"{FRAME_INDICES} has {n} frames; the limit is 1 to {limit.describe('max_sampled_frames')}"
+        previous = -1
+        for k, index in enumerate(frame_indices):
+            if index <= previous:
+                return (
+                    f"{FRAME_INDICES}[{k}]={index} follows {previous}: the sampled frames must be strictly "
+                    "increasing from 0 (the order they decode in)"
+                )
+            previous = index
+        t, h, w = (int(v) for v in grid.reshape(-1).tolist())
+        tps = self.temporal_patch_size
+        if t != -(-n // tps):
+            return (
+                f"{GRID}=({t}, {h}, {w}) has {t} temporal patches; {n} frames make {-(-n // tps)} "
+                f"(temporal_patch_size {tps})"
+            )
+        tokens = t * h * w // self.merge_size**2
+        if placeholder_tokens is not None and tokens != placeholder_tokens:
+            return (
+                f"{GRID}=({t}, {h}, {w}) gives {tokens} placeholder tokens; the item's position takes "
+                f"{placeholder_tokens}"
+            )
+        return None
+
+    def _grid_fits(self, header: VideoHeader, h: int, w: int) -> bool:
+        """Whether a grid of ``h`` x ``w`` patches is a size the resize rule can give the header's frames under
+        some ``min_pixels`` / ``max_pixels``: each side is its scaled length rounded, floored or ceiled to the
+        resize factor (``smart_resize``), one scale for both, so ``side * scale / factor`` lies within one of the
+        grid's count for the same scale."""
+        patch, factor = self.patch_size, self.patch_size * self.merge_size
+        height, width = header.height, header.width
+        if not self.settings["do_resize"]:
+            return (h * patch, w * patch) == (height, width)
+        if self.kind == QWEN3_VL and (height < factor or width < factor):  # its smart_resize scales these up first
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        low, high = 0.0, math.inf
+        for side, count in ((height, h * patch // factor), (width, w * patch // factor)):
+            low = max(low, (count - 1) * factor / side)  # the clamp of a floored side to one factor: count 1
+            high = min(high, (count + 1) * factor / side)
+        return low < high
+
     def item_plan(self, data: bytes, frame_indices, grid: torch.Tensor, field: str) -> VideoPlan:
         """The plan of an encoded item as the scheduler made it: its sampled frames and its grid, checked against
-        this file's header (the owner rank's side of ``plan``: the frames are the item's, not re-derived)."""
+        this file's header (the owner rank's side of ``plan``: the frames are the item's, not re-derived). The
+        header checks (``probe``) and these come before any frame is decoded."""
         header = self.probe(data, field)
         indices = tuple(int(i) for i in frame_indices)
         t, h, w = (int(v) for v in grid.reshape(-1).tolist())
-        problem = None
-        if not indices or len(indices) > self.limits.max_sampled_frames:
-            problem = f"{len(indices)} sampled frames (1 to {self.limits.describe('max_sampled_frames')})"
-        elif any(b <= a for a, b in zip(indices, indices[1:], strict=False)) or indices[0] < 0:
-            problem = "sampled frames that are not strictly increasing from 0"
-        elif indices[-1] >= header.total_frames:
-            problem = f"sampled frame {indices[-1]} of a video of {header.total_frames} frames"
-        elif t != -(-len(indices) // self.temporal_patch_size):
-            problem = f"{len(indices)} sampled frames for a grid of {t} temporal patches"
+        problem = self.item_problem(indices, grid, None)
+        if problem is None and indices[-1] >= header.total_frames:
+            problem = (
+                f"{FRAME_INDICES} asks for frame {indices[-1]}; the video has {header.total_frames} frames (its header)"
+            )
+        if problem is None and not self._grid_fits(header, h, w):
+            problem = (
+                f"{GRID}=({t}, {h}, {w}) resizes frames to {w * self.patch_size}x{h * self.patch_size}, which the "
+                f"resize rule cannot give the {header.width}x{header.height} video"
+            )
         if problem is not None:
-            raise InvalidArgument(f"{field}: the item asks for {problem}", field=field)
+            raise InvalidArgument(f"{field}: {problem}", field=field)
         resized = (h * self.patch_size, w * self.patch_size)
         tokens = t * h * w // (self.merge_size**2)
         return VideoPlan(

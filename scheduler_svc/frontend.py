@@ -243,9 +243,9 @@ class Frontend:
             try:
                 self.videos.probe(data, field)
             except InvalidArgument as video_error:
+                image_why, video_why = (e.message.removeprefix(f"{field}: ") for e in (image_error, video_error))
                 raise InvalidArgument(
-                    f"{field}: neither an image ({image_error.message}) nor a video ({video_error.message})",
-                    field=field,
+                    f"{field}: neither an image ({image_why}) nor a video ({video_why})", field=field
                 ) from None
 
     def _decode(self, pending: _Pending, tenant: str) -> _Processed:
@@ -283,11 +283,12 @@ class Frontend:
         """The image's bytes and either its cached processing or its checked header (nothing decoded); an image
         repeated in the request (``seen``: key -> its first _Pending) is that same entry."""
         data, sha = getattr(part, "data", None), getattr(part, "uploaded_sha256", None)
+        options = getattr(part, "video_options", None)
         if data:
             if len(data) > self.config.max_upload_bytes:
                 raise ResourceExhausted(
-                    f"{field}: image has {len(data)} bytes; the limit is {self.config.max_upload_bytes} "
-                    "(--max-upload-bytes)",
+                    f"{field}: {'video' if options is not None else 'image'} has {len(data)} bytes; the limit is "
+                    f"{self.config.max_upload_bytes} (--max-upload-bytes)",
                     field=field,  # a limit of the field: no retry hint
                 )
             sha = hashlib.sha256(data).hexdigest()
@@ -295,7 +296,6 @@ class Frontend:
             raise InvalidArgument(f"{field} has neither data nor uploaded_sha256", field=field)
         if data is None:  # a reference: the store holds the bytes under this hash (NOT_FOUND when it does not)
             data = self.uploads.get(sha, field=f"{field}.uploaded_sha256", tenant=tenant)
-        options = getattr(part, "video_options", None)
         if options is not None:
             return self._resolve_video(data, sha, options, field, tenant, seen)
         key = (tenant, sha)  # per tenant: a hit's timing must not tell one tenant what another sent

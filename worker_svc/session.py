@@ -156,7 +156,7 @@ class Session:
             rank=self.rank,
             world_size=getattr(self.group, "world_size", 1),
             images_allowed=self.images is not None,
-            videos_allowed=self.videos is not None,
+            videos=self.videos,
             runner=r,
         )
         encoder_hits, encoder_queries = checks.check_encoder_outputs_for_windows(windows, encode, encoded_after)

@@ -14,7 +14,7 @@ import torch
 
 from common import item_proto
 from common.ids import ItemId, RequestId
-from common.multimodal import Modality, PayloadEncoding
+from common.multimodal import FRAME_INDICES_FIELD, Modality, PayloadEncoding
 from mmcast.v1 import worker_pb2
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.request_state import RequestState, admit, check_blocks, check_prefix_written, check_tokens
@@ -172,12 +172,14 @@ def check_encoder_inputs(
     rank: int,
     world_size: int,
     images_allowed: bool,
-    videos_allowed: bool = False,
+    videos=None,
     runner,
 ) -> tuple[list[EncoderWork], set[ItemId], int, int]:
     """Each item to encode that the rank does not hold encoded already belongs to a request of the step or one the
     rank holds (``items``: identifier -> [message, holders]) and has an owner inside the group; the rank that
-    encodes it holds a usable payload (``check_local_encoder_input``); the encoder cache stays within its budget.
+    encodes it holds a usable payload (``check_local_encoder_input``; ``videos``: the handshake's
+    ``common.video_input.VideoInput``, None when it allowed no encoded video); the encoder cache stays within its
+    budget.
     Returns the encoder work, the encoder cache's identifiers after the step, how many payloads the payload cache
     supplied, and how many it was asked for (one per item this rank encodes)."""
     encoded_after, encoder_tokens = encoder_cache_after(control, encoded)
@@ -202,7 +204,7 @@ def check_encoder_inputs(
                 ident,
                 fields,
                 images_allowed=images_allowed,
-                videos_allowed=videos_allowed,
+                videos=videos,
                 payloads_held=len(payloads),
                 runner=runner,
             )
@@ -262,14 +264,16 @@ def check_local_encoder_input(
     images_allowed: bool,
     payloads_held: int,
     runner,
-    videos_allowed: bool = False,
+    videos=None,
 ):
     """An item this rank encodes decodes with its payload, is in an encoding the handshake allowed, has every field
-    the encoder reads, and passes the runner's own input checks."""
+    the encoder reads, and passes the runner's own input checks; an encoded video's sampled frames and grid agree
+    with each other, its placeholder range and the handshake's --max-video-frames (``VideoInput.item_problem``:
+    what needs its file is the owner's to check when it decodes, an item failure)."""
     feature = decode_item(msg, ident, fields)
+    video = feature.modality is Modality.VIDEO
     if feature.encoding is PayloadEncoding.ENCODED:
-        video = feature.modality is Modality.VIDEO
-        if not (videos_allowed if video else images_allowed):
+        if not (videos is not None if video else images_allowed):
             what = (
                 "video, but the handshake set no video limits"
                 if video
@@ -287,6 +291,12 @@ def check_local_encoder_input(
             item_identifier=ident,
         )
     problem = runner.encoder_input_problem(feature)
+    if problem is None and video and feature.encoding is PayloadEncoding.ENCODED:
+        problem = videos.item_problem(
+            feature.data[FRAME_INDICES_FIELD].data.tolist(),
+            feature.data["video_grid_thw"].data,
+            feature.mm_position.get_num_embeds(),
+        )
     if problem is not None:
         raise StepError(code.BAD_TENSOR, f"encoder_inputs[{ident[:16]}]: {problem}", item_identifier=ident)
     return feature

@@ -228,20 +228,27 @@ def test_refuses_what_is_not_a_video(video, good):
 
 def test_refuses_by_limits_before_decoding(video, good):
     _refused(
+        video, make_clip(codec="mpeg4", width=1920, height=1088, fps=1, frames=1, flat=True), None,
+        "1920x1088 = 2088960 pixels", "2073600 (--max-video-frame-pixels)",
+    )  # fmt: skip
+    # Over twice the limit, FFmpeg's probing refuses to decode the frame that gives MPEG-4's size: none is read.
+    _refused(
         video, make_clip(codec="mpeg4", width=3840, height=2160, fps=1, frames=1, flat=True), None,
-        "3840x2160 = 8294400 pixels", "2073600 (--max-video-frame-pixels)",
+        "frame size could not be read (0x0", "over twice the limit", "2073600 (--max-video-frame-pixels)",
     )  # fmt: skip
     long = make_clip(codec="h264", width=64, height=64, fps=fractions.Fraction(1, 1000), frames=3)
     _refused(video, long, None, "lasts 3000.0 s", "600.0 (--max-video-seconds)")
     many = make_clip(codec="h264", width=32, height=32, fps=10, frames=2, video_streams=9)
-    _refused(video, many, None, "9 streams", "8 (--max-video-streams)")
+    _refused(video, many, None, "more than 8 streams", "8 (--max-video-streams)")
     small = dataclasses.replace
     limited = VideoInput(video.settings, small(video.limits, max_bytes=1000))
     _refused(limited, good, None, f"{len(good)} bytes", "1000 (--max-upload-bytes)")
     limited = VideoInput(video.settings, small(video.limits, max_total_frames=10))
     _refused(limited, good, None, "24 frames", "10 (--max-video-total-frames)")
     limited = VideoInput(video.settings, small(video.limits, max_sampled_frames=4))
-    _refused(limited, good, VideoOptions(num_frames=8), "sampled to 8 frames", "4 (--max-video-frames)")
+    _refused(
+        limited, good, VideoOptions(num_frames=8), "num_frames=8 asks for 8 sampled frames", "4 (--max-video-frames)"
+    )
     limited = VideoInput(video.settings, VideoLimits(), codecs=("h264",))
     _refused(limited, make_clip(codec="vp9", width=64, height=64, fps=10, seconds=1), None, "codec 'vp9'", "h264")
 
@@ -287,3 +294,67 @@ def test_refuses_a_video_stream_without_frames(video):
     with av.open(io.BytesIO(data)) as container:
         first = next(p.pos for p in container.demux(video=0) if p.size)
     _refused(video, data[:first], None, "the video stream has no frame")
+
+
+def test_refuses_hostile_headers_before_decoding(video):
+    """The catalogue's hostile files (tests/support/hostile_video.py) refused on the header, naming the limit;
+    FFmpeg's probing is bounded (``_open``), so none of them costs a frame buffer or a decoder per track."""
+    from tests.support import hostile_video
+
+    _refused(video, hostile_video.h264_claiming(16000, 16000), None, "16000x16000", "(--max-video-frame-pixels)")
+    _refused(
+        video, hostile_video.h264_claiming(16384, 16384), None, "could not be read (0x0", "(--max-video-frame-pixels)"
+    )
+    for data in (hostile_video.many_tracks(500, decoders=True), hostile_video.many_tracks(2500)):
+        _refused(video, data, None, "more streams than the limit", "8 (--max-video-streams)")
+    mkv = make_clip(codec="vp9", width=32, height=32, fps=10, frames=2, video_streams=12)  # Matroska: stops at 9
+    _refused(video, mkv, None, "more than 8 streams", "8 (--max-video-streams)")
+    _refused(video, hostile_video.other_codec("mpeg2video"), None, "codec 'mpeg2video' is not accepted")
+    _refused(video, hostile_video.truncated(), None, "not a readable video container")
+    png = io.BytesIO()
+    from PIL import Image
+
+    Image.new("RGB", (32, 32)).save(png, "PNG")
+    _refused(video, png.getvalue(), None, "the bytes are a PNG image: send it as an image part")
+
+
+def test_refuses_what_only_decoding_finds(video):
+    """Packets of noise behind an intact header; frames that change size mid-stream."""
+    from tests.support import hostile_video
+
+    assert video.probe(hostile_video.corrupt_packets(), FIELD).total_frames == 20
+    _refused(video, hostile_video.corrupt_packets(), None, "could not be decoded")
+    assert video.probe(hostile_video.frames_change_size(), FIELD).width == 64
+    _refused(video, hostile_video.frames_change_size(), None, "frame 10 decodes to 96x64", "64x48")
+
+
+def test_item_plan_checks_frames_and_grid_against_the_file(video):
+    from tests.support import hostile_video
+
+    data = hostile_video.good()  # 64 x 48, 20 frames: the plan samples 0, 5, 10, 15 into the grid (2, 4, 4)
+    plan = video.plan(video.probe(data, FIELD), None, FIELD)
+    assert plan.frame_indices == (0, 5, 10, 15) and plan.grid.tolist() == [[2, 4, 4]]
+    assert video.item_plan(data, plan.frame_indices, plan.grid, FIELD).resized == plan.resized
+    assert video.item_problem([0, 5, 10, 15], plan.grid, 8) is None
+    assert "strictly increasing" in video.item_problem([0, 10, 5, 15], plan.grid, 8)
+    assert "2 temporal patches" in video.item_problem([0, 5], torch.tensor([[2, 4, 4]]), 8)
+    assert "takes 9" in video.item_problem([0, 5, 10, 15], plan.grid, 9)
+    with pytest.raises(InvalidArgument, match="asks for frame 30; the video has 20 frames"):
+        video.item_plan(data, [0, 5, 10, 30], plan.grid, FIELD)
+    with pytest.raises(InvalidArgument, match=r"\(2, 2, 16\) resizes frames to 224x28"):
+        video.item_plan(data, plan.frame_indices, torch.tensor([[2, 2, 16]]), FIELD)
+
+
+def test_probe_options_keep_the_corpus_headers(video, clips):
+    """The bounded probing (skip_frame for H.264/HEVC, max_pixels, max_streams) reads every corpus clip's header as
+    FFmpeg's unbounded probing does (the plans compared with transformers' above come from these headers)."""
+    import av
+
+    _, corpus = clips
+    for clip in corpus:
+        with av.open(io.BytesIO(clip.data)) as container:
+            s = container.streams.video[0]
+            plain = (s.width, s.height, int(s.frames or 0), float(s.average_rate))
+        header = video.probe(clip.data, FIELD)
+        assert (header.width, header.height, header.fps) == (plain[0], plain[1], plain[3]), clip.name
+        assert header.frames_counted or header.total_frames == plain[2], clip.name

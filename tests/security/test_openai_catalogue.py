@@ -18,6 +18,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from tests.support import hostile_video
 from tests.support import security_catalogue as cat
 from tests.support.security_support import scrape, wait_for
 
@@ -38,6 +39,10 @@ def chat(*parts, **extra) -> dict:
 
 def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def video_part(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
 
 
 GOOD = image_part(data_url(cat.GOOD_IMAGE))
@@ -206,6 +211,51 @@ CASES = [
         ),
         param="messages[0].content[0].uuid",
         headers=lambda t, o: _bearer(o),
+    ),
+    # videos
+    Case(
+        "video-url-holding-png",
+        400,
+        lambda: chat(video_part(data_url(cat.png(32, 32), "video/mp4"))),
+        param="messages[0].content[0].video_url",
+        mentions=("not a readable video container", "PNG image", "image part"),
+    ),
+    Case(
+        "video-url-image-mime",
+        400,
+        lambda: chat(video_part(data_url(hostile_video.good(), "image/png"))),
+        param="messages[0].content[0].video_url.url",
+        mentions=("image/png", "video/"),
+    ),
+    Case(
+        "video-url-16k-header",
+        400,
+        lambda: chat(video_part(data_url(hostile_video.h264_claiming(16000, 16000), "video/mp4"))),
+        param="messages[0].content[0].video_url",
+        mentions=("16000x16000", "--max-video-frame-pixels"),
+    ),
+    Case(
+        "video-url-over-limit",
+        413,
+        lambda: chat(video_part(data_url(bytes(300_000), "video/mp4"))),
+        param="messages[0].content[0].video_url.url",
+        mentions=("--max-upload-bytes",),
+    ),
+    Case(
+        "video-fps-and-num-frames",
+        400,
+        lambda: chat(
+            video_part(data_url(hostile_video.good(), "video/mp4")), mm_processor_kwargs={"fps": 2, "num_frames": 4}
+        ),
+        param="mm_processor_kwargs.num_frames",
+        mentions=("exclusive",),
+    ),
+    Case(
+        "video-num-frames-over-limit",
+        400,
+        lambda: chat(video_part(data_url(hostile_video.good(), "video/mp4")), mm_processor_kwargs={"num_frames": 1000}),
+        param="messages[0].content[0].video_url",
+        mentions=("--max-video-frames",),
     ),
     # image URLs: SSRF targets, each host allowed by name so that the address rules are what refuses it
     Case(

@@ -29,8 +29,21 @@ from PIL import Image
 from benchmarks import hostile_inputs as hostile
 from common import codec, item_proto
 from common.hashing import model_fingerprint
+from common.multimodal import (
+    FRAME_INDICES_FIELD,
+    VIDEO_ENCODED_FIELD,
+    FieldKind,
+    Modality,
+    MultiModalFeatureSpec,
+    MultiModalFieldElem,
+    MultiModalKwargsItem,
+    PayloadEncoding,
+    PayloadState,
+    PlaceholderRange,
+)
 from mmcast.v1 import generation_pb2 as pb
 from mmcast.v1 import multimodal_pb2, tensor_pb2, worker_pb2
+from tests.support import hostile_video
 
 # The catalogue scheduler's limits (flags); the expected messages below name them.
 # Hosts the catalogue scheduler may fetch image URLs from (--allowed-media-domains): each resolves to, or is, an
@@ -48,6 +61,13 @@ SCHEDULER_LIMITS = {
     # default --max-prompt-bytes: 1024 x 8 = 8192
     "--max-pending-upload-bytes-per-tenant": 393216,
     "--max-pending-upload-bytes": 524288,
+    # videos (--max-upload-bytes bounds a video file too): small enough that every video case is cheap
+    "--max-videos-per-request": 2,
+    "--max-video-frames": 16,  # sampled
+    "--max-video-seconds": 60,
+    "--max-video-total-frames": 600,
+    "--max-video-frame-pixels": 65536,  # 256 x 256
+    "--max-video-streams": 4,
 }
 # The standalone rank's limits.
 WORKER_LIMITS = {
@@ -58,15 +78,26 @@ WORKER_LIMITS = {
     "--scheduler-id": "catalogue",
 }
 PATCH_DIM = 1176  # values per pixel_values row of the tiny Qwen2-VL (3 x 2 x 14 x 14)
+# The encoded-video limits the catalogue scheduler's handshake carries (its --max-video-* flags).
+VIDEO_LIMITS = worker_pb2.VideoDecodeLimits(
+    max_bytes=SCHEDULER_LIMITS["--max-upload-bytes"],
+    max_frame_pixels=SCHEDULER_LIMITS["--max-video-frame-pixels"],
+    max_duration_seconds=SCHEDULER_LIMITS["--max-video-seconds"],
+    max_total_frames=SCHEDULER_LIMITS["--max-video-total-frames"],
+    max_sampled_frames=SCHEDULER_LIMITS["--max-video-frames"],
+    max_streams=SCHEDULER_LIMITS["--max-video-streams"],
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str  # pytest id; `pytest tests/security/test_catalogue.py -k <id>` reproduces it
     endpoint: str  # "client" (mmcast.v1.GenerationService) or "step" (mmcast.v1.WorkerService/Step)
-    area: str  # image, upload, prompt, sampling, message, wire, auth, handshake, tensor, step
+    area: str  # image, video, upload, prompt, sampling, message, wire, auth, handshake, tensor, step
     what: str  # the input, in a few words
-    code: str  # expected gRPC status name, or ProtocolError.<CODE>
+    # expected gRPC status name, ProtocolError.<CODE>, or ITEM_FAILURE (a step the rank serves, reporting the item
+    # in StepResult.item_failures: its file is the item's failure, the scheduler's request gets INVALID_ARGUMENT)
+    code: str
     mentions: tuple[str, ...]  # words the message must contain (field, limit, flag)
     run: Callable  # (ctx) -> None (raises grpc.RpcError) for client cases; (ctx) -> (code, message) for step cases
     # Work the case must not cause: scheduler counter -> the most it may grow while the case (and the concurrent
@@ -129,6 +160,11 @@ def text(s: str) -> pb.ContentPart:
 
 def image(data: bytes = b"", sha: str | None = None) -> pb.ContentPart:
     return pb.ContentPart(image=pb.ImageInput(uploaded_sha256=sha) if sha is not None else pb.ImageInput(data=data))
+
+
+def video(data: bytes = b"", **options) -> pb.ContentPart:
+    """A video part: the container file's bytes and sampling options (fps, num_frames, min_pixels, ...)."""
+    return pb.ContentPart(video=pb.VideoInput(data=data, **options))
 
 
 def request(*messages: pb.ChatMessage, max_tokens: int = 4, **sampling) -> pb.GenerateRequest:
@@ -547,6 +583,239 @@ def _(ctx):
             u.cancel()
 
 
+# --- client API: videos ---------------------------------------------------------------------------------------
+# The scheduler reads a video's container header only (common/video_input.py); under the default encoded payload the
+# owner rank decodes the sampled frames. Files: tests/support/hostile_video.py.
+
+VIDEO = "messages[0].content[0].video"
+VIDEO_NOT_DECODED = (("mmcast_frontend_videos_decoded_total", 0), ("mmcast_frontend_decoded_video_frames_total", 0))
+FORMATS = "mov, mp4, matroska, webm, avi"
+
+
+def video_request(data: bytes, **options) -> pb.GenerateRequest:
+    return request(user(video(data, **options), text("What happens?")))
+
+
+def then_a_good_video(make: Callable[[], bytes]):
+    """A case whose file only the owner rank finds bad (it decodes the frames): the request fails with the item's
+    error; then a well-formed video on the same rank is served, and the case raises the first error."""
+
+    def run(ctx: ClientCtx):
+        try:
+            ctx.generate(video_request(make()))
+        except grpc.RpcError as exc:
+            first = exc
+        else:
+            raise AssertionError("the bad video was served")
+        final = ctx.generate(video_request(hostile_video.good()))[-1].final
+        assert final.usage.completion_tokens >= 1, final
+        raise first
+
+    return run
+
+
+for _id, _make, _mentions, _what, _kwargs in [
+    (
+        "video-truncated",
+        lambda: hostile_video.truncated(),
+        ("not a readable video container", FORMATS),
+        "an H.264 MP4 cut in half: its index (moov, at the end) is gone",
+        {"untouched": VIDEO_NOT_DECODED + NOT_TOKENIZED},
+    ),
+    (
+        "video-header-16k",
+        lambda: hostile_video.h264_claiming(16000, 16000),
+        ("16000x16000 = 256000000 pixels", "65536 (--max-video-frame-pixels)"),
+        "a 1.6 kB H.264 MP4 whose SPS, stsd and tkhd claim 16000 x 16000 frames (FFmpeg's probing would allocate "
+        "~670 MB for them): refused on the header, nothing decoded",
+        {"untouched": VIDEO_NOT_DECODED + NOT_TOKENIZED, "repeat_peak": True},
+    ),
+    (
+        "video-header-16384",
+        lambda: hostile_video.h264_claiming(16384, 16384),
+        ("frame size could not be read (0x0", "65536 (--max-video-frame-pixels)"),
+        "an SPS claiming 16384 x 16384, past FFmpeg's own bound (its parser drops the size)",
+        {"untouched": VIDEO_NOT_DECODED + NOT_TOKENIZED},
+    ),
+    (
+        "video-header-10-hours",
+        lambda: hostile_video.ten_hours(),
+        ("lasts 36000.0 s", "60.0 (--max-video-seconds)"),
+        "36 frames one every 1000 s: a 10-hour video in 2 kB",
+        {"untouched": VIDEO_NOT_DECODED + NOT_TOKENIZED},
+    ),
+    (
+        "video-frames-over-total",
+        lambda: hostile_video.good(frames=700, width=16, height=16, fps=100),
+        ("700 frames", "600 (--max-video-total-frames)"),
+        "a 16 x 16 video of 700 frames at 100 fps (its header's count)",
+        {"untouched": VIDEO_NOT_DECODED + NOT_TOKENIZED},
+    ),
+    (
+        "video-streams-500-decoders",
+        lambda: hostile_video.many_tracks(500, decoders=True),
+        ("more streams than the limit", "4 (--max-video-streams)"),
+        "an MP4 of 501 H.264 tracks in 248 kB (FFmpeg's probing would open a decoder for each: 157 MB)",
+        {"untouched": VIDEO_NOT_DECODED + NOT_TOKENIZED, "repeat_peak": True},
+    ),
+    (
+        "video-streams-2500",
+        lambda: hostile_video.many_tracks(2500),
+        ("more streams than the limit", "4 (--max-video-streams)"),
+        "an MP4 of 2501 tracks (100-byte trak boxes) in 250 kB",
+        {"untouched": VIDEO_NOT_DECODED + NOT_TOKENIZED},
+    ),
+    (
+        "video-codec-not-allowed",
+        lambda: hostile_video.other_codec("mpeg2video"),
+        ("codec 'mpeg2video' is not accepted", "h264, hevc, vp8, vp9, av1, mpeg4, mjpeg"),
+        "MPEG-2 video in Matroska (a codec PyAV encodes, outside the accepted decoders)",
+        {"untouched": VIDEO_NOT_DECODED + NOT_TOKENIZED},
+    ),
+    (
+        "video-audio-only",
+        lambda: hostile_video.audio_only(),
+        ("no video stream", "audio"),
+        "an MP4 of AAC audio alone",
+        {"untouched": VIDEO_NOT_DECODED + NOT_TOKENIZED},
+    ),
+    (
+        "video-is-an-image",
+        lambda: png(64, 64, 4),
+        ("not a readable video container", FORMATS, "PNG image", "image part"),
+        "a PNG sent as a video",
+        {"untouched": VIDEO_NOT_DECODED + NOT_TOKENIZED},
+    ),
+]:
+    case("client", "video", _id, "INVALID_ARGUMENT", VIDEO, *_mentions, what=_what, **_kwargs)(
+        (lambda make: lambda ctx: ctx.generate(video_request(make())))(_make)
+    )
+
+for _id, _make, _mentions, _what in [
+    (
+        "video-corrupt-packets",
+        lambda: hostile_video.corrupt_packets(),
+        ("could not be used", "could not be decoded"),
+        "an MP4 whose index is intact and whose every sample is noise: only the owner rank finds it, decoding",
+    ),
+    (
+        "video-header-lies-frame-count",
+        lambda: hostile_video.fewer_frames_than_header(),
+        ("fewer frames than its header gives (20)", "frame 15", "the header lies"),
+        "a faststart MP4 whose index counts 20 frames, cut after 12 (sampled: 0, 5, 10, 15)",
+    ),
+    (
+        "video-header-lies-frame-size",
+        lambda: hostile_video.frames_change_size(),
+        ("frame 10 decodes to 96x64", "64x48", "the header lies"),
+        "a Motion-JPEG AVI whose header and first 10 frames say 64 x 48 and whose last 10 frames are 96 x 64",
+    ),
+]:
+    case("client", "video", _id, "INVALID_ARGUMENT", VIDEO, *_mentions, what=_what + "; the rank then serves a video")(
+        then_a_good_video(_make)
+    )
+
+for _id, _options, _mentions, _what in [
+    ("video-fps-out-of-range", {"fps": 1000.0}, (f"{VIDEO}.fps=1000.0", "(0, 60]"), "fps 1000"),
+    (
+        "video-num-frames-over-limit",
+        {"num_frames": 1000},
+        ("num_frames=1000 asks for 1000 sampled frames", "16 (--max-video-frames)"),
+        "num_frames 1000 (of a 20-frame video)",
+    ),
+    ("video-num-frames-zero", {"num_frames": 0}, (f"{VIDEO}.num_frames=0", ">= 1"), "num_frames 0"),
+    ("video-fps-and-num-frames", {"fps": 2.0, "num_frames": 4}, ("fps and num_frames are exclusive",), "both"),
+    (
+        "video-min-over-max-pixels",
+        {"min_pixels": 9000, "max_pixels": 8000},
+        ("min_pixels=9000 exceeds max_pixels=8000",),
+        "min_pixels 9000 > max_pixels 8000",
+    ),
+]:
+    case("client", "video", _id, "INVALID_ARGUMENT", VIDEO, *_mentions, what=_what, untouched=NOT_TOKENIZED)(
+        (lambda o: lambda ctx: ctx.generate(video_request(hostile_video.good(), **o)))(_options)
+    )
+
+
+@case(
+    "client",
+    "video",
+    "image-is-a-video",
+    "INVALID_ARGUMENT",
+    "messages[0].content[0].image",
+    "not a decodable image",
+    "MP4 video",
+    "video part",
+    untouched=NOT_DECODED + NOT_TOKENIZED,
+    what="an MP4 sent as an image",
+)
+def _(ctx):
+    ctx.generate(request(user(image(hostile_video.good()), text("Look."))))
+
+
+@case(
+    "client",
+    "video",
+    "too-many-videos",
+    "INVALID_ARGUMENT",
+    "messages[0].content[2].video",
+    "more than 2 videos",
+    "--max-videos-per-request",
+    untouched=VIDEO_NOT_DECODED + NOT_TOKENIZED,
+    what="3 videos where 2 are allowed",
+)
+def _(ctx):
+    clip = hostile_video.good()
+    ctx.generate(request(user(*[video(clip, num_frames=2 * k) for k in (1, 2, 3)], text("Compare."))))
+
+
+@case(
+    "client",
+    "video",
+    "video-over-upload-bytes",
+    "RESOURCE_EXHAUSTED",
+    VIDEO,
+    "video has 300000 bytes",
+    "262144",
+    "--max-upload-bytes",
+    what="300 kB of inline video bytes",
+)
+def _(ctx):
+    ctx.generate(video_request(hostile_video.good() + bytes(300_000 - len(hostile_video.good()))))
+
+
+@case(
+    "client",
+    "upload",
+    "upload-neither-image-nor-video",
+    "INVALID_ARGUMENT",
+    "upload",
+    "neither an image",
+    "nor a video",
+    untouched=NOT_DECODED + VIDEO_NOT_DECODED,
+    what="an upload of bytes that are no image and no video",
+)
+def _(ctx):
+    ctx.upload([pb.UploadImageRequest(data=bytes(range(256)) * 40)])
+
+
+@case(
+    "client",
+    "upload",
+    "upload-video-header-16k",
+    "INVALID_ARGUMENT",
+    "upload",
+    "nor a video",
+    "16000x16000",
+    "--max-video-frame-pixels",
+    untouched=NOT_DECODED + VIDEO_NOT_DECODED,
+    repeat_peak=True,
+    what="an upload of the 16000 x 16000 H.264 header",
+)
+def _(ctx):
+    ctx.upload([pb.UploadImageRequest(data=hostile_video.h264_claiming(16000, 16000))])
+
+
 # --- client API: prompt and context ----------------------------------------------------------------------------
 
 LONG_TEXT = "the quick brown fox jumps over the lazy dog " * 150  # ~1400 tokens (6.6 kB, under the 8192-byte bound)
@@ -688,8 +957,8 @@ for _id, _msg, _mentions, _what in [
     (
         "content-part-empty",
         user(pb.ContentPart(), text("hi")),
-        ("messages[0].content[0]", "no text or image"),
-        "a content part with neither text nor image",
+        ("messages[0].content[0]", "no text, image or video"),
+        "a content part with neither text, image nor video",
     ),
 ]:
     case("client", "message", _id, "INVALID_ARGUMENT", *_mentions, what=_what)(generate(request(_msg)))
@@ -981,9 +1250,13 @@ class StepCtx:
             scheduler_epoch=self.epochs(),
             scheduler_id=WORKER_LIMITS["--scheduler-id"],
             block_size=16,
+            video_limits=VIDEO_LIMITS,  # as the catalogue scheduler sends them: the rank takes encoded videos
         )
         for key, value in overrides.items():
-            setattr(hs, key, value)
+            if value is None:
+                hs.ClearField(key)
+            else:
+                setattr(hs, key, value)
         return worker_pb2.StepRequest(handshake=hs)
 
     def stream(self, metadata=None) -> Stream:
@@ -1409,6 +1682,136 @@ _STEP_CASES = [
 ]
 for _id, _code, _frames, _mentions, _what in _STEP_CASES:
     case("step", "step", _id, _code, *_mentions, what=_what)(after_handshake(_frames))
+
+
+# --- step stream: encoded videos ----------------------------------------------------------------------------
+# An encoded video item carries the file (video_bytes), the frames to decode (video_frame_indices) and its grid. What
+# needs no file (the frames' order and count, the grid against them and the placeholder) is checked before the step
+# runs: a bad step. What needs the file's header (a frame past its end, a grid its size cannot give) is the owner's
+# to find when it opens the file, before decoding: an item failure, reported in the step's result.
+
+
+def video_item(
+    data: bytes, frames=(0, 5, 10, 15), grid=(2, 4, 4), length: int | None = None, ident: str = "vid-1"
+) -> tuple[multimodal_pb2.MultiModalItem, list[bytes]]:
+    """An encoded video item at offset 2 (``length``: its placeholder; default the grid's tokens) and its payload
+    frames, as the scheduler's frontend makes them (``_feature``)."""
+    t, h, w = grid
+    length = t * h * w // 4 if length is None else length
+    payload = {
+        VIDEO_ENCODED_FIELD: torch.frombuffer(bytearray(data), dtype=torch.uint8),
+        FRAME_INDICES_FIELD: torch.tensor(list(frames), dtype=torch.int64),
+    }
+    fields = {name: MultiModalFieldElem(x, keep_on_cpu=False, kind=FieldKind.FLAT) for name, x in payload.items()}
+    fields["video_grid_thw"] = MultiModalFieldElem(
+        torch.tensor([list(grid)], dtype=torch.int64), keep_on_cpu=True, kind=FieldKind.BATCHED
+    )
+    feature = MultiModalFeatureSpec(
+        MultiModalKwargsItem(fields),
+        Modality.VIDEO,
+        ident,
+        PlaceholderRange(2, length),
+        payload_nbytes=sum(int(x.nbytes) for x in payload.values()),
+        encoding=PayloadEncoding.ENCODED,
+    )
+    msg = item_proto.feature_to_proto(feature, PayloadState.DEFERRED)
+    frames_out = [f for name, x in payload.items() for f in codec.payload_frames(ident, name, x, chunk_size=1 << 16)]
+    return msg, frames_out
+
+
+def with_video_step(**item_kwargs) -> list:
+    """The payload frames of a 20-frame 64 x 48 video item, then a control admitting a request holding it (its
+    encoder work due)."""
+    item, frames = video_item(hostile_video.good(), **item_kwargs)
+    n = item.position.length + 4
+    req = text_request(n=n, block_ids=list(range(-(-n // 16))))
+    req.mm_items.append(item)
+    encode = worker_pb2.EncoderInput(item_identifier=item.identifier)
+    return [*frames, control(new_requests=[req], encoder_inputs=[encode])]
+
+
+def item_failure(**item_kwargs):
+    """A case whose step the rank serves, reporting the item as failed: ``("ITEM_FAILURE", its message)``."""
+
+    def run(ctx: StepCtx):
+        code, message, frame = ctx.open().send(*with_video_step(**item_kwargs)).answer()
+        if code != "OK":
+            return code, message
+        result = frame.step_result
+        assert not result.sampled, result  # the request's window reaches the failed item: nothing is sampled
+        failures = [f.message for f in result.item_failures if f.item_identifier == "vid-1"]
+        return ("ITEM_FAILURE", failures[0]) if failures else ("OK", "")
+
+    return run
+
+
+for _id, _kwargs, _mentions, _what in [
+    (
+        "video-frames-not-increasing",
+        {"frames": (0, 10, 5, 15)},
+        ("video_frame_indices[2]=5 follows 10", "strictly increasing"),
+        "video_frame_indices 0, 10, 5, 15",
+    ),
+    (
+        "video-frames-too-many",
+        {"frames": tuple(range(18)), "grid": (9, 4, 4)},
+        ("video_frame_indices has 18 frames", "16 (--max-video-frames)"),
+        "18 frames to decode where the handshake allows 16",
+    ),
+    (
+        "video-grid-disagrees-with-frames",
+        {"grid": (5, 4, 4)},
+        ("video_grid_thw=(5, 4, 4) has 5 temporal patches", "4 frames make 2"),
+        "a grid of 5 temporal patches for 4 frames",
+    ),
+]:
+    case("step", "video", _id, "ProtocolError.BAD_TENSOR", *_mentions, what=_what)(
+        after_handshake((lambda kw: lambda c: with_video_step(**kw))(_kwargs))
+    )
+
+
+@case(
+    "step",
+    "video",
+    "video-grid-over-placeholder",
+    "ProtocolError.STATE_MISMATCH",
+    "8 placeholder tokens",
+    "grid (2, 200, 200)",
+    "gives 20000",
+    what="a grid of 2 x 200 x 200 patches (frames resized to 2800 x 2800) behind an 8-token placeholder",
+)
+def _(ctx):
+    return ctx.open().send(*with_video_step(grid=(2, 200, 200), length=8)).answer()[:2]
+
+
+for _id, _kwargs, _mentions, _what in [
+    (
+        "video-frames-past-the-file",
+        {"frames": (0, 5, 10, 30)},
+        ("video_frame_indices asks for frame 30", "20 frames"),
+        "frame 30 of a 20-frame file",
+    ),
+    (
+        "video-grid-disagrees-with-file",
+        {"grid": (2, 2, 16)},
+        ("video_grid_thw=(2, 2, 16)", "224x28", "64x48"),
+        "a grid of 2 x 16 patches (frames resized to 224 x 28) for a 64 x 48 file: as many tokens as its real grid (2, 4, 4)",
+    ),
+]:
+    case("step", "video", _id, "ITEM_FAILURE", *_mentions, what=_what)(item_failure(**_kwargs))
+
+
+@case(
+    "step",
+    "video",
+    "video-without-handshake-limits",
+    "ProtocolError.BAD_TENSOR",
+    "encoded video",
+    "no video limits",
+    what="an encoded video on a stream whose handshake set no video limits",
+)
+def _(ctx):
+    return ctx.open(video_limits=None).send(*with_video_step()).answer()[:2]
 
 
 def valid_step(ctx: StepCtx) -> None:
