@@ -168,6 +168,7 @@ def _part(part: Any, where: str, store: ImageStore) -> Part:
 
 
 def _video_part(part: dict, where: str, store: ImageStore) -> VideoPart:
+    source: Any
     if part.get("type") == "video_url":
         url = part.get("video_url")
         url = url.get("url") if isinstance(url, dict) else url
@@ -175,10 +176,10 @@ def _video_part(part: dict, where: str, store: ImageStore) -> VideoPart:
             raise InvalidArgument(message=f"{where}.video_url.url must be a string")
         source, key = url, "video_url.url"
     else:
-        key = next((k for k in ("video", "path", "url") if part.get(k) is not None), None)
-        if key is None:
+        found = next((k for k in ("video", "path", "url") if part.get(k) is not None), None)
+        if found is None:
             raise InvalidArgument(message=f"{where}: a video part needs 'video' (or 'path' or 'url')")
-        source = part[key]
+        source, key = part[found], found
     if not isinstance(source, str | bytes | bytearray | memoryview) and not hasattr(source, "__fspath__"):
         raise InvalidArgument(
             message=f"{where}.{key}: a video is a path, the file's bytes, a data: URL or an uploaded 'sha256:<hex>' "
