@@ -2,6 +2,8 @@
 [--engines vllm,mmcast_tp1,mmcast_tp2] [--slo-ms MS] [--profile] [--out DIR]`` (``make bench-peer-quick``,
 ``make bench-peer``).
 
+``--only video`` (or any comma-separated subset of ``WORKLOADS``) runs those workloads alone, after the warm-up.
+
 One checkpoint both engines load: a random 2-layer Qwen2-VL with heads of width 64 (``common.tiny_model``,
 ``width="head64"``; vLLM's CPU attention has no kernel for the tiny model's 16), or, with ``--width real``,
 2 layers at Qwen2-VL-2B's widths. vLLM's CPU build (``.venv-peer``, ``scripts/install-vllm-peer.sh``), then mmcast
@@ -28,8 +30,8 @@ import time
 
 from benchmarks import peer_capacity, peer_report, peer_stages, peer_workloads
 from benchmarks.peer_client import Client
-from benchmarks.peer_engines import Mmcast, Vllm
-from benchmarks.peer_workloads import LoadPlan, Parts
+from benchmarks.peer_engines import VLLM_VIDEO_ARGS, Mmcast, Vllm
+from benchmarks.peer_workloads import LoadPlan, Parts, VideoParts, VideoPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -37,6 +39,8 @@ ENGINES = ("vllm", "mmcast_tp1", "mmcast_tp2")
 # Also accepted by --engines: mmcast_tp1_threadsK, the one rank with K intra-op threads instead of its default (the
 # CPUs less the one serve-local reserves for the scheduler and clients: one on this 2-core VM; threads2 is every core).
 EXTRA_ENGINES = ("mmcast_tp1_threads1", "mmcast_tp1_threads2")
+# --only: the workloads of drive(), in run order ("load" is the SLO ladder, "max" the two closed loops)
+WORKLOADS = ("cached", "new", "load", "max", "burst", "sliding", "video")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Plan:
     burst_requests: int = 24  # new-image requests arriving at once while they decode
     burst_tokens: int = 16
     rounds: int = 1  # runs of every engine (fresh starts, in turn); figures and ratios are medians over them
+    video: VideoPlan | None = None  # cached clips, a new clip, the live stream (peer_workloads.video)
 
 
 PLANS = {
@@ -65,17 +70,18 @@ PLANS = {
     "smoke": Plan("smoke", (1, 2), 1, ((448, 448),), {"448x448": (1, 2)}, 1,
                   LoadPlan(rates=(2.0, 4.0), conversations=2, turns=2, max_tokens=4, budget_s=15), 3, 2, max_tokens=4,
                   closed_requests=3, closed_tokens=4, burst_decodes=2, burst_decode_tokens=64, burst_requests=3,
-                  burst_tokens=4),
+                  burst_tokens=4, video=VideoPlan(ns=(1, 2), repeats=1, new_repeats=1, turns=4)),
     # ≤ 10 minutes after the installs: vLLM starts in ~40-95 s here, each mmcast group in ~10-45 s. The ladder
     # starts at 1/s (both engines held it on an idle machine; 0.5/s only where 1/s fails) and offers at least 12 s
     # of arrivals a rate.
     "quick": Plan("quick", (2, 8, 16, 26), 3, ((448, 448),), {"448x448": (1, 4, 8)}, 2,
                   LoadPlan(rates=(1.0, 2.0, 3.0, 4.0, 6.0, 8.0), conversations=8, turns=3, max_tokens=16,
-                           min_schedule_s=12, budget_s=100, below=(0.5,)), 8, 4),
+                           min_schedule_s=12, budget_s=100, below=(0.5,)), 8, 4, video=VideoPlan()),
     "full": Plan("full", (2, 8, 16, 26), 6, ((448, 448), (1280, 720)), {"448x448": (1, 4, 8), "1280x720": (1, 2, 4)},
                  3, LoadPlan(rates=(1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0), conversations=16, turns=4, max_tokens=32,
                              min_schedule_s=30, budget_s=600, below=(0.5, 0.25)), 16, 6,
-                 closed_requests=40, burst_decode_tokens=512, burst_requests=40, burst_tokens=32, rounds=3),
+                 closed_requests=40, burst_decode_tokens=512, burst_requests=40, burst_tokens=32, rounds=3,
+                 video=VideoPlan(repeats=6, new_repeats=6, turns=12)),
 }  # fmt: skip
 
 
@@ -141,8 +147,18 @@ def prepare_images(plan: Plan, parts: Parts) -> None:
         parts(seeds["sliding"] + t)
 
 
-async def drive(engine, plan: Plan, parts: Parts, slo_ms: float, log) -> dict:
-    """Every workload on one engine, in one event loop, with the engine's CPU seconds and the load average."""
+def _error(e: BaseException) -> str:
+    """An exception as one line short enough for the report (vLLM's processor errors quote whole frame arrays)."""
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= 900 else f"{text[:600]} … {text[-300:]}"
+
+
+async def drive(
+    engine, plan: Plan, parts: Parts, slo_ms: float, log, vparts: VideoParts | None = None, only=WORKLOADS
+) -> dict:
+    """Every workload of ``only`` on one engine, in one event loop, with the engine's CPU seconds and the load
+    average. A failed video workload is recorded (``{"error": ...}``), not raised: the report then says why the
+    video ratios are missing while the other figures stand."""
     client = Client(engine.base_url)
     # mmcast's scheduler: its stage histogram around each single request (vLLM: none, metrics_url is None)
     probe = peer_stages.Probe(engine.metrics_url) if engine.metrics_url else None
@@ -161,48 +177,67 @@ async def drive(engine, plan: Plan, parts: Parts, slo_ms: float, log) -> dict:
 
     try:
         await step("warmup", peer_workloads.warmup(client, parts))
-        out["cached"] = await step(
-            "cached",
-            peer_workloads.cached(client, parts, plan.cached_ns, plan.cached_repeats, plan.max_tokens, texts, probe),
-        )
-        new_ns = {size: plan.new_ns[f"{size[0]}x{size[1]}"] for size in plan.new_sizes}
-        out["new"] = {}
-        for size, ns in new_ns.items():
-            out["new"].update(
-                await step(
-                    f"new {size[0]}x{size[1]}",
-                    peer_workloads.new_images(
-                        client, parts, [size], ns, plan.new_repeats, plan.max_tokens, texts, probe
-                    ),
+        if "cached" in only:
+            out["cached"] = await step(
+                "cached",
+                peer_workloads.cached(
+                    client, parts, plan.cached_ns, plan.cached_repeats, plan.max_tokens, texts, probe
+                ),
+            )
+        if "new" in only:
+            new_ns = {size: plan.new_ns[f"{size[0]}x{size[1]}"] for size in plan.new_sizes}
+            out["new"] = {}
+            for size, ns in new_ns.items():
+                out["new"].update(
+                    await step(
+                        f"new {size[0]}x{size[1]}",
+                        peer_workloads.new_images(
+                            client, parts, [size], ns, plan.new_repeats, plan.max_tokens, texts, probe
+                        ),
+                    )
                 )
+        if "load" in only:
+            ladder = await peer_capacity.ladder(
+                client, parts, plan.load, slo_ms, texts, lambda name, coro: step(name, coro, attach_cpu=True)
             )
-        ladder = await peer_capacity.ladder(
-            client, parts, plan.load, slo_ms, texts, lambda name, coro: step(name, coro, attach_cpu=True)
-        )
-        out["load"] = ladder.pop("points")
-        out["ladder"] = ladder
-        log(f"{engine.name}: ladder stopped ({ladder['stopped']}), first rate failed {ladder['first_failing_rate']}")
-        out["max"] = {}
-        for variant in ("new", "cached"):
-            out["max"][variant] = await step(
-                f"closed loop {variant}",
-                peer_capacity.closed_loop(client, parts, plan.closed_requests, plan.closed_tokens, variant, texts),
+            out["load"] = ladder.pop("points")
+            out["ladder"] = ladder
+            log(
+                f"{engine.name}: ladder stopped ({ladder['stopped']}), first rate failed {ladder['first_failing_rate']}"
             )
-        out["burst"] = await step(
-            "burst",
-            peer_capacity.burst(
-                client,
-                parts,
-                plan.burst_decodes,
-                plan.burst_decode_tokens,
-                plan.burst_requests,
-                plan.burst_tokens,
-                texts,
-            ),
-        )
-        out["sliding"] = await step(
-            "sliding", peer_workloads.sliding(client, parts, plan.sliding_turns, plan.window, plan.max_tokens, texts)
-        )
+        if "max" in only:
+            out["max"] = {}
+            for variant in ("new", "cached"):
+                out["max"][variant] = await step(
+                    f"closed loop {variant}",
+                    peer_capacity.closed_loop(client, parts, plan.closed_requests, plan.closed_tokens, variant, texts),
+                )
+        if "burst" in only:
+            out["burst"] = await step(
+                "burst",
+                peer_capacity.burst(
+                    client,
+                    parts,
+                    plan.burst_decodes,
+                    plan.burst_decode_tokens,
+                    plan.burst_requests,
+                    plan.burst_tokens,
+                    texts,
+                ),
+            )
+        if "sliding" in only:
+            out["sliding"] = await step(
+                "sliding",
+                peer_workloads.sliding(client, parts, plan.sliding_turns, plan.window, plan.max_tokens, texts),
+            )
+        if "video" in only and plan.video is not None and vparts is not None:
+            try:
+                out["video"] = await step(
+                    "video", peer_workloads.video(client, vparts, plan.video, plan.max_tokens, texts)
+                )
+            except Exception as e:  # noqa: BLE001 - e.g. an engine that cannot serve video_url: a finding, not the end
+                out["video"] = {"error": _error(e)}
+                log(f"{engine.name}: the video workload failed: {out['video']['error']}")
     finally:
         await client.close()
     out["engine_cpu_s"] = cpu
@@ -235,7 +270,24 @@ def versions() -> dict:
     return out
 
 
-def run(plan: Plan, out_dir: str, width: str, engines: list[str], slo_ms: float, profile: bool) -> dict:
+def vllm_video_loader() -> dict:
+    """Which video loader vLLM picks for the checkpoint's video processor, and its decoder's version (the peer venv,
+    imported there: nothing of vLLM is in this one)."""
+    import subprocess
+
+    probe = ("import cv2, vllm.envs as e; from vllm.multimodal.video import get_video_loader_backend_for_processor as g; "
+             "print(g('Qwen2VLVideoProcessor'), e.VLLM_VIDEO_LOADER_BACKEND, cv2.__version__)")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        got = subprocess.run([os.path.join(ROOT, ".venv-peer", "bin", "python"), "-c", probe], capture_output=True,
+                             text=True, timeout=180, env=env, cwd="/").stdout.split()  # fmt: skip
+        loader, default, cv2 = got[-3:]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return {"loader": None}
+    return {"loader": loader, "default_loader": default, "opencv": cv2, "server_args": list(VLLM_VIDEO_ARGS)}
+
+
+def run(plan: Plan, out_dir: str, width: str, engines: list[str], slo_ms: float, profile: bool, only=WORKLOADS) -> dict:
     from benchmarks.run import git_meta, machine_meta
     from benchmarks.scenarios import Images
 
@@ -250,10 +302,18 @@ def run(plan: Plan, out_dir: str, width: str, engines: list[str], slo_ms: float,
     model = model_dir(width)
     parts = Parts(Images(os.path.join(RESULTS, ".images"), (448, 448)))
     prepare_images(plan, parts)
+    videos = plan.video is not None and "video" in only
+    vparts = VideoParts() if videos else None
+    for seed, index in plan.video.seeds() if videos else ():
+        vparts(seed, index)
     meta = {"plan": dataclasses.asdict(plan), "width": width, "model_dir": os.path.relpath(model, ROOT),
             "slo_ttft_p99_ms": slo_ms, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_meta(),
-            "versions": versions(), "git": git_meta(), "engines": engines}  # fmt: skip
-    log(f"plan {plan.name}, width {width}, engines {engines} -> {out_dir}")
+            "versions": versions(), "git": git_meta(), "engines": engines, "workloads": list(only)}  # fmt: skip
+    if videos:
+        meta["video"] = {"clips": VideoParts.LABEL, "request_body": peer_workloads.video_body()}
+        if "vllm" in engines:
+            meta["video"]["vllm"] = vllm_video_loader()
+    log(f"plan {plan.name}, width {width}, engines {engines}, workloads {list(only)} -> {out_dir}")
     rounds: dict[str, list[dict]] = {name: [] for name in engines}
     for r in range(plan.rounds):  # engine after engine, then again: round i of every engine close in time
         round_logs = logs if r == 0 else os.path.join(logs, f"round{r + 1}")
@@ -262,12 +322,12 @@ def run(plan: Plan, out_dir: str, width: str, engines: list[str], slo_ms: float,
             engine = start_engine(name, model, round_logs)
             with engine:
                 log(f"{name} ready in {engine.startup_s:.1f} s at {engine.base_url} (round {r + 1}/{plan.rounds})")
-                rounds[name].append(asyncio.run(drive(engine, plan, parts, slo_ms, log)))
+                rounds[name].append(asyncio.run(drive(engine, plan, parts, slo_ms, log, vparts, only)))
     results = {name: runs[0] for name, runs in rounds.items()}
     meta["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     meta["wall_seconds"] = time.monotonic() - started
     analysis = peer_report.analyze(rounds, model, slo_ms)
-    if profile and "mmcast_tp1" in engines:
+    if profile and "mmcast_tp1" in engines and {"new", "load"} <= set(only):
         from benchmarks import peer_profile
 
         analysis["profile"] = peer_profile.run(plan, model, parts, os.path.join(out_dir, "profile"), log)
@@ -302,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, help="runs of every engine (default: the plan's; full 3, else 1)")
     parser.add_argument("--profile", action="store_true", help="then profile mmcast TP 1 under py-spy")
+    parser.add_argument(
+        "--only", help=f"comma-separated workloads to run (after the warm-up), of {WORKLOADS}; default: all"
+    )
     parser.add_argument("--out", help="output folder (default benchmarks/results/<timestamp>-peer)")
     args = parser.parse_args(argv)
     plan = PLANS[args.plan or "quick"]
@@ -309,10 +372,20 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, rounds=args.rounds)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     slo = args.slo_ms or (1000.0 if args.width == "head64" else 5000.0)
+    only = tuple(w.strip() for w in (args.only or ",".join(WORKLOADS)).split(",") if w.strip())
+    unknown = sorted(set(only) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"--only: unknown workload(s) {unknown}; choose from {WORKLOADS}")
     out = args.out or os.path.join(RESULTS, f"{time.strftime('%Y%m%d-%H%M%S')}-peer")
-    analysis = run(plan, out, args.width, engines, slo, args.profile)
+    analysis = run(plan, out, args.width, engines, slo, args.profile, only)
     for goal in analysis["goals"]:
         print(f"{goal['status']:>8}  {goal['name']}: {goal['measured']}")
+    for note in analysis.get("video_notes", []):
+        print(f"   video  {note}")
+    bad = [n for n, c in (analysis.get("video_prompt_tokens") or {}).items() if not c["ok"]]
+    if bad:
+        print(f"FAILED: video prompt tokens differ from vLLM's for {bad} (different frames sampled)", file=sys.stderr)
+        return 1
     return 0
 
 

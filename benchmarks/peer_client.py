@@ -4,6 +4,12 @@ any OpenAI-compatible base URL. Both engines get the same bytes from the same co
 TTFT is the time from the call to the first chunk that carries content (a role-only first chunk does not count);
 inter-token latencies are the gaps between content chunks; token counts come from the final usage chunk
 (``stream_options.include_usage``), as do the prompt and cached-prompt token counts.
+
+Videos travel as vLLM takes them: a ``video_url`` part holding a ``data:video/mp4;base64,...`` URL, the sampling in
+the body (``VIDEO_BODY``): ``mm_processor_kwargs`` ``{"fps": ...}`` (what transformers' video processor reads;
+mmcast reads it too) and ``media_io_kwargs`` ``{"video": {"fps": ...}}``, which is where vLLM 0.32's video loader
+takes its sampling rate from (it samples the frames before the processor sees them and ignores the processor's
+fps; mmcast reads this key as well), so both engines are asked for the same frames the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +34,18 @@ def question(i: int) -> str:
 
 def image_part(jpeg: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()}}
+
+
+VIDEO_FPS = 2.0  # frames sampled per second of video, on both engines
+
+
+def video_part(mp4: bytes) -> dict:
+    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(mp4).decode()}}
+
+
+def video_body(fps: float = VIDEO_FPS) -> dict:
+    """The request body's video sampling, the same for both engines (see the module docstring)."""
+    return {"mm_processor_kwargs": {"fps": fps}, "media_io_kwargs": {"video": {"fps": fps}}}
 
 
 def user(images: list[dict], text: str) -> dict:
@@ -76,9 +94,12 @@ class Client:
             self.model = (await self._client.models.list()).data[0].id
         return self.model
 
-    async def chat(self, messages: list[dict], max_tokens: int, first: asyncio.Event | None = None) -> Reply:
+    async def chat(
+        self, messages: list[dict], max_tokens: int, first: asyncio.Event | None = None, extra: dict | None = None
+    ) -> Reply:
         """One streamed request; ``first`` (optional) is set when its first content chunk arrives, so a workload
-        can start something else while this request is decoding (the burst workload)."""
+        can start something else while this request is decoding (the burst workload); ``extra``: more of the
+        request body (the video sampling, ``video_body``)."""
         model = await self.resolve_model()
         t0 = time.monotonic()
         chunks: list[float] = []
@@ -86,7 +107,7 @@ class Client:
         usage = None
         stream = await self._client.chat.completions.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **(extra or {})})  # fmt: skip
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 chunks.append((time.monotonic() - t0) * 1e3)

@@ -3,6 +3,13 @@
 - vLLM: its CPU build from ``.venv-peer`` (``scripts/install-vllm-peer.sh``), ``vllm serve`` in a process group of
   its own (the API server spawns an engine-core process; the group is what is stopped), float32, eager (no
   compilation: mmcast compiles nothing either), prefix caching on (vLLM's default), ``cached_tokens`` reported.
+  Video (``VLLM_VIDEO_ARGS``): vLLM 0.32 refuses a request's ``mm_processor_kwargs`` unless started with
+  ``--trust-request-mm-kwargs``; and its Qwen2-VL path samples a video's frames in its own loader (the ``qwen2_vl``
+  loader, transformers' fps rule, OpenCV decoding) and hands the processor the sampled frames without their
+  metadata, so a model folder whose ``video_preprocessor_config.json`` says ``do_sample_frames: true`` (the
+  checkpoints', and the tiny model's) fails in the processor ("sampling with fps needs video metadata") unless the
+  server turns that second sampling off (``--mm-processor-kwargs {"do_sample_frames": false}``). Neither flag
+  touches images.
 - mmcast: a ``LocalGroup`` (scheduler + TP ranks, the lazy transfer mode, float32 default) with its HTTP API.
 
 Both expose ``base_url`` (".../v1"), ``pids`` (name -> pid, for CPU clocks and the profiler), ``startup_s`` and
@@ -27,6 +34,9 @@ KV_CACHE_GIB = 4
 # mmcast's KV pool in 16-token blocks (128k tokens): like vLLM's, large enough that nothing the workloads reuse is
 # evicted.
 MMCAST_KV_BLOCKS = 8192
+# vLLM's flags for the video workload (see the module docstring); the frames it samples are transformers' choice,
+# which is mmcast's too: prompt token counts must then agree (peer_analysis.video_prompt_tokens checks).
+VLLM_VIDEO_ARGS = ("--trust-request-mm-kwargs", "--mm-processor-kwargs", '{"do_sample_frames": false}')
 
 
 def _free_port() -> int:
@@ -86,7 +96,7 @@ class Vllm:
             env.pop(key, None)
         argv = [exe, "serve", self.model_dir, "--dtype", "float32", "--enforce-eager",
                 "--enable-prompt-tokens-details", "--max-model-len", str(MAX_MODEL_LEN),
-                "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
+                "--host", "127.0.0.1", "--port", str(self.port), *VLLM_VIDEO_ARGS]  # fmt: skip
         t0 = time.monotonic()
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,

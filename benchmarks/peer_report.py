@@ -106,9 +106,87 @@ def _ci(slope: dict | None, digits: int = 2) -> str:
     return f"{slope['slope']:.{digits}f} [{slope['ci_low']:.{digits}f}, {slope['ci_high']:.{digits}f}]"
 
 
+def _has(results: dict, workload: str) -> bool:
+    """Whether every engine ran ``workload`` (``--only`` runs a subset)."""
+    return all(res.get(workload) is not None for res in results.values())
+
+
+def video_table(results: dict, analysis: dict) -> str:
+    """The video workloads side by side, the prompt-token check against vLLM's, and why a ratio is missing."""
+    runs = {name: res["video"] for name, res in results.items() if res.get("video") is not None}
+    if not runs:
+        return ""
+    ok = [v for v in runs.values() if "error" not in v]
+    ns = sorted({int(n) for v in ok for n in v["cached"]["ttft_p50_by_n"]})
+    clips = next((v["clips"] for v in ok), "")
+    lines = [f"Video ({clips}; each a `video_url` data URL, sampled by `mm_processor_kwargs` and `media_io_kwargs` "
+             "fps): N cached clips then a new question, one new clip per request, the live stream (a new segment "
+             "per turn, the last few kept, the prompt rebuilt). Client TTFT p50, ms (round 1)", "",
+             "| engine | " + " | ".join(f"cached N={n}" for n in ns) + " | slope ms/cached clip [95 % CI] | new clip | "
+             "stream turn (window full) | prompt tokens cached N=" + (f"{ns[-1]}" if ns else "–") + " / new / stream "
+             "turn |", "|---|" + "---:|" * (len(ns) + 4)]  # fmt: skip
+    for name, v in runs.items():
+        if "error" in v:
+            lines.append(f"| {name} | failed: {v['error'][:300].replace('|', '/')} |" + " |" * (len(ns) + 3))
+            continue
+        by_n = {int(k): x for k, x in v["cached"]["ttft_p50_by_n"].items()}
+        prompt = [r["prompt_tokens"] for r in v["cached"]["rows"] if ns and r["n"] == ns[-1]][:1]
+        prompt += [r["prompt_tokens"] for r in v["new"]["rows"][:1]]
+        prompt += [r["prompt_tokens"] for r in v["stream"]["rows"] if r["turn"] > v["stream"]["window"]][:1]
+        lines.append(f"| {name} | " + " | ".join(_fmt(by_n.get(n), 1) for n in ns) + f" | {_ci(v['cached']['slope'])} "
+                     f"| {_fmt(v['new']['ttft_p50_ms'], 1)} | {_fmt(v['stream']['ttft_p50_after_window_ms'], 1)} | "
+                     f"{' / '.join(str(p) for p in prompt) or '–'} |")  # fmt: skip
+    for name, check in (analysis.get("video_prompt_tokens") or {}).items():
+        verdict = "equal" if check["ok"] else f"DIFFERENT on {len(check['mismatches'])}: {check['mismatches'][:3]}"
+        lines += ["", f"Prompt tokens of {name}'s video requests against vLLM's: {verdict} ({check['compared']} "
+                  "requests compared)"]  # fmt: skip
+    for note in analysis.get("video_notes") or []:
+        lines += ["", f"Video ratios: {note}"]
+    return "\n".join(lines)
+
+
 def tables(results: dict, analysis: dict) -> str:
     lines = []
     names = list(results)
+    if _has(results, "cached"):
+        lines += _cached_table(results, names)
+    if _has(results, "new"):
+        lines += _new_table(results, names)
+    if _has(results, "load"):
+        lines += _load_table(results, analysis, names)
+        lines += ["", peer_tables.ladder(results, analysis)]
+    if _has(results, "max"):
+        lines += ["", peer_tables.closed_loop(results)]
+    if _has(results, "burst"):
+        lines += ["", peer_tables.burst(results)]
+    if _has(results, "sliding"):
+        lines += _sliding_table(results, names)
+    video = video_table(results, analysis)
+    if video:
+        lines += ["", video]
+    lines += ["", peer_tables.breakdown(results, analysis)]
+    lines += ["", peer_tables.figures(analysis), "", peer_tables.ratios(analysis)]
+    lines += ["", "| goal | measured | status |", "|---|---|---|"]
+    lines += [f"| {g['name']} | {g['measured']} | {g['status']} |" for g in analysis["goals"]]
+    if analysis["agreement"]:
+        lines += [
+            "",
+            "Greedy tokens against vLLM's (same inputs, random weights)",
+            "",
+            "| engine | requests with equal tokens | vLLM's tokens matched up to the first difference | "
+            "trailing U+FFFD only one side |",
+            "|---|---:|---:|---:|",
+        ]
+        for name, a in analysis["agreement"].items():
+            lines.append(
+                f"| {name} | {a['equal']}/{a['requests']} | {_fmt(100 * (a['token_prefix_share'] or 0), 1)} % "
+                f"| {a['trailing_incomplete_char']} |"
+            )
+    return "\n".join(lines).strip("\n")
+
+
+def _cached_table(results: dict, names: list[str]) -> list[str]:
+    lines = []
     ns = sorted({int(n) for res in results.values() for n in res["cached"]["ttft_p50_by_n"]})
     lines += ["Cached images (all prefix-cached, then a new question): client TTFT p50, ms", "",
               "| engine | " + " | ".join(f"N={n}" for n in ns) + " | slope ms/image [95 % CI] | cached tokens at N="
@@ -123,6 +201,11 @@ def tables(results: dict, analysis: dict) -> str:
             + " | ".join(_fmt(by_n.get(n), 1) for n in ns)
             + f" | {_ci(c['slope'])} | {cached[0] if cached else '–'} of {prompt[0] if prompt else '–'} |"
         )
+    return lines
+
+
+def _new_table(results: dict, names: list[str]) -> list[str]:
+    lines = []
     for size in next(iter(results.values()))["new"]:
         ns = sorted({int(n) for res in results.values() for n in res["new"][size]["ttft_p50_by_n"]})
         lines += [
@@ -136,6 +219,11 @@ def tables(results: dict, analysis: dict) -> str:
             r = results[name]["new"][size]
             by_n = {int(k): v for k, v in r["ttft_p50_by_n"].items()}
             lines.append(f"| {name} | " + " | ".join(_fmt(by_n.get(n), 1) for n in ns) + f" | {_ci(r['slope'], 1)} |")
+    return lines
+
+
+def _load_table(results: dict, analysis: dict, names: list[str]) -> list[str]:
+    lines = []
     slo = analysis["slo_ttft_p99_ms"]
     lines += ["", f"Multi-turn chat under Poisson arrivals (SLO: p99 TTFT ≤ {slo:.0f} ms, and p99 of a "
               f"conversation's wait for its previous answer ≤ {slo:.0f} ms)", "",
@@ -155,8 +243,11 @@ def tables(results: dict, analysis: dict) -> str:
                 f"{p['conversation_wait_p99_ms']:.0f} | {_fmt(None if cpu is None else cpu / p['completed'], 3)} | "
                 f"{'yes' if p['holds_slo'] else 'no'} |"
             )
-    lines += ["", peer_tables.ladder(results, analysis)]
-    lines += ["", peer_tables.closed_loop(results), "", peer_tables.burst(results)]
+    return lines
+
+
+def _sliding_table(results: dict, names: list[str]) -> list[str]:
+    lines = []
     s0 = next(iter(results.values()))["sliding"]
     lines += [
         "",
@@ -172,25 +263,7 @@ def tables(results: dict, analysis: dict) -> str:
             f"| {name} | {s['ttft_mean_ms']:.1f} | {_fmt(s['ttft_mean_after_window_ms'], 1)} | "
             f"{_fmt(sum(after) / len(after) if after else None, 0)} |"
         )
-    lines += ["", peer_tables.breakdown(results, analysis)]
-    lines += ["", peer_tables.figures(analysis), "", peer_tables.ratios(analysis)]
-    lines += ["", "| goal | measured | status |", "|---|---|---|"]
-    lines += [f"| {g['name']} | {g['measured']} | {g['status']} |" for g in analysis["goals"]]
-    if analysis["agreement"]:
-        lines += [
-            "",
-            "Greedy tokens against vLLM's (same inputs, random weights)",
-            "",
-            "| engine | requests with equal tokens | vLLM's tokens matched up to the first difference | "
-            "trailing U+FFFD only one side |",
-            "|---|---:|---:|---:|",
-        ]
-        for name, a in analysis["agreement"].items():
-            lines.append(
-                f"| {name} | {a['equal']}/{a['requests']} | {_fmt(100 * (a['token_prefix_share'] or 0), 1)} % "
-                f"| {a['trailing_incomplete_char']} |"
-            )
-    return "\n".join(lines)
+    return lines
 
 
 def write_markdown(path: str, meta: dict, results: dict, analysis: dict, figures: list[str]) -> None:
@@ -237,6 +310,8 @@ def write_plots(directory: str, results: dict, analysis: dict, slo_ms: float) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not all(_has(results, w) for w in ("cached", "new", "load", "sliding")):
+        return []  # --only ran a subset: the tables say it all
     fig, axes = plt.subplots(1, 4, figsize=(22, 4.4))
     for name, res in results.items():
         colour = _COLOURS.get(name)

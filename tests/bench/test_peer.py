@@ -64,7 +64,7 @@ def test_smoke_plan_on_mmcast_alone_writes_every_workload(tmp_path):
     assert peer.main(["--smoke", "--engines", "mmcast_tp1", "--out", str(out)]) == 0
     data = json.loads((out / "results.json").read_text())
     res = data["engines"]["mmcast_tp1"]
-    assert {"cached", "new", "load", "ladder", "max", "burst", "sliding", "texts"} <= set(res)
+    assert {"cached", "new", "load", "ladder", "max", "burst", "sliding", "video", "texts"} <= set(res)
     # the cached workload's prompts hit the prefix cache: every image token cached
     rows = [r for r in res["cached"]["rows"] if r["n"] == 2]
     assert rows and all(r["cached_tokens"] >= 2 * 256 for r in rows)
@@ -81,7 +81,15 @@ def test_smoke_plan_on_mmcast_alone_writes_every_workload(tmp_path):
     b = res["burst"]
     assert b["completed"] == 3 and b["failed"] == 0 and b["ttft_spread_ms"] >= 0 and b["decode_itl_p99_ms"] > 0
     assert data["analysis"]["stages"]["mmcast_tp1"]["cached"]["requests"] == 1  # N=2 once, probed
+    # video: the cached clips hit the prefix cache; the stream's window slid once (4 turns, 3 kept)
+    v = res["video"]
+    assert "error" not in v, v
+    assert all(r["cached_tokens"] >= 100 * r["n"] for r in v["cached"]["rows"])
+    assert [r["segments"] for r in v["stream"]["rows"]] == [1, 2, 3, 3]
+    assert v["new"]["ttft_p50_ms"] > 0 and v["stream"]["ttft_p50_after_window_ms"] > 0
+    assert data["analysis"]["video_notes"] == ["vLLM did not run (--engines): no video ratio"]
     md = (out / "results.md").read_text()
+    assert "Video (320x180" in md
     assert "TTFT breakdown (mmcast) beside vLLM's TTFT" in md and "Closed loop" in md
     assert all(r["completion_tokens"] == 4 for r in res["new"]["448x448"]["rows"])  # ignore_eos: fixed length
     assert md.count("| mmcast_tp1 |") >= 4

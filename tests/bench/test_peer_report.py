@@ -286,3 +286,114 @@ def test_stage_deltas_give_means_per_observation_in_pipeline_order_and_the_table
     peer_stages.add(absent, None, None)  # a build without the metric
     assert peer_stages.means(absent) is None
     assert peer_stages.NOT_EXPORTED in peer_stages.markdown([("mmcast_tp1 new N=1", None, 200.0)], [150.0])
+
+
+# --- video ---------------------------------------------------------------------------------------------------
+
+
+def _video(scale: float = 1.0, prompt: int = 168, window: int = 3) -> dict:
+    """One engine's video workload (``peer_workloads.video``'s shape): every TTFT ``scale`` times a reference."""
+    cached = [{"key": f"video/cached/n{n}/r{r}", "n": n, "repeat": r, "ttft_ms": scale * (20 + 10 * n),
+               "prompt_tokens": 120 * n + prompt - 120} for n in (1, 2, 4, 8) for r in range(2)]  # fmt: skip
+    new = [{"key": f"video/new/r{r}", "repeat": r, "ttft_ms": scale * 60, "prompt_tokens": prompt} for r in range(3)]
+    stream = [{"key": f"video/stream/t{t}", "turn": t + 1, "segments": min(t + 1, window),
+               "ttft_ms": scale * (50 + 10 * min(t + 1, window)), "prompt_tokens": 120 * min(t + 1, window) + 48}
+              for t in range(6)]  # fmt: skip
+    return {
+        "clips": "320x180, 2 s at 8 fps (h264 MP4), sampled at 2 fps",
+        "cached": {
+            "rows": cached,
+            "ttft_p50_by_n": {n: scale * (20 + 10 * n) for n in (1, 2, 4, 8)},
+            "slope": {"slope": 10.0 * scale, "ci_low": 9.0 * scale, "ci_high": 11.0 * scale},
+        },  # fmt: skip
+        "new": {"rows": new, "ttft_p50_ms": scale * 60},
+        "stream": {"window": window, "rows": stream, "ttft_p50_after_window_ms": scale * 80},
+    }
+
+
+def _with_video(run: dict, video: dict | None) -> dict:
+    return {**run, "video": video} if video is not None else run
+
+
+def test_video_ratios_per_tp_size_once_the_prompt_tokens_agree():
+    from benchmarks.peer_analysis import analyze_rounds
+
+    rounds = {"vllm": [_with_video(_run(), _video())], "mmcast_tp1": [_with_video(_run(), _video(0.6))],
+              "mmcast_tp2": [_with_video(_run(), _video(1.5))]}  # fmt: skip
+    a = analyze_rounds(rounds, SLO)
+    r = a["ratios"]
+    for key in ("video_cached_slope_ratio", "video_new_clip_ttft_ratio", "video_stream_turn_ttft_ratio"):
+        assert r[key] == pytest.approx(0.6), key
+        assert r[key + "_tp2"] == pytest.approx(1.5), key
+    assert a["video_prompt_tokens"]["mmcast_tp1"] == {"compared": 17, "mismatches": [], "ok": True}
+    assert a["video_notes"] == []
+    goals = {g["name"]: g["status"] for g in a["goals"]}
+    assert goals["TP1 video: TTFT slope per cached clip ≤ 1.0× vLLM's"] == "met"
+    assert goals["TP1 video: live-stream turn TTFT p50 (window full) ≤ 1.0× vLLM's"] == "met"
+    f = a["figures"]["mmcast_tp1"]
+    assert (f["video_cached_ttft_slope_ms"], f["video_new_clip_ttft_p50_ms"], f["video_stream_turn_ttft_p50_ms"]) == (
+        pytest.approx(6.0),
+        pytest.approx(36.0),
+        pytest.approx(48.0),
+    )
+
+
+def test_video_ratios_are_left_out_with_the_reason_when_frames_differ_or_vllm_failed():
+    from benchmarks import peer_report
+    from benchmarks.peer_analysis import analyze_rounds
+
+    # mmcast TP2 sampled other frames (more prompt tokens): its video ratios are not like for like
+    rounds = {"vllm": [_with_video(_run(), _video())], "mmcast_tp1": [_with_video(_run(), _video(0.6))],
+              "mmcast_tp2": [_with_video(_run(), _video(0.6, prompt=288))]}  # fmt: skip
+    a = analyze_rounds(rounds, SLO)
+    assert a["ratios"]["video_cached_slope_ratio"] == pytest.approx(0.6)
+    assert a["ratios"]["video_cached_slope_ratio_tp2"] is None
+    assert a["ratios"]["cached_n2_ttft_ratio_tp2"] == pytest.approx(1.0)  # the image ratios stand
+    check = a["video_prompt_tokens"]["mmcast_tp2"]
+    assert not check["ok"] and check["mismatches"][0] == {"key": "video/cached/n1/r0", "mmcast_tp2": 288, "vllm": 168}
+    (note,) = a["video_notes"]
+    assert note.startswith("mmcast_tp2: prompt tokens differ from vLLM's") and "different frames" in note
+
+    # vLLM could not serve the video: no ratio, the error is the note, the table names it
+    failed = {"error": "BadRequestError: Error code: 400 - Failed to apply Qwen2VLProcessor | frames"}
+    rounds = {"vllm": [_with_video(_run(), failed)], "mmcast_tp1": [_with_video(_run(), _video(0.6))]}
+    a = analyze_rounds(rounds, SLO)
+    assert all(a["ratios"][k] is None for k in ("video_cached_slope_ratio", "video_new_clip_ttft_ratio",
+                                                "video_stream_turn_ttft_ratio"))  # fmt: skip
+    assert a["video_notes"] == [f"vllm round 1: the video workload failed: {failed['error']}"]
+    goals = {g["name"]: g["status"] for g in a["goals"]}
+    assert goals["TP1 video: TTFT p50 of one new clip ≤ 1.0× vLLM's"] == "n/a"
+    a["agreement"], a["stages"] = {}, {}
+    table = peer_report.video_table({"vllm": rounds["vllm"][0], "mmcast_tp1": rounds["mmcast_tp1"][0]}, a)
+    assert "| vllm | failed: BadRequestError" in table and "Qwen2VLProcessor / frames" in table
+    assert "| mmcast_tp1 | 18.0 | 24.0 | 36.0 | 60.0 | 6.00 [5.40, 6.60] | 36.0 | 48.0 | 1008 / 168 / 408 |" in table
+    assert "Video ratios: vllm round 1: the video workload failed" in table
+
+    # a run without the video workload (--only, or vLLM not among --engines) says so
+    a = analyze_rounds({"vllm": [_run()], "mmcast_tp1": [_with_video(_run(), _video())]}, SLO)
+    assert a["video_notes"] == ["vllm round 1: the video workload did not run (--only, or a plan without it)"]
+    assert analyze_rounds({"mmcast_tp1": [_with_video(_run(), _video())]}, SLO)["video_notes"] == [
+        "vLLM did not run (--engines): no video ratio"
+    ]
+    assert analyze_rounds({"vllm": [_run()], "mmcast_tp1": [_run()]}, SLO)["video_notes"] == [
+        "vllm round 1: the video workload did not run (--only, or a plan without it)",
+        "mmcast_tp1 round 1: the video workload did not run (--only, or a plan without it)",
+    ]
+
+
+def test_the_tables_skip_the_workloads_a_run_left_out():
+    from benchmarks import peer_report
+    from benchmarks.peer_analysis import analyze_rounds
+
+    only_video = {"vllm": {"video": _video(), "engine_cpu_s": {}}, "mmcast_tp1": {"video": _video(0.5)}}
+    a = analyze_rounds({k: [v] for k, v in only_video.items()}, SLO)
+    a["agreement"], a["stages"] = {}, {}
+    text = peer_report.tables(only_video, a)
+    assert "Cached images" not in text and "Sliding window" not in text and "Multi-turn chat" not in text
+    assert "| mmcast_tp1 | 15.0 |" in text and "`video_cached_slope_ratio` | 0.50 |" in text
+    assert peer_report.write_plots("/nonexistent", only_video, a, SLO) == []
+    # a ladder neither engine was offered is no verdict, nor is a TP comparison of figures left out
+    only_video["mmcast_tp2"] = {"video": _video(0.4)}
+    goals = {g["name"]: g["status"] for g in analyze_rounds({k: [v] for k, v in only_video.items()}, SLO)["goals"]}
+    assert goals["TP1 request throughput at the SLO ≥ 1.0× vLLM's"] == "n/a"
+    assert goals["TP2 no worse than TP1 per request"] == "n/a"

@@ -1,5 +1,5 @@
 """The benchmark driver on its smallest plan, end to end, so it cannot rot: real groups, floors, scenarios (new
-images included), the mode-equality check and every output file."""
+images and videos included), the mode-equality check and every output file."""
 
 from __future__ import annotations
 
@@ -51,8 +51,15 @@ def test_smoke_plan_writes_results_and_checks_mode_equality(tmp_path, tiny_model
     assert row["scheduler_cpu_ms"] is not None and row["floor_grpc_ms"] is not None
     assert {r["variant"] for r in data["records"] if r["scenario"] == "new_images"} == {"encoded+sharded"}
 
+    # Videos, one tiny lazy pass at TP1: cached clips cost no payload, the live stream sends each segment once.
+    v = analysis["videos"]
+    assert [(r["tp"], r["mode"], r["ns"]) for r in v["cached"]] == [(1, "lazy", [1, 2])]
+    assert set(v["cached"][0]["payload_bytes_by_n"].values()) == {0}
+    assert v["stream"][0]["deliveries_per_segment_rank"] == 1.0 and v["new"][0]["payload_bytes"] > 0
+    assert data["meta"]["video"]["seconds_in_groups"] > 0
+
     md = (out / "results.md").read_text()
     assert "## Targets (issue 7" in md and "all modes return the same tokens" in md
-    assert "## New images: cost per never-seen image" in md
+    assert "## New images: cost per never-seen image" in md and "## Videos: cached clips" in md
     for name in ("results.json", "results.md"):
         assert os.path.getsize(out / name) > 0
