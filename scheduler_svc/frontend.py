@@ -142,6 +142,8 @@ class _Pending:
     plan: Any = None  # ... and its VideoPlan (frames, grid, tokens), nothing decoded
 
     def describe(self) -> str:
+        if self.cached is not None and self.cached.modality is Modality.VIDEO:
+            return "the video"
         if self.video is not None:
             v = self.video
             return f"the {v.width}x{v.height} video ({len(self.plan.frame_indices)} sampled frames)"
@@ -320,6 +322,10 @@ class Frontend:
         key = (tenant, sha, options)  # the same file sampled otherwise is another item
         if key in seen:
             return seen[key]
+        cached = None if self.encoded else self.cache.get(key)  # pixels: a video processed before
+        if cached is not None:
+            seen[key] = _Pending(field, key, data, cached=cached, tokens=cached.num_tokens)
+            return seen[key]
         header = self.videos.probe(data, field)
         plan = self.videos.plan(header, options, field)
         seen[key] = _Pending(field, key, data, video=header, plan=plan, tokens=plan.tokens)
@@ -442,7 +448,7 @@ class Frontend:
         token_ids, features = self._expand(template_ids, processed)
         admission.check_prompt_fits("messages", len(token_ids), 1, context)
         videos = sum(1 for f in features if f.modality is Modality.VIDEO)
-        cacheable = [] if self.encoded else [(k, v) for k, v in decoded.items() if v.modality is Modality.IMAGE]
+        cacheable = [] if self.encoded else list(decoded.items())
         return ProcessedPrompt(
             token_ids,
             features,

@@ -373,3 +373,34 @@ def test_encoded_items_round_trip_the_wire_with_their_encoding(tiny_model_dir):
     msg.encoding = 7
     with pytest.raises(ValueError, match="encoding=7 is not a known payload encoding"):
         feature_from_proto(msg)
+
+
+def test_videos_under_pixels_are_processed_once_per_sampling(tiny_model_dir):
+    """A video seen before (same tenant, bytes and sampling) comes from the processor cache: no header read, no
+    decode, the same item; sampled otherwise it is another item, decoded again. Under encoded nothing is decoded."""
+    from common.multimodal import Modality
+    from scheduler_svc.request_parsing import VideoContent, video_options
+    from tests.video_clips import make_clip
+
+    clip = make_clip(codec="h264", width=112, height=84, fps=8, seconds=2.0, seed=3)
+
+    def turn(fps):
+        options = video_options("v", fps=fps, num_frames=None, max_frames=None, min_pixels=None, max_pixels=None)
+        return [ChatTurn("user", [VideoContent(clip, None, "v", options), TextPart("what happens?")])]
+
+    fe = make_frontend(tiny_model_dir)
+    first = fe.process(turn(2.0))
+    fe.commit(first)
+    again = fe.process(turn(2.0))
+    other = fe.process(turn(4.0))
+    assert fe.counts["videos_decoded"] == 2, fe.counts  # the first and the 4-fps sampling
+    assert again.processor_cache_hits == 1 and again.token_ids == first.token_ids
+    a, f = again.mm_features[0], first.mm_features[0]
+    assert (a.identifier, a.mm_position) == (f.identifier, f.mm_position)
+    assert a.data["pixel_values_videos"].data is f.data["pixel_values_videos"].data  # the cached tensor, shared
+    assert first.mm_features[0].modality is Modality.VIDEO and first.num_videos == 1 and first.num_images == 0
+    assert other.mm_features[0].identifier != first.mm_features[0].identifier
+    assert other.mm_features[0].mm_position.length > first.mm_features[0].mm_position.length
+    encoded = make_frontend(tiny_model_dir, payload_encoding="encoded")
+    fe_item = encoded.process(turn(2.0)).mm_features[0]
+    assert encoded.counts["videos_decoded"] == 0 and fe_item.identifier == first.mm_features[0].identifier
