@@ -24,7 +24,12 @@ Every check whose input is at hand runs before the work it protects (docs/SECURI
 5. the chat template with one image token per image, tokenized once with the calling thread's own tokenizer, each
    image token expanded to the item's placeholder count exactly as the processor would (tests compare with the
    processor itself); the whole prompt against the context (``admission.check_prompt_fits``).
-Newly processed images enter the processor cache only through ``commit``, once the request is admitted.
+A video takes the same steps (docs/ARCHITECTURE.md §2.9): its container header and sampling plan
+(``common.video_input``: the --max-video-* limits, the frames the model's video processor samples) in step 2, keyed
+by the tenant, the sha256 and the sampling options; under ``encoded`` its file and frame indices are the payload and
+nothing is decoded, under ``pixels`` the sampled frames are decoded in step 4; in step 5 its one video token becomes
+the placeholders (Qwen3-VL: the processor's timestamped blocks, one item with ``is_embed``).
+Newly processed images and videos enter the processor cache only through ``commit``, once the request is admitted.
 All of it runs on the service's thread pool, never on the event loop.
 
 Errors (``common.errors``; messages name the field, the value, the limit and the flag):
