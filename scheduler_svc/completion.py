@@ -44,7 +44,8 @@ class CompletionRequest:
     turns: Sequence[request_parsing.Turn] | None = None  # a chat conversation; exactly one of turns / prompt
     prompt: str | None = None  # a plain text prompt, tokenized as is (no chat template)
     cache_salt: str = ""  # the client's prefix-cache salt (checked)
-    add_generation_prompt: bool = True  # chat: append the template's assistant header (False: continue the last)
+    add_generation_prompt: bool = True  # chat: append the template's assistant header for a new answer
+    continue_final_message: bool = False  # chat: the answer continues the last message's text (its turn left open)
     default_max_tokens: bool = False  # True: max_tokens not given; take what the context leaves, up to the limit
     affinity: str = ""  # the conversation key the client chose (affinity_key.client_key), "" for none
 
@@ -233,6 +234,7 @@ class Completions:
                     self.frontend.process,
                     req.turns,
                     add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
                     tenant=req.tenant,
                     reserve_tokens=reserve,
                     context=context,

@@ -398,10 +398,31 @@ class Frontend:
             tokenizer = self._local.tokenizer = copy.deepcopy(self.tokenizer)
         return tokenizer
 
-    def _tokenize(self, messages: list, add_generation_prompt: bool) -> list[int]:
-        """Chat template + tokenizer (this thread's own)."""
+    def _tokenize(self, messages: list, add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
+        """Chat template + tokenizer (this thread's own). ``continue_final_message``: the template's own rule
+        (transformers' ``continue_final_message``): the last message's end-of-turn is cut, so the answer continues
+        its text."""
         tokenizer = self._thread_tokenizer()
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if continue_final_message:
+            last = messages[-1]["content"] if messages else []
+            if not last or last[-1].get("type") != "text" or not last[-1]["text"]:
+                raise InvalidArgument(
+                    f"messages[{len(messages) - 1}]: continue_final_message needs the last message to end with text "
+                    "to continue",
+                    field=f"messages[{len(messages) - 1}]",
+                )
+        try:
+            text = self.processor.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+            )
+        except ValueError as exc:  # transformers: the rendered prompt does not hold the final message's text
+            raise InvalidArgument(
+                f"messages: continue_final_message: the chat template does not end with the last message's text ({exc})",
+                field="messages",
+            ) from None
         self._count("prompts_tokenized", 1)
         self._count("tokenized_bytes", len(text.encode()))
         return tokenizer(text)["input_ids"]
@@ -418,6 +439,7 @@ class Frontend:
         turns,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tenant: str = "",
         reserve_tokens: int = 1,
         context: int | None = None,
@@ -449,7 +471,7 @@ class Frontend:
         if self.metrics is not None and pending:
             self.metrics.frontend_image_cpu_seconds.observe(image_cpu_seconds / len(pending))
         hits = len(pending) - len(decoded)  # from the cache, or a repeat of an image earlier in the request
-        template_ids = self._tokenize(messages, add_generation_prompt)
+        template_ids = self._tokenize(messages, add_generation_prompt, continue_final_message)
         token_ids, features = self._expand(template_ids, processed)
         admission.check_prompt_fits("messages", len(token_ids), 1, context)
         videos = sum(1 for f in features if f.modality is Modality.VIDEO)

@@ -356,8 +356,25 @@ class OpenAIApi:
                 )
             return CompletionRequest(prompt=prompt, **common)
         turns = await self._turns(call, body.messages, _video_options(body))
+        if (
+            body.continue_final_message
+            and body.add_generation_prompt
+            and "add_generation_prompt" in body.model_fields_set
+        ):
+            raise HttpError(
+                400,
+                "continue_final_message and add_generation_prompt cannot both be true: continuing the last message "
+                "leaves its turn open, a generation prompt starts a new one",
+                param="continue_final_message",
+                code="invalid_value",
+            )
         add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
-        return CompletionRequest(turns=turns, add_generation_prompt=add_generation_prompt, **common)
+        return CompletionRequest(
+            turns=turns,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **common,
+        )
 
     def _sampling(self, call: _Call, body) -> tuple[request_parsing.SamplingSpec, bool]:
         """The shared checks (request_parsing.parse_sampling) on this body's values; errors are renamed to the

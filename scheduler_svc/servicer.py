@@ -83,6 +83,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             turns=turns,
             cache_salt=request.cache_salt,
             add_generation_prompt=not request.continue_final_message,
+            continue_final_message=request.continue_final_message,
             affinity=affinity_key.client_key(metadata.get),
         )
 

@@ -220,6 +220,50 @@ def test_text_completions_equal_transformers(api, model_name, oracle, tokenizer)
     assert out.usage.prompt_tokens == ids.shape[1] and out.usage.completion_tokens == N_TOKENS
 
 
+def test_continue_final_message_continues_the_assistant_text(api, model_name, oracle, tiny_model_dir):
+    """``continue_final_message`` leaves the last (assistant) turn open: the prompt is the template's own rendering
+    with transformers' ``continue_final_message=True`` (no end-of-turn after "The answer is"), and the answer is
+    transformers' continuation of it. Both it and ``add_generation_prompt`` true is refused, as vLLM does."""
+    import torch
+
+    messages = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "The answer is"}]
+    out = api.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        max_tokens=N_TOKENS,
+        temperature=0.0,
+        logprobs=True,
+        extra_body={**EXTRA, "continue_final_message": True, "add_generation_prompt": False},
+    )
+    text = oracle.processor.apply_chat_template(
+        [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages],
+        tokenize=False,
+        continue_final_message=True,
+    )
+    assert text.endswith("The answer is")
+    ids = oracle.processor.tokenizer(text, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        gen = oracle.model.generate(
+            input_ids=ids,
+            max_new_tokens=N_TOKENS,
+            do_sample=False,
+            eos_token_id=[],
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = gen.sequences[0, ids.shape[1] :].tolist()
+    expected = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(gen.logits, tokens, strict=True)]
+    assert out.usage.prompt_tokens == ids.shape[1]
+    assert served_logprobs(out.choices[0]) == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
+    with pytest.raises(openai.BadRequestError, match="cannot both be true"):
+        api.chat.completions.create(
+            model=model_name,
+            messages=messages,
+            max_tokens=1,
+            extra_body={"continue_final_message": True, "add_generation_prompt": True},
+        )
+
+
 def test_stop_string_and_seeded_sampling(api, model_name):
     messages = [openai_turn(IMG_A, "Tell me a story.")]
     base = (
