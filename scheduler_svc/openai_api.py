@@ -144,6 +144,7 @@ class _Call:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.client_id
 
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's legacy default; vLLM's too)
 _VIDEO_KEYS = ("fps", "num_frames", "max_frames", "min_pixels", "max_pixels")
 
 
@@ -387,7 +388,11 @@ class OpenAIApi:
             return_logprobs, top = body.logprobs, body.top_logprobs or 0
             call.names.update({"sampling.logprobs": "top_logprobs", MAX_TOKENS_FIELD: max_name})
         else:
-            max_name, max_tokens = "max_tokens", body.max_tokens
+            # /v1/completions: OpenAI's and vLLM's default is 16 tokens, not what the context leaves
+            max_name, max_tokens = (
+                "max_tokens",
+                COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
+            )
             return_logprobs, top = body.logprobs is not None, body.logprobs or 0
             call.names.update({"sampling.logprobs": "logprobs", "messages": "prompt"})
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())

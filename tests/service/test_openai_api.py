@@ -264,6 +264,13 @@ def test_continue_final_message_continues_the_assistant_text(api, model_name, or
         )
 
 
+def test_text_completions_default_to_16_tokens(api, model_name):
+    """/v1/completions without max_tokens generates 16 tokens, as OpenAI's and vLLM's do (not what the context
+    leaves)."""
+    out = api.completions.create(model=model_name, prompt="Once upon a time", temperature=0.0, extra_body=EXTRA)
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length", out.usage
+
+
 def test_stop_string_and_seeded_sampling(api, model_name):
     messages = [openai_turn(IMG_A, "Tell me a story.")]
     base = (
