@@ -68,7 +68,7 @@ class _Sampling(_Body):
     """The fields both endpoints share."""
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1, le=_UINT31)] | None = None  # None: chat, what the context leaves (up to the limit); completions, 16
+    max_tokens: Annotated[int, Field(ge=1, le=_UINT31)] | None = None  # None: chat, the context left; completions 16
     temperature: float | None = None  # None: 1.0, OpenAI's default
     top_p: float | None = None
     top_k: Annotated[int, Field(ge=-1, le=_UINT31)] | None = None  # vLLM: -1 and 0 = no top-k cut
