@@ -448,31 +448,49 @@ class OpenAIApi:
         return turns
 
     async def _video(self, call: _Call, part, where: str, options) -> VideoContent:
-        """A ``video_url`` part: the same sources as an image (a ``data:video/...`` URL, a remote or local URL where
-        allowed, or ``uuid`` naming a file the server holds), sampled as the request's video options say."""
-        field = f"{where}.video_url"
+        """A ``video_url`` part: the same sources as an image, sampled as the request's video options say."""
         if options is None:
             options = request_parsing.video_options(
-                field, fps=None, num_frames=None, max_frames=None, min_pixels=None, max_pixels=None
+                f"{where}.video_url", fps=None, num_frames=None, max_frames=None, min_pixels=None, max_pixels=None
             )
+        data, digest, field = await self._media(call, part, where, "video")
+        return VideoContent(data, digest, field, options)
+
+    async def _image(self, call: _Call, part, where: str) -> ImageContent:
+        return ImageContent(*await self._media(call, part, where, "image"))
+
+    async def _media(self, call: _Call, part, where: str, kind: str) -> tuple[bytes | None, str | None, str]:
+        """An ``image_url`` / ``video_url`` part as (bytes, None, field) — a ``data:`` URL, or a remote or local URL
+        where allowed — or as (None, sha256 hex, field) when the URL is null and ``uuid`` names a file the server
+        holds. A ``uuid`` beside bytes must be their sha256; the bytes are hashed once here."""
+        field = f"{where}.{kind}_url"
+        url = getattr(part, f"{kind}_url")
         digest = self._uuid_digest(part, where)
-        if part.video_url is None:
+        if url is None:
             if digest is None:
                 raise HttpError(
                     400,
-                    f"{field} is null and {where}.uuid is not set: send the video as a URL, or "
+                    f"{field} is null and {where}.uuid is not set: send the {kind} as a URL, or "
                     "reference one the server holds by its uuid",
                     param=field,
                     code="invalid_value",
                 )
             call.uuid_fields[digest] = f"{where}.uuid"
-            return VideoContent(None, digest, field, options)
-        data = await self.media.load(part.video_url.url, f"{field}.url", "video")
-        self._check_uuid(digest, data, where)
-        call.inline.append((hashlib.sha256(data).hexdigest(), data))
-        return VideoContent(data, None, field, options)
+            return None, digest, field
+        data = await self.media.load(url.url, f"{field}.url", kind)  # a large data: URL decodes off the loop
+        sha = hashlib.sha256(data).hexdigest()
+        if digest is not None and digest != sha:
+            raise HttpError(
+                400,
+                f"{where}.uuid=sha256:{digest} does not match the sha256 of the file's bytes ({sha})",
+                param=f"{where}.uuid",
+                code="invalid_value",
+            )
+        call.inline.append((sha, data))
+        return data, None, field
 
-    def _uuid_digest(self, part, where: str) -> str | None:
+    @staticmethod
+    def _uuid_digest(part, where: str) -> str | None:
         """The sha256 hex a part's ``uuid`` names (``sha256:<hex>``), or None when it has none."""
         if part.uuid is None:
             return None
@@ -486,56 +504,6 @@ class OpenAIApi:
                 code="invalid_value",
             )
         return match.group(1)
-
-    @staticmethod
-    def _check_uuid(digest: str | None, data: bytes, where: str) -> None:
-        if digest is None:
-            return
-        sha = hashlib.sha256(data).hexdigest()
-        if digest != sha:
-            raise HttpError(
-                400,
-                f"{where}.uuid=sha256:{digest} does not match the sha256 of the file's bytes ({sha})",
-                param=f"{where}.uuid",
-                code="invalid_value",
-            )
-
-    async def _image(self, call: _Call, part, where: str) -> ImageContent:
-        field = f"{where}.image_url"
-        digest = None
-        if part.uuid is not None:
-            match = _UUID.fullmatch(part.uuid)
-            if match is None:
-                raise HttpError(
-                    400,
-                    f"{where}.uuid={part.uuid[:80]!r} is not 'sha256:' and 64 lowercase hex "
-                    "characters (the sha256 of the image's bytes)",
-                    param=f"{where}.uuid",
-                    code="invalid_value",
-                )
-            digest = match.group(1)
-        if part.image_url is None:
-            if digest is None:
-                raise HttpError(
-                    400,
-                    f"{field} is null and {where}.uuid is not set: send the image as a URL, or "
-                    "reference one the server holds by its uuid",
-                    param=field,
-                    code="invalid_value",
-                )
-            call.uuid_fields[digest] = f"{where}.uuid"
-            return ImageContent(None, digest, field)
-        data = await self.media.load(part.image_url.url, f"{field}.url")  # a large data: URL decodes off the loop
-        sha = hashlib.sha256(data).hexdigest()
-        if digest is not None and digest != sha:
-            raise HttpError(
-                400,
-                f"{where}.uuid=sha256:{digest} does not match the sha256 of the image's bytes ({sha})",
-                param=f"{where}.uuid",
-                code="invalid_value",
-            )
-        call.inline.append((sha, data))
-        return ImageContent(data, None, field)
 
     def _keep_inline(self, call: _Call) -> None:
         """Admitted: its inline images become referable by uuid in later requests of the tenant."""

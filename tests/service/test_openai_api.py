@@ -196,24 +196,12 @@ def test_image_by_uuid(api, model_name):
 
 
 def test_text_completions_equal_transformers(api, model_name, oracle, tokenizer):
-    import torch
-
     prompt = "The quick brown fox"
     out = api.completions.create(
         model=model_name, prompt=prompt, max_tokens=N_TOKENS, temperature=0.0, logprobs=0, extra_body=EXTRA
     )
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    with torch.inference_mode():
-        gen = oracle.model.generate(
-            input_ids=ids,
-            max_new_tokens=N_TOKENS,
-            do_sample=False,
-            eos_token_id=[],
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = gen.sequences[0, ids.shape[1] :].tolist()
-    expected = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(gen.logits, tokens, strict=True)]
+    tokens, expected = oracle.generate({"input_ids": ids})
     choice = out.choices[0]
     assert choice.text == tokenizer.decode(tokens, skip_special_tokens=True)
     assert choice.logprobs.token_logprobs == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
@@ -224,8 +212,6 @@ def test_continue_final_message_continues_the_assistant_text(api, model_name, or
     """``continue_final_message`` leaves the last (assistant) turn open: the prompt is the template's own rendering
     with transformers' ``continue_final_message=True`` (no end-of-turn after "The answer is"), and the answer is
     transformers' continuation of it. Both it and ``add_generation_prompt`` true is refused, as vLLM does."""
-    import torch
-
     messages = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "The answer is"}]
     out = api.chat.completions.create(
         model=model_name,
@@ -242,17 +228,7 @@ def test_continue_final_message_continues_the_assistant_text(api, model_name, or
     )
     assert text.endswith("The answer is")
     ids = oracle.processor.tokenizer(text, return_tensors="pt")["input_ids"]
-    with torch.inference_mode():
-        gen = oracle.model.generate(
-            input_ids=ids,
-            max_new_tokens=N_TOKENS,
-            do_sample=False,
-            eos_token_id=[],
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = gen.sequences[0, ids.shape[1] :].tolist()
-    expected = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(gen.logits, tokens, strict=True)]
+    _, expected = oracle.generate({"input_ids": ids})
     assert out.usage.prompt_tokens == ids.shape[1]
     assert served_logprobs(out.choices[0]) == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
     with pytest.raises(openai.BadRequestError, match="cannot both be true"):

@@ -49,8 +49,6 @@ class Oracle:
             return known[0][:n], known[1][:n]
 
     def _run(self, messages: list[dict], n: int) -> tuple[list[int], list[float]]:
-        import torch
-
         hf_messages, images = [], []
         for message in messages:
             content = message["content"]
@@ -65,7 +63,13 @@ class Oracle:
                     parts.append({"type": "text", "text": part["text"]})
             hf_messages.append({"role": message["role"], "content": parts})
         text = self.processor.apply_chat_template(hf_messages, add_generation_prompt=True)
-        inputs = self.processor(text=[text], images=images or None, return_tensors="pt")
+        return self.generate(self.processor(text=[text], images=images or None, return_tensors="pt"), n)
+
+    def generate(self, inputs, n: int = N_TOKENS) -> tuple[list[int], list[float]]:
+        """Greedy tokens and log-probabilities after ``inputs`` (the processor's or tokenizer's tensors: a prompt the
+        test rendered itself, e.g. a text prompt or a template call with other options). Not memoized."""
+        import torch
+
         gen = copy.deepcopy(self.model.generation_config)
         gen.max_new_tokens, gen.do_sample = n, False
         gen.eos_token_id = []  # ignore_eos: a fixed length, and no suppression of end tokens the model picks
