@@ -35,6 +35,8 @@ class Status(enum.Enum):
     INTERNAL = "INTERNAL"
     UNAUTHENTICATED = "UNAUTHENTICATED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
+    ABORTED = "ABORTED"  # a concurrency conflict (a live session's turn while another is in flight)
+    OUT_OF_RANGE = "OUT_OF_RANGE"  # past the end of a valid range (a live session's positions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,3 +99,11 @@ class Unavailable(MmcastError):
 
 class FailedPrecondition(MmcastError):
     status = Status.FAILED_PRECONDITION
+
+
+class Aborted(MmcastError):
+    status = Status.ABORTED
+
+
+class OutOfRange(MmcastError):
+    status = Status.OUT_OF_RANGE

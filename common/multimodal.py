@@ -153,6 +153,13 @@ class MultiModalFeatureSpec:
         """True when the placeholder span intersects the token window ``[start, end)``."""
         return self.mm_position.offset < end and start < self.mm_position.end
 
+    def shifted(self, by: int) -> MultiModalFeatureSpec:
+        """The same item with its placeholder ``by`` tokens later (a live turn's tokens placed after the session's)."""
+        if not by:
+            return self
+        pos = self.mm_position
+        return dataclasses.replace(self, mm_position=dataclasses.replace(pos, offset=pos.offset + by))
+
 
 def strip_covered_mm_data(
     mm_features: Sequence[MultiModalFeatureSpec] | None,

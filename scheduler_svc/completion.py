@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from common import tracing
-from common.errors import MmcastError, Unavailable
+from common.errors import InvalidArgument, MmcastError, Unavailable
 from scheduler_svc import admission, affinity_key, request_parsing
 from scheduler_svc.detok import TextStream
 from scheduler_svc.engine import Engine
@@ -48,6 +48,7 @@ class CompletionRequest:
     continue_final_message: bool = False  # chat: the answer continues the last message's text (its turn left open)
     default_max_tokens: bool = False  # True: max_tokens not given; take what the context leaves, up to the limit
     affinity: str = ""  # the conversation key the client chose (affinity_key.client_key), "" for none
+    live: request_parsing.LiveSpec | None = None  # the next turn of a live session (live_sessions.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +123,7 @@ class Completion:
         self.result: CompletionResult | None = None
         self.first_token_at: float | None = None  # time.monotonic() of the first chunk with tokens
         self.stage_histogram = engine.metrics.request_stage_seconds
+        self.live = None  # a live turn: its live_sessions.LiveTurn (``state`` says what the session holds after it)
 
     def first_byte_written(self) -> None:
         """The door hands the first token's message to its server to write (a streamed answer; call once, just
@@ -220,6 +222,8 @@ class Completions:
         if self.draining:
             raise Unavailable("the server is draining for shutdown; retry on another replica")
         request_id = scoped_request_id(req.tenant, req.client_id)
+        if req.live is not None:
+            return await self._admit_live(req, request_id)
         sampling = req.sampling
         reserve = 1 if req.default_max_tokens else sampling.max_tokens
         context = self.engine.max_model_len
@@ -265,3 +269,61 @@ class Completions:
             raise
         log.info("request admitted", extra={"request_id": request_id, "prompt_tokens": prompt_tokens})
         return Completion(self.engine, self.tokenizer, handle, processed, sampling, req.tenant, key)
+
+    async def _admit_live(self, req: CompletionRequest, request_id) -> Completion:
+        """A live session's turn: the session is reserved for it, its new messages processed, and the request built
+        on the session's retained KV. Refused on the way, it leaves the session as it was."""
+        core = self.engine.core
+        if core is None:
+            raise Unavailable("the worker group is not connected yet; retry later", retry_after=1.0)
+        if req.default_max_tokens:
+            raise InvalidArgument("a live turn needs max_tokens", field=MAX_TOKENS_FIELD)
+        sessions = core.live
+        session = sessions.reserve((req.tenant, req.live.session_id), request_id, req.live.keep_turns)
+        try:
+            f0 = time.perf_counter()
+            parsed_at = time.monotonic()
+            processed, turn_start, extent, close_ids = await self.run_in_executor(
+                functools.partial(
+                    self.frontend.process_live,
+                    req.turns,
+                    first=not session.opened,
+                    tenant=req.tenant,
+                    reserve_tokens=req.sampling.max_tokens,
+                    context=self.engine.max_model_len,
+                )
+            )
+            frontend_seconds = time.perf_counter() - f0
+            if self.engine.core is not core:
+                raise Unavailable("the worker group restarted while the turn was prepared; retry", retry_after=1.0)
+            prompt, at, turn = sessions.build(
+                session,
+                request_id,
+                turn_ids=processed.token_ids,
+                turn_start=turn_start,
+                extent=extent,
+                close_ids=close_ids,
+                max_tokens=req.sampling.max_tokens,
+                close=req.live.close,
+            )
+            admission.check_request_fits("messages", len(prompt), req.sampling.max_tokens, self.engine.max_model_len)
+            whole = dataclasses.replace(
+                processed,
+                token_ids=prompt,
+                mm_features=[f.shifted(at) for f in processed.mm_features],
+            )
+            request = self.make_request(request_id, whole, req.sampling, None)
+            request.live = turn
+            handle = self.engine.submit(request, req.received)
+        except BaseException:
+            sessions.release(session, request_id)
+            raise
+        handle.stages.http_parse, handle.stages.frontend = parsed_at - req.received, frontend_seconds
+        self.frontend.commit(whole)
+        log.info(
+            "live turn admitted",
+            extra={"request_id": request_id, "prompt_tokens": len(prompt), "cached_tokens": turn.computed},
+        )
+        completion = Completion(self.engine, self.tokenizer, handle, whole, req.sampling, req.tenant, req.affinity)
+        completion.live = turn
+        return completion

@@ -219,6 +219,23 @@ class SchedulerConfig:
         max=_INT_MAX,
         section=_CACHES,
     )
+    max_live_sessions: int = setting(
+        64,
+        "live sessions open at once (each keeps its KV blocks between turns; GenerateRequest.live); 0 refuses them",
+        min=0,
+        max=65536,
+        section=_CACHES,
+    )
+    live_session_idle_seconds: float = setting(
+        300.0,
+        "a live session with no turn for this long is closed and its KV freed",
+        min=1.0,
+        max=86400.0,
+        section=_CACHES,
+    )
+    max_live_turns: int = setting(
+        64, "turns one live session may keep in its KV (LiveSession.keep_turns)", min=1, max=4096, section=_CACHES
+    )
     payload_cache_bytes: int = setting(
         0, "payload bytes each rank holds (0 = the ranks' budget; never more)", min=0, max=_INT_MAX, section=_CACHES
     )

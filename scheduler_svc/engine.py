@@ -192,6 +192,8 @@ class Engine:
             queued_until = time.monotonic()  # the queue stage of the requests this step first schedules ends here
             t0, t0_ns = time.perf_counter(), time.time_ns()
             plan = self.core.schedule()
+            for update in self.core.take_deferred_updates():  # live turns the step could not keep (no blocks)
+                self._deliver(update, time.monotonic())
             t1 = time.perf_counter()
             self.metrics.schedule_seconds.observe(t1 - t0)
             if plan is not None:

@@ -54,12 +54,13 @@ from typing import Any
 
 import torch
 
-from common.errors import InvalidArgument, ResourceExhausted
+from common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from common.families import family_of, uses_mrope
 from common.hashing import item_identifier
 from common.ids import ItemId
 from common.image_header import ImageHeader
 from common.image_input import ImageInput
+from common.mrope import mrope_positions
 from common.multimodal import (
     ENCODED_FIELD,
     FRAME_INDICES_FIELD,
@@ -181,6 +182,7 @@ class Frontend:
         # Before any rank has answered: the configured and the model's; the core narrows it at connect.
         self.max_model_len = context_length(config.max_model_len, model_len)  # 0: unknown
         self.uses_mrope = uses_mrope(model_config)  # the rule the ranks apply too (common/families/__init__.py)
+        self._rope_kwargs = family_of(model_config).rope_kwargs(model_config) if self.uses_mrope else {}
         self.eos_token_ids = self._eos_token_ids()
         self.max_prompt_bytes = config.max_prompt_bytes or (self.max_model_len * PROMPT_BYTES_PER_TOKEN or 2**31 - 1)
         self.uploads = upload_store or UploadStore(
@@ -454,6 +456,12 @@ class Frontend:
         """
         context = self.max_model_len if context is None else context
         messages, images = self._collect(turns)
+        media = self._media(images, tenant, context, reserve_tokens)
+        template_ids = self._tokenize(messages, add_generation_prompt, continue_final_message)
+        return self._prompt(template_ids, media, context)
+
+    def _media(self, images, tenant: str, context: int, reserve_tokens: int):
+        """The request's items resolved, checked against the context and processed (or found in the cache)."""
         seen: dict = {}
         cpu = time.thread_time()
         pending = [self._resolve(part, field, tenant, seen) for field, part in images]
@@ -471,7 +479,10 @@ class Frontend:
         if self.metrics is not None and pending:
             self.metrics.frontend_image_cpu_seconds.observe(image_cpu_seconds / len(pending))
         hits = len(pending) - len(decoded)  # from the cache, or a repeat of an image earlier in the request
-        template_ids = self._tokenize(messages, add_generation_prompt, continue_final_message)
+        return pending, processed, decoded, hits, image_cpu_seconds
+
+    def _prompt(self, template_ids: list[int], media, context: int) -> ProcessedPrompt:
+        pending, processed, decoded, hits, image_cpu_seconds = media
         token_ids, features = self._expand(template_ids, processed)
         admission.check_prompt_fits("messages", len(token_ids), 1, context)
         videos = sum(1 for f in features if f.modality is Modality.VIDEO)
@@ -487,6 +498,63 @@ class Frontend:
             [p.field for p in pending],
             videos,
         )
+
+    def process_live(self, turns, *, first: bool, tenant: str = "", reserve_tokens: int = 1, context=None):
+        """A live session's turn (``scheduler_svc/live_sessions.py``): its new messages' tokens as the chat template
+        renders them after an earlier assistant turn, with the template's prefix (its default system prompt, or the
+        turn's own system message) ahead of them on the ``first`` turn. Returns ``(ProcessedPrompt, turn_start,
+        extent, close_ids)``: where the messages begin, their position span under the model's rule (the next token
+        after them sits at ``extent``), and the template's end of an assistant turn."""
+        context = self.max_model_len if context is None else context
+        for i, turn in enumerate(turns):
+            if turn.role != "user" and not (first and i == 0 and turn.role == "system"):
+                raise InvalidArgument(
+                    f"messages[{i}].role={turn.role!r}: a live session's turn sends only user messages (the first "
+                    "turn may start with a system message); the server holds the answers",
+                    field=f"messages[{i}].role",
+                )
+        messages, images = self._collect(turns)
+        media = self._media(images, tenant, context, reserve_tokens)
+        prefix_text, turn_text, close_text = self._live_texts(messages, first)
+        tokenizer = self._thread_tokenizer()
+        prefix_ids = tokenizer(prefix_text)["input_ids"] if prefix_text else []
+        processed = self._prompt(prefix_ids + tokenizer(turn_text)["input_ids"], media, context)
+        self._count("prompts_tokenized", 1)
+        if self.uses_mrope:
+            _, delta = mrope_positions(processed.token_ids, processed.mm_features, **self._rope_kwargs)
+            extent = delta + len(processed.token_ids)
+        else:
+            extent = len(processed.token_ids)
+        return processed, len(prefix_ids), extent, tokenizer(close_text)["input_ids"]
+
+    def _live_texts(self, messages: list[dict], first: bool) -> tuple[str, str, str]:
+        """(prefix, the messages, the end of an assistant turn) as the chat template renders them: the messages
+        are what rendering them after a user and an assistant turn adds, the end is what follows an assistant
+        message's text. Refuses a template that does not render a conversation as the concatenation of its turns."""
+        render = self.processor.apply_chat_template
+        user = {"role": "user", "content": [{"type": "text", "text": "\x01"}]}
+        answer = {"role": "assistant", "content": [{"type": "text", "text": "\x02"}]}
+        before = render([user, answer], tokenize=False)
+        users = [m for m in messages if m["role"] == "user"]
+        after = render([user, answer, *users], tokenize=False, add_generation_prompt=True)
+        end = before.rfind("\x02")
+        if not after.startswith(before) or end < 0:
+            raise FailedPrecondition(
+                "this model's chat template does not render turns one after another; live sessions need one",
+                field="live",
+            )
+        turn_text, close_text = after[len(before) :], before[end + 1 :]
+        prefix_text = ""
+        if first:
+            whole = render(messages, tokenize=False, add_generation_prompt=True)
+            if not whole.endswith(turn_text):
+                raise FailedPrecondition(
+                    "this model's chat template renders a first turn differently from a later one; live sessions "
+                    "need it to render turns one after another",
+                    field="live",
+                )
+            prefix_text = whole[: len(whole) - len(turn_text)]
+        return prefix_text, turn_text, close_text
 
     def process_text(self, prompt: str, *, reserve_tokens: int = 1, context: int | None = None) -> ProcessedPrompt:
         """A plain text prompt (the OpenAI completions API) -> its token ids, tokenized as is: no chat template, no

@@ -25,6 +25,8 @@ _HTTP = {
     Status.PERMISSION_DENIED: (403, "permission_error"),
     Status.NOT_FOUND: (404, "not_found_error"),
     Status.ALREADY_EXISTS: (409, "conflict_error"),
+    Status.ABORTED: (409, "conflict_error"),
+    Status.OUT_OF_RANGE: (400, "invalid_request_error"),
     Status.CANCELLED: (499, "cancelled"),
     Status.INTERNAL: (500, "server_error"),
     Status.UNAVAILABLE: (503, "service_unavailable_error"),

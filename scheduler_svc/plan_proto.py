@@ -38,6 +38,13 @@ def new_request_to_proto(data: NewRequestData) -> worker_pb2.NewRequest:
         num_computed_tokens=data.num_computed_tokens,
         num_scheduled_tokens=data.num_scheduled_tokens,
         num_output_tokens=data.num_output_tokens,
+        live=None
+        if data.live is None
+        else worker_pb2.LiveContext(
+            positions_from=data.num_computed_tokens,
+            position_offset=data.live.position_offset,
+            kv_moves=[worker_pb2.KvMove(src=a, dst=b, count=c) for a, b, c in data.live.kv_moves],
+        ),
     )
 
 

@@ -118,6 +118,7 @@ class Request:
         self.block_hashes: list[BlockHash] = []  # hashes of the full blocks of all_token_ids, extended lazily
         self.hash_item_cursor = 0  # first item that may overlap the next block to hash
         self.admitted_once = False  # whether usage.cached_tokens has been recorded
+        self.live = None  # a live session's turn: its live_sessions.LiveTurn (never hashed, cached or recomputed)
         self.reset_progress()
 
     def reset_progress(self) -> None:

@@ -249,3 +249,24 @@ def check_cache_salt(salt: str) -> None:
         raise InvalidArgument(
             f"cache_salt has {len(salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}", field="cache_salt"
         )
+
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveSpec:
+    """``GenerateRequest.live``: the session a turn continues (``scheduler_svc/live_sessions.py``)."""
+
+    session_id: str
+    keep_turns: int  # 0: the server's default
+    close: bool
+
+
+def parse_live(msg) -> LiveSpec:
+    if not _SESSION_ID.fullmatch(msg.session_id):
+        raise InvalidArgument(
+            f"live.session_id={msg.session_id[:40]!r} must be 1-128 characters of letters, digits and ._:-",
+            field="live.session_id",
+        )
+    return LiveSpec(msg.session_id, int(msg.keep_turns), bool(msg.close))

@@ -58,6 +58,7 @@ from scheduler_svc import admission
 from scheduler_svc.config import SchedulerConfig, context_length
 from scheduler_svc.inputs import GroupBudget, StepOutcome
 from scheduler_svc.kv_cache import KVCacheManager
+from scheduler_svc.live_sessions import LiveSessions
 from scheduler_svc.poison import PoisonIsolator
 from scheduler_svc.request import FinishReason, Request, RequestStatus, validate_sampling
 from scheduler_svc.step_plan import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
@@ -107,6 +108,8 @@ class Scheduler:
         self._outstanding: StepPlan | None = None
         self.num_preemptions = 0
         self.isolator = PoisonIsolator()
+        self._deferred: list[RequestUpdate] = []  # live turns failed inside schedule(): take_deferred_updates()
+        self.live: LiveSessions | None = None
         self._apply_group(group)
 
     def _apply_group(self, group: GroupBudget) -> None:
@@ -129,6 +132,15 @@ class Scheduler:
         self.kv = KVCacheManager(self.kv_blocks, cfg.block_size, events=self.kv_events)
         if old is not None:  # the counters are cumulative across reconnects
             self.kv.query_tokens, self.kv.hit_tokens = old.query_tokens, old.hit_tokens
+        if self.live is not None:
+            self.live.drop_all(free=False)  # their blocks were in the old pool
+        self.live = LiveSessions(
+            self.kv,
+            max_sessions=cfg.max_live_sessions,
+            idle_seconds=cfg.live_session_idle_seconds,
+            max_turns=cfg.max_live_turns,
+            max_positions=self.max_model_len,
+        )
         self.decider = TransferDecider(
             cfg.transfer_mode,
             self.uses_mrope,
@@ -244,6 +256,7 @@ class Scheduler:
                 f"step {self._outstanding.step_id} is still in flight: call update_from_output() or recover() first"
             )
         kv, decider, bs = self.kv, self.decider, self.config.block_size
+        self.live.expire()
         decider.begin_step()
         budget = self.config.max_num_batched_tokens
         finished_ids, self._pending_finished = self._pending_finished, []
@@ -266,6 +279,8 @@ class Scheduler:
                 i += 1
                 continue  # its next item's encoder work does not fit this step; it waits, holding its blocks
             while not kv.can_allocate(r.request_id, start + n):
+                if self.live.close_idle_one():
+                    continue  # an idle live session's blocks come back before any running request is preempted
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -288,14 +303,19 @@ class Scheduler:
                 break  # the isolated suspect is running, or was just scheduled: nothing joins it
             if r.request_id in finished_ids:
                 break  # the ranks drop the finished request of the same id with this step; admit it next step
-            prefix = kv.find_prefix(r)
-            computed = len(prefix) * bs
+            if r.live is not None:  # the session's retained KV, never looked up in the prefix cache
+                prefix, computed = r.live.blocks, r.live.computed
+            else:
+                prefix = kv.find_prefix(r)
+                computed = len(prefix) * bs
             decider.place_cursor(r, computed)
             window = decider.plan_window(r, computed, computed + min(r.num_tokens - computed, budget))
             n = window.end - computed
             if n <= 0 or not decider.admission_fits(r):
                 break  # FCFS: wait for room rather than let later requests overtake
             appended = kv.allocate(r.request_id, computed + n, prefix)
+            if appended is None and self.live.close_idle_one():
+                continue  # an idle live session gave its blocks back: try the head again
             if appended is None:
                 break  # out of blocks: FCFS, the head waits and nothing overtakes it
             self.waiting.remove(r)  # the head, unless an isolated suspect is taken out of turn
@@ -318,8 +338,11 @@ class Scheduler:
                     computed,
                     n,
                     r.num_output_tokens,
+                    None if r.live is None else r.live.context,
                 )
             )
+            if r.live is not None:
+                r.live.admitted = True
             r.num_tokens_told = r.num_tokens
             scheduled.append((r, n))
             budget -= n
@@ -364,7 +387,11 @@ class Scheduler:
         return plan
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: free everything, requeue at the front; it is resumed as a new request."""
+        """Recompute preemption: free everything, requeue at the front; it is resumed as a new request. A live turn
+        cannot be recomputed (its session's evicted KV is gone): it fails, and its session closes."""
+        if request.live is not None:
+            self._fail_live(request, "the KV pool ran out of blocks", Status.RESOURCE_EXHAUSTED, told=False)
+            return
         self.decider.release(request, ended=False)
         self.kv.free(request.request_id)
         request.reset_progress()
@@ -372,6 +399,37 @@ class Scheduler:
         request.usage.preemptions += 1
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+
+    def _fail_live(self, r: Request, why: str, status: Status, *, told: bool) -> RequestUpdate:
+        """Ends a live turn that cannot go on (out of blocks, group lost): ERROR, its session closed. ``told``:
+        the caller does not already tell the ranks to drop it."""
+        if r.status is RequestStatus.RUNNING:
+            self.decider.release(r)
+        self.kv.free(r.request_id)
+        if r in self.running:
+            self.running.remove(r)
+        if told:
+            self._pending_finished.append(r.request_id)
+        r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.ERROR
+        self._requests.pop(r.request_id, None)
+        self.isolator.forget(r.request_id)
+        self.live.finish(r, ok=False)
+        update = RequestUpdate(
+            r.request_id,
+            [],
+            None,
+            finished=FinishReason.ERROR,
+            usage=r.usage,
+            error=f"live session {r.live.session.key[1]!r} closed: {why}; a live turn is not recomputed",
+            error_status=status,
+        )
+        self._deferred.append(update)
+        return update
+
+    def take_deferred_updates(self) -> list[RequestUpdate]:
+        """Final updates of live turns that ``schedule`` failed (call after it; the engine delivers them)."""
+        out, self._deferred = self._deferred, []
+        return out
 
     # --- results in ---------------------------------------------------------------------------------------------
     def update_from_output(self, plan: StepPlan, outcome: StepOutcome) -> list[RequestUpdate]:
@@ -407,7 +465,8 @@ class Scheduler:
             if r.request_id in spoiled:
                 continue  # failed with its image above: its step's progress is void
             r.num_computed_tokens += n
-            self.kv.cache_full_blocks(r)
+            if r.live is None:
+                self.kv.cache_full_blocks(r)
             self.decider.advance(r)
             if r.request_id not in expected:
                 continue  # a prefill chunk: nothing sampled
@@ -485,6 +544,8 @@ class Scheduler:
 
     def _finish(self, r: Request, reason: FinishReason) -> None:
         self.decider.release(r)  # what it abandons goes to its Usage
+        if r.live is not None:  # before its blocks are freed: the session takes them over
+            self.live.finish(r, ok=reason in (FinishReason.STOP, FinishReason.LENGTH))
         self.kv.free(r.request_id)
         self.running.remove(r)
         self._pending_finished.append(r.request_id)
@@ -508,6 +569,8 @@ class Scheduler:
             r.status, r.finish_reason = RequestStatus.FINISHED, reason
             del self._requests[r.request_id]
             self.isolator.forget(r.request_id)
+            if r.live is not None:
+                self.live.finish(r, ok=False)  # never admitted: the session is as before
         return RequestUpdate(r.request_id, [], None, finished=reason, usage=r.usage, error=error)
 
     # --- group loss -------------------------------------------------------------------------------------------
@@ -542,6 +605,13 @@ class Scheduler:
                     )
                 )
         self._outstanding = None
+        for r in [r for r in (*self.running, *self.waiting) if r.live is not None]:
+            if r in self.waiting:
+                self.waiting.remove(r)
+            # the ranks' KV is gone with the group: a live turn cannot go on, nor its session
+            poisoned.append(self._fail_live(r, "the worker group restarted", Status.UNAVAILABLE, told=False))
+        self._deferred = [u for u in self._deferred if all(u is not p for p in poisoned)]
+        self.live.drop_all()
         for r in self.running:
             self.kv.free(r.request_id)
             r.reset_progress()

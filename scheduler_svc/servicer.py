@@ -85,6 +85,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             add_generation_prompt=not request.continue_final_message,
             continue_final_message=request.continue_final_message,
             affinity=affinity_key.client_key(metadata.get),
+            live=request_parsing.parse_live(request.live) if request.HasField("live") else None,
         )
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -178,6 +179,9 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
                 queue_time=timedelta(seconds=summary.queue_seconds),
             ),
         )
+        state = completion.live.state if completion.live is not None else None
+        if state is not None:
+            final.live.CopyFrom(generation_pb2.LiveSessionState(**state))
         if result.error is not None:
             final.error.grpc_code = grpc_code(result.error).value[0]
             final.error.message = result.error.message

@@ -56,6 +56,15 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-hit tokens, block aligned; the ranks gather their KV on admission
     num_scheduled_tokens: int  # tokens to compute this step, from num_computed_tokens on
     num_output_tokens: int  # of prompt_token_ids, how many were generated (seeds the sampling index)
+    live: LiveContext | None = None  # a live session's turn: where its positions start, its KV moves
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveContext:
+    """What the ranks need of a live session's turn (``scheduler_svc/live_sessions.py``)."""
+
+    position_offset: int  # the position of the turn's first computed token (its text row)
+    kv_moves: tuple[tuple[int, int, int], ...] = ()  # (src, dst, count) in the request's own token indices
 
 
 @dataclasses.dataclass

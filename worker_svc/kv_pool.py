@@ -40,3 +40,17 @@ class KVPool:
     def rows(self, layer: int, kind: int) -> torch.Tensor:
         """Keys (``kind`` 0) or values (1) of ``layer`` as ``[kv_heads, num_blocks * block_size, head_dim]`` (a view)."""
         return self.data[layer, kind].view(self.kv_heads, self.num_blocks * self.block_size, self.head_dim)
+
+    def move(self, block_ids, src: int, dst: int, count: int) -> None:
+        """Copies the KV of tokens ``[src, src + count)`` of a block table to tokens ``[dst, dst + count)`` of the
+        same table, every layer and head (a live session's compaction; the rows are read before any is written,
+        so the ranges may overlap)."""
+        bs = self.block_size
+        table = torch.as_tensor(list(block_ids), dtype=torch.long)
+
+        def rows(first: int) -> torch.Tensor:
+            t = torch.arange(first, first + count)
+            return table[t // bs] * bs + t % bs
+
+        view = self.data.view(self.num_layers, 2, self.kv_heads, self.num_blocks * bs, self.head_dim)
+        view[:, :, :, rows(dst)] = view[:, :, :, rows(src)]

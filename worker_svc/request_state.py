@@ -13,9 +13,9 @@ import torch
 
 from common import item_proto
 from common.ids import ItemId, RequestId
+from common.mrope import mrope_positions, mrope_positions_for_window
 from common.multimodal import MultiModalFeatureSpec
 from mmcast.v1 import multimodal_pb2, worker_pb2
-from worker_svc.mrope import mrope_positions, mrope_positions_for_window
 from worker_svc.sampling import SamplingParams
 from worker_svc.step_errors import StepError, code
 
@@ -35,11 +35,24 @@ class RequestState:
     sampling: SamplingParams
     blocks_in_pool: int  # leading blocks complete in the pool (recorded in the session's written set)
     embed_positions: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # item index -> positions
+    positions_from: int = 0  # a live turn: tokens before it are retained KV, their positions never computed here
+    kv_moves: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # a live turn's (src, dst, count)
 
     def window_positions(self, start: int, end: int) -> torch.Tensor:
         """Positions of tokens ``[start, end)``: sliced from the prompt's, continued by ``delta`` past it."""
-        if self.positions.shape[0] == 1:
-            return torch.arange(start, end).reshape(1, -1)
+        if start < self.positions_from:
+            raise StepError(
+                code.STATE_MISMATCH,
+                f"request {self.request_id}: window from {start} reaches into the live session's retained tokens "
+                f"(positions start at {self.positions_from})",
+                self.request_id,
+            )
+        if self.positions.shape[0] == 1:  # 1-D RoPE: the prompt's positions, then index + delta
+            n = self.positions.shape[1]
+            if end <= n:
+                return self.positions[:, start:end]
+            tail = (torch.arange(max(start, n), end) + self.delta).reshape(1, -1)
+            return torch.cat([self.positions[:, start:], tail], 1) if start < n else tail
         return mrope_positions_for_window(self.positions, start, end, self.delta)
 
     def overlapping(self, start: int, end: int) -> list[int]:
@@ -112,7 +125,13 @@ def check_prefix_written(state: RequestState, written: set[int], block_size: int
     of the same stream wrote (the scheduler's prefix cache registers a block only after the step that computed it).
     A new stream starts with none, so no stream reads KV another stream left in the pool."""
     rid = state.request_id
-    for index, block in enumerate(state.block_ids[: state.num_computed // block_size]):
+    indices = range(state.num_computed // block_size)
+    if state.positions_from or state.kv_moves:  # a live turn reads its partial last block and its move sources too
+        reads = {t // block_size for src, _, count in state.kv_moves for t in (src, src + count - 1)}
+        top = max(reads, default=0)
+        indices = sorted(set(range(-(-state.num_computed // block_size))) | set(range(min(reads, default=0), top + 1)))
+    for index in indices:
+        block = state.block_ids[index]
         if block not in written:
             raise StepError(
                 code.STATE_MISMATCH,
@@ -146,7 +165,10 @@ def admit(
     check_tokens(prompt, vocab_size, f"{where}.prompt_token_ids", rid)
     check_blocks(msg.block_ids, num_blocks, f"{where}.block_ids", rid)
     computed = msg.num_computed_tokens
-    if computed % block_size or computed >= n:
+    live = msg.HasField("live")
+    if live:
+        _check_live(msg, n, computed, len(msg.block_ids) * block_size)
+    elif computed % block_size or computed >= n:
         raise StepError(
             code.STATE_MISMATCH,
             f"{where}.num_computed_tokens={computed} must be a multiple of block_size {block_size} and below the "
@@ -174,13 +196,26 @@ def admit(
                 rid,
                 f.identifier,
             )
+    start = computed if live else 0
+    offset = msg.live.position_offset if live else 0
+    if live and any(f.mm_position.offset < start for f in features):
+        raise StepError(code.STATE_MISMATCH, f"{where}: an item lies in the live session's retained tokens", rid)
+    shifted = [f.shifted(-start) for f in features]
     if rope_kwargs is None:
-        positions, delta = torch.arange(num_prompt).reshape(1, -1), 0
+        tail, tail_delta = torch.arange(num_prompt - start).reshape(1, -1), 0
     else:
         try:
-            positions, delta = mrope_positions(prompt[:num_prompt], features, **rope_kwargs)
+            tail, tail_delta = mrope_positions(prompt[start:num_prompt], shifted, **rope_kwargs)
         except ValueError as exc:
             raise StepError(code.STATE_MISMATCH, f"{where}: M-RoPE positions: {exc}", rid) from None
+    if start or offset:
+        # A live turn: its own tokens' positions from the model's rule, after the session's; the retained tokens'
+        # columns stay zero (their KV already holds their positions; window_positions refuses to read them).
+        positions = torch.zeros((tail.shape[0], num_prompt), dtype=torch.long)
+        positions[:, start:] = tail + offset
+        delta = tail_delta + offset - start
+    else:
+        positions, delta = tail, tail_delta
     return RequestState(
         request_id=RequestId(rid),
         token_ids=prompt,
@@ -194,7 +229,34 @@ def admit(
         num_output_tokens=msg.num_output_tokens,
         sampling=sampling_from_proto(msg.sampling, rid, vocab_size=vocab_size),
         blocks_in_pool=computed // block_size,
+        positions_from=start,
+        kv_moves=[(m.src, m.dst, m.count) for m in msg.live.kv_moves] if live else [],
     )
+
+
+def _check_live(msg: worker_pb2.NewRequest, n: int, computed: int, capacity: int) -> None:
+    """A live turn's context: positions start at its first computed token, the offset is a position, and every
+    move copies rows of its own table leftwards into the retained part."""
+    rid, where = msg.request_id, f"new_requests[{msg.request_id}].live"
+    if msg.num_output_tokens:
+        raise StepError(code.STATE_MISMATCH, f"{where}: a live turn is never resumed (num_output_tokens > 0)", rid)
+    if computed >= n or msg.live.positions_from != computed:
+        raise StepError(
+            code.STATE_MISMATCH,
+            f"{where}.positions_from={msg.live.positions_from} must equal num_computed_tokens={computed}, below the "
+            f"prompt length {n}",
+            rid,
+        )
+    if msg.live.position_offset < 0 or msg.live.position_offset >= 2**40:
+        raise StepError(code.OUT_OF_RANGE, f"{where}.position_offset={msg.live.position_offset} is not a position", rid)
+    for k, m in enumerate(msg.live.kv_moves):
+        if not (m.count >= 1 and m.dst < m.src and m.dst + m.count <= computed and m.src + m.count <= capacity):
+            raise StepError(
+                code.STATE_MISMATCH,
+                f"{where}.kv_moves[{k}]=({m.src}, {m.dst}, {m.count}) must copy >= 1 rows leftwards into the "
+                f"{computed} retained tokens, from inside the block table ({capacity} rows)",
+                rid,
+            )
 
 
 def item_ids(state: RequestState) -> list[ItemId]:

@@ -33,6 +33,7 @@ import torch
 
 from common import model_checks
 from common.families import family_of
+from common.mrope import uses_mrope
 from common.multimodal import (
     ENCODED_FIELD,
     FRAME_INDICES_FIELD,
@@ -43,7 +44,6 @@ from common.multimodal import (
 )
 from worker_svc import cpu_linear, kv_pool, kv_replication, kv_sizing, paged_attention, patch_conv
 from worker_svc.config import WorkerConfig
-from worker_svc.mrope import uses_mrope
 
 log = logging.getLogger(__name__)
 

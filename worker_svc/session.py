@@ -208,6 +208,8 @@ class Session:
         for state in checked.new:
             self.requests[state.request_id] = state
             self._register(state)
+            for src, dst, count in state.kv_moves:  # a live turn's compaction, before any forward of the step
+                self.runner.pool.move(state.block_ids, src, dst, count)
         for state, delta in checked.running:
             state.token_ids.extend(delta.new_token_ids)
             state.num_output_tokens += len(delta.new_token_ids)
@@ -349,6 +351,8 @@ class Session:
         for (state, _start, end), row in zip(windows, logits.rows, strict=True):
             state.num_computed = end
             full = end // r.block_size  # blocks now complete in the pool: a later request's prefix may read them
+            if state.positions_from or state.kv_moves:
+                full = -(-end // r.block_size)  # a live session's next turn also reads its partial last block
             self.written.update(state.block_ids[state.blocks_in_pool : full])
             state.blocks_in_pool = max(state.blocks_in_pool, full)
             if row is not None and self.rank == 0:

@@ -11,7 +11,7 @@ the wire stay the same (docs/ARCHITECTURE.md §2.8):
 - ``image_tokens`` / ``image_grid`` / ``grid_tokens``: the header-only frontend's rules, image size -> the
   placeholder count and the grid the processor will produce, and a processed grid -> its placeholder count;
 - ``uses_mrope`` / ``rope_kwargs``: whether positions are M-RoPE (then a stripped item keeps its ``keep_on_cpu``
-  grids, which positions need, and ``worker_svc.mrope.mrope_positions`` takes these parameters); otherwise
+  grids, which positions need, and ``common.mrope.mrope_positions`` takes these parameters); otherwise
   positions are 1-D (``arange``) and a prefix-covered item keeps no field at all;
 - ``grid_problem`` / ``pixel_problem``: the rank's shape checks of an item before the encoder runs;
 - ``encode``: the vision tower's call, giving one row per placeholder token (``row_width`` values a row);
@@ -174,7 +174,7 @@ def family_named(name: str) -> Family:
 # --- whether positions are M-RoPE: the one rule the scheduler and the ranks share ---------------------------------
 # The answer decides two things that must agree across processes: the scheduler keeps the ``keep_on_cpu`` fields
 # (grids) of every stripped item only for M-RoPE models (``strip_covered_mm_data(..., uses_mrope=...)``), and a
-# rank computes whole-prompt positions from those grids only for M-RoPE models (``worker_svc.mrope``). Decided
+# rank computes whole-prompt positions from those grids only for M-RoPE models (``common.mrope``). Decided
 # twice with different rules, a model where they disagreed would reach the ranks with stripped items that lack
 # the grids their positions need. Both sides therefore call :func:`uses_mrope` on the same ``config.json``.
 #

@@ -6,7 +6,7 @@ inputs, the checkpoint's own tensor-parallel plan.
 - Header rule: ``smart_resize(h, w, patch * merge, min/max pixels)`` then one patch row per ``patch`` pixels.
 - After a prefix hit a stripped item keeps its ``keep_on_cpu`` grids (``image_grid_thw``, ``video_grid_thw``,
   ``second_per_grid_ts``): the positions of every later token depend on them.
-- Positions: ``worker_svc.mrope`` (transformers 5.x's ``get_rope_index``); Qwen2-VL steps video frames by 1,
+- Positions: ``common.mrope`` (transformers 5.x's ``get_rope_index``); Qwen2-VL steps video frames by 1,
   Qwen2.5-VL by ``tokens_per_second * second_per_grid_t``.
 - Encoder: ``model.model.get_image_features`` / ``get_video_features``, whose ``pooler_output`` holds the merged rows;
   they replace the placeholder embeddings and nothing else.

@@ -10,7 +10,7 @@ decoder tensor-parallel plan of its own.
   keeps its ``keep_on_cpu`` grid. A video is one item whose placeholder range holds, per temporal patch, the
   processor's ``<t seconds>`` text, a vision start, the patch's placeholders and a vision end; ``is_embed`` marks
   the placeholders, and positions treat each temporal patch as its own ``(1, h, w)`` block with the text between
-  (5.24's ``get_rope_index`` splits the video's grid the same way; ``worker_svc/mrope.py``).
+  (5.24's ``get_rope_index`` splits the video's grid the same way; ``common/mrope.py``).
 - Encoder: ``get_image_features`` (``get_video_features`` for a video, the same tower) gives the merged rows (``pooler_output``) and one DeepStack row set per level of
   ``vision_config.deepstack_visual_indexes``. A row here is ``[merged | level 0 | level 1 | ...]``
   (``row_width = hidden * (1 + levels)``), so the encoder cache, the owner rank's broadcast over the group and the

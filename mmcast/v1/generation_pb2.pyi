@@ -115,18 +115,46 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "sampling", "cache_salt", "continue_final_message")
+    __slots__ = ("request_id", "messages", "sampling", "cache_salt", "continue_final_message", "live")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     cache_salt: str
     continue_final_message: bool
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    live: LiveSession
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., live: _Optional[_Union[LiveSession, _Mapping]] = ...) -> None: ...
+
+class LiveSession(_message.Message):
+    __slots__ = ("session_id", "keep_turns", "close")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_TURNS_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    keep_turns: int
+    close: bool
+    def __init__(self, session_id: _Optional[str] = ..., keep_turns: _Optional[int] = ..., close: _Optional[bool] = ...) -> None: ...
+
+class LiveSessionState(_message.Message):
+    __slots__ = ("session_id", "turns", "tokens", "evicted_turns", "next_position", "closed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TURNS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    turns: int
+    tokens: int
+    evicted_turns: int
+    next_position: int
+    closed: bool
+    def __init__(self, session_id: _Optional[str] = ..., turns: _Optional[int] = ..., tokens: _Optional[int] = ..., evicted_turns: _Optional[int] = ..., next_position: _Optional[int] = ..., closed: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs")
@@ -201,20 +229,22 @@ class GenerateError(_message.Message):
     def __init__(self, grpc_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GenerateFinal(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timings", "request_id", "stop_reason", "error")
+    __slots__ = ("finish_reason", "usage", "timings", "request_id", "stop_reason", "error", "live")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
     request_id: str
     stop_reason: str
     error: GenerateError
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., stop_reason: _Optional[str] = ..., error: _Optional[_Union[GenerateError, _Mapping]] = ...) -> None: ...
+    live: LiveSessionState
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., stop_reason: _Optional[str] = ..., error: _Optional[_Union[GenerateError, _Mapping]] = ..., live: _Optional[_Union[LiveSessionState, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "final")

@@ -162,7 +162,7 @@ class WorkerSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "mm_items", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "num_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "mm_items", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "num_output_tokens", "live")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class NewRequest(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     mm_items: _containers.RepeatedCompositeFieldContainer[_multimodal_pb2.MultiModalItem]
@@ -179,7 +180,28 @@ class NewRequest(_message.Message):
     num_computed_tokens: int
     num_scheduled_tokens: int
     num_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_items: _Optional[_Iterable[_Union[_multimodal_pb2.MultiModalItem, _Mapping]]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    live: LiveContext
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_items: _Optional[_Iterable[_Union[_multimodal_pb2.MultiModalItem, _Mapping]]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., live: _Optional[_Union[LiveContext, _Mapping]] = ...) -> None: ...
+
+class LiveContext(_message.Message):
+    __slots__ = ("positions_from", "position_offset", "kv_moves")
+    POSITIONS_FROM_FIELD_NUMBER: _ClassVar[int]
+    POSITION_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    KV_MOVES_FIELD_NUMBER: _ClassVar[int]
+    positions_from: int
+    position_offset: int
+    kv_moves: _containers.RepeatedCompositeFieldContainer[KvMove]
+    def __init__(self, positions_from: _Optional[int] = ..., position_offset: _Optional[int] = ..., kv_moves: _Optional[_Iterable[_Union[KvMove, _Mapping]]] = ...) -> None: ...
+
+class KvMove(_message.Message):
+    __slots__ = ("src", "dst", "count")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    count: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class RunningRequest(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "new_block_ids", "num_computed_tokens", "num_scheduled_tokens")

@@ -16,6 +16,13 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 
+from common.mrope import (
+    decode_positions,
+    mrope_positions,
+    mrope_positions_for_window,
+    rope_index_kwargs,
+    uses_mrope,
+)
 from common.multimodal import (
     FieldKind,
     Modality,
@@ -25,13 +32,6 @@ from common.multimodal import (
     PayloadState,
     PlaceholderRange,
     strip_covered_mm_data,
-)
-from worker_svc.mrope import (
-    decode_positions,
-    mrope_positions,
-    mrope_positions_for_window,
-    rope_index_kwargs,
-    uses_mrope,
 )
 
 MERGE = 2
