@@ -170,6 +170,8 @@ class LiveSessions:
                 a = session.turns[0]
                 base, computed, moves, kept, lead = session.tokens[:a], a, (), [], []
         offset = session.next_position
+        if session.opened and not lead:
+            offset += len(session.pending)  # the dropped tail's positions are not reused
         span = len(lead) + extent
         if offset + span + max_tokens > self.max_positions:
             raise OutOfRange(
@@ -208,7 +210,7 @@ class LiveSessions:
                 del self.sessions[session.key]
             turn.state = self._state(session, turn, closed=not session.opened)
             return
-        if not ok or turn.close:
+        if not ok:
             self.close(session.key)
             turn.state = self._state(session, turn, closed=True)
             return
@@ -226,7 +228,9 @@ class LiveSessions:
         session.turns = turn.kept_turns + [turn.turn_start]
         session.next_position = turn.context.position_offset + turn.extent + computed - request.num_prompt_tokens
         session.turns_done += 1
-        turn.state = self._state(session, turn, closed=False)
+        if turn.close:
+            self.close(session.key)
+        turn.state = self._state(session, turn, closed=turn.close)
 
     @staticmethod
     def _state(session: LiveSession, turn: LiveTurn, *, closed: bool) -> dict:

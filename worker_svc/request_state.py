@@ -35,6 +35,7 @@ class RequestState:
     sampling: SamplingParams
     blocks_in_pool: int  # leading blocks complete in the pool (recorded in the session's written set)
     embed_positions: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # item index -> positions
+    live: bool = False  # a live session's turn (NewRequest.live): its partial last block is read by the next turn
     positions_from: int = 0  # a live turn: tokens before it are retained KV, their positions never computed here
     kv_moves: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # a live turn's (src, dst, count)
 
@@ -126,10 +127,11 @@ def check_prefix_written(state: RequestState, written: set[int], block_size: int
     A new stream starts with none, so no stream reads KV another stream left in the pool."""
     rid = state.request_id
     indices = range(state.num_computed // block_size)
-    if state.positions_from or state.kv_moves:  # a live turn reads its partial last block and its move sources too
-        reads = {t // block_size for src, _, count in state.kv_moves for t in (src, src + count - 1)}
-        top = max(reads, default=0)
-        indices = sorted(set(range(-(-state.num_computed // block_size))) | set(range(min(reads, default=0), top + 1)))
+    if state.live:  # a live turn reads its partial last block and its move sources too
+        reads = set(range(-(-state.num_computed // block_size)))
+        for src, _, count in state.kv_moves:
+            reads.update(range(src // block_size, (src + count - 1) // block_size + 1))
+        indices = sorted(reads)
     for index in indices:
         block = state.block_ids[index]
         if block not in written:
@@ -229,6 +231,7 @@ def admit(
         num_output_tokens=msg.num_output_tokens,
         sampling=sampling_from_proto(msg.sampling, rid, vocab_size=vocab_size),
         blocks_in_pool=computed // block_size,
+        live=live,
         positions_from=start,
         kv_moves=[(m.src, m.dst, m.count) for m in msg.live.kv_moves] if live else [],
     )

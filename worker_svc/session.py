@@ -351,7 +351,7 @@ class Session:
         for (state, _start, end), row in zip(windows, logits.rows, strict=True):
             state.num_computed = end
             full = end // r.block_size  # blocks now complete in the pool: a later request's prefix may read them
-            if state.positions_from or state.kv_moves:
+            if state.live:
                 full = -(-end // r.block_size)  # a live session's next turn also reads its partial last block
             self.written.update(state.block_ids[state.blocks_in_pool : full])
             state.blocks_in_pool = max(state.blocks_in_pool, full)

@@ -21,8 +21,8 @@ CODE_SPAN = re.compile(r"`[^`\n]*`")
 QUALIFIED = {
     "plan": ("step", "sharding", "parallel"),  # "tensor-parallel plan": the sharding plan by transformers' name
     "plans": ("step",),
-    "session": ("stream", "tls", "stateful"),  # Envoy's stateful-session filter
-    "sessions": ("stream",),
+    "session": ("stream", "tls", "stateful", "live"),  # Envoy's stateful-session filter
+    "sessions": ("stream", "live"),
 }
 WORD = re.compile(r"(?i)(?<![\w`])(plans?|sessions?)(?![\w`-])")
 
@@ -51,6 +51,7 @@ def test_the_glossary_defines_each_term_once():
         "sharding plan",
         "stream session",
         "conversation",
+        "live session",
     ):
         assert term in terms, f"the glossary lacks {term!r}"
 
