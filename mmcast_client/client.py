@@ -129,7 +129,9 @@ class Client(_core.ClientShell):
         deadline, `first_token_timeout` the first token's (defaults: the client's; module docstring). Failures raise
         `MmcastError` subclasses; one raised after the first token carries the tokens received (`token_ids`,
         `text`). `session_id`: the conversation's name for replica affinity (default: a hash of its first user
-        message); give one where many conversations open alike.
+        message); give one where many conversations open alike. `live`: this call is the next turn of the live
+        session `session_id` (True, or `{"keep_turns": k, "close": bool}`): send only the turn's new messages; the
+        server keeps the session's KV, drops its oldest turns past keep_turns, and `Result.live` says what it holds.
         """
         started = time.monotonic()
         o = self._core.generate_options(options)

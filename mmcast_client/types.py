@@ -98,6 +98,7 @@ class Result:
     queue_seconds: float = 0.0  # on the server: request received -> first scheduled
     ttft_seconds: float = 0.0  # on the client: generate() called (uploads included) -> first token received
     total_seconds: float = 0.0  # on the client: generate() called -> final message received
+    live: dict | None = None  # a live session's turn: session_id, turns, tokens, evicted_turns, next_position, closed
 
 
 @dataclasses.dataclass(frozen=True)

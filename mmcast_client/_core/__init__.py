@@ -61,6 +61,7 @@ from mmcast_client._core.request_building import (
     can_inline,
     inline_retry_error,
     inline_retry_messages,
+    live_session,
     new_request_id,
     request_messages,
     resolve_logprobs,
@@ -196,6 +197,8 @@ class ClientCore:
             cache_salt=o["cache_salt"] or "",
             continue_final_message=o["continue_final_message"],
         )
+        if o["live"]:
+            request.live.CopyFrom(live_session(o["live"], o["session_id"]))
         deadline = Deadline(timeout, first_token_timeout, start=started)
         return GenerateState(self, prepared, request, deadline, started, affinity_key(prepared, o["session_id"]))
 

@@ -59,6 +59,7 @@ class GenerateOptions(TypedDict, total=False):
     timeout: float | None | NotGiven  # the whole generation's deadline; not given: the client's
     first_token_timeout: float | None | NotGiven  # not given: the client's
     session_id: str | None  # the conversation's name for replica affinity
+    live: bool | Mapping[str, Any] | None  # a live session's turn: True, or {"keep_turns": k, "close": bool}
 
 
 def check_keywords(call: str, given: Mapping[str, Any], allowed: type) -> None:
@@ -108,6 +109,7 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "timeout": NOT_GIVEN,
     "first_token_timeout": NOT_GIVEN,
     "session_id": None,
+    "live": None,
 }
 
 

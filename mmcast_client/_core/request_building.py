@@ -194,3 +194,16 @@ def arrived_altered(error: MmcastError) -> bool:
     computed from its own bytes (the server names that field). A client stream that gRPC replays after a retryable
     failure has arrived altered this way under load; the upload is sent once more, from the start."""
     return isinstance(error, InvalidArgument) and any(v.field == "expected_sha256" for v in error.field_violations)
+
+
+def live_session(live, session_id: str | None) -> pb.LiveSession:
+    """`live=True` or `{"keep_turns": k, "close": bool}` for the session named by `session_id`."""
+    if session_id is None:
+        raise ValueError("live= needs session_id=: the live session's name")
+    options = {} if live is True else dict(live)
+    unknown = sorted(set(options) - {"keep_turns", "close"})
+    if unknown:
+        raise ValueError(f"live= takes keep_turns and close, not {unknown[0]!r}")
+    return pb.LiveSession(
+        session_id=session_id, keep_turns=int(options.get("keep_turns") or 0), close=bool(options.get("close"))
+    )

@@ -62,7 +62,13 @@ class Accumulator:
             queue_seconds=seconds(msg.timings.queue_time),
             ttft_seconds=(self.first_token_at if self.first_token_at is not None else now) - self.started,
             total_seconds=now - self.started,
+            live=_live_state(msg.live) if msg.HasField("live") else None,
         )
+
+
+def _live_state(msg: pb.LiveSessionState) -> dict:
+    fields = ("session_id", "turns", "tokens", "evicted_turns", "next_position", "closed")
+    return {name: getattr(msg, name) for name in fields}
 
 
 def no_final_error(request_id: str) -> MmcastError:

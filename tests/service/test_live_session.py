@@ -205,3 +205,27 @@ def test_live_session_refusals_leave_the_session_as_it_was(stub, oracle):
     tokens, logprobs, final = turn(stub, "cam-2", QUESTIONS[1], 2, close=True)
     assert tokens == ref.answer()[0]
     assert final.live.closed
+
+
+def test_sdk_live_turns_with_one_kept_turn(serve_local_tp2, oracle):
+    """Through the SDK (``live=``), keep_turns 1: every turn evicts all earlier turns and the last answer's tail,
+    leaving the template's prefix and the new turn at continued positions."""
+    from mmcast_client import Client
+
+    ref = Reference(oracle, 1)
+    with Client(serve_local_tp2.target) as client:
+        for k, question in enumerate(QUESTIONS[:3]):
+            ref.add_turn(question)
+            want_tokens, want_logprobs = ref.answer()
+            result = client.generate(
+                [{"role": "user", "content": question}],
+                max_tokens=N,
+                ignore_eos=True,
+                logprobs=0,
+                session_id="sdk-1",
+                live={"keep_turns": 1, "close": k == 2},
+            )
+            assert list(result.token_ids) == want_tokens, f"turn {k}"
+            assert [t.logprob for t in result.logprobs] == pytest.approx(want_logprobs, abs=LOGPROB_TOLERANCE)
+            assert result.live["evicted_turns"] == (1 if k else 0) and result.live["closed"] == (k == 2)
+            ref.take_answer(list(result.token_ids))
