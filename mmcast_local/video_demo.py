@@ -7,6 +7,10 @@
    prompt's prefix changes, so the prefix cache misses from the first segment on — yet the retained segments cost
    no payload and no encoder run, because every rank still holds their encoder outputs (keyed by identifier).
    Only the new segment's file travels, once, to the rank that encodes it.
+3. **Live stream** (live mode, ``live=``): the same stream as a live session keeping the last ``window`` turns.
+   Each turn sends only its new segment and question; the server keeps the session's KV and evicts the oldest
+   turn in place, so a turn's prefill is its own tokens only (cached tokens: the retained ones). The answers
+   differ from exact mode's: kept turns keep the KV and positions they were computed with.
 
 The table's counters are the server's usage of each request: prompt and cached tokens, TTFT, payload bytes
 broadcast (and what `full` would have broadcast), encoder runs.
@@ -71,6 +75,28 @@ def stream_turns(client, *, seed: int, turns: int, window: int, fps: float, max_
         yield turn, client.generate(messages, max_tokens=max_tokens, temperature=0.0, seed=seed)
 
 
+def live_turns(client, *, seed: int, turns: int, window: int, fps: float, max_tokens: int):
+    """The live stream as a live session: turn k sends segment k - 1 only; yields (turn, Result)."""
+    from mmcast_local.synthetic_video import stream_segment
+
+    for turn in range(1, turns + 1):
+        content = [
+            {"type": "video", "video": stream_segment(seed + 1, turn - 1), "fps": fps},
+            {"type": "text", "text": STREAM_QUESTION},
+        ]
+        yield (
+            turn,
+            client.generate(
+                [{"role": "user", "content": content}],
+                max_tokens=max_tokens,
+                temperature=0.0,
+                seed=seed,
+                session_id=f"demo-live-{seed}",
+                live={"keep_turns": window, "close": turn == turns},
+            ),
+        )
+
+
 def run_video_demo(
     client, *, turns: int, window: int = 3, fps: float = 2.0, max_tokens: int = 16, seed: int = 0, progress=None
 ) -> int:
@@ -100,6 +126,17 @@ def run_video_demo(
             f"stream: {turns + window} segments, {runs} encoder runs over the group, "
             f"{human_bytes(sent)} of payload broadcast in all"
         )
+        progress.print("")
+        progress.print(f"live stream, live mode: the same segments, one per turn; the session keeps {window} turns")
+        progress.print(f"{HEADER} {'evicted':>7} {'kept tok':>8}")
+        computed = 0
+        for turn, result in live_turns(
+            client, seed=seed, turns=turns + window, window=window, fps=fps, max_tokens=max_tokens
+        ):
+            live = result.live or {}
+            progress.print(f"{format_row(turn, result)} {live.get('evicted_turns', 0):>7} {live.get('tokens', 0):>8}")
+            computed += result.usage.prompt_tokens - result.usage.cached_tokens
+        progress.print(f"live mode: {computed} prompt tokens computed in all (exact mode recomputes each window)")
     except MmcastError as e:
         progress.clear()
         print(f"error: {e}", file=sys.stderr)
