@@ -21,6 +21,13 @@ checkpoint's ``video_preprocessor_config.json`` would say; Qwen3-VL's ``sample_f
   processor) on the file path: ``pixel_values_videos`` saved as ``<out_dir>/<i>.npy`` (float32), ``video_grid_thw``,
   ``second_per_grid_ts`` (Qwen2.5-VL), the sampled ``frames_indices``, the metadata the loader read, and with a
   prompt the ``input_ids`` of the chat turn ``[video, prompt]`` with the generation prompt (its text too).
+- ``live``: a live session (``"keep_turns"``, ``"turns"``: ``[{"video": path, "question": str}, ...]``, with the
+  request's ``options``/``attributes``), as the scheduler's live sessions define one and computed here with
+  transformers alone: each turn's new tokens (the previous answer's last token, the template's end of turn, the new
+  user message rendered by the chat template and expanded by the processor with its video) get ``get_rope_index``
+  positions over those tokens alone, offset to continue the session's; they run on transformers' own KV cache of the
+  session, from which the evicted turns' entries are cut; ``max_new_tokens`` greedy tokens and log-probabilities per
+  turn, with the retained prompt length and the next position.
 - ``generate``: the same inputs, then ``AutoModelForImageTextToText.from_pretrained(model_dir)`` greedy generation of
   exactly ``max_new_tokens`` tokens (``min_new_tokens`` keeps the end tokens away) with each token's log-probability.
 
@@ -178,6 +185,112 @@ def _generate(processor, model, case: dict, max_new_tokens: int) -> dict:
     return {"input_ids": inputs["input_ids"][0].tolist(), "text": text, "tokens": tokens, "logprobs": logprobs}
 
 
+class _LiveSession:
+    """A live session as transformers alone computes it: retained token ids, their (3, L) positions, the KV cache."""
+
+    def __init__(self, processor, model, keep_turns: int, options: dict) -> None:
+        self.processor, self.model, self.keep, self.options = processor, model, keep_turns, options
+        self.user = {"role": "user", "content": [{"type": "text", "text": "u"}]}
+        self.before = processor.apply_chat_template([self.user, {"role": "assistant", "content": "a"}], tokenize=False)
+        self.close = processor.tokenizer(self.before[self.before.rfind("a") + 1 :])["input_ids"]
+        self.tokens: list[int] = []
+        self.turns: list[int] = []  # where each kept turn starts in ``tokens``
+        self.cache = None
+        self.cached = 0  # tokens whose KV the cache holds (the last answer token is sampled, not computed)
+        self.next_position = 0  # the position of the first token not computed yet
+
+    def _rope(self, ids: list[int], out):
+        import inspect
+
+        import torch
+
+        config = self.model.config
+        input_ids = torch.tensor([ids])
+        types = torch.zeros_like(input_ids)
+        types[input_ids == config.image_token_id] = 1
+        types[input_ids == config.video_token_id] = 2
+        kwargs = {"video_grid_thw": out["video_grid_thw"]}
+        if "second_per_grid_ts" in inspect.signature(self.model.model.get_rope_index).parameters:
+            kwargs["second_per_grid_ts"] = out.get("second_per_grid_ts")
+        positions, _ = self.model.model.get_rope_index(input_ids, types, **kwargs)
+        return positions + self.next_position  # (3, 1, L)
+
+    def turn(self, video: str, question: str, n: int) -> dict:
+        import torch
+
+        render = self.processor.apply_chat_template
+        message = {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}
+        dummy = [self.user, {"role": "assistant", "content": "a"}]
+        after = render([*dummy, message], tokenize=False, add_generation_prompt=True)
+        assert after.startswith(self.before)
+        text = after[len(self.before) :]  # the new user message and the generation prompt
+        if not self.turns:
+            whole = render([message], tokenize=False, add_generation_prompt=True)
+            lead = self.processor.tokenizer(whole[: len(whole) - len(text)])["input_ids"]  # the default system prompt
+        else:
+            lead = self.close[1:] if self.tokens[-1] == self.close[0] else self.close
+            evict = len(self.turns) + 1 - self.keep
+            if evict > 0:  # the oldest turns leave the KV; the kept rows keep their positions
+                a = self.turns[0]
+                b = self.turns[evict] if evict < len(self.turns) else len(self.tokens)
+                if evict == len(self.turns):
+                    lead = []  # nothing of the previous answer stays, nor its end of turn
+                del self.tokens[a:b]
+                for layer in self.cache.layers:
+                    layer.keys = torch.cat([layer.keys[:, :, :a], layer.keys[:, :, min(b, self.cached) :]], 2)
+                    layer.values = torch.cat([layer.values[:, :, :a], layer.values[:, :, min(b, self.cached) :]], 2)
+                self.cached -= min(b, self.cached) - a
+                self.turns = [t - (b - a) for t in self.turns[evict:]]
+        out = self.processor(text=[text], videos=[video], return_tensors="pt", **self.options)
+        turn_ids = out["input_ids"][0].tolist()
+        self.turns.append(len(self.tokens) + len(lead))
+        self.tokens += lead + turn_ids
+        feed = self.tokens[self.cached :]  # the previous answer's last token, the end of turn, the new message
+        positions = self._rope(feed, out)
+        extra = {k: out[k] for k in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts") if k in out}
+        prompt_tokens, tokens, logprobs = len(self.tokens), [], []
+        with torch.no_grad():
+            for _ in range(n):
+                past = self.cache.get_seq_length() if self.cache is not None else 0
+                result = self.model(
+                    input_ids=torch.tensor([feed]),
+                    position_ids=positions,
+                    past_key_values=self.cache if self.cache is not None else _dynamic_cache(),
+                    cache_position=torch.arange(past, past + len(feed)),
+                    use_cache=True,
+                    **extra,
+                )
+                self.cache, extra = result.past_key_values, {}
+                logits = result.logits[0, -1].float()
+                token = int(logits.argmax())
+                tokens.append(token)
+                logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+                nxt = int(positions.max()) + 1
+                feed, positions = [token], torch.full((3, 1, 1), nxt, dtype=positions.dtype)
+        self.cached = len(self.tokens) + n - 1
+        self.tokens += tokens
+        self.next_position = int(positions.max())  # the last answer token's, not computed yet
+        return {
+            "tokens": tokens,
+            "logprobs": logprobs,
+            "prompt_tokens": prompt_tokens,
+            "next_position": self.next_position,
+        }
+
+
+def _dynamic_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def _live(processor, model, case: dict, max_new_tokens: int) -> dict:
+    for name, value in (case.get("attributes") or {}).items():
+        setattr(processor.video_processor, name, value)
+    session = _LiveSession(processor, model, int(case["keep_turns"]), dict(case.get("options") or {}))
+    return {"turns": [session.turn(t["video"], t["question"], max_new_tokens) for t in case["turns"]]}
+
+
 def main() -> None:
     import warnings
 
@@ -192,7 +305,7 @@ def main() -> None:
     out_dir = request.get("out_dir") or "."
     os.makedirs(out_dir, exist_ok=True)
     model = None
-    if mode == "generate":
+    if mode in ("generate", "live"):
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(request["model_dir"]).eval()
@@ -207,7 +320,9 @@ def main() -> None:
                 model_dir, AutoProcessor.from_pretrained(model_dir)
             )
         try:
-            if mode == "generate":
+            if mode == "live":
+                results.append(_live(processor, model, case, int(request.get("max_new_tokens", 4))))
+            elif mode == "generate":
                 results.append(_generate(processor, model, case, int(request.get("max_new_tokens", 4))))
             else:
                 results.append(_preprocess(processor, case, index, out_dir))

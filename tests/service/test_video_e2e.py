@@ -166,6 +166,52 @@ def test_live_stream_sends_and_encodes_each_segment_once(group, family):
     assert scrape(url, "mmcast_mm_items_total", disposition="sent", modality="video") - sent_before == len(segments)
 
 
+def test_live_session_of_video_segments(group, family, tmp_path):
+    """Live mode: each turn sends only its new segment; past keep_turns the oldest turn leaves the KV while the kept
+    ones keep their KV and positions. Every turn equals transformers alone (tests/oracle ``live``: the session's
+    tokens from the model's own processor and chat template, positions from ``get_rope_index`` over each turn's new
+    tokens continuing the session's, transformers' KV cache with the evicted rows cut out); the same turns without
+    an eviction (keep_turns 4) answer otherwise after the first eviction, so the comparison can fail."""
+    local, model_dir = group
+    segments = [make_clip(codec="h264", width=112, height=84, fps=4, seconds=1.0, seed=60 + k) for k in range(4)]
+    questions = ["What do you see?", "What is new?", "And now?", "Anything else?"]
+    served = []
+    with Client(local.target, timeout=300) as client:
+        for k, (segment, question) in enumerate(zip(segments, questions, strict=True)):
+            content = [{"type": "video", "video": segment, "fps": FPS}, {"type": "text", "text": question}]
+            r = client.generate(
+                [{"role": "user", "content": content}],
+                **GENERATE,
+                session_id=f"live-{family}",
+                live={"keep_turns": 2, "close": k == len(segments) - 1},
+            )
+            served.append(r)
+            # only the new segment travels (its file, once, to its owner rank) and is encoded
+            assert (r.usage.videos, r.usage.images_sent, r.usage.encoder_runs) == (1, 1, 1), (k, r.usage)
+            assert len(segment) <= r.usage.payload_bytes_broadcast <= len(segment) + 1024, (k, r.usage)
+            assert r.live["evicted_turns"] == (1 if k >= 2 else 0), (k, r.live)
+            if k:
+                assert 0 < r.usage.cached_tokens < r.usage.prompt_tokens, (k, r.usage)
+    call, attributes = oracle_options({"fps": FPS}, PROCESSOR[family])
+    turns = []
+    for k, segment in enumerate(segments):
+        path = tmp_path / f"segment{k}.mp4"
+        path.write_bytes(segment)
+        turns.append({"video": str(path), "question": questions[k]})
+    cases = [
+        {"keep_turns": keep, "turns": turns, "options": call, "attributes": attributes} for keep in (2, len(turns))
+    ]
+    answer = oracle({"mode": "live", "model_dir": str(model_dir), "max_new_tokens": N, "cases": cases})
+    want, unevicted = (result["turns"] for result in answer["results"])
+    for k, (r, w) in enumerate(zip(served, want, strict=True)):
+        assert mismatch(r, (w["tokens"], w["logprobs"])) is None, (
+            f"turn {k}: {mismatch(r, (w['tokens'], w['logprobs']))}"
+        )
+        assert (r.usage.prompt_tokens, r.live["next_position"]) == (w["prompt_tokens"], w["next_position"]), k
+    # negative control: the turn after the first eviction, had nothing been evicted
+    assert mismatch(served[2], (unevicted[2]["tokens"], unevicted[2]["logprobs"])) is not None
+
+
 @pytest.fixture(scope="module")
 def q25_ranks(oracle_venv, tiny_model_25_dir, tmp_path_factory):
     """Two bare Qwen2.5-VL ranks for schedulers of other settings than serve-local's defaults."""
