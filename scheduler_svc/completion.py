@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from common import tracing
+from common import penalties, tracing
 from common.errors import InvalidArgument, MmcastError, Unavailable
 from scheduler_svc import admission, affinity_key, request_parsing
 from scheduler_svc.detok import TextStream
@@ -257,6 +257,7 @@ class Completions:
             sampling = dataclasses.replace(
                 sampling, max_tokens=max(1, min(self.config.max_tokens_limit, context - prompt_tokens))
             )
+            penalties.check_min_tokens(sampling.penalties.min_tokens, sampling.max_tokens)
         prompt_field = "messages" if req.prompt is None else "prompt"
         admission.check_request_fits(prompt_field, prompt_tokens, sampling.max_tokens, context)
         salt = scoped_cache_salt(req.tenant, req.cache_salt)
