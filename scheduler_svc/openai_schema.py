@@ -77,17 +77,18 @@ class _Sampling(_Body):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=_UINT31)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1  # only 1 is served
+    n: Annotated[int, Field(ge=1, le=_UINT31)] = 1  # choices; up to --max-choices (openai_choices.py)
     ignore_eos: bool = False
     user: str | None = None  # accepted, not used
     cache_salt: str | None = None  # requests share prefix-cache blocks only when their salts are equal
-    # Accepted at their neutral value only (see _unsupported in openai_api.py):
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
-    min_tokens: int | None = None
+    # Ranges checked by common/penalties.py, as for the gRPC API:
+    presence_penalty: float | None = None  # [-2, 2]
+    frequency_penalty: float | None = None  # [-2, 2]
+    repetition_penalty: float | None = None  # (0, 1000]; vLLM's: over prompt and output tokens
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    min_tokens: Annotated[int, Field(ge=0, le=_UINT31)] | None = None  # <= max_tokens
+    best_of: Annotated[int, Field(ge=1, le=_UINT31)] | None = None  # only equal to n
+    bad_words: list[str] | None = None  # accepted empty only (see _NEUTRAL in openai_api.py)
 
 
 class ChatCompletionRequest(_Sampling):
