@@ -3,7 +3,7 @@
 ``Penalties`` travels inside the sampling parameters of every form (request_parsing.SamplingSpec, the scheduler's
 request.SamplingParams, the rank's sampling.SamplingParams) and over both protos; ``parse`` is the only place its
 ranges are checked (both doors call it through request_parsing.parse_sampling), and the rank's ``from_worker``
-only refuses what a correct scheduler never sends. worker_svc/penalties.py applies it to a step's logits.
+only refuses what a correct scheduler never sends. worker_svc/penalize.py applies it to a step's logits.
 
 The definitions are vLLM's (and OpenAI's for presence/frequency): for a token seen ``c`` times in the output so far,
 ``logit -= frequency_penalty * c + presence_penalty * (c > 0)``; for a token seen in the prompt or the output,

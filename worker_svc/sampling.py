@@ -5,7 +5,7 @@ preemption or recovery repeats exactly the draws it made before. Log-probabiliti
 model distribution (``log_softmax`` of the raw logits: vLLM's ``raw_logprobs`` mode), whatever the penalties, logit
 biases, min_tokens masking, temperature, top-k and top-p did to the draw.
 
-``sample_batch`` first applies the step's penalties and biases to the whole batch (worker_svc/penalties.py); the
+``sample_batch`` first applies the step's penalties and biases to the whole batch (worker_svc/penalize.py); the
 draw and the argmax then see the adjusted logits, the log-probabilities the raw ones. ``sample`` takes a row that is
 already adjusted, and its raw row for the log-probabilities.
 
@@ -42,7 +42,7 @@ import math
 import torch
 
 from common.penalties import NONE, Penalties
-from worker_svc import penalties as penalize
+from worker_svc import penalize
 
 _MASK63 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive indices over the seed space

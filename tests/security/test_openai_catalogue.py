@@ -93,7 +93,7 @@ CASES = [
         param="messages[0].content[0]",
     ),
     # sampling parameters
-    Case("n-2", 400, lambda: chat("hi", n=2), param="n"),
+    Case("n-over-max-choices", 400, lambda: chat("hi", n=1000), param="n"),
     Case("negative-max-tokens", 400, lambda: chat("hi", max_tokens=-1), param="max_tokens"),
     Case(
         "max-tokens-over-limit",

@@ -1,4 +1,4 @@
-"""The batched penalties (worker_svc/penalties.py, through sample_batch) against the plain definitions written here
+"""The batched penalties (worker_svc/penalize.py, through sample_batch) against the plain definitions written here
 one token at a time: vLLM's repetition penalty over prompt + output, OpenAI's presence and frequency penalties over
 the output, logit_bias added, min_tokens masking the ending tokens. Fuzzed batches mix rows with and without
 penalties, greedy and drawn, with and without log-probabilities."""
@@ -15,7 +15,7 @@ from common import penalties as penalties_mod
 from common.errors import InvalidArgument
 from common.penalties import Penalties
 from mmcast.v1 import generation_pb2, worker_pb2
-from worker_svc import penalties
+from worker_svc import penalize
 from worker_svc.sampling import SamplingError, SamplingParams, sample, sample_batch
 
 VOCAB = 50
@@ -68,7 +68,7 @@ def random_batch(rng: random.Random, n: int):
 def test_batched_penalties_equal_the_reference(seed):
     rng = random.Random(seed)
     logits, pens, indices, histories = random_batch(rng, rng.randint(1, 9))
-    got = penalties.apply(logits, pens, indices, histories)
+    got = penalize.apply(logits, pens, indices, histories)
     for i, p in enumerate(pens):
         tokens, n_prompt = histories[i]
         want = torch.tensor(reference(logits[i].tolist(), p, tokens[:n_prompt], tokens[n_prompt:]))
@@ -81,7 +81,7 @@ def test_batched_penalties_equal_the_reference(seed):
 
 def test_no_penalties_returns_the_same_tensor():
     logits = torch.randn(3, VOCAB)
-    assert penalties.apply(logits, [Penalties()] * 3, [0, 1, 2], [None] * 3) is logits
+    assert penalize.apply(logits, [Penalties()] * 3, [0, 1, 2], [None] * 3) is logits
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -132,9 +132,9 @@ def test_a_resumed_request_counts_its_regenerated_tokens_as_output():
     logits = torch.randn(1, VOCAB)
     p = Penalties(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)
     prompt, output = [1, 2, 3], [4, 4, 9]
-    running = penalties.apply(logits, [p], [3], [(prompt + output, 3)])
-    resumed = penalties.apply(logits, [p], [3], [(list(prompt + output), len(prompt + output) - len(output))])
-    wrong = penalties.apply(logits, [p], [3], [(prompt + output, 6)])  # outputs taken as prompt: differs
+    running = penalize.apply(logits, [p], [3], [(prompt + output, 3)])
+    resumed = penalize.apply(logits, [p], [3], [(list(prompt + output), len(prompt + output) - len(output))])
+    wrong = penalize.apply(logits, [p], [3], [(prompt + output, 6)])  # outputs taken as prompt: differs
     assert torch.equal(running, resumed)
     assert not torch.equal(running, wrong)
 
