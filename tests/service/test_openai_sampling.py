@@ -180,3 +180,20 @@ def test_bad_values_are_refused_naming_the_field_and_others_are_served(api, mode
         assert ok.result().usage.completion_tokens >= 1
     body = err.value.body
     assert body["param"] == param and words in body["message"], body
+
+
+def test_the_grpc_sdk_carries_the_fields_and_refuses_with_invalid_argument(serve_local_tp2):
+    from mmcast_client import Client
+    from mmcast_client.errors import InvalidArgument
+
+    messages = [{"role": "user", "content": REPEATING}]
+    with Client(serve_local_tp2.target) as sdk:
+        plain = sdk.generate(messages, max_tokens=N, ignore_eos=True)
+        token = plain.token_ids[0]
+        forced = sdk.generate(messages, max_tokens=N, ignore_eos=True, logit_bias={token + 1: 100.0})
+        assert forced.token_ids == (token + 1,) * N
+        with pytest.raises(InvalidArgument) as err:
+            sdk.generate(messages, max_tokens=N, frequency_penalty=2.5)
+        assert "sampling.frequency_penalty=2.5 must be in [-2, 2]" in str(err.value)
+        assert [v.field for v in err.value.field_violations] == ["sampling.frequency_penalty"]
+        assert sdk.generate(messages, max_tokens=N, ignore_eos=True).token_ids == plain.token_ids  # still served
