@@ -14,6 +14,7 @@ A choice that fails fails the whole answer (the others are cancelled), as a sing
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -22,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import MmcastError
 from scheduler_svc.completion import Completion, CompletionRequest
-from scheduler_svc.openai_api import SSE_HEADERS, _joined, _sse
+from scheduler_svc.openai_api import SSE_HEADERS, _ClientGone, _joined, _sse
 
 _DONE = object()  # a choice's chunks are exhausted
 
@@ -103,6 +104,7 @@ class Choices:
         finally:
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # no generator is still running when closed
             await self.close()
 
     def _error_of_any(self) -> MmcastError | None:
@@ -136,8 +138,12 @@ class Choices:
 
         try:
             await api._until_disconnect(request, collect())
+        except _ClientGone:
+            return Response(status_code=499)
         except MmcastError as err:
             return api._error(api._http_error(err, call))
+        except Exception:
+            return api._internal(call)
         err = self._error_of_any()
         if err is not None:
             return api._error(api._http_error(err, call))
@@ -174,24 +180,27 @@ class Choices:
                             "finish_reason": None,
                         }
                     )
-            async for i, chunk in self.events(first):
-                if chunk is _DONE:
-                    err = api._ended_badly(self.completions[i])
-                    if err is not None:
-                        raise err
-                    last = {"index": i, **_finish(self.completions[i]), "logprobs": None}
-                    yield event({**last, **({"delta": {}} if chat else {"text": ""})})
-                    continue
-                logprobs = self.completions[i].sampling.return_logprobs
-                if not (chunk.text or (logprobs and chunk.token_ids)):
-                    continue
-                if chat:
-                    lp = api._chat_logprobs(chunk) if logprobs else None
-                    yield event({"index": i, "delta": {"content": chunk.text}, "logprobs": lp, "finish_reason": None})
-                else:
-                    lp = api._text_logprobs([chunk], offsets[i]) if logprobs else None
-                    yield event({"index": i, "text": chunk.text, "logprobs": lp, "finish_reason": None})
-                offsets[i] += len(chunk.text)
+            async with contextlib.aclosing(self.events(first)) as events:
+                async for i, chunk in events:
+                    if chunk is _DONE:
+                        err = api._ended_badly(self.completions[i])
+                        if err is not None:
+                            raise err
+                        last = {"index": i, **_finish(self.completions[i]), "logprobs": None}
+                        yield event({**last, **({"delta": {}} if chat else {"text": ""})})
+                        continue
+                    logprobs = self.completions[i].sampling.return_logprobs
+                    if not (chunk.text or (logprobs and chunk.token_ids)):
+                        continue
+                    if chat:
+                        lp = api._chat_logprobs(chunk) if logprobs else None
+                        yield event(
+                            {"index": i, "delta": {"content": chunk.text}, "logprobs": lp, "finish_reason": None}
+                        )
+                    else:
+                        lp = api._text_logprobs([chunk], offsets[i]) if logprobs else None
+                        yield event({"index": i, "text": chunk.text, "logprobs": lp, "finish_reason": None})
+                    offsets[i] += len(chunk.text)
             if include_usage:
                 yield _sse({**envelope, "choices": [], "usage": usage(self.completions)})
         except MmcastError as exc:
