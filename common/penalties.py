@@ -9,7 +9,9 @@ The definitions are vLLM's (and OpenAI's for presence/frequency): for a token se
 ``logit -= frequency_penalty * c + presence_penalty * (c > 0)``; for a token seen in the prompt or the output,
 ``logit / repetition_penalty`` when the logit is positive, ``logit * repetition_penalty`` otherwise;
 ``logit_bias[token]`` is added to the logit; ``min_tokens`` masks the ending tokens to -inf until that many output
-tokens are out.
+tokens are out; ``bad_words`` (vLLM's rule) masks the last token of a word's token sequence whenever the output so far
+ends with the sequence's other tokens (a one-token word is always masked); each word counts as tokenized alone and,
+where that makes another sequence of the same length, with a leading space.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ PENALTY_LIMIT = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's
 MAX_REPETITION_PENALTY = 1000.0  # dividing by more flattens every seen logit to ~0: nothing left to gain
 BIAS_LIMIT = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
+MAX_BAD_WORDS = 64  # bad_words per request
+MAX_BAD_WORD_CHARS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +39,12 @@ class Penalties:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids distinct and < vocab
     min_tokens: int = 0  # output tokens before an ending token may be drawn
     masked_until_min: tuple[int, ...] = ()  # the ending tokens (EOS unless ignore_eos, stop ids); the scheduler's
+    bad_words: tuple[str, ...] = ()  # as the client sent them (1-256 characters, at most 64)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # their token sequences (``with_bad_word_ids``); what ranks use
 
     @property
     def active(self) -> bool:
-        return self.counts_output or bool(self.logit_bias) or self.min_tokens > 0
+        return self.counts_output or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_word_ids)
 
     @property
     def counts_output(self) -> bool:
@@ -49,8 +55,26 @@ class Penalties:
         """These penalties with the tokens min_tokens masks (none are needed without a minimum)."""
         return dataclasses.replace(self, masked_until_min=tuple(sorted(set(ids))) if self.min_tokens else ())
 
+    def with_bad_word_ids(self, encode) -> Penalties:
+        """These penalties with ``bad_words`` tokenized by ``encode`` (text -> ids, no special tokens)."""
+        return dataclasses.replace(self, bad_word_ids=bad_word_sequences(self.bad_words, encode))
+
 
 NONE = Penalties()
+
+
+def bad_word_sequences(words, encode) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad words: each word stripped of leading spaces, alone, and with one leading space
+    when that gives as many tokens but another first token (the word in the middle of a text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(encode(word.lstrip()))
+        spaced = tuple(encode(" " + word.lstrip()))
+        if alone:
+            out.append(alone)
+        if spaced and (not alone or (len(spaced) == len(alone) and spaced[0] != alone[0])):
+            out.append(spaced)
+    return tuple(out)
 
 
 def _in(value: float, lo: float, hi: float, *, open_lo: bool = False) -> bool:
@@ -89,13 +113,29 @@ def parse(p, *, vocab_size: int, max_tokens: int | None, where: str = "sampling"
         if value != 0.0:
             bias.append((int(token), float(value)))
     check_min_tokens(p.min_tokens, max_tokens, where)
+    _check_bad_words(p.bad_words, where)
     return Penalties(
         presence_penalty=float(p.presence_penalty),
         frequency_penalty=float(p.frequency_penalty),
         repetition_penalty=float(repetition),
         logit_bias=tuple(bias),
         min_tokens=int(p.min_tokens),
+        bad_words=tuple(p.bad_words),
     )
+
+
+def _check_bad_words(words, where: str) -> None:
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidArgument(
+            f"{where}.bad_words has {len(words)} words; the limit is {MAX_BAD_WORDS}", field=f"{where}.bad_words"
+        )
+    for i, word in enumerate(words):
+        if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+            raise InvalidArgument(
+                f"{where}.bad_words[{i}] has {len(word)} characters ({len(word.strip())} besides spaces); each word "
+                f"needs 1 to {MAX_BAD_WORD_CHARS}",
+                field=f"{where}.bad_words[{i}]",
+            )
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int | None, where: str = "sampling") -> None:
@@ -115,6 +155,8 @@ def to_worker(penalties: Penalties, msg) -> None:
     msg.logit_bias_values.extend(v for _, v in penalties.logit_bias)
     msg.min_tokens = penalties.min_tokens
     msg.min_tokens_masked_ids.extend(penalties.masked_until_min)
+    for ids in penalties.bad_word_ids:
+        msg.bad_words.add().token_ids.extend(ids)
 
 
 def from_worker(msg, *, vocab_size: int) -> Penalties:
@@ -130,6 +172,8 @@ def from_worker(msg, *, vocab_size: int) -> Penalties:
         ("logit_bias_token_ids", all(0 <= t < vocab_size for t in msg.logit_bias_token_ids)),
         ("logit_bias_token_ids", len(set(msg.logit_bias_token_ids)) == len(msg.logit_bias_token_ids)),
         ("min_tokens_masked_ids", all(0 <= t < vocab_size for t in msg.min_tokens_masked_ids)),
+        ("bad_words", len(msg.bad_words) <= 2 * MAX_BAD_WORDS),  # two sequences per word at most
+        ("bad_words", all(w.token_ids and all(0 <= t < vocab_size for t in w.token_ids) for w in msg.bad_words)),
     )
     for name, ok in checks:
         if not ok:
@@ -141,4 +185,5 @@ def from_worker(msg, *, vocab_size: int) -> Penalties:
         logit_bias=tuple(zip(msg.logit_bias_token_ids, msg.logit_bias_values, strict=True)),
         min_tokens=int(msg.min_tokens),
         masked_until_min=tuple(msg.min_tokens_masked_ids),
+        bad_word_ids=tuple(tuple(w.token_ids) for w in msg.bad_words),
     )

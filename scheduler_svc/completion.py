@@ -246,10 +246,14 @@ class Completions:
 
             # The conversation key hashes the first message's inline images: off the loop, beside the frontend.
             def work():
-                return process(), req.affinity or affinity_key.key_of(req.turns, req.prompt)
+                words = sampling.penalties.with_bad_word_ids(self.frontend.encode_words) if bad_words else None
+                return process(), req.affinity or affinity_key.key_of(req.turns, req.prompt), words
 
+            bad_words = bool(sampling.penalties.bad_words)
             f0 = time.perf_counter()
-            processed, key = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+            processed, key, words = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+            if words is not None:
+                sampling = dataclasses.replace(sampling, penalties=words)
             frontend_seconds = time.perf_counter() - f0
             tracing.set_attributes(current, prompt_tokens=len(processed.token_ids), images=len(processed.mm_features))
         prompt_tokens = len(processed.token_ids)
@@ -279,6 +283,10 @@ class Completions:
             raise Unavailable("the worker group is not connected yet; retry later", retry_after=1.0)
         if req.default_max_tokens:
             raise InvalidArgument("a live turn needs max_tokens", field=MAX_TOKENS_FIELD)
+        sampling = req.sampling
+        if sampling.penalties.bad_words:
+            words = await self.run_in_executor(sampling.penalties.with_bad_word_ids, self.frontend.encode_words)
+            sampling = dataclasses.replace(sampling, penalties=words)
         sessions = core.live
         session = sessions.reserve((req.tenant, req.live.session_id), request_id, req.live.keep_turns)
         try:
@@ -313,7 +321,7 @@ class Completions:
                 token_ids=prompt,
                 mm_features=[f.shifted(at) for f in processed.mm_features],
             )
-            request = self.make_request(request_id, whole, req.sampling, None)
+            request = self.make_request(request_id, whole, sampling, None)
             request.live = turn
             handle = self.engine.submit(request, req.received)
         except BaseException:
@@ -325,6 +333,6 @@ class Completions:
             "live turn admitted",
             extra={"request_id": request_id, "prompt_tokens": len(prompt), "cached_tokens": turn.computed},
         )
-        completion = Completion(self.engine, self.tokenizer, handle, whole, req.sampling, req.tenant, req.affinity)
+        completion = Completion(self.engine, self.tokenizer, handle, whole, sampling, req.tenant, req.affinity)
         completion.live = turn
         return completion

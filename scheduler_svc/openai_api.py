@@ -44,7 +44,6 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 _FINISH = {"stop": "stop", "length": "length"}
 # Parameters of OpenAI's API that mmcast does not implement: accepted at their neutral value only.
 _NEUTRAL = {
-    "bad_words": (None, []),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
@@ -142,6 +141,7 @@ def _penalties_into(body, p: generation_pb2.SamplingParams) -> None:
     if body.repetition_penalty is not None:
         p.repetition_penalty = body.repetition_penalty
     p.min_tokens = body.min_tokens or 0
+    p.bad_words.extend(body.bad_words or ())
     for key, value in (body.logit_bias or {}).items():
         token = int(key) if re.fullmatch(r"-?[0-9]{1,10}", key.strip()) else None
         if token is None or not -(2**31) <= token < 2**31:

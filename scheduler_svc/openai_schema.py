@@ -7,8 +7,9 @@ to mean anything at all (``n >= 1``, ``max_tokens >= 1``). The server's own limi
 
 Unknown fields are ignored, as OpenAI's API ignores them; parameters of OpenAI's API that mmcast does not implement
 are accepted at their neutral value and refused otherwise (``UNSUPPORTED``), never silently dropped. vLLM's extra
-sampling fields (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``, ``add_generation_prompt``,
-``continue_final_message``) are read as vLLM reads them.
+sampling fields (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_tokens``,
+``bad_words``, ``cache_salt``, ``add_generation_prompt``, ``continue_final_message``) are read as vLLM reads them;
+the penalties' ranges are common/penalties.py's, shared with the gRPC API.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     min_tokens: Annotated[int, Field(ge=0, le=_UINT31)] | None = None  # <= max_tokens
     best_of: Annotated[int, Field(ge=1, le=_UINT31)] | None = None  # only equal to n
-    bad_words: list[str] | None = None  # accepted empty only (see _NEUTRAL in openai_api.py)
+    bad_words: list[str] | None = None  # vLLM's: words never generated
 
 
 class ChatCompletionRequest(_Sampling):

@@ -5,7 +5,7 @@ Every operation covers all the penalized rows together: the output tokens of eve
 elementwise ``where``/subtractions over that tensor; the per-request Python work is only the gathering of its token
 ids. Rows without penalties are not touched (nor copied when no row has any).
 
-Order (vLLM's): min_tokens masking, logit_bias, repetition_penalty, frequency_penalty, presence_penalty. The
+Order (vLLM's): min_tokens and bad_words masking, logit_bias, repetition_penalty, frequency_penalty, presence_penalty. The
 counts are over the request's output tokens so far: ``token_ids[num_prompt:]`` of the rank's state, which after a
 preemption or recovery still holds the regenerated prefix as output (request_state.py takes ``num_prompt`` from
 ``NewRequest.num_output_tokens``), so a recomputed request is penalized exactly as before.
@@ -46,6 +46,7 @@ def apply(
     vocab = logits.shape[1]
 
     masked = [(r, p.masked_until_min) for r, p in enumerate(chosen) if indices[active[r]] < p.min_tokens]
+    masked += [(r, banned) for r, p in enumerate(chosen) if (banned := _banned(p, histories[active[r]]))]
     if masked:
         sub.index_put_(_pairs([r for r, _ in masked], [list(m) for _, m in masked]), torch.tensor(-math.inf))
     biased = [(r, p.logit_bias) for r, p in enumerate(chosen) if p.logit_bias]
@@ -61,6 +62,20 @@ def apply(
     if not whole:
         out[active] = sub
     return out
+
+
+def _banned(p: Penalties, history: History | None) -> list[int]:
+    """The last tokens of the bad words whose other tokens end the output so far (a loop over the words only)."""
+    if not p.bad_word_ids:
+        return []
+    tokens, num_prompt = history
+    out_len = len(tokens) - num_prompt
+    banned = []
+    for word in p.bad_word_ids:
+        k = len(word) - 1
+        if k <= out_len and (k == 0 or list(tokens[len(tokens) - k :]) == list(word[:k])):
+            banned.append(word[-1])
+    return banned
 
 
 def _penalize(rows: torch.Tensor, chosen: list[Penalties], histories: list, vocab: int) -> torch.Tensor:

@@ -198,6 +198,7 @@ class ClientCore:
                 repetition_penalty=o["repetition_penalty"],
                 logit_bias=o["logit_bias"],
                 min_tokens=o["min_tokens"],
+                bad_words=o["bad_words"],
             ),
             cache_salt=o["cache_salt"] or "",
             continue_final_message=o["continue_final_message"],

@@ -56,6 +56,7 @@ class GenerateOptions(TypedDict, total=False):
     repetition_penalty: float | None  # (0, 1000] over prompt and output tokens (None or 1: none)
     logit_bias: Mapping[int, float] | None  # token id -> bias in [-100, 100] added to its logit
     min_tokens: int  # tokens before end-of-sequence or a stop token may be drawn, <= max_tokens
+    bad_words: Sequence[str] | None  # words never generated (vLLM's rule)
     logprobs: int | None  # None: none; 0: the sampled tokens'; k: also the k most likely alternatives
     return_logprobs: bool | None  # deprecated spelling of logprobs=0
     request_id: str | None  # default: a fresh random id
@@ -111,6 +112,7 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "repetition_penalty": None,
     "logit_bias": None,
     "min_tokens": 0,
+    "bad_words": None,
     "logprobs": None,
     "return_logprobs": None,
     "request_id": None,

@@ -49,6 +49,7 @@ def sampling_params(
     repetition_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int = 0,
+    bad_words: Sequence[str] | None = None,
 ) -> pb.SamplingParams:
     """The request's sampling; only what the proto cannot carry is refused here (the server checks the ranges)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -74,6 +75,7 @@ def sampling_params(
         frequency_penalty=frequency_penalty,
         logit_bias=dict(logit_bias or {}),
         min_tokens=min_tokens,
+        bad_words=[bad_words] if isinstance(bad_words, str) else list(bad_words or ()),
     )
     if repetition_penalty is not None:
         params.repetition_penalty = repetition_penalty

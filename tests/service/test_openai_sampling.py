@@ -38,7 +38,7 @@ def hf(tiny_model_dir):
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def penalized_greedy(hf, prompt: str, n: int, *, presence=0.0, frequency=0.0, repetition=1.0):
+def penalized_greedy(hf, prompt: str, n: int, *, presence=0.0, frequency=0.0, repetition=1.0, banned=()):
     """Greedy tokens of the whole model run without a cache, each step's logits penalized by the definitions, and
     the raw log-probabilities of the chosen tokens."""
     import torch
@@ -56,6 +56,8 @@ def penalized_greedy(hf, prompt: str, n: int, *, presence=0.0, frequency=0.0, re
                 adjusted[t] = v / repetition if v > 0 else v * repetition
             for t in set(out):
                 adjusted[t] -= frequency * out.count(t) + presence
+            for t in banned:  # one-token bad words: never drawn
+                adjusted[t] = -float("inf")
             token = int(torch.argmax(adjusted))
             out.append(token)
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
@@ -90,6 +92,21 @@ def test_penalized_greedy_equals_transformers_with_the_definitions(api, model_na
     assert got.text == hf[1].decode(tokens)
     served = got.logprobs.token_logprobs  # the raw model distribution's, as documented
     assert max(abs(a - b) for a, b in zip(served, logprobs, strict=True)) < LOGPROB_TOLERANCE
+
+
+def test_bad_words_are_never_generated_and_the_rest_is_transformers_greedy(api, model_name, hf):
+    """vLLM's rule for a word: tokenized alone and with a leading space; here both are single tokens, so both are
+    masked at every step, and the answer is the model's greedy one with those two tokens removed."""
+    tokenizer = hf[1]
+    plain, _ = penalized_greedy(hf, PROMPT, N)
+    word = tokenizer.decode([plain[0]]).strip()
+    forms = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in (word, " " + word)]
+    assert all(len(f) == 1 for f in forms), forms
+    banned = {f[0] for f in forms}
+    tokens, _ = penalized_greedy(hf, PROMPT, N, banned=banned)
+    assert tokens != plain and not banned & set(tokens)
+    got = complete(api, model_name, extra_body={"ignore_eos": True, "bad_words": [word]}).choices[0]
+    assert got.text == tokenizer.decode(tokens)
 
 
 def test_logit_bias_plus_100_makes_greedy_pick_that_token(api, model_name, hf):
@@ -169,7 +186,7 @@ def test_n_choices_share_one_prefill_and_are_reproducible(api, model_name):
         (dict(extra_body={"min_tokens": 9}), "min_tokens", "<= max_tokens"),
         (dict(n=100), "n", "--max-choices"),
         (dict(n=2, best_of=3), "best_of", "must equal n"),
-        (dict(extra_body={"bad_words": ["fox"]}), "bad_words", "not supported"),
+        (dict(extra_body={"bad_words": ["fox", "  "]}), "bad_words[1]", "needs 1 to 256"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field_and_others_are_served(api, model_name, kwargs, param, words):

@@ -189,3 +189,39 @@ def test_parse_and_the_worker_proto_round_trip():
     with pytest.raises(ValueError, match="logit_bias_token_ids"):
         penalties_mod.from_worker(msg, vocab_size=VOCAB)
     assert penalties_mod.parse(_proto(), vocab_size=VOCAB, max_tokens=8) == Penalties()
+
+
+def _bad_reference(row: list[float], words, output: list[int]) -> list[float]:
+    row = list(row)
+    for word in words:
+        head = list(word[:-1])
+        if len(head) <= len(output) and (not head or output[len(output) - len(head) :] == head):
+            row[word[-1]] = -math.inf
+    return row
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bad_words_mask_the_last_token_after_the_rest(seed):
+    rng = random.Random(500 + seed)
+    n = rng.randint(1, 6)
+    logits = torch.randn(n, VOCAB)
+    pens, histories, indices, words_of = [], [], [], []
+    for _ in range(n):
+        output = [rng.randrange(4) for _ in range(rng.randint(0, 6))]  # a small alphabet: suffixes match often
+        words = tuple(tuple(rng.randrange(4) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(0, 4)))
+        pens.append(Penalties(bad_word_ids=words))
+        words_of.append(words)
+        histories.append(([9, 9] + output, 2))
+        indices.append(len(output))
+    got = penalize.apply(logits, pens, indices, histories)
+    for i in range(n):
+        want = torch.tensor(_bad_reference(logits[i].tolist(), words_of[i], histories[i][0][2:]))
+        assert torch.equal(got[i], want.float()), i
+
+
+def test_bad_word_tokenization_follows_the_leading_space_rule():
+    vocab = {"fox": [5], " fox": [6], "big dog": [1, 2], " big dog": [7, 2], "cat": [3], " cat": [3, 4]}
+    encode = vocab.__getitem__
+    got = penalties_mod.bad_word_sequences(["fox", " big dog", "cat"], encode)
+    # " fox" is another single token: kept; " cat" has another length: dropped (the word alone covers it)
+    assert got == ((5,), (6,), (1, 2), (7, 2), (3,))
