@@ -1,14 +1,16 @@
 """A step's penalties and biases (common/penalties.py) applied to its ``[batch, vocab]`` logits at once, on rank 0.
 
-Every operation covers all the penalized rows together: the output tokens of every row are counted by one
-``index_put_`` into a ``[rows, vocab]`` tensor, the prompt tokens marked by another, and the penalties are
-elementwise ``where``/subtractions over that tensor; the per-request Python work is only the gathering of its token
-ids. Rows without penalties are not touched (nor copied when no row has any).
+The work is proportional to the tokens involved, not to batch x vocabulary: every penalized row's output tokens
+become one flat list of (row, token) pairs, counted once by ``torch.unique``; the repetition penalty reads and writes
+the distinct (row, token) pairs of prompt and output with one gather and one ``index_put_``; the frequency and
+presence penalties and the logit biases are each one accumulating ``index_put_`` over their pairs, and the masks one
+``index_put_`` of -inf. The per-request Python work is only the gathering of its token ids (and, for bad words, a
+loop over its words). Rows without penalties are not touched; the logits are not copied when no row has any.
 
-Order (vLLM's): min_tokens and bad_words masking, logit_bias, repetition_penalty, frequency_penalty, presence_penalty. The
-counts are over the request's output tokens so far: ``token_ids[num_prompt:]`` of the rank's state, which after a
-preemption or recovery still holds the regenerated prefix as output (request_state.py takes ``num_prompt`` from
-``NewRequest.num_output_tokens``), so a recomputed request is penalized exactly as before.
+Order (vLLM's): min_tokens and bad_words masking, logit_bias, repetition_penalty, frequency_penalty,
+presence_penalty. The counts are over the request's output tokens so far: ``token_ids[num_prompt:]`` of the rank's
+state, which after a preemption or recovery still holds the regenerated prefix as output (request_state.py takes
+``num_prompt`` from ``NewRequest.num_output_tokens``), so a recomputed request is penalized exactly as before.
 """
 
 from __future__ import annotations
@@ -39,28 +41,19 @@ def apply(
     active = [i for i, p in enumerate(penalties) if p.active]
     if not active:
         return logits
-    out = logits.clone()
-    whole = len(active) == logits.shape[0]
-    sub = out if whole else out[active]
-    chosen = [penalties[i] for i in active]
-    vocab = logits.shape[1]
-
-    masked = [(r, p.masked_until_min) for r, p in enumerate(chosen) if indices[active[r]] < p.min_tokens]
-    masked += [(r, banned) for r, p in enumerate(chosen) if (banned := _banned(p, histories[active[r]]))]
+    out = logits.clone()  # the raw logits stay as they are: the log-probabilities describe them
+    masked = [(i, penalties[i].masked_until_min) for i in active if indices[i] < penalties[i].min_tokens]
+    masked += [(i, banned) for i in active if (banned := _banned(penalties[i], histories[i]))]
     if masked:
-        sub.index_put_(_pairs([r for r, _ in masked], [list(m) for _, m in masked]), torch.tensor(-math.inf))
-    biased = [(r, p.logit_bias) for r, p in enumerate(chosen) if p.logit_bias]
+        out.index_put_(_pairs([i for i, _ in masked], [list(m) for _, m in masked]), torch.tensor(-math.inf))
+    biased = [i for i in active if penalties[i].logit_bias]
     if biased:
-        rows, ids = _pairs([r for r, _ in biased], [[t for t, _ in b] for _, b in biased])
-        values = torch.tensor([v for _, b in biased for _, v in b], dtype=sub.dtype)
-        sub.index_put_((rows, ids), values, accumulate=True)
-    counting = [r for r, p in enumerate(chosen) if p.counts_output]
+        rows, ids = _pairs(biased, [[t for t, _ in penalties[i].logit_bias] for i in biased])
+        values = torch.tensor([v for i in biased for _, v in penalties[i].logit_bias], dtype=out.dtype)
+        out.index_put_((rows, ids), values, accumulate=True)
+    counting = [i for i in active if penalties[i].counts_output]
     if counting:
-        sub[counting] = _penalize(
-            sub[counting], [chosen[r] for r in counting], [histories[active[r]] for r in counting], vocab
-        )
-    if not whole:
-        out[active] = sub
+        _penalize(out, counting, penalties, histories)
     return out
 
 
@@ -78,22 +71,27 @@ def _banned(p: Penalties, history: History | None) -> list[int]:
     return banned
 
 
-def _penalize(rows: torch.Tensor, chosen: list[Penalties], histories: list, vocab: int) -> torch.Tensor:
-    """Repetition, frequency and presence penalties on ``rows`` (one per entry of ``chosen``)."""
-    n = rows.shape[0]
-    outputs = [list(h[0][h[1] :]) for h in histories]
-    counts = torch.zeros((n, vocab), dtype=rows.dtype)
-    counts.index_put_(_pairs(list(range(n)), outputs), torch.tensor(1.0, dtype=rows.dtype), accumulate=True)
-    seen_out = counts > 0
-    repeating = [r for r, p in enumerate(chosen) if p.repetition_penalty != 1.0]
+def _penalize(out: torch.Tensor, rows: list[int], penalties: list[Penalties], histories) -> None:
+    """Repetition, then frequency and presence penalties, in place on ``out``'s ``rows``."""
+    vocab = out.shape[1]
+    per_row = torch.zeros((out.shape[0], 3), dtype=out.dtype)  # repetition, frequency, presence of each row
+    per_row[:, 0] = 1.0
+    per_row[rows] = torch.tensor(
+        [
+            [penalties[i].repetition_penalty, penalties[i].frequency_penalty, penalties[i].presence_penalty]
+            for i in rows
+        ],
+        dtype=out.dtype,
+    )
+    r, t = _pairs(rows, [list(histories[i][0][histories[i][1] :]) for i in rows])
+    keys, counts = torch.unique(r * vocab + t, return_counts=True)  # each (row, output token) once, with its count
+    repeating = [i for i in rows if penalties[i].repetition_penalty != 1.0]
     if repeating:
-        seen = seen_out.clone()
-        prompts = [list(histories[r][0][: histories[r][1]]) for r in repeating]
-        seen.index_put_(_pairs(repeating, prompts), torch.tensor(True))
-        rep = torch.tensor([p.repetition_penalty for p in chosen], dtype=rows.dtype).unsqueeze(1)
-        scaled = torch.where(rows > 0, rows / rep, rows * rep)
-        rows = torch.where(seen, scaled, rows)  # rows with a penalty of 1 are unchanged: x / 1 == x * 1 == x
-    freq = torch.tensor([p.frequency_penalty for p in chosen], dtype=rows.dtype).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in chosen], dtype=rows.dtype).unsqueeze(1)
-    rows = rows - freq * counts
-    return rows - pres * seen_out.to(rows.dtype)
+        pr, pt = _pairs(repeating, [list(histories[i][0][: histories[i][1]]) for i in repeating])
+        seen = torch.unique(torch.cat([pr * vocab + pt, keys]))  # prompt or output; rows with a penalty of 1 keep
+        sr, st = seen // vocab, seen % vocab  # their logits: x / 1 == x * 1 == x
+        values, rep = out[sr, st], per_row[sr, 0]
+        out[sr, st] = torch.where(values > 0, values / rep, values * rep)
+    kr, kt = keys // vocab, keys % vocab
+    out.index_put_((kr, kt), -(per_row[kr, 1] * counts.to(out.dtype)), accumulate=True)
+    out.index_put_((kr, kt), -per_row[kr, 2], accumulate=True)
