@@ -25,11 +25,11 @@ from common.penalties import Penalties
 History = tuple[Sequence[int], int]  # (prompt + output token ids so far, prompt length): the output follows it
 
 
-def _pairs(rows: list[int], ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) index tensors of every id of ``ids[r]`` in row ``rows[r]``."""
+def _pairs(rows: list[int], ids: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) index tensors on ``device`` of every id of ``ids[r]`` in row ``rows[r]``."""
     flat = [t for group in ids for t in group]
     index = [r for r, group in zip(rows, ids, strict=True) for _ in group]
-    return torch.tensor(index, dtype=torch.long), torch.tensor(flat, dtype=torch.long)
+    return torch.tensor(index, dtype=torch.long, device=device), torch.tensor(flat, dtype=torch.long, device=device)
 
 
 def apply(
@@ -45,11 +45,13 @@ def apply(
     masked = [(i, penalties[i].masked_until_min) for i in active if indices[i] < penalties[i].min_tokens]
     masked += [(i, banned) for i in active if (banned := _banned(penalties[i], histories[i]))]
     if masked:
-        out.index_put_(_pairs([i for i, _ in masked], [list(m) for _, m in masked]), torch.tensor(-math.inf))
+        where = _pairs([i for i, _ in masked], [list(m) for _, m in masked], out.device)
+        out.index_put_(where, torch.tensor(-math.inf, device=out.device))
     biased = [i for i in active if penalties[i].logit_bias]
     if biased:
-        rows, ids = _pairs(biased, [[t for t, _ in penalties[i].logit_bias] for i in biased])
-        values = torch.tensor([v for i in biased for _, v in penalties[i].logit_bias], dtype=out.dtype)
+        rows, ids = _pairs(biased, [[t for t, _ in penalties[i].logit_bias] for i in biased], out.device)
+        values = [v for i in biased for _, v in penalties[i].logit_bias]
+        values = torch.tensor(values, dtype=out.dtype, device=out.device)
         out.index_put_((rows, ids), values, accumulate=True)
     counting = [i for i in active if penalties[i].counts_output]
     if counting:
@@ -73,8 +75,8 @@ def _banned(p: Penalties, history: History | None) -> list[int]:
 
 def _penalize(out: torch.Tensor, rows: list[int], penalties: list[Penalties], histories) -> None:
     """Repetition, then frequency and presence penalties, in place on ``out``'s ``rows``."""
-    vocab = out.shape[1]
-    per_row = torch.zeros((out.shape[0], 3), dtype=out.dtype)  # repetition, frequency, presence of each row
+    vocab, device = out.shape[1], out.device
+    per_row = torch.zeros((out.shape[0], 3), dtype=out.dtype, device=device)  # repetition, frequency, presence
     per_row[:, 0] = 1.0
     per_row[rows] = torch.tensor(
         [
@@ -82,12 +84,13 @@ def _penalize(out: torch.Tensor, rows: list[int], penalties: list[Penalties], hi
             for i in rows
         ],
         dtype=out.dtype,
+        device=device,
     )
-    r, t = _pairs(rows, [list(histories[i][0][histories[i][1] :]) for i in rows])
+    r, t = _pairs(rows, [list(histories[i][0][histories[i][1] :]) for i in rows], device)
     keys, counts = torch.unique(r * vocab + t, return_counts=True)  # each (row, output token) once, with its count
     repeating = [i for i in rows if penalties[i].repetition_penalty != 1.0]
     if repeating:
-        pr, pt = _pairs(repeating, [list(histories[i][0][: histories[i][1]]) for i in repeating])
+        pr, pt = _pairs(repeating, [list(histories[i][0][: histories[i][1]]) for i in repeating], device)
         seen = torch.unique(torch.cat([pr * vocab + pt, keys]))  # prompt or output; rows with a penalty of 1 keep
         sr, st = seen // vocab, seen % vocab  # their logits: x / 1 == x * 1 == x
         values, rep = out[sr, st], per_row[sr, 0]
