@@ -6,6 +6,7 @@ vLLM's repetition penalty over prompt + output, OpenAI's presence and frequency 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import openai
 import pytest
@@ -214,3 +215,32 @@ def test_the_grpc_sdk_carries_the_fields_and_refuses_with_invalid_argument(serve
         assert "sampling.frequency_penalty=2.5 must be in [-2, 2]" in str(err.value)
         assert [v.field for v in err.value.field_violations] == ["sampling.frequency_penalty"]
         assert sdk.generate(messages, max_tokens=N, ignore_eos=True).token_ids == plain.token_ids  # still served
+
+
+def test_a_client_leaving_an_n_stream_cancels_every_choice(serve_local_tp2, model_name):
+    import httpx
+
+    from tests.support.oracle import scrape, wait_until
+
+    metrics = serve_local_tp2.metrics_urls["scheduler"]
+
+    def cancelled() -> float:
+        try:
+            return scrape(metrics, "mmcast_requests_finished_total", reason="cancelled")
+        except KeyError:  # nothing cancelled yet: no labelled sample
+            return 0.0
+
+    before = cancelled()
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True, "n": 3}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", serve_local_tp2.openai_base_url + "/completions", json=body) as response:
+            assert response.status_code == 200
+            indices = set()
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    indices.update(c["index"] for c in json.loads(line[6:])["choices"])
+                if indices == {0, 1, 2}:
+                    break
+    wait_until(lambda: cancelled() >= before + 3, 30)
+    assert cancelled() == before + 3
+    assert scrape(metrics, "mmcast_requests_running") == 0
