@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from common.errors import IMAGE_RESOURCE, InvalidArgument, MmcastError, NotFound, Status, Unavailable
 from mmcast.v1 import generation_pb2
-from scheduler_svc import affinity_key, openai_errors, openai_schema, request_parsing
+from scheduler_svc import affinity_key, openai_errors, openai_sampling, openai_schema, request_parsing
 from scheduler_svc.completion import MAX_TOKENS_FIELD, Chunk, Completion, CompletionRequest, Completions
 from scheduler_svc.openai_errors import HttpError
 from scheduler_svc.request_parsing import ImageContent, TextContent, Turn, VideoContent
@@ -117,38 +117,6 @@ def _check_neutral(body: BaseModel) -> None:
             param="response_format",
             code="unsupported",
         )
-
-
-def _check_choices(body, max_choices: int) -> None:
-    if body.n > max_choices:
-        raise HttpError(
-            400, f"n={body.n} exceeds the limit {max_choices} (--max-choices)", param="n", code="invalid_value"
-        )
-    if body.best_of is not None and body.best_of != body.n:
-        raise HttpError(
-            400,
-            f"best_of={body.best_of} must equal n={body.n}: this server returns every choice it generates",
-            param="best_of",
-            code="unsupported",
-        )
-
-
-def _penalties_into(body, p: generation_pb2.SamplingParams) -> None:
-    """The body's penalties into the shared proto; its ranges are checked by request_parsing (common/penalties.py).
-    Only what the proto cannot hold is refused here: a logit_bias key that is no integer."""
-    p.presence_penalty = body.presence_penalty or 0.0
-    p.frequency_penalty = body.frequency_penalty or 0.0
-    if body.repetition_penalty is not None:
-        p.repetition_penalty = body.repetition_penalty
-    p.min_tokens = body.min_tokens or 0
-    p.bad_words.extend(body.bad_words or ())
-    for key, value in (body.logit_bias or {}).items():
-        token = int(key) if re.fullmatch(r"-?[0-9]{1,10}", key.strip()) else None
-        if token is None or not -(2**31) <= token < 2**31:
-            raise HttpError(
-                400, f"logit_bias: the key {key[:40]!r} is not a token id", param="logit_bias", code="invalid_value"
-            )
-        p.logit_bias[token] = value
 
 
 @dataclasses.dataclass
@@ -283,7 +251,7 @@ class OpenAIApi:
             schema = openai_schema.ChatCompletionRequest if kind == "chat" else openai_schema.CompletionRequest
             body = await self._read(request, schema)
             _check_neutral(body)
-            _check_choices(body, self.config.max_choices)
+            openai_sampling.check_choices(body, self.config.max_choices)
             if body.model != self.model_name:
                 raise HttpError(
                     404,
@@ -438,7 +406,7 @@ class OpenAIApi:
             p.seed = body.seed % 2**64  # the ranks reduce seeds modulo 2^64: a negative seed is as good as any
         if body.top_k is not None and body.top_k > 0:  # vLLM: -1 and 0 mean no cut
             p.top_k = body.top_k
-        _penalties_into(body, p)
+        openai_sampling.penalties_into(body, p)
         spec = request_parsing.parse_sampling(
             p,
             max_tokens_limit=self.config.max_tokens_limit,

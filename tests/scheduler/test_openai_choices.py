@@ -40,3 +40,36 @@ def test_usage_counts_the_prompt_once_and_every_choice_s_tokens():
         "total_tokens": 54,
         "prompt_tokens_details": {"cached_tokens": 32},
     }
+
+
+def test_the_body_s_penalties_reach_the_shared_proto_and_odd_keys_are_refused():
+    import pytest
+
+    from mmcast.v1 import generation_pb2
+    from scheduler_svc import openai_sampling, openai_schema
+    from scheduler_svc.openai_errors import HttpError
+
+    def body(**kw):
+        return openai_schema.CompletionRequest.model_validate({"model": "m", "prompt": "x", **kw})
+
+    p = generation_pb2.SamplingParams()
+    openai_sampling.penalties_into(
+        body(
+            presence_penalty=0.5, repetition_penalty=1.25, logit_bias={"7": -3, " 9": 2}, min_tokens=2, bad_words=["a"]
+        ),
+        p,
+    )
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (0.5, 0.0, 1.25, 2)
+    assert dict(p.logit_bias) == {7: -3.0, 9: 2.0} and list(p.bad_words) == ["a"]
+    assert not generation_pb2.SamplingParams().HasField("repetition_penalty")
+    for key in ("x", "1.5", "99999999999"):
+        with pytest.raises(HttpError) as err:
+            openai_sampling.penalties_into(body(logit_bias={key: 1}), generation_pb2.SamplingParams())
+        assert err.value.param == "logit_bias" and "not a token id" in err.value.message
+    with pytest.raises(HttpError) as err:
+        openai_sampling.check_choices(body(n=9), 8)
+    assert err.value.param == "n" and "--max-choices" in err.value.message
+    with pytest.raises(HttpError) as err:
+        openai_sampling.check_choices(body(n=2, best_of=3), 8)
+    assert err.value.param == "best_of"
+    openai_sampling.check_choices(body(n=3, best_of=3), 8)  # equal: served
