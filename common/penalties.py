@@ -142,7 +142,7 @@ def check_min_tokens(min_tokens: int, max_tokens: int | None, where: str = "samp
     if max_tokens is not None and min_tokens > max_tokens:
         raise InvalidArgument(
             f"{where}.min_tokens={min_tokens} exceeds {where}.max_tokens={max_tokens}: min_tokens must be <= max_tokens",
-            field=f"{where}.min_tokens",
+            field=(f"{where}.min_tokens", f"{where}.max_tokens"),  # either may be the one to change
         )
 
 
