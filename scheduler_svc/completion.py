@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from common import tracing
+from common import penalties, tracing
 from common.errors import InvalidArgument, MmcastError, Unavailable
 from scheduler_svc import admission, affinity_key, request_parsing
 from scheduler_svc.detok import TextStream
@@ -246,10 +246,14 @@ class Completions:
 
             # The conversation key hashes the first message's inline images: off the loop, beside the frontend.
             def work():
-                return process(), req.affinity or affinity_key.key_of(req.turns, req.prompt)
+                words = sampling.penalties.with_bad_word_ids(self.frontend.encode_words) if bad_words else None
+                return process(), req.affinity or affinity_key.key_of(req.turns, req.prompt), words
 
+            bad_words = bool(sampling.penalties.bad_words)
             f0 = time.perf_counter()
-            processed, key = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+            processed, key, words = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+            if words is not None:
+                sampling = dataclasses.replace(sampling, penalties=words)
             frontend_seconds = time.perf_counter() - f0
             tracing.set_attributes(current, prompt_tokens=len(processed.token_ids), images=len(processed.mm_features))
         prompt_tokens = len(processed.token_ids)
@@ -257,6 +261,7 @@ class Completions:
             sampling = dataclasses.replace(
                 sampling, max_tokens=max(1, min(self.config.max_tokens_limit, context - prompt_tokens))
             )
+            penalties.check_min_tokens(sampling.penalties.min_tokens, sampling.max_tokens)
         prompt_field = "messages" if req.prompt is None else "prompt"
         admission.check_request_fits(prompt_field, prompt_tokens, sampling.max_tokens, context)
         salt = scoped_cache_salt(req.tenant, req.cache_salt)
@@ -278,6 +283,10 @@ class Completions:
             raise Unavailable("the worker group is not connected yet; retry later", retry_after=1.0)
         if req.default_max_tokens:
             raise InvalidArgument("a live turn needs max_tokens", field=MAX_TOKENS_FIELD)
+        sampling = req.sampling
+        if sampling.penalties.bad_words:
+            words = await self.run_in_executor(sampling.penalties.with_bad_word_ids, self.frontend.encode_words)
+            sampling = dataclasses.replace(sampling, penalties=words)
         sessions = core.live
         session = sessions.reserve((req.tenant, req.live.session_id), request_id, req.live.keep_turns)
         try:
@@ -312,7 +321,7 @@ class Completions:
                 token_ids=prompt,
                 mm_features=[f.shifted(at) for f in processed.mm_features],
             )
-            request = self.make_request(request_id, whole, req.sampling, None)
+            request = self.make_request(request_id, whole, sampling, None)
             request.live = turn
             handle = self.engine.submit(request, req.received)
         except BaseException:
@@ -324,6 +333,6 @@ class Completions:
             "live turn admitted",
             extra={"request_id": request_id, "prompt_tokens": len(prompt), "cached_tokens": turn.computed},
         )
-        completion = Completion(self.engine, self.tokenizer, handle, whole, req.sampling, req.tenant, req.affinity)
+        completion = Completion(self.engine, self.tokenizer, handle, whole, sampling, req.tenant, req.affinity)
         completion.live = turn
         return completion

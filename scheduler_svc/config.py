@@ -69,6 +69,13 @@ class SchedulerConfig:
         max=2**31 - 1,
         section=_LIMITS,
     )
+    max_choices: int = setting(
+        8,
+        "largest n (choices of one prompt) an OpenAI API request may ask for; each choice is a request of its own",
+        min=1,
+        max=1024,
+        section=_LIMITS,
+    )
     max_logprobs: int = setting(
         20,
         "largest sampling.logprobs (top alternatives per token) a request may ask for",

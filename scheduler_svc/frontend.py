@@ -392,6 +392,10 @@ class Frontend:
         admission.check_images_fit(images, reserve, context)
 
     # --- text ----------------------------------------------------------------------------------------------
+    def encode_words(self, text: str) -> list[int]:
+        """``text``'s token ids without special tokens (this thread's tokenizer): bad words (common/penalties.py)."""
+        return self._thread_tokenizer()(text, add_special_tokens=False)["input_ids"]
+
     def _thread_tokenizer(self):
         """This thread's own tokenizer: a fast tokenizer refuses concurrent use ("Already borrowed"), and one shared
         lock would let one long prompt hold every other request."""

@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from common.errors import IMAGE_RESOURCE, InvalidArgument, MmcastError, NotFound, Status, Unavailable
 from mmcast.v1 import generation_pb2
-from scheduler_svc import affinity_key, openai_errors, openai_schema, request_parsing
+from scheduler_svc import affinity_key, openai_errors, openai_sampling, openai_schema, request_parsing
 from scheduler_svc.completion import MAX_TOKENS_FIELD, Chunk, Completion, CompletionRequest, Completions
 from scheduler_svc.openai_errors import HttpError
 from scheduler_svc.request_parsing import ImageContent, TextContent, Turn, VideoContent
@@ -44,12 +44,6 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 _FINISH = {"stop": "stop", "length": "length"}
 # Parameters of OpenAI's API that mmcast does not implement: accepted at their neutral value only.
 _NEUTRAL = {
-    "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0),
-    "repetition_penalty": (None, 1.0),
-    "logit_bias": (None, {}),
-    "best_of": (None, 1),
-    "min_tokens": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
@@ -257,14 +251,7 @@ class OpenAIApi:
             schema = openai_schema.ChatCompletionRequest if kind == "chat" else openai_schema.CompletionRequest
             body = await self._read(request, schema)
             _check_neutral(body)
-            if body.n != 1:
-                raise HttpError(
-                    400,
-                    f"n={body.n}: this server returns one choice per request; send n=1 (or omit "
-                    "it) and repeat the request for more",
-                    param="n",
-                    code="unsupported",
-                )
+            openai_sampling.check_choices(body, self.config.max_choices)
             if body.model != self.model_name:
                 raise HttpError(
                     404,
@@ -280,7 +267,13 @@ class OpenAIApi:
             except InvalidArgument as err:
                 raise HttpError(400, err.message, param=err.fields[0], code="invalid_value") from None
             req = await self._completion_request(call, body, received)
-            completion = await self._until_disconnect(request, self.completions.admit(req))
+            if body.n > 1:
+                from scheduler_svc.openai_choices import Choices  # it builds on this module's translation
+
+                choices = Choices(self, call, body, req)
+                first = await self._until_disconnect(request, choices.admit())
+            else:
+                completion = await self._until_disconnect(request, self.completions.admit(req))
             self._keep_inline(call)
         except HttpError as err:
             return self._error(err)
@@ -295,8 +288,10 @@ class OpenAIApi:
             return Response(status_code=499)
         except Exception:
             return self._internal(call)
+        include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        if body.n > 1:
+            return choices.stream(first, include_usage) if body.stream else await choices.whole(request, first)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await self._stream(request, call, completion, include_usage)
         return await self._whole(request, call, completion)
 
@@ -411,11 +406,13 @@ class OpenAIApi:
             p.seed = body.seed % 2**64  # the ranks reduce seeds modulo 2^64: a negative seed is as good as any
         if body.top_k is not None and body.top_k > 0:  # vLLM: -1 and 0 mean no cut
             p.top_k = body.top_k
+        openai_sampling.penalties_into(body, p)
         spec = request_parsing.parse_sampling(
             p,
             max_tokens_limit=self.config.max_tokens_limit,
             max_logprobs=self.config.max_logprobs,
             vocab_size=self.frontend.vocab_size,
+            max_tokens_known=max_tokens is not None,
         )
         if spec.return_logprobs != return_logprobs:  # logprobs > 0 implies them on gRPC; here only when asked
             spec = dataclasses.replace(spec, return_logprobs=return_logprobs)

@@ -7,8 +7,9 @@ to mean anything at all (``n >= 1``, ``max_tokens >= 1``). The server's own limi
 
 Unknown fields are ignored, as OpenAI's API ignores them; parameters of OpenAI's API that mmcast does not implement
 are accepted at their neutral value and refused otherwise (``UNSUPPORTED``), never silently dropped. vLLM's extra
-sampling fields (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``, ``add_generation_prompt``,
-``continue_final_message``) are read as vLLM reads them.
+sampling fields (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_tokens``,
+``bad_words``, ``cache_salt``, ``add_generation_prompt``, ``continue_final_message``) are read as vLLM reads them;
+the penalties' ranges are common/penalties.py's, shared with the gRPC API.
 """
 
 from __future__ import annotations
@@ -77,17 +78,18 @@ class _Sampling(_Body):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=_UINT31)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1  # only 1 is served
+    n: Annotated[int, Field(ge=1, le=_UINT31)] = 1  # choices; up to --max-choices (openai_choices.py)
     ignore_eos: bool = False
     user: str | None = None  # accepted, not used
     cache_salt: str | None = None  # requests share prefix-cache blocks only when their salts are equal
-    # Accepted at their neutral value only (see _unsupported in openai_api.py):
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
-    min_tokens: int | None = None
+    # Ranges checked by common/penalties.py, as for the gRPC API:
+    presence_penalty: float | None = None  # [-2, 2]
+    frequency_penalty: float | None = None  # [-2, 2]
+    repetition_penalty: float | None = None  # (0, 1000]; vLLM's: over prompt and output tokens
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    min_tokens: Annotated[int, Field(ge=0, le=_UINT31)] | None = None  # <= max_tokens
+    best_of: Annotated[int, Field(ge=1, le=_UINT31)] | None = None  # only equal to n
+    bad_words: list[str] | None = None  # vLLM's: words never generated
 
 
 class ChatCompletionRequest(_Sampling):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from common import codec
+from common import codec, penalties
 from common.item_proto import feature_to_proto
 from common.multimodal import MultiModalFeatureSpec
 from mmcast.v1 import worker_pb2
@@ -18,7 +18,7 @@ from scheduler_svc.step_plan import NewRequestData, RunningRequestData
 
 
 def sampling_to_proto(sampling: SamplingParams) -> worker_pb2.WorkerSampling:
-    return worker_pb2.WorkerSampling(
+    msg = worker_pb2.WorkerSampling(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
@@ -26,6 +26,9 @@ def sampling_to_proto(sampling: SamplingParams) -> worker_pb2.WorkerSampling:
         logprobs=sampling.logprobs,
         return_logprobs=sampling.return_logprobs,
     )
+    if sampling.penalties.active:
+        penalties.to_worker(sampling.penalties, msg)
+    return msg
 
 
 def new_request_to_proto(data: NewRequestData) -> worker_pb2.NewRequest:

@@ -11,6 +11,7 @@ import enum
 import time
 from collections.abc import Sequence
 
+from common import penalties
 from common.errors import InvalidArgument
 from common.ids import BlockHash, RequestId
 from common.multimodal import MultiModalFeatureSpec
@@ -46,6 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False  # True: only max_tokens / the context end generation
     logprobs: int = 0  # top alternatives per token, [0, max_logprobs]
     return_logprobs: bool = False  # return the sampled token's log-probability (and the top alternatives)
+    penalties: penalties.Penalties = penalties.NONE  # checked by request_parsing; ending tokens filled at admission
 
 
 def validate_sampling(

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import re
 
+from common import penalties
 from common.errors import InvalidArgument
 from common.video_input import VideoOptions
 from mmcast.v1 import generation_pb2
@@ -43,6 +44,7 @@ class SamplingSpec:
     ignore_eos: bool
     logprobs: int  # top alternatives per token
     return_logprobs: bool
+    penalties: penalties.Penalties = penalties.NONE  # presence/frequency/repetition, logit_bias, min_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +127,15 @@ def _source(message, where: str) -> tuple[bytes | None, str | None]:
 
 
 def parse_sampling(
-    p: generation_pb2.SamplingParams, *, max_tokens_limit: int, max_logprobs: int, vocab_size: int
+    p: generation_pb2.SamplingParams,
+    *,
+    max_tokens_limit: int,
+    max_logprobs: int,
+    vocab_size: int,
+    max_tokens_known: bool = True,
 ) -> SamplingSpec:
+    """``max_tokens_known`` False: ``p.max_tokens`` is a placeholder the context replaces after tokenizing
+    (completion.py then checks min_tokens against the real value)."""
     if p.max_tokens < 1:
         raise InvalidArgument("sampling.max_tokens must be >= 1 (got 0 or unset)", field="sampling.max_tokens")
     if p.max_tokens > max_tokens_limit:
@@ -180,6 +189,7 @@ def parse_sampling(
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
         return_logprobs=p.return_logprobs or p.logprobs > 0,
+        penalties=penalties.parse(p, vocab_size=vocab_size, max_tokens=p.max_tokens if max_tokens_known else None),
     )
 
 

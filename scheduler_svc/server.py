@@ -204,6 +204,9 @@ class SchedulerServer:
             ignore_eos=sampling.ignore_eos,
             logprobs=sampling.logprobs,
             return_logprobs=sampling.return_logprobs,
+            penalties=sampling.penalties.with_ending_tokens(
+                set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.frontend.eos_token_ids))
+            ),
         )
         return self._Request(
             request_id=request_id,

@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from common import item_proto
+from common import item_proto, penalties
 from common.ids import ItemId, RequestId
 from common.mrope import mrope_positions, mrope_positions_for_window
 from common.multimodal import MultiModalFeatureSpec
@@ -95,6 +95,10 @@ def sampling_from_proto(msg: worker_pb2.WorkerSampling, request_id: str, *, voca
         raise StepError(
             code.OUT_OF_RANGE, f"{where}.top_k={msg.top_k} exceeds the vocabulary of {vocab_size} tokens", request_id
         )
+    try:
+        adjust = penalties.from_worker(msg, vocab_size=vocab_size)
+    except ValueError as exc:
+        raise StepError(code.OUT_OF_RANGE, f"{where}: {exc}", request_id) from None
     return SamplingParams(
         temperature=float(msg.temperature),
         top_p=float(top_p),
@@ -102,6 +106,7 @@ def sampling_from_proto(msg: worker_pb2.WorkerSampling, request_id: str, *, voca
         logprobs=int(msg.logprobs),
         return_logprobs=bool(msg.return_logprobs),
         top_k=int(msg.top_k),  # 0 (unset) = no cut
+        penalties=adjust,
     )
 
 

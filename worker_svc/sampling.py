@@ -2,7 +2,12 @@
 
 The draw for output token ``i`` uses a fresh CPU generator seeded from ``(seed, i)``, so a request recomputed after
 preemption or recovery repeats exactly the draws it made before. Log-probabilities are those of the unmodified
-model distribution (``log_softmax`` of the logits), whatever temperature, top-k and top-p did to the draw.
+model distribution (``log_softmax`` of the raw logits: vLLM's ``raw_logprobs`` mode), whatever the penalties, logit
+biases, min_tokens masking, temperature, top-k and top-p did to the draw.
+
+``sample_batch`` first applies the step's penalties and biases to the whole batch (worker_svc/penalize.py); the
+draw and the argmax then see the adjusted logits, the log-probabilities the raw ones. ``sample`` takes a row that is
+already adjusted, and its raw row for the log-probabilities.
 
 A step samples every request in one ``sample_batch`` call, equal to ``sample`` row by row (tests check it on fuzzed
 batches): the greedy rows share one finiteness check, one ``argmax`` and one ``log_softmax``.
@@ -36,6 +41,9 @@ import math
 
 import torch
 
+from common.penalties import NONE, Penalties
+from worker_svc import penalize
+
 _MASK63 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive indices over the seed space
 GREEDY_EPSILON = 1e-5  # temperatures below this are greedy (see the module docstring)
@@ -52,7 +60,8 @@ class SamplingParams:
     seed: int = 0  # with the output token index, seeds the draw (any integer; reduced modulo 2^64)
     logprobs: int = 0  # top alternatives to return besides the sampled token (<= 0: none)
     return_logprobs: bool = False  # False: no log-probabilities at all
-    top_k: int = 0  # (0, vocab): draw among the k largest logits and their ties; else no cut (last: keeps positions)
+    top_k: int = 0  # (0, vocab): draw among the k largest logits and their ties; else no cut
+    penalties: Penalties = NONE  # applied to the logits before everything above (sample_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +117,10 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, index: int) -> Sample:
-    """One token from a ``[vocab]`` logits row. ``index`` is the output token index (0 for the first).
-    Raises only ``SamplingError`` (logits without a finite entry)."""
+def sample(logits: torch.Tensor, params: SamplingParams, index: int, raw: torch.Tensor | None = None) -> Sample:
+    """One token from a ``[vocab]`` logits row, already adjusted by its penalties; ``raw`` (default: ``logits``)
+    is the model's row, whose distribution the log-probabilities describe. ``index`` is the output token index (0
+    for the first). Raises only ``SamplingError`` (logits without a finite entry)."""
     logits = clean_logits(logits)
     temperature = float(params.temperature)
     if is_greedy(temperature):
@@ -130,7 +140,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, index: int) -> Sample:
         token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
     if not params.return_logprobs:
         return Sample(token, None, [])
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits if raw is None else clean_logits(raw), dim=-1)
     top: list[tuple[int, float]] = []
     k = min(int(params.logprobs), logprobs.shape[-1])
     if k > 0:
@@ -140,24 +150,32 @@ def sample(logits: torch.Tensor, params: SamplingParams, index: int) -> Sample:
 
 
 def sample_batch(
-    logits: torch.Tensor, params: list[SamplingParams], indices: list[int]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    indices: list[int],
+    histories: list[penalize.History | None] | None = None,
 ) -> list[Sample | SamplingError]:
     """``sample`` of every row of ``logits`` (``[n, vocab]``) with its own parameters and output index, one result
-    per row: its ``Sample``, or the ``SamplingError`` that row alone raised.
+    per row: its ``Sample``, or the ``SamplingError`` that row alone raised. ``histories[i]``: row i's tokens
+    ``(prompt + output so far, prompt length)``, needed where its penalties count them.
 
     Equal to calling ``sample`` row by row; what is common to the rows is done once: one finiteness check, one
     ``argmax`` for the greedy rows, one ``log_softmax`` and one ``topk`` for the rows that want log-probabilities.
     Rows that draw (a temperature) or hold a non-finite value go through ``sample`` alone: their generator is
     seeded per row, and their cleaning is per row."""
     n = logits.shape[0]
-    logits = logits.detach().float()
-    finite = torch.isfinite(logits.sum(dim=-1)).tolist() if n else []  # one reduction; NaN/inf shows in the sum
+    raw = logits.detach().float()
+    logits = penalize.apply(raw, [p.penalties for p in params], indices, histories or [None] * n)
+    adjusted = logits is not raw
+    finite = torch.isfinite(raw.sum(dim=-1)).tolist() if n else []  # one reduction; NaN/inf shows in the sum
+    if adjusted and n:  # masks add -inf (fine for argmax); an overflow to +inf or nothing left goes the slow way
+        finite = [f and m for f, m in zip(finite, torch.isfinite(logits.amax(dim=-1)).tolist(), strict=True)]
     out: list[Sample | SamplingError | None] = [None] * n
     greedy = [i for i in range(n) if finite[i] and is_greedy(float(params[i].temperature))]
     for i in range(n):
         if out[i] is None and i not in greedy:
             try:
-                out[i] = sample(logits[i], params[i], indices[i])
+                out[i] = sample(logits[i], params[i], indices[i], raw[i] if adjusted else None)
             except SamplingError as exc:
                 out[i] = exc
     if greedy:
@@ -166,7 +184,8 @@ def sample_batch(
         wanting = [j for j, i in enumerate(greedy) if params[i].return_logprobs]
         lp_of: dict[int, tuple[float, list[tuple[int, float]]]] = {}
         if wanting:
-            logprobs = torch.log_softmax(rows[wanting], dim=-1)
+            raw_rows = raw[greedy] if len(greedy) < n else raw
+            logprobs = torch.log_softmax(raw_rows[wanting], dim=-1)
             chosen = logprobs.gather(1, torch.tensor([[tokens[j]] for j in wanting])).flatten().tolist()
             for r, j in enumerate(wanting):
                 top: list[tuple[int, float]] = []

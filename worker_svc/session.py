@@ -39,7 +39,7 @@ from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, Payloa
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.request_state import RequestState
 from worker_svc.runner import ForwardInput, StepLogits
-from worker_svc.sampling import Sample, SamplingError, sample, sample_batch
+from worker_svc.sampling import Sample, SamplingError, sample_batch
 from worker_svc.step_errors import StepError, code
 
 log = logging.getLogger(__name__)
@@ -371,14 +371,16 @@ class Session:
         alone, so only the request whose draw raises fails."""
         params = [s.sampling for s in states]
         indices = [s.num_output_tokens for s in states]
+        histories = [(s.token_ids, s.num_prompt_tokens) for s in states]  # no copies: penalties.py slices
         rows = [row for row in logits.rows if row is not None]  # 0, 1, ...: every window that samples, in order
         try:
-            drawn: list = sample_batch(logits.batch, params, indices)
+            drawn: list = sample_batch(logits.batch, params, indices, histories)
         except Exception:  # noqa: BLE001 - isolate the failing request below
             drawn = []
-            for state, row in zip(states, rows, strict=True):
+            for state, row, history in zip(states, rows, histories, strict=True):
                 try:
-                    drawn.append(sample(logits.batch[row], state.sampling, state.num_output_tokens))
+                    one = logits.batch[row : row + 1]
+                    drawn.append(sample_batch(one, [state.sampling], [state.num_output_tokens], [history])[0])
                 except Exception as exc:  # any failure of one request's draw or log-probabilities
                     drawn.append(exc)
         out: list[Sample | str] = []

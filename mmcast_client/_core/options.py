@@ -51,6 +51,12 @@ class GenerateOptions(TypedDict, total=False):
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool
+    presence_penalty: float  # [-2, 2], once per distinct output token (0: none)
+    frequency_penalty: float  # [-2, 2], per occurrence in the output (0: none)
+    repetition_penalty: float | None  # (0, 1000] over prompt and output tokens (None or 1: none)
+    logit_bias: Mapping[int, float] | None  # token id -> bias in [-100, 100] added to its logit
+    min_tokens: int  # tokens before end-of-sequence or a stop token may be drawn, <= max_tokens
+    bad_words: Sequence[str] | None  # words never generated (vLLM's rule)
     logprobs: int | None  # None: none; 0: the sampled tokens'; k: also the k most likely alternatives
     return_logprobs: bool | None  # deprecated spelling of logprobs=0
     request_id: str | None  # default: a fresh random id
@@ -101,6 +107,12 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "stop": None,
     "stop_token_ids": None,
     "ignore_eos": False,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": None,
+    "logit_bias": None,
+    "min_tokens": 0,
+    "bad_words": None,
     "logprobs": None,
     "return_logprobs": None,
     "request_id": None,

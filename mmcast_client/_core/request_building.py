@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from mmcast.v1 import generation_pb2 as pb
 from mmcast_client import affinity
@@ -44,7 +44,14 @@ def sampling_params(
     stop_token_ids: Sequence[int] | None,
     ignore_eos: bool,
     logprobs: int | None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
+    bad_words: Sequence[str] | None = None,
 ) -> pb.SamplingParams:
+    """The request's sampling; only what the proto cannot carry is refused here (the server checks the ranges)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InvalidArgument(message=f"max_tokens={max_tokens!r} must be an integer >= 1")
     if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 1 << 64):
@@ -53,13 +60,25 @@ def sampling_params(
         raise InvalidArgument(message=f"top_k={top_k!r} must be None, 0 (no top-k cut) or a count in [1, 2**32)")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
         raise InvalidArgument(message=f"logprobs={logprobs!r} must be None, 0 (sampled token only) or a count >= 1")
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens < 1 << 32:
+        raise InvalidArgument(message=f"min_tokens={min_tokens!r} must be an integer >= 0")
+    for token in logit_bias or {}:
+        if isinstance(token, bool) or not isinstance(token, int) or not -(1 << 31) <= token < 1 << 31:
+            raise InvalidArgument(message=f"logit_bias: the key {token!r} is not a token id (an int)")
     params = pb.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         ignore_eos=ignore_eos,
         logprobs=logprobs or 0,
         return_logprobs=logprobs is not None,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logit_bias=dict(logit_bias or {}),
+        min_tokens=min_tokens,
+        bad_words=[bad_words] if isinstance(bad_words, str) else list(bad_words or ()),
     )
+    if repetition_penalty is not None:
+        params.repetition_penalty = repetition_penalty
     if top_p is not None:
         params.top_p = top_p
     if top_k:  # None and 0 both mean no cut: the proto's unset 0

@@ -194,7 +194,7 @@ class LiveRun:
                 self.http_usage[r.headers["x-request-id"]] = {} if stream else r.json()["usage"]
                 if len(self.http_completions) == 1:
                     self.checkpoint()
-            assert http.post(url, json={**body, "n": 2}).status_code == 400
+            assert http.post(url, json={**body, "n": 1000}).status_code == 400
         self.checkpoint()
 
 

@@ -121,8 +121,7 @@ def test_unknown_fields_are_ignored_and_neutral_values_accepted():
     )
     openai_api._check_neutral(body)  # nothing refused
     for field, value in [
-        ("presence_penalty", 0.5),
-        ("logit_bias", {"5": 1.0}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
     ]:
         body = openai_schema.ChatCompletionRequest.model_validate_json(

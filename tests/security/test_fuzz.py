@@ -491,6 +491,12 @@ def requests(draw):
     s.top_k = draw(st.sampled_from([0, 1, 50, 2**31, 2**32 - 1]))
     s.stop.extend(draw(st.lists(st.text(max_size=5), max_size=3)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=2)))
+    s.presence_penalty, s.frequency_penalty = draw(floats), draw(floats)
+    if draw(st.booleans()):
+        s.repetition_penalty = draw(floats)
+    s.logit_bias.update(draw(st.dictionaries(st.integers(-(2**31), 2**31 - 1), floats, max_size=3)))
+    s.min_tokens = draw(st.sampled_from([0, 1, 600, 2**32 - 1]))
+    s.bad_words.extend(draw(st.lists(st.text(max_size=5), max_size=2)))
     msg.cache_salt = draw(st.text(max_size=5))
     return msg
 
@@ -512,6 +518,10 @@ def parse_and_process(frontend, msg: generation_pb2.GenerateRequest) -> None:
     assert len(processed.token_ids) < frontend.max_model_len
     assert sampling.max_tokens >= 1 and 0.0 <= sampling.temperature <= 2.0 and 0.0 < sampling.top_p <= 1.0
     assert 0 <= sampling.top_k <= frontend.vocab_size
+    pen = sampling.penalties
+    assert abs(pen.presence_penalty) <= 2 and abs(pen.frequency_penalty) <= 2 and 0 < pen.repetition_penalty <= 1000
+    assert all(0 <= t < frontend.vocab_size and abs(b) <= 100 for t, b in pen.logit_bias)
+    assert pen.min_tokens <= sampling.max_tokens and all(w.strip() for w in pen.bad_words)
     assert all(f.mm_position.end <= len(processed.token_ids) for f in processed.mm_features)
 
 

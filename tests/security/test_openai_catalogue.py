@@ -93,7 +93,7 @@ CASES = [
         param="messages[0].content[0]",
     ),
     # sampling parameters
-    Case("n-2", 400, lambda: chat("hi", n=2), param="n"),
+    Case("n-over-max-choices", 400, lambda: chat("hi", n=1000), param="n"),
     Case("negative-max-tokens", 400, lambda: chat("hi", max_tokens=-1), param="max_tokens"),
     Case(
         "max-tokens-over-limit",
@@ -118,7 +118,8 @@ CASES = [
         mentions=("--max-logprobs",),
     ),
     Case("top-logprobs-without-logprobs", 400, lambda: chat("hi", top_logprobs=2), param="top_logprobs"),
-    Case("frequency-penalty", 400, lambda: chat("hi", frequency_penalty=0.5), param="frequency_penalty"),
+    Case("frequency-penalty-over-2", 400, lambda: chat("hi", frequency_penalty=2.5), param="frequency_penalty"),
+    Case("logit-bias-outside-vocabulary", 400, lambda: chat("hi", logit_bias={"99999": 1}), param="logit_bias[99999]"),
     Case("tools", 400, lambda: chat("hi", tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
     Case("stop-too-many", 400, lambda: chat("hi", stop=[f"s{i}" for i in range(20)]), param="stop"),
     Case(

@@ -197,3 +197,36 @@ def test_deepstack_levels_reach_the_decoder(worker_env_for):
         family.text_model_kwargs = original
         stream.close()
     assert max(abs(a - b) for a, b in zip(without.logprobs, reference[1], strict=True)) > TOL
+
+
+@pytest.fixture
+def sched_q2(worker_env_q2):
+    stream = worker_env_q2.rank.stream(worker_env_q2.model_dir)
+    yield MiniScheduler([stream], uses_mrope=True)
+    stream.close()
+
+
+def test_resumed_request_is_penalized_as_before(worker_env_q2, sched_q2):
+    """Penalties count a resumed request's regenerated tokens as output (NewRequest.num_output_tokens): preempted
+    after 10 tokens and resumed, it continues with the tokens the uninterrupted request produced."""
+    env, sched = worker_env_q2, sched_q2
+    prompt = two_image_prompt(env, seed=70)
+    sampling = worker_pb2.WorkerSampling(
+        temperature=0.0,
+        top_p=1.0,
+        return_logprobs=True,
+        presence_penalty=0.5,
+        frequency_penalty=1.5,
+        repetition_penalty=1.3,
+        logit_bias_token_ids=[5],
+        logit_bias_values=[-3.0],
+    )
+    whole = sched.add(prompt, "pen-whole", max_new_tokens=16, sampling=sampling)
+    sched.run([whole])
+    assert whole.outputs != oracle(env.model, prompt, max_new_tokens=16)[0], "the penalties must change the answer"
+    first = sched.add(prompt, "pen-first", max_new_tokens=10, sampling=sampling)
+    sched.run([first])
+    sched.evict_everything()
+    resumed = sched.add(prompt, "pen-resumed", max_new_tokens=16, sampling=sampling, outputs=first.outputs)
+    sched.run([resumed])
+    assert resumed.outputs == whole.outputs
