@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from common.errors import IMAGE_RESOURCE, InvalidArgument, MmcastError, NotFound, Status, Unavailable
 from mmcast.v1 import generation_pb2
-from scheduler_svc import affinity_key, openai_errors, openai_schema, request_parsing
+from scheduler_svc import affinity_key, grammar_requests, openai_errors, openai_schema, request_parsing
 from scheduler_svc.completion import MAX_TOKENS_FIELD, Chunk, Completion, CompletionRequest, Completions
 from scheduler_svc.openai_errors import HttpError
 from scheduler_svc.request_parsing import ImageContent, TextContent, Turn, VideoContent
@@ -115,14 +115,6 @@ def _check_neutral(body: BaseModel) -> None:
                 param=name,
                 code="unsupported",
             )
-    fmt = getattr(body, "response_format", None)
-    if fmt and fmt.get("type", "text") != "text":
-        raise HttpError(
-            400,
-            f"response_format type {str(fmt.get('type'))[:40]!r} is not supported; only 'text'",
-            param="response_format",
-            code="unsupported",
-        )
 
 
 @dataclasses.dataclass
@@ -341,6 +333,7 @@ class OpenAIApi:
             cache_salt=body.cache_salt or "",
             default_max_tokens=default_max,
             affinity=call.affinity,
+            grammar=grammar_requests.from_openai(body),
         )
         if call.kind == "text":
             prompt = (

@@ -88,6 +88,11 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     min_tokens: int | None = None
+    # Structured output (vLLM's extras; chat also reads response_format): at most one, see grammar_requests.py.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None  # a JSON Schema (object or JSON text)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
