@@ -163,7 +163,9 @@ class Session:
         )
         encoder_hits, encoder_queries = checks.check_encoder_outputs_for_windows(windows, encode, encoded_after)
         checks.check_payload_budget(control, incoming, self.payloads)
-        masks = check_token_masks(control, windows, r.vocab_size)
+        masks = check_token_masks(
+            control, windows, r.vocab_size, {s.request_id: len(d.new_token_ids) for s, d in running}
+        )
         return _CheckedStep(
             control,
             finished,

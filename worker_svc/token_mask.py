@@ -21,11 +21,12 @@ def mask_nbytes(vocab_size: int) -> int:
 
 
 def check_token_masks(
-    control: worker_pb2.StepControl, windows: list, vocab_size: int
+    control: worker_pb2.StepControl, windows: list, vocab_size: int, new_tokens: dict[RequestId, int] | None = None
 ) -> dict[RequestId, worker_pb2.TokenMask]:
-    """Each mask names a request this step samples (its window reaches its known tokens' end), at most once, and
-    has exactly ``mask_nbytes(vocab_size)`` bytes."""
-    sampling = {s.request_id for s, _start, end in windows if end == len(s.token_ids)}
+    """Each mask names a request this step samples (its window reaches its known tokens' end, counting the
+    ``new_tokens`` its delta brings), at most once, and has exactly ``mask_nbytes(vocab_size)`` bytes."""
+    new_tokens = new_tokens or {}
+    sampling = {s.request_id for s, _a, end in windows if end == len(s.token_ids) + new_tokens.get(s.request_id, 0)}
     want = mask_nbytes(vocab_size)
     out: dict[RequestId, worker_pb2.TokenMask] = {}
     for k, m in enumerate(control.token_masks):

@@ -89,7 +89,10 @@ class _Body:
 @pytest.mark.parametrize(
     ("fields", "field"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
@@ -107,7 +110,9 @@ def test_the_grpc_field_reads_each_kind():
     from mmcast.v1 import generation_pb2 as g
 
     req = g.GenerateRequest(structured_output=g.StructuredOutput(choice=g.ChoiceList(choices=["yes", "no"])))
-    assert grammar_requests.from_proto(req) == GrammarSpec("choice", '["yes", "no"]', "structured_output.choice.choices")
+    assert grammar_requests.from_proto(req) == GrammarSpec(
+        "choice", '["yes", "no"]', "structured_output.choice.choices"
+    )
     assert grammar_requests.from_proto(g.GenerateRequest()) is None
     spec = grammar_requests.from_proto(g.GenerateRequest(structured_output=g.StructuredOutput(json_schema="{}")))
     assert spec.kind == "json_schema"
@@ -193,6 +198,10 @@ def test_a_mask_of_the_wrong_size_or_for_a_request_not_sampled_is_refused():
     windows = [(_State(), 0, 3)]
     good = worker_pb2.StepControl(token_masks=[worker_pb2.TokenMask(request_id="a", allowed=bytes(128))])
     assert set(check_token_masks(good, windows, 1024)) == {"a"}
+    # a running request: its window ends at the token its delta brings this step
+    assert set(check_token_masks(good, [(_State(), 3, 4)], 1024, {"a": 1})) == {"a"}
+    with pytest.raises(StepError, match="not sampled"):
+        check_token_masks(good, [(_State(), 2, 3)], 1024, {"a": 1})  # a prefill chunk short of the end
     for control, needle in [
         (worker_pb2.StepControl(token_masks=[worker_pb2.TokenMask(request_id="a", allowed=bytes(4))]), "takes 128"),
         (worker_pb2.StepControl(token_masks=[worker_pb2.TokenMask(request_id="b", allowed=bytes(128))]), "not sampled"),
