@@ -51,6 +51,7 @@ class CompletionRequest:
     affinity: str = ""  # the conversation key the client chose (affinity_key.client_key), "" for none
     live: request_parsing.LiveSpec | None = None  # the next turn of a live session (live_sessions.py)
     grammar: GrammarSpec | None = None  # structured output: the grammar the answer must follow (None: free text)
+    tools: tuple[dict, ...] = ()  # OpenAI tools, passed to the chat template (tool_calls.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +248,7 @@ class Completions:
                     tenant=req.tenant,
                     reserve_tokens=reserve,
                     context=context,
+                    tools=req.tools,
                 )
 
             # The conversation key hashes the first message's inline images: off the loop, beside the frontend.

@@ -54,10 +54,24 @@ class VideoContentPart(_Body):
 ContentPart = Annotated[TextContentPart | ImageContentPart | VideoContentPart, Field(discriminator="type")]
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any]  # JSON text (OpenAI); an object is taken as is
+
+
+class ToolCall(_Body):
+    id: str | None = None  # accepted; the template renders calls by name, a tool answer follows its call's order
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]  # "developer" is OpenAI's newer name for "system"
+    # "developer" is OpenAI's newer name for "system"; "tool" carries a tool's result back (tool_calls.py)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted, not used: the chat template has no place for it
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, rendered by the chat template
+    tool_call_id: str | None = None  # a tool message's call (accepted; the template follows the calls' order)
 
 
 class StreamOptions(_Body):

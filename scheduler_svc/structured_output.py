@@ -20,7 +20,7 @@ from common.errors import InvalidArgument, Status
 from common.ids import RequestId
 from scheduler_svc.request import FinishReason
 
-KINDS = ("json_schema", "json_object", "regex", "choice")
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 # Compact JSON: no whitespace between tokens, so a sampler cannot spend max_tokens on blanks between values.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
@@ -30,7 +30,8 @@ class GrammarSpec:
     """A grammar as a door parsed it: its kind, its canonical text and the request field it came from."""
 
     kind: str  # one of KINDS
-    text: str  # json_schema: the schema as JSON; regex: the pattern; choice: a JSON list of strings; json_object: ""
+    text: str  # json_schema: the schema as JSON; regex: the pattern; choice: a JSON list of strings; lark: the
+    # grammar (llguidance's Lark, with %json); json_object: ""
     field: str  # the client's field path, for errors ("response_format.json_schema.schema")
 
     @classmethod
@@ -139,6 +140,8 @@ class GrammarCompiler:
             grammar = ll.LLMatcher.grammar_from_regex(spec.text)
         elif spec.kind == "choice":
             grammar = ll.grammar_from("choice", spec.text)
+        elif spec.kind == "lark":  # forced tool calls (common/families/tool_calls.py)
+            grammar = ll.LLMatcher.grammar_from_lark(spec.text)
         else:
             raise InvalidArgument(
                 f"{spec.field}: unknown grammar kind {spec.kind!r} (one of {KINDS})", field=spec.field
