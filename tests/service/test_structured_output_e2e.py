@@ -160,3 +160,25 @@ def test_bad_grammars_are_refused_and_the_server_keeps_serving(api, model_name, 
         assert needle in err["message"], err
     ok = api.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_sdk_over_grpc_takes_the_same_grammars(serve_local_tp2):
+    from mmcast_client import Client
+    from mmcast_client.errors import InvalidArgument
+
+    with Client(serve_local_tp2.target) as sdk:
+        for seed in range(3):
+            r = sdk.generate(
+                "Describe a person as JSON.",
+                max_tokens=96,
+                temperature=1.0,
+                seed=seed,
+                structured_output={"json_schema": SCHEMA},
+            )
+            assert r.finish_reason == "stop"
+            jsonschema.validate(json.loads(r.text), SCHEMA)
+        r = sdk.generate("Pick.", max_tokens=8, structured_output={"choice": ["north", "south"]})
+        assert r.text in ("north", "south")
+        with pytest.raises(InvalidArgument) as info:
+            sdk.generate("x", max_tokens=4, structured_output={"regex": "(oops"})
+        assert "structured_output.regex" in str(info.value)
