@@ -119,7 +119,23 @@ CASES = [
     ),
     Case("top-logprobs-without-logprobs", 400, lambda: chat("hi", top_logprobs=2), param="top_logprobs"),
     Case("frequency-penalty", 400, lambda: chat("hi", frequency_penalty=0.5), param="frequency_penalty"),
-    Case("tools", 400, lambda: chat("hi", tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
+    Case(
+        "tool-choice-unknown-function",
+        400,
+        lambda: chat(
+            "hi",
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        param="tool_choice.function.name",
+    ),
+    Case(
+        "grammar-too-large",
+        400,
+        lambda: chat("hi", guided_regex="a" * 70_000),
+        param="guided_regex",
+        mentions=("--max-grammar-bytes",),
+    ),
     Case("stop-too-many", 400, lambda: chat("hi", stop=[f"s{i}" for i in range(20)]), param="stop"),
     Case(
         "bad-request-id",
