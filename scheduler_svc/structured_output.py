@@ -16,7 +16,7 @@ import json
 import threading
 from collections.abc import Iterable, Sequence
 
-from common.errors import InvalidArgument, Status
+from common.errors import FailedPrecondition, InvalidArgument, Status
 from common.ids import RequestId
 from scheduler_svc.request import FinishReason
 
@@ -124,9 +124,14 @@ class GrammarCompiler:
         with self._lock:
             if self._tokenizer is None:
                 eos = self._eos or None
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=eos
-                )
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=eos
+                    )
+                except ValueError as exc:  # a slow (Python) tokenizer: the engine reads only fast ones
+                    raise FailedPrecondition(
+                        f"structured output is not available for this model's tokenizer: {exc}"
+                    ) from None
             return self._tokenizer
 
     def _build(self, spec: GrammarSpec):
