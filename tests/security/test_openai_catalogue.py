@@ -81,9 +81,9 @@ CASES = [
     Case("missing-messages", 400, lambda: {"model": MODEL}, param="messages"),
     Case("empty-messages", 400, lambda: {**chat("hi"), "messages": []}, param="messages"),
     Case(
-        "tool-role",
+        "function-role",
         400,
-        lambda: {**chat("hi"), "messages": [{"role": "tool", "content": "x"}]},
+        lambda: {**chat("hi"), "messages": [{"role": "function", "content": "x"}]},
         param="messages[0].role",
     ),
     Case(
