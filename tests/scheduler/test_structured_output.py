@@ -208,3 +208,14 @@ def test_a_mask_of_the_wrong_size_or_for_a_request_not_sampled_is_refused():
     ]:
         with pytest.raises(StepError, match=needle):
             check_token_masks(control, windows, 1024)
+
+
+def test_the_sdk_builds_the_grpc_field():
+    from mmcast_client._core.request_building import structured_output
+
+    assert json.loads(structured_output({"json_schema": SCHEMA}).json_schema) == SCHEMA
+    assert list(structured_output({"choice": ["a", "b"]}).choice.choices) == ["a", "b"]
+    assert structured_output({"json_object": True}).WhichOneof("kind") == "json_object"
+    for bad in ({"yaml": "x"}, {"regex": "a", "choice": ["b"]}, "json"):
+        with pytest.raises(ValueError, match="structured_output="):
+            structured_output(bad)
