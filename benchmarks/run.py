@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from benchmarks import affinity, http_overhead, new_images, plots, report, sched_steps, videos
+from benchmarks import affinity, grammar_cost, http_overhead, new_images, plots, report, sched_steps, videos
 from benchmarks import floors as floors_mod
 from benchmarks.new_images import CANDIDATE, ImageSet
 from benchmarks.scenarios import Images, Record, Session, question, user
@@ -66,6 +66,7 @@ class Plan:
     rank_engine: str | None = None  # benchmarks/rank_engine.py's plan: the rank's forward vs transformers' batch
     http_overhead: str | None = None  # benchmarks/http_overhead.py's plan: the HTTP door against the SDK, one group
     video: VideoPlan | None = None  # benchmarks/videos.py: cached clips, a new clip, the live stream per (TP, mode)
+    grammar_rounds: int = 0  # benchmarks/grammar_cost.py: rounds of the constrained-beside-free decode (0: skipped)
 
     def clients(self, mode: str) -> list[str]:
         return ["sdk", "resend"] if mode in self.resend_modes else ["sdk"]
@@ -80,7 +81,8 @@ PLANS = {
     "smoke": Plan("smoke", (448, 448), (1,), ("full", "lazy"), (1, 2), 2, ("cached_floor", "sliding_window"), 3, 2,
                   ("lazy",), ("448x448",), (1, 2), 10, (10, 100), kv_blocks=1024,
                   new_image_groups=((1, CANDIDATE),), new_image_sets=(ImageSet(*_JPEG_448, (1, 2), 2),),
-                  video=VideoPlan(ns=(1, 2), repeats=1, new_repeats=1, stream_turns=4, modes=("lazy",), tps=(1,))),
+                  video=VideoPlan(ns=(1, 2), repeats=1, new_repeats=1, stream_turns=4, modes=("lazy",), tps=(1,)),
+                  grammar_rounds=2),
     # Video (benchmarks/videos.py): one tiny pass, lazy only (the smoke's time may grow by seconds, not tens).
     # make bench-quick (<= 6 min): 448x448 keeps the 26-image prefill (6.6k tokens) cheap on 2 CPU cores; a
     # 1280x720 prompt of 26 images is 31k tokens, whose uncached prefill alone takes ~20 s per configuration here.
@@ -92,7 +94,7 @@ PLANS = {
                   (10, 100, 1000, 10_000), new_image_groups=new_images.groups((1, 2)),
                   new_image_sets=(ImageSet(*_JPEG_448, (1, 4, 8), 2), ImageSet(*_PNG_448, (1, 4, 8), 1),
                                   ImageSet(*_JPEG_720P, (1,), 1)), rank_engine="quick", http_overhead="quick",
-                  video=VideoPlan()),
+                  video=VideoPlan(), grammar_rounds=6),
     # make bench: the issue's full matrix at 1280x720 (~30-40 min here), TP=4 for token equality only.
     "full": Plan("full", (1280, 720), (1, 2), ("full", "strip", "lazy"), (2, 8, 13, 20, 26), 5,
                  ("cached_floor", "duplicate", "conversation", "sliding_window"), 16, 8, ("full", "strip", "lazy"),
@@ -287,6 +289,10 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
             bar.close()
     if http_result is not None:
         log("the HTTP door against the gRPC SDK\n" + http_overhead.write(out_dir, http_result))
+    grammar = None
+    if plan.grammar_rounds:  # its own fresh group (TP1): a constrained request beside an unconstrained one
+        grammar = grammar_cost.measure(model_dir, rounds=plan.grammar_rounds, log=lambda _md: None)
+        log("structured output beside free decoding\n" + grammar_cost.write(out_dir, grammar))
     security = []
     if plan.security:
         from benchmarks import security_load
@@ -317,6 +323,7 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     analysis = report.analyze(records, floor_rows, steps, meta["image_size"])
     analysis["affinity"] = affinity_result
     analysis["http_overhead"] = http_result and {k: v for k, v in http_result.items() if k != "records"}
+    analysis["grammar_cost"] = grammar
     figures = plots.write_plots(out_dir, analysis)
     report.write_markdown(os.path.join(out_dir, "results.md"), meta, analysis, floors_md, figures)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
@@ -360,6 +367,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    grammar = analysis.get("grammar_cost")
+    if grammar:
+        status = "met" if grammar["ratio"] <= grammar["target"] else "not met"
+        print(f"{status:>12}  constrained beside unconstrained, per decode step: {grammar['ratio']:.2f}x (target "
+              f"<= {grammar['target']}x)")  # fmt: skip
+        if not grammar["same_text"]:
+            print("FAILED: a constrained request beside it changed an unconstrained greedy answer", file=sys.stderr)
+            return 1
     scale_out = analysis.get("affinity")
     if scale_out and (not scale_out["tokens_equal"] or any(p["failed"] for p in scale_out["policies"])):
         print(

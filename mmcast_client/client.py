@@ -132,6 +132,8 @@ class Client(_core.ClientShell):
         message); give one where many conversations open alike. `live`: this call is the next turn of the live
         session `session_id` (True, or `{"keep_turns": k, "close": bool}`): send only the turn's new messages; the
         server keeps the session's KV, drops its oldest turns past keep_turns, and `Result.live` says what it holds.
+        `structured_output`: the grammar the answer follows, one of `{"json_schema": schema}`, `{"json_object":
+        True}`, `{"regex": pattern}`, `{"choice": [strings]}`; the answer ends as soon as the grammar is complete.
         """
         started = time.monotonic()
         o = self._core.generate_options(options)

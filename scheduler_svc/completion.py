@@ -25,6 +25,7 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.request_handle import FinishEvent, RequestHandle, TokenEvent
 from scheduler_svc.request_log import RequestSummary
 from scheduler_svc.request_parsing import SamplingSpec
+from scheduler_svc.structured_output import GrammarSpec
 from scheduler_svc.tenancy import scoped_cache_salt, scoped_request_id
 
 log = logging.getLogger("scheduler_svc.servicer")  # the name the request log lines have always carried
@@ -49,6 +50,8 @@ class CompletionRequest:
     default_max_tokens: bool = False  # True: max_tokens not given; take what the context leaves, up to the limit
     affinity: str = ""  # the conversation key the client chose (affinity_key.client_key), "" for none
     live: request_parsing.LiveSpec | None = None  # the next turn of a live session (live_sessions.py)
+    grammar: GrammarSpec | None = None  # structured output: the grammar the answer must follow (None: free text)
+    tools: tuple[dict, ...] = ()  # OpenAI tools, passed to the chat template (tool_calls.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,12 +204,13 @@ class Completions:
     """Admission, shared by both doors: request-id scoping, the frontend off the event loop, the context check,
     the engine's queue. ``draining`` refuses new requests during a graceful shutdown."""
 
-    def __init__(self, *, engine: Engine, frontend, config, tokenizer, make_request) -> None:
+    def __init__(self, *, engine: Engine, frontend, config, tokenizer, make_request, grammars=None) -> None:
         self.engine = engine
         self.frontend = frontend
         self.config = config
         self.tokenizer = tokenizer
         self.make_request = make_request  # (request_id, processed prompt, SamplingSpec, cache_salt) -> core Request
+        self.grammars = grammars  # structured_output.GrammarCompiler (None: structured output refused)
         # Every header check, decode and tokenization runs here, never on the event loop; the frontend bounds how
         # many decodes run at once (--max-concurrent-decodes) and gives each thread its own tokenizer.
         self.executor = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
@@ -223,6 +227,8 @@ class Completions:
             raise Unavailable("the server is draining for shutdown; retry on another replica")
         request_id = scoped_request_id(req.tenant, req.client_id)
         if req.live is not None:
+            if req.grammar is not None:
+                raise InvalidArgument("structured output is not served on live-session turns", field=req.grammar.field)
             return await self._admit_live(req, request_id)
         sampling = req.sampling
         reserve = 1 if req.default_max_tokens else sampling.max_tokens
@@ -242,16 +248,18 @@ class Completions:
                     tenant=req.tenant,
                     reserve_tokens=reserve,
                     context=context,
+                    tools=req.tools,
                 )
 
             # The conversation key hashes the first message's inline images: off the loop, beside the frontend.
             def work():
+                grammar = self._grammar(req.grammar)  # compiled (or refused) before the prompt costs anything
                 words = sampling.penalties.with_bad_word_ids(self.frontend.encode_words) if bad_words else None
-                return process(), req.affinity or affinity_key.key_of(req.turns, req.prompt), words
+                return process(), req.affinity or affinity_key.key_of(req.turns, req.prompt), words, grammar
 
             bad_words = bool(sampling.penalties.bad_words)
             f0 = time.perf_counter()
-            processed, key, words = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+            processed, key, words, grammar = await asyncio.get_running_loop().run_in_executor(self.executor, work)
             if words is not None:
                 sampling = dataclasses.replace(sampling, penalties=words)
             frontend_seconds = time.perf_counter() - f0
@@ -265,7 +273,9 @@ class Completions:
         prompt_field = "messages" if req.prompt is None else "prompt"
         admission.check_request_fits(prompt_field, prompt_tokens, sampling.max_tokens, context)
         salt = scoped_cache_salt(req.tenant, req.cache_salt)
-        handle = self.engine.submit(self.make_request(request_id, processed, sampling, salt), req.received)
+        request = self.make_request(request_id, processed, sampling, salt)
+        request.grammar = grammar
+        handle = self.engine.submit(request, req.received)
         handle.stages.http_parse, handle.stages.frontend = parsed_at - req.received, frontend_seconds
         try:
             self.frontend.commit(processed)  # admitted: only now may its new images enter the processor cache
@@ -274,6 +284,13 @@ class Completions:
             raise
         log.info("request admitted", extra={"request_id": request_id, "prompt_tokens": prompt_tokens})
         return Completion(self.engine, self.tokenizer, handle, processed, sampling, req.tenant, key)
+
+    def _grammar(self, spec: GrammarSpec | None):
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise InvalidArgument("structured output is not served by this server", field=spec.field)
+        return self.grammars.compile(spec)
 
     async def _admit_live(self, req: CompletionRequest, request_id) -> Completion:
         """A live session's turn: the session is reserved for it, its new messages processed, and the request built

@@ -83,6 +83,13 @@ class SchedulerConfig:
         max=1024,
         section=_LIMITS,
     )
+    max_grammar_bytes: int = setting(
+        65536,
+        "bytes of one request's structured-output grammar (a JSON schema, a regex, a choice list, the tools' schemas)",
+        min=16,
+        max=16 * 2**20,
+        section=_LIMITS,
+    )
     max_images_per_request: int = setting(64, "images one request may contain", min=0, max=100_000, section=_LIMITS)
     max_image_pixels: int = setting(
         33_554_432,

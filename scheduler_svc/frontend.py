@@ -79,7 +79,7 @@ from scheduler_svc.upload_store import ByteLRU, UploadStore
 
 __all__ = ["ChatTurn", "Frontend", "ImagePart", "ProcessedPrompt", "TextPart", "UploadStore"]
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,7 +404,9 @@ class Frontend:
             tokenizer = self._local.tokenizer = copy.deepcopy(self.tokenizer)
         return tokenizer
 
-    def _tokenize(self, messages: list, add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
+    def _tokenize(
+        self, messages: list, add_generation_prompt: bool, continue_final_message: bool = False, tools=None
+    ) -> list[int]:
         """Chat template + tokenizer (this thread's own). ``continue_final_message``: the template's own rule
         (transformers' ``continue_final_message``): the last message's end-of-turn is cut, so the answer continues
         its text."""
@@ -423,6 +425,7 @@ class Frontend:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
+                **({"tools": list(tools)} if tools else {}),
             )
         except ValueError as exc:  # transformers: the rendered prompt does not hold the final message's text
             raise InvalidArgument(
@@ -449,6 +452,7 @@ class Frontend:
         tenant: str = "",
         reserve_tokens: int = 1,
         context: int | None = None,
+        tools=None,
     ) -> ProcessedPrompt:
         """Chat turns -> token ids with expanded image placeholders and one item per image.
 
@@ -461,7 +465,7 @@ class Frontend:
         context = self.max_model_len if context is None else context
         messages, images = self._collect(turns)
         media = self._media(images, tenant, context, reserve_tokens)
-        template_ids = self._tokenize(messages, add_generation_prompt, continue_final_message)
+        template_ids = self._tokenize(messages, add_generation_prompt, continue_final_message, tools)
         return self._prompt(template_ids, media, context)
 
     def _media(self, images, tenant: str, context: int, reserve_tokens: int):
@@ -655,7 +659,11 @@ class Frontend:
                 request_bytes += len(getattr(part, "data", None) or b"")
                 content.append({"type": kind})
                 has_content = True
-            messages.append({"role": turn.role, "content": content})
+            message = {"role": turn.role, "content": content}
+            if getattr(turn, "tool_calls", ()):  # an assistant's tool calls, rendered by the template
+                message["tool_calls"] = [{"type": "function", "function": c} for c in turn.tool_calls]
+                has_content = True
+            messages.append(message)
         if not has_content:
             raise InvalidArgument("messages contain no text, image or video: the prompt is empty", field="messages")
         if request_bytes > cfg.max_request_bytes:

@@ -31,8 +31,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from common.errors import IMAGE_RESOURCE, InvalidArgument, MmcastError, NotFound, Status, Unavailable
+from common.families.tool_calls import tool_calls_of
 from mmcast.v1 import generation_pb2
-from scheduler_svc import affinity_key, openai_errors, openai_sampling, openai_schema, request_parsing
+from scheduler_svc import (
+    affinity_key,
+    grammar_requests,
+    openai_errors,
+    openai_sampling,
+    openai_schema,
+    request_parsing,
+    tool_calls,
+)
 from scheduler_svc.completion import MAX_TOKENS_FIELD, Chunk, Completion, CompletionRequest, Completions
 from scheduler_svc.openai_errors import HttpError
 from scheduler_svc.request_parsing import ImageContent, TextContent, Turn, VideoContent
@@ -40,13 +49,10 @@ from scheduler_svc.request_parsing import ImageContent, TextContent, Turn, Video
 log = logging.getLogger(__name__)
 
 _UUID = re.compile(r"sha256:([0-9a-f]{64})")
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_FINISH = {"stop": "stop", "length": "length"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 # Parameters of OpenAI's API that mmcast does not implement: accepted at their neutral value only.
 _NEUTRAL = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
     "echo": (None, False),
     "suffix": (None, ""),
 }
@@ -60,6 +66,8 @@ _SCHEMA_FIELDS = {
         openai_schema.TextContentPart,
         openai_schema.ImageURL,
         openai_schema.StreamOptions,
+        openai_schema.ToolCall,
+        openai_schema.ToolCallFunction,
     )
     for name in model.model_fields
 }
@@ -109,14 +117,6 @@ def _check_neutral(body: BaseModel) -> None:
                 param=name,
                 code="unsupported",
             )
-    fmt = getattr(body, "response_format", None)
-    if fmt and fmt.get("type", "text") != "text":
-        raise HttpError(
-            400,
-            f"response_format type {str(fmt.get('type'))[:40]!r} is not supported; only 'text'",
-            param="response_format",
-            code="unsupported",
-        )
 
 
 @dataclasses.dataclass
@@ -132,6 +132,7 @@ class _Call:
     uuid_fields: dict = dataclasses.field(default_factory=dict)  # sha256 hex -> the field that referenced it
     inline: list = dataclasses.field(default_factory=list)  # (sha256 hex, bytes) of images sent inline
     affinity: str = ""  # the conversation key the client's headers chose ("" none: computed at admission)
+    tools: tool_calls.ToolRequest | None = None  # tools whose calls the answer is searched for (tool_calls.py)
 
     @property
     def object_id(self) -> str:
@@ -201,6 +202,7 @@ class OpenAIApi:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self.tool_format = tool_calls_of(self.frontend.family.tool_format)  # the family's tool-call parser
 
     def app(self, middleware=None) -> Starlette:
         routes = [
@@ -328,6 +330,10 @@ class OpenAIApi:
     async def _completion_request(self, call: _Call, body, received: float) -> CompletionRequest:
         request_parsing.check_cache_salt(body.cache_salt or "")
         sampling, default_max = self._sampling(call, body)
+        tools, grammar = (None, grammar_requests.from_openai(body))
+        if call.kind == "chat":
+            tools, grammar = tool_calls.request_grammar(body, self.tool_format)
+            call.tools = tools if tools is not None and tools.parse_calls else None
         common = dict(
             client_id=call.client_id,
             tenant=call.tenant,
@@ -336,6 +342,7 @@ class OpenAIApi:
             cache_salt=body.cache_salt or "",
             default_max_tokens=default_max,
             affinity=call.affinity,
+            grammar=grammar,
         )
         if call.kind == "text":
             prompt = (
@@ -369,6 +376,7 @@ class OpenAIApi:
             turns=turns,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            tools=tools.tools if tools is not None else (),
             **common,
         )
 
@@ -421,10 +429,11 @@ class OpenAIApi:
     async def _turns(self, call: _Call, messages, video_options=None) -> list[Turn]:
         turns = []
         for i, m in enumerate(messages):
-            if m.content is None:
+            calls = tool_calls.turn_calls(m, i)
+            if m.content is None and not calls:
                 raise HttpError(
                     400,
-                    f"messages[{i}].content is missing: tool calls are not supported, send text or image parts",
+                    f"messages[{i}].content is missing: send text or image parts (or, from the assistant, tool_calls)",
                     param=f"messages[{i}].content",
                     code="invalid_value",
                 )
@@ -432,7 +441,7 @@ class OpenAIApi:
             content = (
                 [openai_schema.TextContentPart(type="text", text=m.content)]
                 if isinstance(m.content, str)
-                else m.content
+                else m.content or []
             )
             for j, part in enumerate(content):
                 if part.type == "text":
@@ -441,7 +450,7 @@ class OpenAIApi:
                     parts.append(await self._video(call, part, f"messages[{i}].content[{j}]", video_options))
                 else:
                     parts.append(await self._image(call, part, f"messages[{i}].content[{j}]"))
-            turns.append(Turn(_ROLES[m.role], tuple(parts)))
+            turns.append(Turn(_ROLES[m.role], tuple(parts), calls))
         return turns
 
     async def _video(self, call: _Call, part, where: str, options) -> VideoContent:
@@ -595,6 +604,10 @@ class OpenAIApi:
         logprobs = completion.sampling.return_logprobs
         if call.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
+            if call.tools is not None:
+                choice["message"], choice["finish_reason"] = tool_calls.whole_answer(
+                    text, choice["finish_reason"], self.tool_format
+                )
             choice["logprobs"] = self._chat_logprobs(_joined(chunks)) if logprobs else None
         else:
             choice["text"] = text
@@ -632,6 +645,7 @@ class OpenAIApi:
         usage_field = {"usage": None} if include_usage else {}
         logprobs = completion.sampling.return_logprobs
         offset, first_written = 0, False
+        calls = tool_calls.CallStream(self.tool_format) if call.tools is not None else None
 
         def event(choice: dict) -> bytes:
             return _sse({**envelope, "choices": [choice], **usage_field})
@@ -643,12 +657,13 @@ class OpenAIApi:
                 )
             chunk = first
             while chunk is not None:
-                if chunk.text or (logprobs and chunk.token_ids):
+                text = chunk.text if calls is None else calls.feed(chunk.text)  # tool calls held until the end
+                if text or (logprobs and chunk.token_ids):
                     if call.kind == "chat":
                         out = event(
                             {
                                 "index": 0,
-                                "delta": {"content": chunk.text},
+                                "delta": {"content": text},
                                 "logprobs": self._chat_logprobs(chunk) if logprobs else None,
                                 "finish_reason": None,
                             }
@@ -674,9 +689,16 @@ class OpenAIApi:
                 yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
             else:
                 result = completion.result
+                finish = _FINISH[result.finish_reason]
+                if calls is not None:
+                    rest, found = calls.finish()
+                    for delta in ({"content": rest} if rest else None, tool_calls.streamed_delta(found)):
+                        if delta:
+                            yield event({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+                    finish = "tool_calls" if found else finish
                 last = {
                     "index": 0,
-                    "finish_reason": _FINISH[result.finish_reason],
+                    "finish_reason": finish,
                     "stop_reason": result.stop_reason or None,
                     "logprobs": None,
                 }

@@ -55,10 +55,24 @@ class VideoContentPart(_Body):
 ContentPart = Annotated[TextContentPart | ImageContentPart | VideoContentPart, Field(discriminator="type")]
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any]  # JSON text (OpenAI); an object is taken as is
+
+
+class ToolCall(_Body):
+    id: str | None = None  # accepted; the template renders calls by name, a tool answer follows its call's order
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]  # "developer" is OpenAI's newer name for "system"
+    # "developer" is OpenAI's newer name for "system"; "tool" carries a tool's result back (tool_calls.py)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted, not used: the chat template has no place for it
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, rendered by the chat template
+    tool_call_id: str | None = None  # a tool message's call (accepted; the template follows the calls' order)
 
 
 class StreamOptions(_Body):
@@ -90,6 +104,11 @@ class _Sampling(_Body):
     min_tokens: Annotated[int, Field(ge=0, le=_UINT31)] | None = None  # <= max_tokens
     best_of: Annotated[int, Field(ge=1, le=_UINT31)] | None = None  # only equal to n
     bad_words: list[str] | None = None  # vLLM's: words never generated
+    # Structured output (vLLM's extras; chat also reads response_format): at most one, see grammar_requests.py.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None  # a JSON Schema (object or JSON text)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatCompletionRequest(_Sampling):

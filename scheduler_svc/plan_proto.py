@@ -75,6 +75,7 @@ def step_control(plan) -> worker_pb2.StepControl:
         evict_payload_ids=plan.evict_payload_ids,
         evict_encoder_ids=plan.evict_encoder_ids,
         reset_caches=plan.reset_caches,
+        token_masks=[worker_pb2.TokenMask(request_id=rid, allowed=mask) for rid, mask in plan.token_masks.items()],
     )
 
 

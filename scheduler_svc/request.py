@@ -121,6 +121,9 @@ class Request:
         self.hash_item_cursor = 0  # first item that may overlap the next block to hash
         self.admitted_once = False  # whether usage.cached_tokens has been recorded
         self.live = None  # a live session's turn: its live_sessions.LiveTurn (never hashed, cached or recomputed)
+        # Structured output: its structured_output.RequestGrammar, which has consumed output_token_ids (kept across
+        # preemption and recovery, so a recomputed request's mask goes on from its generated tokens).
+        self.grammar = None
         self.reset_progress()
 
     def reset_progress(self) -> None:

@@ -69,8 +69,9 @@ class VideoContent:
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
-    role: str
+    role: str  # system | user | assistant | tool
     parts: tuple[TextContent | ImageContent | VideoContent, ...]
+    tool_calls: tuple[dict, ...] = ()  # an assistant turn's calls: {"name": str, "arguments": dict} (the template's)
 
 
 MAX_VIDEO_FPS = 60.0

@@ -62,6 +62,7 @@ from scheduler_svc.live_sessions import LiveSessions
 from scheduler_svc.poison import PoisonIsolator
 from scheduler_svc.request import FinishReason, Request, RequestStatus, validate_sampling
 from scheduler_svc.step_plan import NewRequestData, RequestUpdate, RunningRequestData, StepPlan, payload_nbytes
+from scheduler_svc.structured_output import grammar_verdict, step_masks
 from scheduler_svc.transfer import TransferDecider
 
 
@@ -361,6 +362,7 @@ class Scheduler:
                 raise MmcastError(f"internal: {len(self._requests)} requests but nothing schedulable")
             return None
         accounting, released = decider.book.take_step(lambda rid: self._requests[rid].usage)
+        sampling = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
         plan = StepPlan(
             step_id=self._next_step_id,
             new_requests=new_reqs,
@@ -373,7 +375,8 @@ class Scheduler:
             evict_encoder_ids=decider.mirrors.evict_encoder_ids,
             reset_caches=self._reset_next,
             num_scheduled_tokens={r.request_id: n for r, n in scheduled},
-            sampling_request_ids=[r.request_id for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens],
+            sampling_request_ids=[r.request_id for r in sampling],
+            token_masks=step_masks(sampling),
             rank_payloads=decider.rank_payloads,
             accounting=accounting,
             items_examined=decider.items_examined,
@@ -491,9 +494,11 @@ class Scheduler:
                 r.request_id, [token], [(sample.logprob, sample.top_logprobs)] if r.sampling.return_logprobs else None
             )
             reason = self._stop_reason(r, token)
+            if reason is FinishReason.STOP:
+                update.stop_token_id = token
+            elif r.grammar is not None:  # the grammar consumes the token; complete, it ends the request
+                reason = grammar_verdict(r.grammar, token, update) or reason
             if reason is not None:
-                if reason is FinishReason.STOP:
-                    update.stop_token_id = token
                 self._finish(r, reason)
                 update.finished, update.usage = reason, r.usage
             updates.append(update)

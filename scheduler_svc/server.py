@@ -40,6 +40,7 @@ from scheduler_svc.http_server import HttpMetrics, HttpServer
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.rank_streams import WorkerGroup
 from scheduler_svc.servicer import GenerationServiceServicer
+from scheduler_svc.structured_output import GrammarCompiler
 
 log = logging.getLogger("mmcast.scheduler")
 
@@ -144,6 +145,12 @@ class SchedulerServer:
             config=config,
             tokenizer=self.tokenizer,
             make_request=self._make_request,
+            grammars=GrammarCompiler(
+                self.tokenizer,
+                vocab_size=self.frontend.vocab_size,
+                eos_token_ids=eos,
+                max_grammar_bytes=config.max_grammar_bytes,
+            ),
         )
         self.servicer = GenerationServiceServicer(
             completions=self.completions, uploads=self.uploads, server_info=self._server_info, tokens=self.tokens

@@ -20,7 +20,7 @@ from common import rich_status
 from common.errors import InvalidArgument, MmcastError, ResourceExhausted, Status
 from common.rich_status import grpc_code
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, logprob_pb2
-from scheduler_svc import affinity_key, request_parsing
+from scheduler_svc import affinity_key, grammar_requests, request_parsing
 from scheduler_svc.completion import Completion, CompletionRequest, Completions
 from scheduler_svc.tenancy import scoped_request_id
 
@@ -86,6 +86,7 @@ class GenerationServiceServicer(generation_pb2_grpc.GenerationServiceServicer):
             continue_final_message=request.continue_final_message,
             affinity=affinity_key.client_key(metadata.get),
             live=request_parsing.parse_live(request.live) if request.HasField("live") else None,
+            grammar=grammar_requests.from_proto(request),
         )
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):

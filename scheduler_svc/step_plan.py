@@ -105,6 +105,8 @@ class StepPlan:
     released: ItemAccounting = dataclasses.field(default_factory=ItemAccounting)
     # The video items' share of ``totals`` (the metrics' modality label; the rest is images).
     video_totals: ItemAccounting = dataclasses.field(default_factory=ItemAccounting)
+    # Structured output: request -> its allowed tokens (TokenMask.allowed); only requests in sampling_request_ids.
+    token_masks: dict[RequestId, bytes] = dataclasses.field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

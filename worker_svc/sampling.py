@@ -117,21 +117,38 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, index: int, raw: torch.Tensor | None = None) -> Sample:
+def allow_only(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The grammar stage (structured output): a cleaned logits row with every token outside ``allowed`` (a boolean
+    ``[vocab]`` row) at -inf. Raises ``SamplingError`` when no allowed token has a finite or +inf logit."""
+    drawn = logits.masked_fill(~allowed, -math.inf)
+    if not bool((drawn > -math.inf).any()):
+        raise SamplingError(f"none of the {int(allowed.sum())} tokens the grammar allows has a finite logit")
+    return drawn
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    index: int,
+    raw: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+) -> Sample:
     """One token from a ``[vocab]`` logits row, already adjusted by its penalties; ``raw`` (default: ``logits``)
     is the model's row, whose distribution the log-probabilities describe. ``index`` is the output token index (0
-    for the first). Raises only ``SamplingError`` (logits without a finite entry)."""
+    for the first). ``allowed``: the grammar's boolean row; the draw is among those tokens.
+    Raises only ``SamplingError`` (logits without a finite entry)."""
     logits = clean_logits(logits)
+    drawn = logits if allowed is None else allow_only(logits, allowed)
     temperature = float(params.temperature)
     if is_greedy(temperature):
-        token = int(torch.argmax(logits))
+        token = int(torch.argmax(drawn))
     else:
         # Shifted by the maximum first: the scaled values are <= 0 with an exact 0 at the maximum, so neither a
         # small temperature nor a huge logit range can overflow, and the softmax's sum is >= 1 before it normalizes.
-        shifted = (logits - logits.max()) / temperature
+        shifted = (drawn - drawn.max()) / temperature
         top_k = int(params.top_k)
         if 0 < top_k < logits.numel():
-            shifted = shifted.masked_fill(logits < _kth_largest(logits, top_k), -math.inf)  # the maximum stays
+            shifted = shifted.masked_fill(drawn < _kth_largest(drawn, top_k), -math.inf)  # the maximum stays
         probs = torch.softmax(torch.nan_to_num(shifted, nan=-math.inf), dim=-1)
         top_p = float(params.top_p)
         if 0.0 < top_p < 1.0:
@@ -154,6 +171,7 @@ def sample_batch(
     params: list[SamplingParams],
     indices: list[int],
     histories: list[penalize.History | None] | None = None,
+    allowed: dict[int, torch.Tensor] | None = None,
 ) -> list[Sample | SamplingError]:
     """``sample`` of every row of ``logits`` (``[n, vocab]``) with its own parameters and output index, one result
     per row: its ``Sample``, or the ``SamplingError`` that row alone raised. ``histories[i]``: row i's tokens
@@ -162,7 +180,9 @@ def sample_batch(
     Equal to calling ``sample`` row by row; what is common to the rows is done once: one finiteness check, one
     ``argmax`` for the greedy rows, one ``log_softmax`` and one ``topk`` for the rows that want log-probabilities.
     Rows that draw (a temperature) or hold a non-finite value go through ``sample`` alone: their generator is
-    seeded per row, and their cleaning is per row."""
+    seeded per row, and their cleaning is per row. ``allowed``: row -> the grammar's boolean row (structured
+    output); those rows go through ``sample`` too, with their mask."""
+    allowed = allowed or {}
     n = logits.shape[0]
     raw = logits.detach().float()
     logits = penalize.apply(raw, [p.penalties for p in params], indices, histories or [None] * n)
@@ -171,11 +191,11 @@ def sample_batch(
     if adjusted and n:  # masks add -inf (fine for argmax); an overflow to +inf or nothing left goes the slow way
         finite = [f and m for f, m in zip(finite, torch.isfinite(logits.amax(dim=-1)).tolist(), strict=True)]
     out: list[Sample | SamplingError | None] = [None] * n
-    greedy = [i for i in range(n) if finite[i] and is_greedy(float(params[i].temperature))]
+    greedy = [i for i in range(n) if finite[i] and is_greedy(float(params[i].temperature)) and i not in allowed]
     for i in range(n):
         if out[i] is None and i not in greedy:
             try:
-                out[i] = sample(logits[i], params[i], indices[i], raw[i] if adjusted else None)
+                out[i] = sample(logits[i], params[i], indices[i], raw[i] if adjusted else None, allowed.get(i))
             except SamplingError as exc:
                 out[i] = exc
     if greedy:

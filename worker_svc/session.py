@@ -41,6 +41,7 @@ from worker_svc.request_state import RequestState
 from worker_svc.runner import ForwardInput, StepLogits
 from worker_svc.sampling import Sample, SamplingError, sample_batch
 from worker_svc.step_errors import StepError, code
+from worker_svc.token_mask import allowed_tokens, check_token_masks
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class _CheckedStep:
     encoder_hits: int = 0
     payload_queries: int = 0  # items this rank encodes: each needs its payload (hit: held from an earlier step)
     encoder_queries: int = 0  # (window, item) uses of an encoder output (hit: computed in an earlier step)
+    token_masks: dict = dataclasses.field(default_factory=dict)  # request -> its TokenMask (structured output)
 
 
 @dataclasses.dataclass
@@ -161,6 +163,9 @@ class Session:
         )
         encoder_hits, encoder_queries = checks.check_encoder_outputs_for_windows(windows, encode, encoded_after)
         checks.check_payload_budget(control, incoming, self.payloads)
+        masks = check_token_masks(
+            control, windows, r.vocab_size, {s.request_id: len(d.new_token_ids) for s, d in running}
+        )
         return _CheckedStep(
             control,
             finished,
@@ -173,6 +178,7 @@ class Session:
             encoder_hits,
             payload_queries,
             encoder_queries,
+            masks,
         )
 
     # --- phase 2: bookkeeping --------------------------------------------------------------------------------
@@ -358,13 +364,14 @@ class Session:
             if row is not None and self.rank == 0:
                 sampling.append(state)
         if sampling:
-            for state, drawn in zip(sampling, self._sample(sampling, logits), strict=True):
+            drawn_all = self._sample(sampling, logits, checked.token_masks)
+            for state, drawn in zip(sampling, drawn_all, strict=True):
                 (outcome.sampled if isinstance(drawn, Sample) else outcome.failed).append((state.request_id, drawn))
         outcome.sample_seconds = time.perf_counter() - t1  # the block bookkeeping beside it is negligible
         self._report_sizes()
         return outcome
 
-    def _sample(self, states: list[RequestState], logits: StepLogits) -> list[Sample | str]:
+    def _sample(self, states: list[RequestState], logits: StepLogits, masks: dict) -> list[Sample | str]:
         """Each request's token, or why sampling it failed, in one batched call (``sample_batch``). Sampling runs
         after every collective of the step and only here on rank 0, so a failure is the request's alone: the
         group's state is intact (see worker.py). Should the batched call itself fail, each request is sampled
@@ -373,14 +380,18 @@ class Session:
         indices = [s.num_output_tokens for s in states]
         histories = [(s.token_ids, s.num_prompt_tokens) for s in states]  # no copies: penalties.py slices
         rows = [row for row in logits.rows if row is not None]  # 0, 1, ...: every window that samples, in order
+        vocab = logits.batch.shape[-1]
+        allowed = {
+            k: allowed_tokens(masks[s.request_id].allowed, vocab) for k, s in enumerate(states) if s.request_id in masks
+        }
         try:
-            drawn: list = sample_batch(logits.batch, params, indices, histories)
+            drawn: list = sample_batch(logits.batch, params, indices, histories, allowed)
         except Exception:  # noqa: BLE001 - isolate the failing request below
             drawn = []
             for state, row, history in zip(states, rows, histories, strict=True):
                 try:
-                    one = logits.batch[row : row + 1]
-                    drawn.append(sample_batch(one, [state.sampling], [state.num_output_tokens], [history])[0])
+                    one, mask = logits.batch[row : row + 1], {0: allowed[row]} if row in allowed else None
+                    drawn.append(sample_batch(one, [state.sampling], [state.num_output_tokens], [history], mask)[0])
                 except Exception as exc:  # any failure of one request's draw or log-probabilities
                     drawn.append(exc)
         out: list[Sample | str] = []

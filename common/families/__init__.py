@@ -16,7 +16,8 @@ the wire stay the same (docs/ARCHITECTURE.md §2.8):
 - ``grid_problem`` / ``pixel_problem``: the rank's shape checks of an item before the encoder runs;
 - ``encode``: the vision tower's call, giving one row per placeholder token (``row_width`` values a row);
 - ``text_model_kwargs``: how encoder rows enter the language model besides replacing the placeholder embeddings;
-- ``tp_plan``: the tensor-parallel plan for the decoder when the checkpoint's own does not shard it.
+- ``tp_plan``: the tensor-parallel plan for the decoder when the checkpoint's own does not shard it;
+- ``tool_format``: how its checkpoints write tool calls (``common/families/tool_calls.py``), None for none.
 
 Every module of this package defines one ``Family`` subclass and registers an instance in ``FAMILIES``.
 Importing this package imports no torch or transformers: ``common/model_checks.py`` reads ``config.json`` with it
@@ -45,6 +46,7 @@ class Family:
     text_model_types: frozenset[str] = frozenset()  # model_type of its text_config
     uses_mrope: bool = True  # positions (3, tokens) from every item's grid, cached or not
     grid_field: str | None = "image_grid_thw"  # an image's keep_on_cpu grid field; None: the family has none
+    tool_format: str | None = "hermes"  # the tool-call format its chat templates teach (families/tool_calls.py)
 
     # --- frontend --------------------------------------------------------------------------------------------
 

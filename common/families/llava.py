@@ -32,6 +32,7 @@ class LlavaFamily(Family):
     text_model_types: frozenset[str] = frozenset()
     uses_mrope = False
     grid_field = None
+    tool_format = None  # LLaVA checkpoints' templates take no tools
 
     def load_processor_class(self, config):
         from transformers import LlavaProcessor

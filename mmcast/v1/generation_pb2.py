@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from mmcast.v1 import logprob_pb2 as mmcast_dot_v1_dot_logprob__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ammcast/v1/generation.proto\x12\tmmcast.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x17mmcast/v1/logprob.proto\"A\n\nImageInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x19\n\x0fuploaded_sha256\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\xfb\x01\n\nVideoInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x19\n\x0fuploaded_sha256\x18\x02 \x01(\tH\x00\x12\x10\n\x03\x66ps\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x17\n\nnum_frames\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x17\n\nmax_frames\x18\x05 \x01(\rH\x03\x88\x01\x01\x12\x17\n\nmin_pixels\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_pixels\x18\x07 \x01(\x04H\x05\x88\x01\x01\x42\x08\n\x06sourceB\x06\n\x04_fpsB\r\n\x0b_num_framesB\r\n\x0b_max_framesB\r\n\x0b_min_pixelsB\r\n\x0b_max_pixels\"u\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x05image\x18\x02 \x01(\x0b\x32\x15.mmcast.v1.ImageInputH\x00\x12&\n\x05video\x18\x03 \x01(\x0b\x32\x15.mmcast.v1.VideoInputH\x00\x42\x06\n\x04part\"U\n\x0b\x43hatMessage\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.mmcast.v1.Role\x12\'\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x16.mmcast.v1.ContentPart\"\xeb\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\r\x12\x17\n\x0freturn_logprobs\x18\t \x01(\x08\x12\r\n\x05top_k\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x02\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.mmcast.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x11\n\tbad_words\x18\x10 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xd6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.mmcast.v1.ChatMessage\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.mmcast.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12$\n\x04live\x18\x06 \x01(\x0b\x32\x16.mmcast.v1.LiveSession\"D\n\x0bLiveSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nkeep_turns\x18\x02 \x01(\r\x12\r\n\x05\x63lose\x18\x03 \x01(\x08\"\x83\x01\n\x10LiveSessionState\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05turns\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x15\n\revicted_turns\x18\x04 \x01(\r\x12\x15\n\rnext_position\x18\x05 \x01(\x04\x12\x0e\n\x06\x63losed\x18\x06 \x01(\x08\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.mmcast.v1.TopLogprob\"X\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.mmcast.v1.TokenLogprob\"\x9a\x03\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x0e\n\x06images\x18\x04 \x01(\r\x12\x13\n\x0bimages_sent\x18\x05 \x01(\r\x12\x17\n\x0fimages_stripped\x18\x06 \x01(\r\x12\x1a\n\x12images_rank_cached\x18\x07 \x01(\r\x12\x1f\n\x17payload_bytes_broadcast\x18\x08 \x01(\x04\x12\x1b\n\x13payload_bytes_saved\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\r\x12\x14\n\x0c\x65ncoder_runs\x18\x0b \x01(\r\x12#\n\x1b\x65ncoder_output_bytes_shared\x18\x0c \x01(\x04\x12\x31\n\x0eimage_cpu_time\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1d\n\x15images_encoder_shared\x18\x0e \x01(\r\x12\x0e\n\x06videos\x18\x0f \x01(\r\"\x9f\x01\n\x07Timings\x12\x36\n\x13time_to_first_token\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\ntotal_time\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\nqueue_time\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"3\n\rGenerateError\x12\x11\n\tgrpc_code\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x82\x02\n\rGenerateFinal\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.mmcast.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.mmcast.v1.Usage\x12#\n\x07timings\x18\x03 \x01(\x0b\x32\x12.mmcast.v1.Timings\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\'\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x18.mmcast.v1.GenerateError\x12)\n\x04live\x18\x07 \x01(\x0b\x32\x1b.mmcast.v1.LiveSessionState\"q\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.mmcast.v1.TokenDeltaH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.mmcast.v1.GenerateFinalH\x00\x42\n\n\x08response\";\n\x12UploadImageRequest\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x17\n\x0f\x65xpected_sha256\x18\x02 \x01(\t\"Q\n\x13UploadImageResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x11\n\tbyte_size\x18\x02 \x01(\x04\x12\x17\n\x0f\x61lready_present\x18\x03 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\xff\x02\n\x15GetServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x1e\n\x16max_images_per_request\x18\x04 \x01(\r\x12\x18\n\x10max_image_pixels\x18\x05 \x01(\x04\x12\x19\n\x11max_request_bytes\x18\x06 \x01(\x04\x12\x18\n\x10max_upload_bytes\x18\x07 \x01(\x04\x12.\n\rtransfer_mode\x18\x08 \x01(\x0e\x32\x17.mmcast.v1.TransferMode\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\x12\x13\n\x0bgroup_ready\x18\n \x01(\x08\x12\x18\n\x10max_video_frames\x18\x0b \x01(\r\x12\x19\n\x11max_video_seconds\x18\x0c \x01(\x01\x12\x1e\n\x16max_video_frame_pixels\x18\r \x01(\x04*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*v\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_MODE_FULL\x10\x01\x12\x17\n\x13TRANSFER_MODE_STRIP\x10\x02\x12\x16\n\x12TRANSFER_MODE_LAZY\x10\x03\x32\xfe\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.mmcast.v1.GenerateRequest\x1a\x1b.mmcast.v1.GenerateResponse0\x01\x12N\n\x0bUploadImage\x12\x1d.mmcast.v1.UploadImageRequest\x1a\x1e.mmcast.v1.UploadImageResponse(\x01\x12R\n\rGetServerInfo\x12\x1f.mmcast.v1.GetServerInfoRequest\x1a .mmcast.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ammcast/v1/generation.proto\x12\tmmcast.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x17mmcast/v1/logprob.proto\"A\n\nImageInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x19\n\x0fuploaded_sha256\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\xfb\x01\n\nVideoInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x19\n\x0fuploaded_sha256\x18\x02 \x01(\tH\x00\x12\x10\n\x03\x66ps\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x17\n\nnum_frames\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x17\n\nmax_frames\x18\x05 \x01(\rH\x03\x88\x01\x01\x12\x17\n\nmin_pixels\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_pixels\x18\x07 \x01(\x04H\x05\x88\x01\x01\x42\x08\n\x06sourceB\x06\n\x04_fpsB\r\n\x0b_num_framesB\r\n\x0b_max_framesB\r\n\x0b_min_pixelsB\r\n\x0b_max_pixels\"u\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x05image\x18\x02 \x01(\x0b\x32\x15.mmcast.v1.ImageInputH\x00\x12&\n\x05video\x18\x03 \x01(\x0b\x32\x15.mmcast.v1.VideoInputH\x00\x42\x06\n\x04part\"U\n\x0b\x43hatMessage\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.mmcast.v1.Role\x12\'\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x16.mmcast.v1.ContentPart\"\xeb\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\r\x12\x17\n\x0freturn_logprobs\x18\t \x01(\x08\x12\r\n\x05top_k\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x02\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.mmcast.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x11\n\tbad_words\x18\x10 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x8e\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.mmcast.v1.ChatMessage\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.mmcast.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12$\n\x04live\x18\x06 \x01(\x0b\x32\x16.mmcast.v1.LiveSession\x12\x36\n\x11structured_output\x18\x07 \x01(\x0b\x32\x1b.mmcast.v1.StructuredOutput\"\x82\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.mmcast.v1.ChoiceListH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"D\n\x0bLiveSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nkeep_turns\x18\x02 \x01(\r\x12\r\n\x05\x63lose\x18\x03 \x01(\x08\"\x83\x01\n\x10LiveSessionState\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05turns\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x15\n\revicted_turns\x18\x04 \x01(\r\x12\x15\n\rnext_position\x18\x05 \x01(\x04\x12\x0e\n\x06\x63losed\x18\x06 \x01(\x08\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.mmcast.v1.TopLogprob\"X\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.mmcast.v1.TokenLogprob\"\x9a\x03\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x0e\n\x06images\x18\x04 \x01(\r\x12\x13\n\x0bimages_sent\x18\x05 \x01(\r\x12\x17\n\x0fimages_stripped\x18\x06 \x01(\r\x12\x1a\n\x12images_rank_cached\x18\x07 \x01(\r\x12\x1f\n\x17payload_bytes_broadcast\x18\x08 \x01(\x04\x12\x1b\n\x13payload_bytes_saved\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\r\x12\x14\n\x0c\x65ncoder_runs\x18\x0b \x01(\r\x12#\n\x1b\x65ncoder_output_bytes_shared\x18\x0c \x01(\x04\x12\x31\n\x0eimage_cpu_time\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1d\n\x15images_encoder_shared\x18\x0e \x01(\r\x12\x0e\n\x06videos\x18\x0f \x01(\r\"\x9f\x01\n\x07Timings\x12\x36\n\x13time_to_first_token\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\ntotal_time\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\nqueue_time\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"3\n\rGenerateError\x12\x11\n\tgrpc_code\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x82\x02\n\rGenerateFinal\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.mmcast.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.mmcast.v1.Usage\x12#\n\x07timings\x18\x03 \x01(\x0b\x32\x12.mmcast.v1.Timings\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\'\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x18.mmcast.v1.GenerateError\x12)\n\x04live\x18\x07 \x01(\x0b\x32\x1b.mmcast.v1.LiveSessionState\"q\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.mmcast.v1.TokenDeltaH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.mmcast.v1.GenerateFinalH\x00\x42\n\n\x08response\";\n\x12UploadImageRequest\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x17\n\x0f\x65xpected_sha256\x18\x02 \x01(\t\"Q\n\x13UploadImageResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x11\n\tbyte_size\x18\x02 \x01(\x04\x12\x17\n\x0f\x61lready_present\x18\x03 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\xff\x02\n\x15GetServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x1e\n\x16max_images_per_request\x18\x04 \x01(\r\x12\x18\n\x10max_image_pixels\x18\x05 \x01(\x04\x12\x19\n\x11max_request_bytes\x18\x06 \x01(\x04\x12\x18\n\x10max_upload_bytes\x18\x07 \x01(\x04\x12.\n\rtransfer_mode\x18\x08 \x01(\x0e\x32\x17.mmcast.v1.TransferMode\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\x12\x13\n\x0bgroup_ready\x18\n \x01(\x08\x12\x18\n\x10max_video_frames\x18\x0b \x01(\r\x12\x19\n\x11max_video_seconds\x18\x0c \x01(\x01\x12\x1e\n\x16max_video_frame_pixels\x18\r \x01(\x04*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*v\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_MODE_FULL\x10\x01\x12\x17\n\x13TRANSFER_MODE_STRIP\x10\x02\x12\x16\n\x12TRANSFER_MODE_LAZY\x10\x03\x32\xfe\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.mmcast.v1.GenerateRequest\x1a\x1b.mmcast.v1.GenerateResponse0\x01\x12N\n\x0bUploadImage\x12\x1d.mmcast.v1.UploadImageRequest\x1a\x1e.mmcast.v1.UploadImageResponse(\x01\x12R\n\rGetServerInfo\x12\x1f.mmcast.v1.GetServerInfoRequest\x1a .mmcast.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,12 +35,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=3284
-  _globals['_ROLE']._serialized_end=3364
-  _globals['_FINISHREASON']._serialized_start=3367
-  _globals['_FINISHREASON']._serialized_end=3516
-  _globals['_TRANSFERMODE']._serialized_start=3518
-  _globals['_TRANSFERMODE']._serialized_end=3636
+  _globals['_ROLE']._serialized_start=3504
+  _globals['_ROLE']._serialized_end=3584
+  _globals['_FINISHREASON']._serialized_start=3587
+  _globals['_FINISHREASON']._serialized_end=3736
+  _globals['_TRANSFERMODE']._serialized_start=3738
+  _globals['_TRANSFERMODE']._serialized_end=3856
   _globals['_IMAGEINPUT']._serialized_start=98
   _globals['_IMAGEINPUT']._serialized_end=163
   _globals['_VIDEOINPUT']._serialized_start=166
@@ -54,33 +54,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1027
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1075
   _globals['_GENERATEREQUEST']._serialized_start=1120
-  _globals['_GENERATEREQUEST']._serialized_end=1334
-  _globals['_LIVESESSION']._serialized_start=1336
-  _globals['_LIVESESSION']._serialized_end=1404
-  _globals['_LIVESESSIONSTATE']._serialized_start=1407
-  _globals['_LIVESESSIONSTATE']._serialized_end=1538
-  _globals['_TOKENLOGPROB']._serialized_start=1540
-  _globals['_TOKENLOGPROB']._serialized_end=1634
-  _globals['_TOKENDELTA']._serialized_start=1636
-  _globals['_TOKENDELTA']._serialized_end=1724
-  _globals['_USAGE']._serialized_start=1727
-  _globals['_USAGE']._serialized_end=2137
-  _globals['_TIMINGS']._serialized_start=2140
-  _globals['_TIMINGS']._serialized_end=2299
-  _globals['_GENERATEERROR']._serialized_start=2301
-  _globals['_GENERATEERROR']._serialized_end=2352
-  _globals['_GENERATEFINAL']._serialized_start=2355
-  _globals['_GENERATEFINAL']._serialized_end=2613
-  _globals['_GENERATERESPONSE']._serialized_start=2615
-  _globals['_GENERATERESPONSE']._serialized_end=2728
-  _globals['_UPLOADIMAGEREQUEST']._serialized_start=2730
-  _globals['_UPLOADIMAGEREQUEST']._serialized_end=2789
-  _globals['_UPLOADIMAGERESPONSE']._serialized_start=2791
-  _globals['_UPLOADIMAGERESPONSE']._serialized_end=2872
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2874
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2896
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=2899
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=3282
-  _globals['_GENERATIONSERVICE']._serialized_start=3639
-  _globals['_GENERATIONSERVICE']._serialized_end=3893
+  _globals['_GENERATEREQUEST']._serialized_end=1390
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1393
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1523
+  _globals['_CHOICELIST']._serialized_start=1525
+  _globals['_CHOICELIST']._serialized_end=1554
+  _globals['_LIVESESSION']._serialized_start=1556
+  _globals['_LIVESESSION']._serialized_end=1624
+  _globals['_LIVESESSIONSTATE']._serialized_start=1627
+  _globals['_LIVESESSIONSTATE']._serialized_end=1758
+  _globals['_TOKENLOGPROB']._serialized_start=1760
+  _globals['_TOKENLOGPROB']._serialized_end=1854
+  _globals['_TOKENDELTA']._serialized_start=1856
+  _globals['_TOKENDELTA']._serialized_end=1944
+  _globals['_USAGE']._serialized_start=1947
+  _globals['_USAGE']._serialized_end=2357
+  _globals['_TIMINGS']._serialized_start=2360
+  _globals['_TIMINGS']._serialized_end=2519
+  _globals['_GENERATEERROR']._serialized_start=2521
+  _globals['_GENERATEERROR']._serialized_end=2572
+  _globals['_GENERATEFINAL']._serialized_start=2575
+  _globals['_GENERATEFINAL']._serialized_end=2833
+  _globals['_GENERATERESPONSE']._serialized_start=2835
+  _globals['_GENERATERESPONSE']._serialized_end=2948
+  _globals['_UPLOADIMAGEREQUEST']._serialized_start=2950
+  _globals['_UPLOADIMAGEREQUEST']._serialized_end=3009
+  _globals['_UPLOADIMAGERESPONSE']._serialized_start=3011
+  _globals['_UPLOADIMAGERESPONSE']._serialized_end=3092
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=3094
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=3116
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=3119
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=3502
+  _globals['_GENERATIONSERVICE']._serialized_start=3859
+  _globals['_GENERATIONSERVICE']._serialized_end=4113
 # @@protoc_insertion_point(module_scope)

@@ -250,7 +250,7 @@ class EncoderInput(_message.Message):
     def __init__(self, item_identifier: _Optional[str] = ..., owner_rank: _Optional[int] = ..., replicated: _Optional[bool] = ...) -> None: ...
 
 class StepControl(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running", "finished_request_ids", "encoder_inputs", "evict_payload_ids", "evict_encoder_ids", "reset_caches")
+    __slots__ = ("step_id", "new_requests", "running", "finished_request_ids", "encoder_inputs", "evict_payload_ids", "evict_encoder_ids", "reset_caches", "token_masks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class StepControl(_message.Message):
     EVICT_PAYLOAD_IDS_FIELD_NUMBER: _ClassVar[int]
     EVICT_ENCODER_IDS_FIELD_NUMBER: _ClassVar[int]
     RESET_CACHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
@@ -267,7 +268,16 @@ class StepControl(_message.Message):
     evict_payload_ids: _containers.RepeatedScalarFieldContainer[str]
     evict_encoder_ids: _containers.RepeatedScalarFieldContainer[str]
     reset_caches: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., encoder_inputs: _Optional[_Iterable[_Union[EncoderInput, _Mapping]]] = ..., evict_payload_ids: _Optional[_Iterable[str]] = ..., evict_encoder_ids: _Optional[_Iterable[str]] = ..., reset_caches: _Optional[bool] = ...) -> None: ...
+    token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., encoder_inputs: _Optional[_Iterable[_Union[EncoderInput, _Mapping]]] = ..., evict_payload_ids: _Optional[_Iterable[str]] = ..., evict_encoder_ids: _Optional[_Iterable[str]] = ..., reset_caches: _Optional[bool] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
+
+class TokenMask(_message.Message):
+    __slots__ = ("request_id", "allowed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    allowed: bytes
+    def __init__(self, request_id: _Optional[str] = ..., allowed: _Optional[bytes] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "logprob", "top_logprobs")

@@ -66,6 +66,7 @@ from mmcast_client._core.request_building import (
     request_messages,
     resolve_logprobs,
     sampling_params,
+    structured_output,
     upload_chunks,
     upload_key,
     upload_plan,
@@ -205,6 +206,8 @@ class ClientCore:
         )
         if o["live"]:
             request.live.CopyFrom(live_session(o["live"], o["session_id"]))
+        if o["structured_output"]:
+            request.structured_output.CopyFrom(structured_output(o["structured_output"]))
         deadline = Deadline(timeout, first_token_timeout, start=started)
         return GenerateState(self, prepared, request, deadline, started, affinity_key(prepared, o["session_id"]))
 

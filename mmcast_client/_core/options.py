@@ -66,6 +66,8 @@ class GenerateOptions(TypedDict, total=False):
     first_token_timeout: float | None | NotGiven  # not given: the client's
     session_id: str | None  # the conversation's name for replica affinity
     live: bool | Mapping[str, Any] | None  # a live session's turn: True, or {"keep_turns": k, "close": bool}
+    # structured output: {"json_schema": dict or JSON text} | {"json_object": True} | {"regex": str} | {"choice": [...]}
+    structured_output: Mapping[str, Any] | None
 
 
 def check_keywords(call: str, given: Mapping[str, Any], allowed: type) -> None:
@@ -122,6 +124,7 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "first_token_timeout": NOT_GIVEN,
     "session_id": None,
     "live": None,
+    "structured_output": None,
 }
 
 

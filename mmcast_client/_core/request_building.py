@@ -215,6 +215,25 @@ def arrived_altered(error: MmcastError) -> bool:
     return isinstance(error, InvalidArgument) and any(v.field == "expected_sha256" for v in error.field_violations)
 
 
+def structured_output(spec) -> pb.StructuredOutput:
+    """`structured_output=` as the proto: exactly one of json_schema (a dict or JSON text), json_object, regex,
+    choice (a list of strings)."""
+    import json
+
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise ValueError("structured_output= takes one of json_schema, json_object, regex, choice")
+    ((kind, value),) = spec.items()
+    if kind == "json_schema":
+        return pb.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=bool(value))
+    if kind == "regex":
+        return pb.StructuredOutput(regex=str(value))
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=[str(c) for c in value]))
+    raise ValueError(f"structured_output= takes json_schema, json_object, regex or choice, not {kind!r}")
+
+
 def live_session(live, session_id: str | None) -> pb.LiveSession:
     """`live=True` or `{"keep_turns": k, "close": bool}` for the session named by `session_id`."""
     if session_id is None:

@@ -58,6 +58,12 @@ def test_smoke_plan_writes_results_and_checks_mode_equality(tmp_path, tiny_model
     assert v["stream"][0]["deliveries_per_segment_rank"] == 1.0 and v["new"][0]["payload_bytes"] > 0
     assert data["meta"]["video"]["seconds_in_groups"] > 0
 
+    # Structured output beside free decoding: one small pass; greedy text unchanged by the constrained neighbour.
+    grammar = analysis["grammar_cost"]
+    assert grammar["same_text"] and grammar["rounds"] == 2
+    assert all(v > 0 for v in grammar["step_ms"].values()) and grammar["ratio"] > 0
+    assert "beside_constrained / alone" in (out / "grammar_cost.md").read_text()
+
     md = (out / "results.md").read_text()
     assert "## Targets (issue 7" in md and "all modes return the same tokens" in md
     assert "## New images: cost per never-seen image" in md and "## Videos: cached clips" in md

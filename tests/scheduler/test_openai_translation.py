@@ -120,12 +120,10 @@ def test_unknown_fields_are_ignored_and_neutral_values_accepted():
         )
     )
     openai_api._check_neutral(body)  # nothing refused
-    for field, value in [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("response_format", {"type": "json_object"}),
-    ]:
-        body = openai_schema.ChatCompletionRequest.model_validate_json(
-            json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], field: value})
+    # the rest of OpenAI's parameters are served; a completion's suffix is accepted only at its neutral value
+    for field, value in [("suffix", "x")]:
+        body = openai_schema.CompletionRequest.model_validate_json(
+            json.dumps({"model": "m", "prompt": "x", field: value})
         )
         with pytest.raises(openai_errors.HttpError) as info:
             openai_api._check_neutral(body)

@@ -81,9 +81,9 @@ CASES = [
     Case("missing-messages", 400, lambda: {"model": MODEL}, param="messages"),
     Case("empty-messages", 400, lambda: {**chat("hi"), "messages": []}, param="messages"),
     Case(
-        "tool-role",
+        "function-role",
         400,
-        lambda: {**chat("hi"), "messages": [{"role": "tool", "content": "x"}]},
+        lambda: {**chat("hi"), "messages": [{"role": "function", "content": "x"}]},
         param="messages[0].role",
     ),
     Case(
@@ -120,7 +120,23 @@ CASES = [
     Case("top-logprobs-without-logprobs", 400, lambda: chat("hi", top_logprobs=2), param="top_logprobs"),
     Case("frequency-penalty-over-2", 400, lambda: chat("hi", frequency_penalty=2.5), param="frequency_penalty"),
     Case("logit-bias-outside-vocabulary", 400, lambda: chat("hi", logit_bias={"99999": 1}), param="logit_bias[99999]"),
-    Case("tools", 400, lambda: chat("hi", tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
+    Case(
+        "tool-choice-unknown-function",
+        400,
+        lambda: chat(
+            "hi",
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        param="tool_choice.function.name",
+    ),
+    Case(
+        "grammar-too-large",
+        400,
+        lambda: chat("hi", guided_regex="a" * 70_000),
+        param="guided_regex",
+        mentions=("--max-grammar-bytes",),
+    ),
     Case("stop-too-many", 400, lambda: chat("hi", stop=[f"s{i}" for i in range(20)]), param="stop"),
     Case(
         "bad-request-id",
