@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from common import tracing
 from common.errors import InvalidArgument, MmcastError, Unavailable
-from scheduler_svc import admission, affinity_key, request_parsing
+from scheduler_svc import admission, affinity_key, prompt_lists, request_parsing
 from scheduler_svc.detok import TextStream
 from scheduler_svc.engine import Engine
 from scheduler_svc.request_handle import FinishEvent, RequestHandle, TokenEvent
@@ -43,6 +43,7 @@ class CompletionRequest:
     received: float  # time.monotonic() when the call arrived: TTFT and queue time count from here
     turns: Sequence[request_parsing.Turn] | None = None  # a chat conversation; exactly one of turns / prompt
     prompt: str | None = None  # a plain text prompt, tokenized as is (no chat template)
+    prompt_token_ids: tuple[int, ...] | None = None  # a prompt given as token ids (checked by the door), or None
     cache_salt: str = ""  # the client's prefix-cache salt (checked)
     add_generation_prompt: bool = True  # chat: append the template's assistant header for a new answer
     continue_final_message: bool = False  # chat: the answer continues the last message's text (its turn left open)
@@ -229,7 +230,15 @@ class Completions:
         context = self.engine.max_model_len
         parsed_at = time.monotonic()  # the door's own reading and translation of the call end here
         with tracing.span("mmcast.frontend", request_id=request_id) as current:  # decode, preprocess, tokenize
-            if req.prompt is not None:
+            if req.prompt_token_ids is not None:
+                process = functools.partial(
+                    prompt_lists.process_token_ids,
+                    self.frontend,
+                    req.prompt_token_ids,
+                    reserve_tokens=reserve,
+                    context=context,
+                )
+            elif req.prompt is not None:
                 process = functools.partial(
                     self.frontend.process_text, req.prompt, reserve_tokens=reserve, context=context
                 )
@@ -246,7 +255,8 @@ class Completions:
 
             # The conversation key hashes the first message's inline images: off the loop, beside the frontend.
             def work():
-                return process(), req.affinity or affinity_key.key_of(req.turns, req.prompt)
+                text = req.prompt if req.prompt_token_ids is None else " ".join(map(str, req.prompt_token_ids))
+                return process(), req.affinity or affinity_key.key_of(req.turns, text)
 
             f0 = time.perf_counter()
             processed, key = await asyncio.get_running_loop().run_in_executor(self.executor, work)
@@ -254,10 +264,10 @@ class Completions:
             tracing.set_attributes(current, prompt_tokens=len(processed.token_ids), images=len(processed.mm_features))
         prompt_tokens = len(processed.token_ids)
         if req.default_max_tokens:
-            sampling = dataclasses.replace(
-                sampling, max_tokens=max(1, min(self.config.max_tokens_limit, context - prompt_tokens))
-            )
-        prompt_field = "messages" if req.prompt is None else "prompt"
+            room = context - prompt_tokens if context else 2**31 - 1
+            cap = min(self.config.max_tokens_limit or room, room)  # --max-tokens-limit 0: the context alone
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, cap))
+        prompt_field = "messages" if req.turns is not None else "prompt"
         admission.check_request_fits(prompt_field, prompt_tokens, sampling.max_tokens, context)
         salt = scoped_cache_salt(req.tenant, req.cache_salt)
         handle = self.engine.submit(self.make_request(request_id, processed, sampling, salt), req.received)

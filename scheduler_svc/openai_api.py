@@ -53,7 +53,6 @@ _NEUTRAL = {
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
-    "echo": (None, False),
     "suffix": (None, ""),
 }
 _SCHEMA_FIELDS = {
@@ -129,7 +128,7 @@ def _check_neutral(body: BaseModel) -> None:
 class _Call:
     """One HTTP request on its way through the shared path."""
 
-    client_id: str  # the request id (x-request-id, else made up)
+    client_id: str  # the request id (x-request-id, else made up): echoed, and the response object's id
     tenant: str
     model: str
     kind: str  # "chat" | "text"
@@ -138,6 +137,9 @@ class _Call:
     uuid_fields: dict = dataclasses.field(default_factory=dict)  # sha256 hex -> the field that referenced it
     inline: list = dataclasses.field(default_factory=list)  # (sha256 hex, bytes) of images sent inline
     affinity: str = ""  # the conversation key the client's headers chose ("" none: computed at admission)
+    # The engine's id, unique even when clients reuse an x-request-id (as vLLM serves them): the header's id with a
+    # random suffix. The gRPC door keeps request_id as the engine's id and answers ALREADY_EXISTS to a duplicate.
+    engine_id: str = ""
 
     @property
     def object_id(self) -> str:
@@ -197,6 +199,8 @@ class OpenAIApi:
     def __init__(
         self, *, completions: Completions, uploads, media, model_name: str, tokens=None, max_body_bytes: int
     ) -> None:
+        from scheduler_svc.openai_completions import TextCompletions
+
         self.completions = completions
         self.frontend = completions.frontend
         self.config = completions.config
@@ -207,6 +211,7 @@ class OpenAIApi:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self.text = TextCompletions(self)  # /v1/completions: prompt lists, token-id prompts, echo
 
     def app(self, middleware=None) -> Starlette:
         routes = [
@@ -274,14 +279,13 @@ class OpenAIApi:
                     param="model",
                     code="model_not_found",
                 )
-            call = _Call(self._client_id(request), tenant, body.model, kind, {})
-            try:
-                call.affinity = affinity_key.client_key(request.headers.get)
-            except InvalidArgument as err:
-                raise HttpError(400, err.message, param=err.fields[0], code="invalid_value") from None
-            req = await self._completion_request(call, body, received)
-            completion = await self._until_disconnect(request, self.completions.admit(req))
-            self._keep_inline(call)
+            call = self._new_call(request, tenant, body.model, kind)
+            if kind == "text":
+                completion = await self.text.admit(request, call, body, received)
+            else:
+                req = await self._completion_request(call, body, received)
+                completion = await self._until_disconnect(request, self.completions.admit(req))
+                self._keep_inline(call)
         except HttpError as err:
             return self._error(err)
         except MmcastError as err:
@@ -295,12 +299,23 @@ class OpenAIApi:
             return Response(status_code=499)
         except Exception:
             return self._internal(call)
+        if kind == "text":
+            return await self.text.respond(request, call, body, completion)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await self._stream(request, call, completion, include_usage)
         return await self._whole(request, call, completion)
 
     # --- translation in ---------------------------------------------------------------------------------------
+    def _new_call(self, request: Request, tenant: str, model: str, kind: str) -> _Call:
+        client_id, engine_id = self._client_id(request)
+        call = _Call(client_id, tenant, model, kind, {}, engine_id=engine_id)
+        try:
+            call.affinity = affinity_key.client_key(request.headers.get)
+        except InvalidArgument as err:
+            raise HttpError(400, err.message, param=err.fields[0], code="invalid_value") from None
+        return call
+
     async def _read(self, request: Request, schema: type[BaseModel]) -> BaseModel:
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
@@ -334,7 +349,7 @@ class OpenAIApi:
         request_parsing.check_cache_salt(body.cache_salt or "")
         sampling, default_max = self._sampling(call, body)
         common = dict(
-            client_id=call.client_id,
+            client_id=call.engine_id,
             tenant=call.tenant,
             sampling=sampling,
             received=received,
@@ -342,20 +357,6 @@ class OpenAIApi:
             default_max_tokens=default_max,
             affinity=call.affinity,
         )
-        if call.kind == "text":
-            prompt = (
-                body.prompt[0]
-                if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str)
-                else body.prompt
-            )
-            if not isinstance(prompt, str):
-                raise HttpError(
-                    400,
-                    "prompt: token-id prompts are not supported; send the prompt as a string",
-                    param="prompt",
-                    code="unsupported",
-                )
-            return CompletionRequest(prompt=prompt, **common)
         turns = await self._turns(call, body.messages, _video_options(body))
         if (
             body.continue_final_message
@@ -538,18 +539,6 @@ class OpenAIApi:
             )
         return {"content": content}
 
-    def _text_logprobs(self, chunks, offset: int = 0) -> dict:
-        tokens, values, tops, offsets = [], [], [], []
-        for chunk in chunks:
-            for tok, (lp, top) in zip(chunk.token_ids, chunk.logprobs, strict=False):
-                s = self._text_of(tok)
-                tokens.append(s)
-                values.append(lp)
-                tops.append({self._text_of(t): v for t, v in top})
-                offsets.append(offset)
-                offset += len(s)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
-
     @staticmethod
     def _usage(completion: Completion) -> dict:
         s = completion.result.summary
@@ -596,12 +585,8 @@ class OpenAIApi:
             "stop_reason": result.stop_reason or None,
         }
         logprobs = completion.sampling.return_logprobs
-        if call.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-            choice["logprobs"] = self._chat_logprobs(_joined(chunks)) if logprobs else None
-        else:
-            choice["text"] = text
-            choice["logprobs"] = self._text_logprobs(chunks) if logprobs else None
+        choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = self._chat_logprobs(_joined(chunks)) if logprobs else None
         out = {**self._envelope(call), "choices": [choice], "usage": self._usage(completion)}
         return JSONResponse(out, headers=self._headers(call, completion))
 
@@ -628,48 +613,33 @@ class OpenAIApi:
     ) -> AsyncIterator[bytes]:
         """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. When the client disconnects,
         Starlette cancels this generator and the request is cancelled with it (Completion.chunks)."""
-        envelope = {
-            **self._envelope(call),
-            "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
-        }
+        envelope = {**self._envelope(call), "object": "chat.completion.chunk"}
         usage_field = {"usage": None} if include_usage else {}
         logprobs = completion.sampling.return_logprobs
-        offset, first_written = 0, False
+        first_written = False
 
         def event(choice: dict) -> bytes:
             return _sse({**envelope, "choices": [choice], **usage_field})
 
         try:
-            if call.kind == "chat":
-                yield event(
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                )
+            yield event(
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            )
             chunk = first
             while chunk is not None:
                 if chunk.text or (logprobs and chunk.token_ids):
-                    if call.kind == "chat":
-                        out = event(
-                            {
-                                "index": 0,
-                                "delta": {"content": chunk.text},
-                                "logprobs": self._chat_logprobs(chunk) if logprobs else None,
-                                "finish_reason": None,
-                            }
-                        )
-                    else:
-                        out = event(
-                            {
-                                "index": 0,
-                                "text": chunk.text,
-                                "logprobs": self._text_logprobs([chunk], offset) if logprobs else None,
-                                "finish_reason": None,
-                            }
-                        )
+                    out = event(
+                        {
+                            "index": 0,
+                            "delta": {"content": chunk.text},
+                            "logprobs": self._chat_logprobs(chunk) if logprobs else None,
+                            "finish_reason": None,
+                        }
+                    )
                     if not first_written:  # handed to the server's transport next, as the gRPC door does
                         completion.first_byte_written()
                         first_written = True
                     yield out
-                    offset += len(chunk.text)
                 chunk = await anext(chunks, None)
             err = self._ended_badly(completion)
             if err is not None:
@@ -682,8 +652,8 @@ class OpenAIApi:
                     "finish_reason": _FINISH[result.finish_reason],
                     "stop_reason": result.stop_reason or None,
                     "logprobs": None,
+                    "delta": {},
                 }
-                last.update({"delta": {}} if call.kind == "chat" else {"text": ""})
                 yield event(last)
                 if include_usage:
                     yield _sse({**envelope, "choices": [], "usage": self._usage(completion)})
@@ -713,7 +683,8 @@ class OpenAIApi:
         return tenant
 
     @staticmethod
-    def _client_id(request: Request) -> str:
+    def _client_id(request: Request) -> tuple[str, str]:
+        """The request id to echo (x-request-id, else made up) and the engine's unique id for it (_Call.engine_id)."""
         given = request.headers.get("x-request-id", "")
         try:
             request_parsing.check_request_id(given)
@@ -724,7 +695,8 @@ class OpenAIApi:
                 param="x-request-id",
                 code="invalid_value",
             ) from None
-        return given or uuid.uuid4().hex
+        made = uuid.uuid4().hex
+        return (given, f"{given}.{made[:12]}") if given else (made, made)
 
     @staticmethod
     async def _until_disconnect(request: Request, awaitable):

@@ -21,6 +21,9 @@ _UINT31 = 2**31 - 1
 _INT64 = 2**63
 
 
+_TokenId = Annotated[int, Field(ge=0, le=_UINT31)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -108,7 +111,13 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | list[int]
+    # One prompt or several (one choice each, --max-prompts-per-request): text, or token ids taken as given.
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[_TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[_TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=_UINT31)] | None = None  # alternatives per token (the sampled one too)
-    echo: bool = False
+    echo: bool = False  # the prompt's text before the generated text (not with logprobs)
     suffix: str | None = None
