@@ -34,6 +34,7 @@ from common.errors import IMAGE_RESOURCE, InvalidArgument, MmcastError, NotFound
 from mmcast.v1 import generation_pb2
 from scheduler_svc import affinity_key, openai_errors, openai_schema, request_parsing
 from scheduler_svc.completion import MAX_TOKENS_FIELD, Chunk, Completion, CompletionRequest, Completions
+from scheduler_svc.http_server import HTTP_ROUTES
 from scheduler_svc.openai_errors import HttpError
 from scheduler_svc.request_parsing import ImageContent, TextContent, Turn, VideoContent
 
@@ -197,7 +198,15 @@ class OpenAIApi:
     """The routes. ``tokens`` (common.auth.TokenTable or None) and tenants are exactly the gRPC API's."""
 
     def __init__(
-        self, *, completions: Completions, uploads, media, model_name: str, tokens=None, max_body_bytes: int
+        self,
+        *,
+        completions: Completions,
+        uploads,
+        media,
+        model_name: str,
+        tokens=None,
+        max_body_bytes: int,
+        metrics_registry=None,
     ) -> None:
         from scheduler_svc.openai_completions import TextCompletions
 
@@ -212,6 +221,7 @@ class OpenAIApi:
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
         self.text = TextCompletions(self)  # /v1/completions: prompt lists, token-id prompts, echo
+        self.metrics_registry = metrics_registry  # the scheduler's, served at /metrics too (None: no route)
 
     def app(self, middleware=None) -> Starlette:
         routes = [
@@ -220,6 +230,10 @@ class OpenAIApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
+        if self.metrics_registry is not None:
+            from scheduler_svc.http_metrics_route import MetricsRoute
+
+            routes.append(Route("/metrics", MetricsRoute(self, self.metrics_registry).serve, methods=["GET"]))
         app = Starlette(
             routes=routes,
             middleware=middleware or [],
@@ -772,7 +786,7 @@ class OpenAIApi:
             HttpError(
                 404,
                 f"no route {request.url.path[:200]!r}; this server serves "
-                "/v1/chat/completions, /v1/completions, /v1/models and /health",
+                f"{', '.join(HTTP_ROUTES[:-1])} and {HTTP_ROUTES[-1]}",
                 type="not_found_error",
                 code="not_found",
             )

@@ -381,3 +381,12 @@ def test_no_server_errors(ctx):
         if k.startswith("mmcast_http_requests_total") and 'status="5' in k and v
     }
     assert not bad, bad
+
+
+def test_metrics_on_the_http_port_need_the_token(ctx):
+    """``/metrics`` on the API port (as vLLM serves it) is behind the API's own authentication."""
+    _, http, token, _ = ctx
+    refused = http.get("/metrics")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthenticated"
+    served = http.get("/metrics", headers=_bearer(token))
+    assert served.status_code == 200 and "mmcast_http_requests_total{" in served.text

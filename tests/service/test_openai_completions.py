@@ -164,3 +164,15 @@ def test_a_cut_inside_a_character_ends_before_it(api, model_name, oracle):
         assert whole.choices[0].text == expected
         stream = api.completions.create(model=model_name, prompt=prompt, stream=True, **greedy(max_tokens=cut, **extra))
         assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+
+
+def test_metrics_on_the_http_port(group):
+    """Without authentication ``/metrics`` on the API port serves the registry the metrics port serves."""
+    with httpx.Client(timeout=30) as http:
+        metrics_port = http.get(group.metrics_urls["scheduler"])
+        api_port = http.get(group.openai_base_url.removesuffix("/v1") + "/metrics")
+    assert api_port.status_code == 200 and api_port.headers["content-type"].startswith("text/plain")
+    names = {line.split(" ")[2] for line in api_port.text.splitlines() if line.startswith("# TYPE")}
+    # the same registry; series first labelled between the two scrapes appear in the second only
+    assert names >= {line.split(" ")[2] for line in metrics_port.text.splitlines() if line.startswith("# TYPE")}
+    assert "mmcast_requests_running" in names
