@@ -78,6 +78,20 @@ class SchedulerConfig:
         section=_LIMITS,
     )
     max_images_per_request: int = setting(64, "images one request may contain", min=0, max=100_000, section=_LIMITS)
+    response_store_entries: int = setting(
+        4096,
+        "/v1/responses answers kept for previous_response_id (all tenants; least recently used go first)",
+        min=1,
+        max=10_000_000,
+        section=_CACHES,
+    )
+    response_store_bytes: int = setting(
+        64 << 20,
+        "text bytes of the conversations kept for previous_response_id (media stay in the upload store)",
+        min=1024,
+        max=2**40,
+        section=_CACHES,
+    )
     max_prompts_per_request: int = setting(
         32, "prompts one /v1/completions request may list (one choice each)", min=1, max=4096, section=_LIMITS
     )

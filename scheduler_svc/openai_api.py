@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,7 +31,7 @@ from starlette.routing import Route
 
 from common.errors import IMAGE_RESOURCE, InvalidArgument, MmcastError, NotFound, Status, Unavailable
 from mmcast.v1 import generation_pb2
-from scheduler_svc import affinity_key, openai_errors, openai_schema, request_parsing
+from scheduler_svc import affinity_key, media_aliases, openai_errors, openai_schema, request_parsing
 from scheduler_svc.completion import MAX_TOKENS_FIELD, Chunk, Completion, CompletionRequest, Completions
 from scheduler_svc.http_server import HTTP_ROUTES
 from scheduler_svc.openai_errors import HttpError
@@ -40,7 +39,6 @@ from scheduler_svc.request_parsing import ImageContent, TextContent, Turn, Video
 
 log = logging.getLogger(__name__)
 
-_UUID = re.compile(r"sha256:([0-9a-f]{64})")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _FINISH = {"stop": "stop", "length": "length"}
 # Parameters of OpenAI's API that mmcast does not implement: accepted at their neutral value only.
@@ -66,6 +64,9 @@ _SCHEMA_FIELDS = {
         openai_schema.TextContentPart,
         openai_schema.ImageURL,
         openai_schema.StreamOptions,
+        openai_schema.ResponsesRequest,
+        openai_schema.InputMessage,
+        openai_schema.InputImage,
     )
     for name in model.model_fields
 }
@@ -135,7 +136,8 @@ class _Call:
     kind: str  # "chat" | "text"
     names: dict  # gRPC field path -> this request's field name, for error messages
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    uuid_fields: dict = dataclasses.field(default_factory=dict)  # sha256 hex -> the field that referenced it
+    uuid_fields: dict = dataclasses.field(default_factory=dict)  # sha256 hex -> (the field, the uuid as sent)
+    aliases: list = dataclasses.field(default_factory=list)  # (free-form uuid, sha256 hex) to register at admission
     inline: list = dataclasses.field(default_factory=list)  # (sha256 hex, bytes) of images sent inline
     affinity: str = ""  # the conversation key the client's headers chose ("" none: computed at admission)
     # The engine's id, unique even when clients reuse an x-request-id (as vLLM serves them): the header's id with a
@@ -209,6 +211,7 @@ class OpenAIApi:
         metrics_registry=None,
     ) -> None:
         from scheduler_svc.openai_completions import TextCompletions
+        from scheduler_svc.openai_responses import Responses
 
         self.completions = completions
         self.frontend = completions.frontend
@@ -221,12 +224,15 @@ class OpenAIApi:
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
         self.text = TextCompletions(self)  # /v1/completions: prompt lists, token-id prompts, echo
+        self.responses = Responses(self)  # /v1/responses, with its previous_response_id store
+        self.aliases = media_aliases.MediaAliases()  # caller-chosen uuids, per tenant
         self.metrics_registry = metrics_registry  # the scheduler's, served at /metrics too (None: no route)
 
     def app(self, middleware=None) -> Starlette:
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.text_completions, methods=["POST"]),
+            Route("/v1/responses", self.responses.serve, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
@@ -284,15 +290,7 @@ class OpenAIApi:
                     param="n",
                     code="unsupported",
                 )
-            if body.model != self.model_name:
-                raise HttpError(
-                    404,
-                    f"the model {body.model[:120]!r} does not exist here; this server serves "
-                    f"{self.model_name!r} (GET /v1/models)",
-                    type="not_found_error",
-                    param="model",
-                    code="model_not_found",
-                )
+            self._check_model(body.model)
             call = self._new_call(request, tenant, body.model, kind)
             if kind == "text":
                 completion = await self.text.admit(request, call, body, received)
@@ -321,6 +319,17 @@ class OpenAIApi:
         return await self._whole(request, call, completion)
 
     # --- translation in ---------------------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise HttpError(
+                404,
+                f"the model {model[:120]!r} does not exist here; this server serves {self.model_name!r} "
+                "(GET /v1/models)",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+
     def _new_call(self, request: Request, tenant: str, model: str, kind: str) -> _Call:
         client_id, engine_id = self._client_id(request)
         call = _Call(client_id, tenant, model, kind, {}, engine_id=engine_id)
@@ -477,10 +486,22 @@ class OpenAIApi:
     async def _media(self, call: _Call, part, where: str, kind: str) -> tuple[bytes | None, str | None, str]:
         """An ``image_url`` / ``video_url`` part as (bytes, None, field) — a ``data:`` URL, or a remote or local URL
         where allowed — or as (None, sha256 hex, field) when the URL is null and ``uuid`` names a file the server
-        holds. A ``uuid`` beside bytes must be their sha256; the bytes are hashed once here."""
+        holds. A ``sha256:`` uuid beside bytes must be their sha256; a free-form one beside bytes names them for the
+        tenant's later requests (media_aliases.py). The bytes are hashed once here."""
         field = f"{where}.{kind}_url"
         url = getattr(part, f"{kind}_url")
-        digest = self._uuid_digest(part, where)
+        digest, alias = self._uuid_digest(part, where)
+        if url is None and alias is not None:
+            digest = self.aliases.lookup(call.tenant, alias)
+            if digest is None:
+                raise HttpError(
+                    404,
+                    f"{where}.uuid={alias!r} names no {kind} this tenant sent with that uuid (or it was evicted); "
+                    f"send the {kind} with its uuid again",
+                    type="not_found_error",
+                    param=f"{where}.uuid",
+                    code=f"{kind}_not_found",
+                )
         if url is None:
             if digest is None:
                 raise HttpError(
@@ -490,7 +511,7 @@ class OpenAIApi:
                     param=field,
                     code="invalid_value",
                 )
-            call.uuid_fields[digest] = f"{where}.uuid"
+            call.uuid_fields[digest] = (f"{where}.uuid", part.uuid)
             return None, digest, field
         data = await self.media.load(url.url, f"{field}.url", kind)  # a large data: URL decodes off the loop
         sha = hashlib.sha256(data).hexdigest()
@@ -502,23 +523,21 @@ class OpenAIApi:
                 code="invalid_value",
             )
         call.inline.append((sha, data))
+        if alias is not None:
+            call.aliases.append((alias, sha))
         return data, None, field
 
     @staticmethod
-    def _uuid_digest(part, where: str) -> str | None:
-        """The sha256 hex a part's ``uuid`` names (``sha256:<hex>``), or None when it has none."""
+    def _uuid_digest(part, where: str) -> tuple[str | None, str | None]:
+        """(sha256 hex, None) for a ``sha256:<hex>`` uuid, (None, the id) for a free-form one, (None, None) without."""
         if part.uuid is None:
-            return None
-        match = _UUID.fullmatch(part.uuid)
-        if match is None:
+            return None, None
+        try:
+            return media_aliases.parse_uuid(part.uuid)
+        except media_aliases.BadUuid as exc:
             raise HttpError(
-                400,
-                f"{where}.uuid={part.uuid[:80]!r} is not 'sha256:' and 64 lowercase hex "
-                "characters (the sha256 of the file's bytes)",
-                param=f"{where}.uuid",
-                code="invalid_value",
-            )
-        return match.group(1)
+                400, f"{where}.uuid={part.uuid[:80]!r} {exc}", param=f"{where}.uuid", code="invalid_value"
+            ) from None
 
     def _keep_inline(self, call: _Call) -> None:
         """Admitted: its inline images become referable by uuid in later requests of the tenant."""
@@ -528,6 +547,9 @@ class OpenAIApi:
             except MmcastError:  # larger than the whole store: it stays usable inline only
                 pass
         call.inline.clear()
+        for alias, sha in call.aliases:
+            self.aliases.register(call.tenant, alias, sha)
+        call.aliases.clear()
 
     # --- translation out --------------------------------------------------------------------------------------
     def _text_of(self, token_id: int) -> str:
@@ -745,10 +767,10 @@ class OpenAIApi:
             and call
             and err.resource.name in call.uuid_fields
         ):
-            field = call.uuid_fields[err.resource.name]
+            field, given = call.uuid_fields[err.resource.name]
             return HttpError(
                 404,
-                f"{field}=sha256:{err.resource.name} names no image this server holds (never "
+                f"{field}={given} names no image this server holds (never "
                 "sent or uploaded by this tenant, or evicted from the upload store, "
                 "--upload-store-bytes); send the image itself",
                 type="not_found_error",
