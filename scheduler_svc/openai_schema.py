@@ -22,6 +22,8 @@ _INT64 = 2**63
 
 
 _TokenId = Annotated[int, Field(ge=0, le=_UINT31)]
+# Top-level fields accepted and not used (README.md's parameter table lists them as ignored: scripts/openai_params_doc.py).
+IGNORED = frozenset({"user", "parallel_tool_calls"})
 
 
 class _Body(BaseModel):
