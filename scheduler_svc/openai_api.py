@@ -143,6 +143,7 @@ class _Call:
     # The engine's id, unique even when clients reuse an x-request-id (as vLLM serves them): the header's id with a
     # random suffix. The gRPC door keeps request_id as the engine's id and answers ALREADY_EXISTS to a duplicate.
     engine_id: str = ""
+    prompts: list = dataclasses.field(default_factory=list)  # /v1/completions: the prompts, for echo
 
     @property
     def object_id(self) -> str:

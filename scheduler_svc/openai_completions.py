@@ -139,18 +139,14 @@ class TextCompletions:
         async def collect(completion: Completion) -> list:
             return [chunk async for chunk in completion.chunks()]
 
-        async def collect_all() -> list:
-            tasks = [asyncio.ensure_future(collect(c)) for c in completions]
-            try:
-                return await asyncio.gather(*tasks)
-            finally:  # one failed or the client left: the others end too (Completion.chunks cancels its request)
-                for task in tasks:
-                    task.cancel()
-
         try:
-            results = await api._until_disconnect(request, collect_all())
-        except Exception as exc:
-            return self._failed(exc, call)
+            results = await api._until_disconnect(request, _all_or_none([collect(c) for c in completions]))
+        except _ClientGone:
+            return Response(status_code=499)
+        except MmcastError as err:  # failed before its first token
+            return api._error(api._http_error(err, call))
+        except Exception:
+            return api._internal(call)
         choices = []
         for i, (completion, chunks) in enumerate(zip(completions, results, strict=True)):
             err = api._ended_badly(completion)
@@ -170,24 +166,20 @@ class TextCompletions:
         out = {**self._envelope(call), "choices": choices, "usage": self._usage(completions)}
         return JSONResponse(out, headers=api._headers(call, completions[0]))
 
-    def _failed(self, exc: Exception, call) -> Response:
-        if isinstance(exc, _ClientGone):
-            return Response(status_code=499)
-        if isinstance(exc, MmcastError):  # failed before its first token
-            return self.api._error(self.api._http_error(exc, call))
-        try:
-            raise exc
-        except Exception:  # logged with its traceback under the request id
-            return self.api._internal(call)
-
     async def _stream(self, request, call, body, completions: list[Completion], include_usage: bool) -> Response:
-        streams = [c.chunks() for c in completions]
+        api, streams = self.api, [c.chunks() for c in completions]
         try:  # every prompt's first chunk before the response starts: a failure now gets a plain HTTP error
-            firsts = await self.api._until_disconnect(request, asyncio.gather(*(anext(s, None) for s in streams)))
-        except Exception as exc:
+            firsts = await api._until_disconnect(request, _all_or_none([anext(s, None) for s in streams]))
+        except BaseException as exc:
             for s in streams:
                 await s.aclose()
-            return self._failed(exc, call)
+            if isinstance(exc, _ClientGone):
+                return Response(status_code=499)
+            if isinstance(exc, MmcastError):
+                return api._error(api._http_error(exc, call))
+            if isinstance(exc, Exception):
+                return api._internal(call)
+            raise
         return StreamingResponse(
             self._events(call, body, completions, streams, firsts, include_usage),
             media_type="text/event-stream",
@@ -254,6 +246,7 @@ class TextCompletions:
         finally:
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # idle streams only may be closed
             for s in streams:
                 await s.aclose()
 
@@ -273,3 +266,15 @@ class TextCompletions:
                 "stop_reason": result.stop_reason or None,
             }
         )
+
+
+async def _all_or_none(awaitables: list) -> list:
+    """The results of ``awaitables`` run at once; when one fails or this is cancelled, the others are cancelled and
+    awaited before it returns (so every stream they were reading is idle again, and may be closed)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -152,7 +152,7 @@ class ResponsesRequest(_Body):
     max_output_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None  # None: what the context leaves
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None  # vLLM's extra, as in chat
+    seed: Annotated[int, Field(ge=-_INT64, lt=2**64)] | None = None  # as in chat
     stream: bool = False
     previous_response_id: str | None = None  # continue that response's conversation (this tenant's)
     store: bool = True  # keep this response for a later previous_response_id

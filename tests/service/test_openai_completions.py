@@ -7,6 +7,7 @@ Every served text is compared with plain transformers (tests/support/oracle.py) 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -176,3 +177,30 @@ def test_metrics_on_the_http_port(group):
     # the same registry; series first labelled between the two scrapes appear in the second only
     assert names >= {line.split(" ")[2] for line in metrics_port.text.splitlines() if line.startswith("# TYPE")}
     assert "mmcast_requests_running" in names
+
+
+def test_leaving_a_prompt_list_stream_cancels_every_prompt(group, model_name):
+    from tests.support.oracle import scrape, wait_until
+
+    metrics = group.metrics_urls["scheduler"]
+
+    def cancelled() -> float:
+        try:
+            return scrape(metrics, "mmcast_requests_finished_total", reason="cancelled")
+        except KeyError:
+            return 0.0
+
+    before = cancelled()
+    body = {"model": model_name, "prompt": PROMPTS, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", group.openai_base_url + "/completions", json=body) as response:
+            assert response.status_code == 200
+            indices = set()
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    indices.add(json.loads(line[6:])["choices"][0]["index"])
+                    if indices == {0, 1}:
+                        break
+    wait_until(lambda: cancelled() >= before + 2, 30)
+    assert cancelled() == before + 2
+    wait_until(lambda: scrape(metrics, "mmcast_requests_running") == 0, 10)
