@@ -124,3 +124,23 @@ def test_caller_chosen_uuid_names_the_image_for_the_tenant(api, model_name):
     with pytest.raises(openai.BadRequestError) as info:
         chat(api, model_name, [{"role": "user", "content": [{**by_uuid, "uuid": "has space"}, question]}])
     assert "letters, digits" in info.value.message
+
+
+def test_async_client(serve_local_tp2, api, model_name):
+    """The async client: a prompt list on /v1/completions and a streamed response, as the sync client gets them."""
+    import asyncio
+
+    whole = api.completions.create(model=model_name, prompt=["a", "b"], max_tokens=4, **GREEDY)
+    response = api.responses.create(model=model_name, input="Hello there", max_output_tokens=6, **GREEDY)
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=serve_local_tp2.openai_base_url, api_key="unused", max_retries=0) as c:
+            listed = await c.completions.create(model=model_name, prompt=["a", "b"], max_tokens=4, **GREEDY)
+            stream = await c.responses.create(
+                model=model_name, input="Hello there", max_output_tokens=6, stream=True, **GREEDY
+            )
+            deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+            return [ch.text for ch in listed.choices], "".join(deltas)
+
+    texts, streamed = asyncio.run(run())
+    assert texts == [ch.text for ch in whole.choices] and streamed == response.output_text
