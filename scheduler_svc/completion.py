@@ -14,11 +14,13 @@ import dataclasses
 import functools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from common import tracing
 from common.errors import InvalidArgument, MmcastError, Unavailable
+from common.ids import RequestId
 from scheduler_svc import admission, affinity_key, prompt_lists, request_parsing
 from scheduler_svc.detok import TextStream
 from scheduler_svc.engine import Engine
@@ -50,6 +52,9 @@ class CompletionRequest:
     default_max_tokens: bool = False  # True: max_tokens not given; take what the context leaves, up to the limit
     affinity: str = ""  # the conversation key the client chose (affinity_key.client_key), "" for none
     live: request_parsing.LiveSpec | None = None  # the next turn of a live session (live_sessions.py)
+    # True (the HTTP door, whose x-request-id is a client's label, as vLLM treats it): an id still in flight gets a
+    # random suffix, "<id>.<12 hex>", instead of ALREADY_EXISTS. False (gRPC): the id is the engine's, unique.
+    id_reusable: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +275,8 @@ class Completions:
         prompt_field = "messages" if req.turns is not None else "prompt"
         admission.check_request_fits(prompt_field, prompt_tokens, sampling.max_tokens, context)
         salt = scoped_cache_salt(req.tenant, req.cache_salt)
+        if req.id_reusable and request_id in self.engine.handles:  # checked and submitted without an await between
+            request_id = RequestId(f"{request_id}.{uuid.uuid4().hex[:12]}")
         handle = self.engine.submit(self.make_request(request_id, processed, sampling, salt), req.received)
         handle.stages.http_parse, handle.stages.frontend = parsed_at - req.received, frontend_seconds
         try:

@@ -140,9 +140,6 @@ class _Call:
     aliases: list = dataclasses.field(default_factory=list)  # (free-form uuid, sha256 hex) to register at admission
     inline: list = dataclasses.field(default_factory=list)  # (sha256 hex, bytes) of images sent inline
     affinity: str = ""  # the conversation key the client's headers chose ("" none: computed at admission)
-    # The engine's id, unique even when clients reuse an x-request-id (as vLLM serves them): the header's id with a
-    # random suffix. The gRPC door keeps request_id as the engine's id and answers ALREADY_EXISTS to a duplicate.
-    engine_id: str = ""
     prompts: list = dataclasses.field(default_factory=list)  # /v1/completions: the prompts, for echo
 
     @property
@@ -332,8 +329,7 @@ class OpenAIApi:
             )
 
     def _new_call(self, request: Request, tenant: str, model: str, kind: str) -> _Call:
-        client_id, engine_id = self._client_id(request)
-        call = _Call(client_id, tenant, model, kind, {}, engine_id=engine_id)
+        call = _Call(self._client_id(request), tenant, model, kind, {})
         try:
             call.affinity = affinity_key.client_key(request.headers.get)
         except InvalidArgument as err:
@@ -373,7 +369,8 @@ class OpenAIApi:
         request_parsing.check_cache_salt(body.cache_salt or "")
         sampling, default_max = self._sampling(call, body)
         common = dict(
-            client_id=call.engine_id,
+            client_id=call.client_id,
+            id_reusable=True,
             tenant=call.tenant,
             sampling=sampling,
             received=received,
@@ -720,8 +717,9 @@ class OpenAIApi:
         return tenant
 
     @staticmethod
-    def _client_id(request: Request) -> tuple[str, str]:
-        """The request id to echo (x-request-id, else made up) and the engine's unique id for it (_Call.engine_id)."""
+    def _client_id(request: Request) -> str:
+        """The request id to echo: x-request-id, else one made up. A label here, which clients may reuse
+        (CompletionRequest.id_reusable)."""
         given = request.headers.get("x-request-id", "")
         try:
             request_parsing.check_request_id(given)
@@ -732,8 +730,7 @@ class OpenAIApi:
                 param="x-request-id",
                 code="invalid_value",
             ) from None
-        made = uuid.uuid4().hex
-        return (given, f"{given}.{made[:12]}") if given else (made, made)
+        return given or uuid.uuid4().hex
 
     @staticmethod
     async def _until_disconnect(request: Request, awaitable):

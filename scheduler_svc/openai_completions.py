@@ -56,7 +56,8 @@ class TextCompletions:
                 prompt_lists.check_token_ids(prompt, field, api.frontend.vocab_size, placeholders)
             requests.append(
                 CompletionRequest(
-                    client_id=call.engine_id if len(prompts) == 1 else f"{call.engine_id}-{i}",
+                    client_id=call.client_id if len(prompts) == 1 else f"{call.client_id}-{i}",
+                    id_reusable=True,
                     tenant=call.tenant,
                     sampling=sampling,
                     received=received,

@@ -61,7 +61,8 @@ class Responses:
             call = api._new_call(request, tenant, body.model, "chat")
             history, turns = await self._conversation(call, body)
             req = CompletionRequest(
-                client_id=call.engine_id,
+                client_id=call.client_id,
+                id_reusable=True,
                 tenant=tenant,
                 sampling=self._sampling(call, body)[0],
                 received=received,

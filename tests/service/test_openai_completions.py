@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import openai
 import pytest
 
-from tests.support.oracle import Oracle
+from scheduler_svc.request_log import FINISHED_MESSAGE
+from tests.support.oracle import Oracle, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -148,6 +150,15 @@ def test_a_reused_request_id_is_served(group, model_name):
     assert running.status_code == 200 and second.status_code == 200, second.text
     assert running.headers["x-request-id"] == second.headers["x-request-id"] == "same-id-twice"
     assert second.json()["choices"][0]["finish_reason"] == "length"
+
+    def engine_ids() -> list[str]:
+        lines = (group.log_dir / "scheduler.log").read_text(errors="replace").splitlines()
+        records = [json.loads(line) for line in lines if line.startswith("{") and "same-id-twice" in line]
+        return [r["request_id"] for r in records if r.get("msg") == FINISHED_MESSAGE]
+
+    wait_until(lambda: len(engine_ids()) == 2, 30)
+    first, reused = sorted(engine_ids(), key=len)  # the first keeps the id; one sent while it ran gets a suffix
+    assert first == "same-id-twice" and re.fullmatch(r"same-id-twice\.[0-9a-f]{12}", reused), engine_ids()
 
 
 def test_a_cut_inside_a_character_ends_before_it(api, model_name, oracle):
