@@ -454,3 +454,21 @@ def test_metrics_on_the_http_port_need_the_token(ctx):
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthenticated"
     served = http.get("/metrics", headers=_bearer(token))
     assert served.status_code == 200 and "mmcast_http_requests_total{" in served.text
+
+
+def test_caller_chosen_ids_are_per_tenant(ctx):
+    """A media uuid and a response id of one tenant name nothing for another (the same 404 as never sent)."""
+    _, http, token, other = ctx
+    named = {**GOOD, "uuid": "tenant-photo"}
+    assert http.post("/v1/chat/completions", json=chat(named, "hi"), headers=_bearer(token)).status_code == 200
+    by_uuid = chat({"type": "image_url", "image_url": None, "uuid": "tenant-photo"}, "hi")
+    assert http.post("/v1/chat/completions", json=by_uuid, headers=_bearer(token)).status_code == 200
+    refused = http.post("/v1/chat/completions", json=by_uuid, headers=_bearer(other))
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "messages[0].content[0].uuid"
+
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+    first = http.post("/v1/responses", json=body, headers=_bearer(token)).json()
+    later = {**body, "previous_response_id": first["id"]}
+    assert http.post("/v1/responses", json=later, headers=_bearer(token)).status_code == 200
+    refused = http.post("/v1/responses", json=later, headers=_bearer(other))
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "previous_response_id"
