@@ -14,12 +14,14 @@ import dataclasses
 import functools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from common import penalties, tracing
 from common.errors import InvalidArgument, MmcastError, Unavailable
-from scheduler_svc import admission, affinity_key, request_parsing
+from common.ids import RequestId
+from scheduler_svc import admission, affinity_key, prompt_lists, request_parsing
 from scheduler_svc.detok import TextStream
 from scheduler_svc.engine import Engine
 from scheduler_svc.request_handle import FinishEvent, RequestHandle, TokenEvent
@@ -44,6 +46,7 @@ class CompletionRequest:
     received: float  # time.monotonic() when the call arrived: TTFT and queue time count from here
     turns: Sequence[request_parsing.Turn] | None = None  # a chat conversation; exactly one of turns / prompt
     prompt: str | None = None  # a plain text prompt, tokenized as is (no chat template)
+    prompt_token_ids: tuple[int, ...] | None = None  # a prompt given as token ids (checked by the door), or None
     cache_salt: str = ""  # the client's prefix-cache salt (checked)
     add_generation_prompt: bool = True  # chat: append the template's assistant header for a new answer
     continue_final_message: bool = False  # chat: the answer continues the last message's text (its turn left open)
@@ -52,6 +55,9 @@ class CompletionRequest:
     live: request_parsing.LiveSpec | None = None  # the next turn of a live session (live_sessions.py)
     grammar: GrammarSpec | None = None  # structured output: the grammar the answer must follow (None: free text)
     tools: tuple[dict, ...] = ()  # OpenAI tools, passed to the chat template (tool_calls.py)
+    # True (the HTTP door, whose x-request-id is a client's label, as vLLM treats it): an id still in flight gets a
+    # random suffix, "<id>.<12 hex>", instead of ALREADY_EXISTS. False (gRPC): the id is the engine's, unique.
+    id_reusable: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +241,15 @@ class Completions:
         context = self.engine.max_model_len
         parsed_at = time.monotonic()  # the door's own reading and translation of the call end here
         with tracing.span("mmcast.frontend", request_id=request_id) as current:  # decode, preprocess, tokenize
-            if req.prompt is not None:
+            if req.prompt_token_ids is not None:
+                process = functools.partial(
+                    prompt_lists.process_token_ids,
+                    self.frontend,
+                    req.prompt_token_ids,
+                    reserve_tokens=reserve,
+                    context=context,
+                )
+            elif req.prompt is not None:
                 process = functools.partial(
                     self.frontend.process_text, req.prompt, reserve_tokens=reserve, context=context
                 )
@@ -255,7 +269,8 @@ class Completions:
             def work():
                 grammar = self._grammar(req.grammar)  # compiled (or refused) before the prompt costs anything
                 words = sampling.penalties.with_bad_word_ids(self.frontend.encode_words) if bad_words else None
-                return process(), req.affinity or affinity_key.key_of(req.turns, req.prompt), words, grammar
+                text = req.prompt if req.prompt_token_ids is None else " ".join(map(str, req.prompt_token_ids))
+                return process(), req.affinity or affinity_key.key_of(req.turns, text), words, grammar
 
             bad_words = bool(sampling.penalties.bad_words)
             f0 = time.perf_counter()
@@ -266,13 +281,15 @@ class Completions:
             tracing.set_attributes(current, prompt_tokens=len(processed.token_ids), images=len(processed.mm_features))
         prompt_tokens = len(processed.token_ids)
         if req.default_max_tokens:
-            sampling = dataclasses.replace(
-                sampling, max_tokens=max(1, min(self.config.max_tokens_limit, context - prompt_tokens))
-            )
+            room = context - prompt_tokens if context else 2**31 - 1
+            cap = min(self.config.max_tokens_limit or room, room)  # --max-tokens-limit 0: the context alone
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, cap))
             penalties.check_min_tokens(sampling.penalties.min_tokens, sampling.max_tokens)
-        prompt_field = "messages" if req.prompt is None else "prompt"
+        prompt_field = "messages" if req.turns is not None else "prompt"
         admission.check_request_fits(prompt_field, prompt_tokens, sampling.max_tokens, context)
         salt = scoped_cache_salt(req.tenant, req.cache_salt)
+        if req.id_reusable and request_id in self.engine.handles:  # checked and submitted without an await between
+            request_id = RequestId(f"{request_id}.{uuid.uuid4().hex[:12]}")
         request = self.make_request(request_id, processed, sampling, salt)
         request.grammar = grammar
         handle = self.engine.submit(request, req.received)

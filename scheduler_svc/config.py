@@ -63,9 +63,10 @@ class SchedulerConfig:
         section=_LIMITS,
     )
     max_tokens_limit: int = setting(
-        4096,
-        "largest sampling.max_tokens a request may ask for (the context still caps it)",
-        min=1,
+        0,
+        "largest sampling.max_tokens a request may ask for, an operator's cap below the context (0 = the context "
+        "alone: prompt + max_tokens must fit it)",
+        min=0,
         max=2**31 - 1,
         section=_LIMITS,
     )
@@ -91,6 +92,23 @@ class SchedulerConfig:
         section=_LIMITS,
     )
     max_images_per_request: int = setting(64, "images one request may contain", min=0, max=100_000, section=_LIMITS)
+    response_store_entries: int = setting(
+        4096,
+        "/v1/responses answers kept for previous_response_id (all tenants; least recently used go first)",
+        min=1,
+        max=10_000_000,
+        section=_CACHES,
+    )
+    response_store_bytes: int = setting(
+        64 << 20,
+        "text bytes of the conversations kept for previous_response_id (media stay in the upload store)",
+        min=1024,
+        max=2**40,
+        section=_CACHES,
+    )
+    max_prompts_per_request: int = setting(
+        32, "prompts one /v1/completions request may list (one choice each)", min=1, max=4096, section=_LIMITS
+    )
     max_image_pixels: int = setting(
         33_554_432,
         "width * height of one image, checked on the header before decoding (decompression bombs)",

@@ -8,8 +8,10 @@ CJK character or an emoji split over byte tokens).
 A tokenizer without a Rust backend (a "slow" Python tokenizer), or one whose ``decode`` also cleans up
 tokenization spaces (text ``DecodeStream`` does not produce), is decoded by the same windowed scheme with the
 tokenizer's own ``decode`` (the prefix/read offsets of the usual incremental scheme). Either way the deltas of a
-request concatenate to ``tokenizer.decode(all ids, skip_special_tokens=...)`` (tests/service/test_detok.py checks
-it on random token sequences).
+request concatenate to ``tokenizer.decode(all ids, skip_special_tokens=...)`` less the replacement characters an
+incomplete UTF-8 sequence at its very end decodes to (tests/service/test_detok.py checks it on random token
+sequences): a request cut by ``max_tokens`` mid-character ends before that character, never in "\ufffd" (vLLM
+drops the incomplete bytes the same way).
 """
 
 from __future__ import annotations
@@ -103,11 +105,11 @@ class TextStream:
         return out
 
     def flush(self) -> str:
-        """The remaining text at the end of the request, an incomplete UTF-8 tail included (as the replacement
-        characters a full decode gives it)."""
+        """The remaining text at the end of the request, without an incomplete UTF-8 tail: the held-back tokens' text
+        less the replacement characters it ends in (the bytes of a character the request was cut inside)."""
         if self.stopped_by is None and self._read_offset < len(self.ids):
             full = self._decode(self.ids[self._prefix_offset :])
             prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
-            self.text += full[len(prefix) :]
+            self.text += full[len(prefix) :].rstrip("\ufffd")
             self._read_offset = len(self.ids)
         return self._emit(final=True)

@@ -23,7 +23,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 
 log = logging.getLogger("mmcast.scheduler.http")
 
-HTTP_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
+HTTP_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/metrics", "/health")
 SHUTDOWN_GRACE_SECONDS = 5.0  # after the scheduler's own drain: only streams that missed it are left
 
 

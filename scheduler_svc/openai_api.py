@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +35,7 @@ from mmcast.v1 import generation_pb2
 from scheduler_svc import (
     affinity_key,
     grammar_requests,
+    media_aliases,
     openai_errors,
     openai_sampling,
     openai_schema,
@@ -43,17 +43,16 @@ from scheduler_svc import (
     tool_calls,
 )
 from scheduler_svc.completion import MAX_TOKENS_FIELD, Chunk, Completion, CompletionRequest, Completions
+from scheduler_svc.http_server import HTTP_ROUTES
 from scheduler_svc.openai_errors import HttpError
 from scheduler_svc.request_parsing import ImageContent, TextContent, Turn, VideoContent
 
 log = logging.getLogger(__name__)
 
-_UUID = re.compile(r"sha256:([0-9a-f]{64})")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 # Parameters of OpenAI's API that mmcast does not implement: accepted at their neutral value only.
 _NEUTRAL = {
-    "echo": (None, False),
     "suffix": (None, ""),
 }
 _SCHEMA_FIELDS = {
@@ -68,6 +67,9 @@ _SCHEMA_FIELDS = {
         openai_schema.StreamOptions,
         openai_schema.ToolCall,
         openai_schema.ToolCallFunction,
+        openai_schema.ResponsesRequest,
+        openai_schema.InputMessage,
+        openai_schema.InputImage,
     )
     for name in model.model_fields
 }
@@ -123,16 +125,18 @@ def _check_neutral(body: BaseModel) -> None:
 class _Call:
     """One HTTP request on its way through the shared path."""
 
-    client_id: str  # the request id (x-request-id, else made up)
+    client_id: str  # the request id (x-request-id, else made up): echoed, and the response object's id
     tenant: str
     model: str
     kind: str  # "chat" | "text"
     names: dict  # gRPC field path -> this request's field name, for error messages
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    uuid_fields: dict = dataclasses.field(default_factory=dict)  # sha256 hex -> the field that referenced it
+    uuid_fields: dict = dataclasses.field(default_factory=dict)  # sha256 hex -> (the field, the uuid as sent)
+    aliases: list = dataclasses.field(default_factory=list)  # (free-form uuid, sha256 hex) to register at admission
     inline: list = dataclasses.field(default_factory=list)  # (sha256 hex, bytes) of images sent inline
     affinity: str = ""  # the conversation key the client's headers chose ("" none: computed at admission)
     tools: tool_calls.ToolRequest | None = None  # tools whose calls the answer is searched for (tool_calls.py)
+    prompts: list = dataclasses.field(default_factory=list)  # /v1/completions: the prompts, for echo
 
     @property
     def object_id(self) -> str:
@@ -190,8 +194,19 @@ class OpenAIApi:
     """The routes. ``tokens`` (common.auth.TokenTable or None) and tenants are exactly the gRPC API's."""
 
     def __init__(
-        self, *, completions: Completions, uploads, media, model_name: str, tokens=None, max_body_bytes: int
+        self,
+        *,
+        completions: Completions,
+        uploads,
+        media,
+        model_name: str,
+        tokens=None,
+        max_body_bytes: int,
+        metrics_registry=None,
     ) -> None:
+        from scheduler_svc.openai_completions import TextCompletions
+        from scheduler_svc.openai_responses import Responses
+
         self.completions = completions
         self.frontend = completions.frontend
         self.config = completions.config
@@ -203,14 +218,23 @@ class OpenAIApi:
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
         self.tool_format = tool_calls_of(self.frontend.family.tool_format)  # the family's tool-call parser
+        self.text = TextCompletions(self)  # /v1/completions: prompt lists, token-id prompts, echo
+        self.responses = Responses(self)  # /v1/responses, with its previous_response_id store
+        self.aliases = media_aliases.MediaAliases()  # caller-chosen uuids, per tenant
+        self.metrics_registry = metrics_registry  # the scheduler's, served at /metrics too (None: no route)
 
     def app(self, middleware=None) -> Starlette:
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.text_completions, methods=["POST"]),
+            Route("/v1/responses", self.responses.serve, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
+        if self.metrics_registry is not None:
+            from scheduler_svc.http_metrics_route import MetricsRoute
+
+            routes.append(Route("/metrics", MetricsRoute(self, self.metrics_registry).serve, methods=["GET"]))
         app = Starlette(
             routes=routes,
             middleware=middleware or [],
@@ -254,29 +278,28 @@ class OpenAIApi:
             body = await self._read(request, schema)
             _check_neutral(body)
             openai_sampling.check_choices(body, self.config.max_choices)
-            if body.model != self.model_name:
-                raise HttpError(
-                    404,
-                    f"the model {body.model[:120]!r} does not exist here; this server serves "
-                    f"{self.model_name!r} (GET /v1/models)",
-                    type="not_found_error",
-                    param="model",
-                    code="model_not_found",
-                )
-            call = _Call(self._client_id(request), tenant, body.model, kind, {})
-            try:
-                call.affinity = affinity_key.client_key(request.headers.get)
-            except InvalidArgument as err:
-                raise HttpError(400, err.message, param=err.fields[0], code="invalid_value") from None
-            req = await self._completion_request(call, body, received)
-            if body.n > 1:
-                from scheduler_svc.openai_choices import Choices  # it builds on this module's translation
-
-                choices = Choices(self, call, body, req)
-                first = await self._until_disconnect(request, choices.admit())
+            self._check_model(body.model)
+            call = self._new_call(request, tenant, body.model, kind)
+            if kind == "text":
+                completion = await self.text.admit(request, call, body, received)
             else:
-                completion = await self._until_disconnect(request, self.completions.admit(req))
-            self._keep_inline(call)
+                req = await self._completion_request(call, body, received)
+                if body.n > 1 and call.tools is not None:
+                    raise HttpError(
+                        400,
+                        f"n={body.n} with tools is not served: each choice's tool calls would need a parser of its "
+                        "own; send n=1 (or omit it) with tools, or tool_choice=none",
+                        param="n",
+                        code="unsupported",
+                    )
+                if body.n > 1:
+                    from scheduler_svc.openai_choices import Choices  # it builds on this module's translation
+
+                    choices = Choices(self, call, body, req)
+                    first = await self._until_disconnect(request, choices.admit())
+                else:
+                    completion = await self._until_disconnect(request, self.completions.admit(req))
+                self._keep_inline(call)
         except HttpError as err:
             return self._error(err)
         except MmcastError as err:
@@ -290,6 +313,8 @@ class OpenAIApi:
             return Response(status_code=499)
         except Exception:
             return self._internal(call)
+        if kind == "text":
+            return await self.text.respond(request, call, body, completion)
         include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
         if body.n > 1:
             return choices.stream(first, include_usage) if body.stream else await choices.whole(request, first)
@@ -298,6 +323,25 @@ class OpenAIApi:
         return await self._whole(request, call, completion)
 
     # --- translation in ---------------------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise HttpError(
+                404,
+                f"the model {model[:120]!r} does not exist here; this server serves {self.model_name!r} "
+                "(GET /v1/models)",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _new_call(self, request: Request, tenant: str, model: str, kind: str) -> _Call:
+        call = _Call(self._client_id(request), tenant, model, kind, {})
+        try:
+            call.affinity = affinity_key.client_key(request.headers.get)
+        except InvalidArgument as err:
+            raise HttpError(400, err.message, param=err.fields[0], code="invalid_value") from None
+        return call
+
     async def _read(self, request: Request, schema: type[BaseModel]) -> BaseModel:
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
@@ -336,6 +380,7 @@ class OpenAIApi:
             call.tools = tools if tools is not None and tools.parse_calls else None
         common = dict(
             client_id=call.client_id,
+            id_reusable=True,
             tenant=call.tenant,
             sampling=sampling,
             received=received,
@@ -344,20 +389,6 @@ class OpenAIApi:
             affinity=call.affinity,
             grammar=grammar,
         )
-        if call.kind == "text":
-            prompt = (
-                body.prompt[0]
-                if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str)
-                else body.prompt
-            )
-            if not isinstance(prompt, str):
-                raise HttpError(
-                    400,
-                    "prompt: token-id prompts are not supported; send the prompt as a string",
-                    param="prompt",
-                    code="unsupported",
-                )
-            return CompletionRequest(prompt=prompt, **common)
         turns = await self._turns(call, body.messages, _video_options(body))
         if (
             body.continue_final_message
@@ -468,10 +499,22 @@ class OpenAIApi:
     async def _media(self, call: _Call, part, where: str, kind: str) -> tuple[bytes | None, str | None, str]:
         """An ``image_url`` / ``video_url`` part as (bytes, None, field) — a ``data:`` URL, or a remote or local URL
         where allowed — or as (None, sha256 hex, field) when the URL is null and ``uuid`` names a file the server
-        holds. A ``uuid`` beside bytes must be their sha256; the bytes are hashed once here."""
+        holds. A ``sha256:`` uuid beside bytes must be their sha256; a free-form one beside bytes names them for the
+        tenant's later requests (media_aliases.py). The bytes are hashed once here."""
         field = f"{where}.{kind}_url"
         url = getattr(part, f"{kind}_url")
-        digest = self._uuid_digest(part, where)
+        digest, alias = self._uuid_digest(part, where)
+        if url is None and alias is not None:
+            digest = self.aliases.lookup(call.tenant, alias)
+            if digest is None:
+                raise HttpError(
+                    404,
+                    f"{where}.uuid={alias!r} names no {kind} this tenant sent with that uuid (or it was evicted); "
+                    f"send the {kind} with its uuid again",
+                    type="not_found_error",
+                    param=f"{where}.uuid",
+                    code=f"{kind}_not_found",
+                )
         if url is None:
             if digest is None:
                 raise HttpError(
@@ -481,7 +524,7 @@ class OpenAIApi:
                     param=field,
                     code="invalid_value",
                 )
-            call.uuid_fields[digest] = f"{where}.uuid"
+            call.uuid_fields[digest] = (f"{where}.uuid", part.uuid)
             return None, digest, field
         data = await self.media.load(url.url, f"{field}.url", kind)  # a large data: URL decodes off the loop
         sha = hashlib.sha256(data).hexdigest()
@@ -493,23 +536,21 @@ class OpenAIApi:
                 code="invalid_value",
             )
         call.inline.append((sha, data))
+        if alias is not None:
+            call.aliases.append((alias, sha))
         return data, None, field
 
     @staticmethod
-    def _uuid_digest(part, where: str) -> str | None:
-        """The sha256 hex a part's ``uuid`` names (``sha256:<hex>``), or None when it has none."""
+    def _uuid_digest(part, where: str) -> tuple[str | None, str | None]:
+        """(sha256 hex, None) for a ``sha256:<hex>`` uuid, (None, the id) for a free-form one, (None, None) without."""
         if part.uuid is None:
-            return None
-        match = _UUID.fullmatch(part.uuid)
-        if match is None:
+            return None, None
+        try:
+            return media_aliases.parse_uuid(part.uuid)
+        except media_aliases.BadUuid as exc:
             raise HttpError(
-                400,
-                f"{where}.uuid={part.uuid[:80]!r} is not 'sha256:' and 64 lowercase hex "
-                "characters (the sha256 of the file's bytes)",
-                param=f"{where}.uuid",
-                code="invalid_value",
-            )
-        return match.group(1)
+                400, f"{where}.uuid={part.uuid[:80]!r} {exc}", param=f"{where}.uuid", code="invalid_value"
+            ) from None
 
     def _keep_inline(self, call: _Call) -> None:
         """Admitted: its inline images become referable by uuid in later requests of the tenant."""
@@ -519,6 +560,9 @@ class OpenAIApi:
             except MmcastError:  # larger than the whole store: it stays usable inline only
                 pass
         call.inline.clear()
+        for alias, sha in call.aliases:
+            self.aliases.register(call.tenant, alias, sha)
+        call.aliases.clear()
 
     # --- translation out --------------------------------------------------------------------------------------
     def _text_of(self, token_id: int) -> str:
@@ -543,18 +587,6 @@ class OpenAIApi:
                 }
             )
         return {"content": content}
-
-    def _text_logprobs(self, chunks, offset: int = 0) -> dict:
-        tokens, values, tops, offsets = [], [], [], []
-        for chunk in chunks:
-            for tok, (lp, top) in zip(chunk.token_ids, chunk.logprobs, strict=False):
-                s = self._text_of(tok)
-                tokens.append(s)
-                values.append(lp)
-                tops.append({self._text_of(t): v for t, v in top})
-                offsets.append(offset)
-                offset += len(s)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     @staticmethod
     def _usage(completion: Completion) -> dict:
@@ -602,16 +634,12 @@ class OpenAIApi:
             "stop_reason": result.stop_reason or None,
         }
         logprobs = completion.sampling.return_logprobs
-        if call.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-            if call.tools is not None:
-                choice["message"], choice["finish_reason"] = tool_calls.whole_answer(
-                    text, choice["finish_reason"], self.tool_format
-                )
-            choice["logprobs"] = self._chat_logprobs(_joined(chunks)) if logprobs else None
-        else:
-            choice["text"] = text
-            choice["logprobs"] = self._text_logprobs(chunks) if logprobs else None
+        choice["message"] = {"role": "assistant", "content": text}
+        if call.tools is not None:
+            choice["message"], choice["finish_reason"] = tool_calls.whole_answer(
+                text, choice["finish_reason"], self.tool_format
+            )
+        choice["logprobs"] = self._chat_logprobs(_joined(chunks)) if logprobs else None
         out = {**self._envelope(call), "choices": [choice], "usage": self._usage(completion)}
         return JSONResponse(out, headers=self._headers(call, completion))
 
@@ -638,50 +666,35 @@ class OpenAIApi:
     ) -> AsyncIterator[bytes]:
         """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. When the client disconnects,
         Starlette cancels this generator and the request is cancelled with it (Completion.chunks)."""
-        envelope = {
-            **self._envelope(call),
-            "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
-        }
+        envelope = {**self._envelope(call), "object": "chat.completion.chunk"}
         usage_field = {"usage": None} if include_usage else {}
         logprobs = completion.sampling.return_logprobs
-        offset, first_written = 0, False
+        first_written = False
         calls = tool_calls.CallStream(self.tool_format) if call.tools is not None else None
 
         def event(choice: dict) -> bytes:
             return _sse({**envelope, "choices": [choice], **usage_field})
 
         try:
-            if call.kind == "chat":
-                yield event(
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                )
+            yield event(
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            )
             chunk = first
             while chunk is not None:
                 text = chunk.text if calls is None else calls.feed(chunk.text)  # tool calls held until the end
                 if text or (logprobs and chunk.token_ids):
-                    if call.kind == "chat":
-                        out = event(
-                            {
-                                "index": 0,
-                                "delta": {"content": text},
-                                "logprobs": self._chat_logprobs(chunk) if logprobs else None,
-                                "finish_reason": None,
-                            }
-                        )
-                    else:
-                        out = event(
-                            {
-                                "index": 0,
-                                "text": chunk.text,
-                                "logprobs": self._text_logprobs([chunk], offset) if logprobs else None,
-                                "finish_reason": None,
-                            }
-                        )
+                    out = event(
+                        {
+                            "index": 0,
+                            "delta": {"content": text},
+                            "logprobs": self._chat_logprobs(chunk) if logprobs else None,
+                            "finish_reason": None,
+                        }
+                    )
                     if not first_written:  # handed to the server's transport next, as the gRPC door does
                         completion.first_byte_written()
                         first_written = True
                     yield out
-                    offset += len(chunk.text)
                 chunk = await anext(chunks, None)
             err = self._ended_badly(completion)
             if err is not None:
@@ -701,8 +714,8 @@ class OpenAIApi:
                     "finish_reason": finish,
                     "stop_reason": result.stop_reason or None,
                     "logprobs": None,
+                    "delta": {},
                 }
-                last.update({"delta": {}} if call.kind == "chat" else {"text": ""})
                 yield event(last)
                 if include_usage:
                     yield _sse({**envelope, "choices": [], "usage": self._usage(completion)})
@@ -733,6 +746,8 @@ class OpenAIApi:
 
     @staticmethod
     def _client_id(request: Request) -> str:
+        """The request id to echo: x-request-id, else one made up. A label here, which clients may reuse
+        (CompletionRequest.id_reusable)."""
         given = request.headers.get("x-request-id", "")
         try:
             request_parsing.check_request_id(given)
@@ -778,10 +793,10 @@ class OpenAIApi:
             and call
             and err.resource.name in call.uuid_fields
         ):
-            field = call.uuid_fields[err.resource.name]
+            field, given = call.uuid_fields[err.resource.name]
             return HttpError(
                 404,
-                f"{field}=sha256:{err.resource.name} names no image this server holds (never "
+                f"{field}={given} names no image this server holds (never "
                 "sent or uploaded by this tenant, or evicted from the upload store, "
                 "--upload-store-bytes); send the image itself",
                 type="not_found_error",
@@ -819,7 +834,7 @@ class OpenAIApi:
             HttpError(
                 404,
                 f"no route {request.url.path[:200]!r}; this server serves "
-                "/v1/chat/completions, /v1/completions, /v1/models and /health",
+                f"{', '.join(HTTP_ROUTES[:-1])} and {HTTP_ROUTES[-1]}",
                 type="not_found_error",
                 code="not_found",
             )

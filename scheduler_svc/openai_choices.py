@@ -1,4 +1,5 @@
-"""``n`` > 1 on the OpenAI door: several choices of one prompt, computed from one prefill.
+"""``n`` > 1 on the OpenAI chat endpoint: several choices of one prompt, computed from one prefill
+(``/v1/completions`` admits its choices the same way: openai_completions.py).
 
 The first choice (the leader) is admitted alone; the others (the followers) are admitted once its first token is
 out, when its prompt's full blocks are registered in the prefix cache, so each follower reads them as a prefix hit
@@ -119,12 +120,8 @@ class Choices:
         text = "".join(c.text for c in chunks)
         choice: dict = {"index": index, **finish}
         logprobs = completion.sampling.return_logprobs
-        if self.call.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-            choice["logprobs"] = api._chat_logprobs(_joined(chunks)) if logprobs else None
-        else:
-            choice["text"] = text
-            choice["logprobs"] = api._text_logprobs(chunks) if logprobs else None
+        choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = api._chat_logprobs(_joined(chunks)) if logprobs else None
         return choice
 
     async def whole(self, request: Request, first) -> Response:
@@ -161,46 +158,30 @@ class Choices:
 
     async def _sse(self, first, include_usage: bool) -> AsyncIterator[bytes]:
         api, call = self.api, self.call
-        chat = call.kind == "chat"
-        envelope = {**api._envelope(call), "object": "chat.completion.chunk" if chat else "text_completion"}
+        envelope = {**api._envelope(call), "object": "chat.completion.chunk"}
         usage_field = {"usage": None} if include_usage else {}
-        offsets = [0] * len(self.completions)
 
         def event(choice: dict) -> bytes:
             return _sse({**envelope, "choices": [choice], **usage_field})
 
         try:
-            if chat:
-                for i in range(len(self.completions)):
-                    yield event(
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    )
+            for i in range(len(self.completions)):
+                yield event(
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                )
             async with contextlib.aclosing(self.events(first)) as events:
                 async for i, chunk in events:
                     if chunk is _DONE:
                         err = api._ended_badly(self.completions[i])
                         if err is not None:
                             raise err
-                        last = {"index": i, **_finish(self.completions[i]), "logprobs": None}
-                        yield event({**last, **({"delta": {}} if chat else {"text": ""})})
+                        yield event({"index": i, **_finish(self.completions[i]), "logprobs": None, "delta": {}})
                         continue
                     logprobs = self.completions[i].sampling.return_logprobs
                     if not (chunk.text or (logprobs and chunk.token_ids)):
                         continue
-                    if chat:
-                        lp = api._chat_logprobs(chunk) if logprobs else None
-                        yield event(
-                            {"index": i, "delta": {"content": chunk.text}, "logprobs": lp, "finish_reason": None}
-                        )
-                    else:
-                        lp = api._text_logprobs([chunk], offsets[i]) if logprobs else None
-                        yield event({"index": i, "text": chunk.text, "logprobs": lp, "finish_reason": None})
-                    offsets[i] += len(chunk.text)
+                    lp = api._chat_logprobs(chunk) if logprobs else None
+                    yield event({"index": i, "delta": {"content": chunk.text}, "logprobs": lp, "finish_reason": None})
             if include_usage:
                 yield _sse({**envelope, "choices": [], "usage": usage(self.completions)})
         except MmcastError as exc:

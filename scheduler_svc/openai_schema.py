@@ -22,6 +22,11 @@ _UINT31 = 2**31 - 1
 _INT64 = 2**63
 
 
+_TokenId = Annotated[int, Field(ge=0, le=_UINT31)]
+# Top-level fields accepted and not used (README.md's parameter table lists them as ignored: scripts/openai_params_doc.py).
+IGNORED = frozenset({"user", "parallel_tool_calls"})
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -39,7 +44,7 @@ class TextContentPart(_Body):
 class ImageContentPart(_Body):
     type: Literal["image_url"]
     image_url: ImageURL | None = None  # null: ``uuid`` names an image the server already holds
-    uuid: str | None = None  # "sha256:<hex>" of the image's bytes (vLLM's media uuid convention)
+    uuid: str | None = None  # "sha256:<hex>" of the bytes, or a caller-chosen id (media_aliases.py), per tenant
 
 
 class VideoURL(_Body):
@@ -49,7 +54,7 @@ class VideoURL(_Body):
 class VideoContentPart(_Body):
     type: Literal["video_url"]
     video_url: VideoURL | None = None  # null: ``uuid`` names a video the server already holds
-    uuid: str | None = None  # "sha256:<hex>" of the video file's bytes
+    uuid: str | None = None  # "sha256:<hex>" of the file's bytes, or a caller-chosen id (media_aliases.py)
 
 
 ContentPart = Annotated[TextContentPart | ImageContentPart | VideoContentPart, Field(discriminator="type")]
@@ -129,7 +134,52 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | list[int]
+    # One prompt or several (one choice each, --max-prompts-per-request): text, or token ids taken as given.
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[_TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[_TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=_UINT31)] | None = None  # alternatives per token (the sampled one too)
-    echo: bool = False
+    echo: bool = False  # the prompt's text before the generated text (not with logprobs)
     suffix: str | None = None
+
+
+# --- /v1/responses (openai_responses.py) ---------------------------------------------------------------------
+
+
+class InputText(_Body):
+    type: Literal["input_text", "output_text"]  # output_text: an earlier answer sent back in an assistant turn
+    text: str
+
+
+class InputImage(_Body):
+    type: Literal["input_image"]
+    image_url: str | None = None  # a data: URL (remote URLs where the operator allowed them)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor decides the resolution
+
+
+class InputMessage(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
+
+
+class ResponsesRequest(_Body):
+    model: str
+    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    instructions: str | None = None  # a system turn before the conversation, for this response only
+    max_output_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None  # None: what the context leaves
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: Annotated[int, Field(ge=-_INT64, lt=2**64)] | None = None  # as in chat
+    stream: bool = False
+    previous_response_id: str | None = None  # continue that response's conversation (this tenant's)
+    store: bool = True  # keep this response for a later previous_response_id
+    metadata: dict[str, str] | None = None  # returned as given
+    user: str | None = None  # accepted, not used
+    tools: list[Any] | None = None  # refused unless empty
+    tool_choice: Any = None  # refused unless "none"/"auto" without tools
+    reasoning: dict[str, Any] | None = None  # refused: no reasoning models here
+    text: dict[str, Any] | None = None  # {"format": {"type": "text"}} only

@@ -139,7 +139,7 @@ def parse_sampling(
     (completion.py then checks min_tokens against the real value)."""
     if p.max_tokens < 1:
         raise InvalidArgument("sampling.max_tokens must be >= 1 (got 0 or unset)", field="sampling.max_tokens")
-    if p.max_tokens > max_tokens_limit:
+    if max_tokens_limit and p.max_tokens > max_tokens_limit:  # 0: the context alone bounds it (admission.py)
         raise InvalidArgument(
             f"sampling.max_tokens={p.max_tokens} exceeds the limit {max_tokens_limit} (--max-tokens-limit)",
             field="sampling.max_tokens",

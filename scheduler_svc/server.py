@@ -177,6 +177,7 @@ class SchedulerServer:
             model_name=self.model_name,
             tokens=self.tokens,
             max_body_bytes=c.max_request_bytes,
+            metrics_registry=self.metrics.registry,
         )
         app = HttpMetrics(self.openai.app(), self.metrics)
         https = tls.https_context(c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from common.tiny_model import SPECIAL_TOKEN_IDS
 from tests.support import hostile_video
 from tests.support import security_catalogue as cat
 from tests.support.security_support import scrape, wait_for
@@ -131,6 +132,12 @@ CASES = [
         param="tool_choice.function.name",
     ),
     Case(
+        "n-with-tools",
+        400,
+        lambda: chat("hi", n=2, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        param="n",
+    ),
+    Case(
         "grammar-too-large",
         400,
         lambda: chat("hi", guided_regex="a" * 70_000),
@@ -146,6 +153,68 @@ CASES = [
         headers=lambda t, o: {**_bearer(t), "x-request-id": "bad id with spaces"},
     ),
     Case("placeholder-in-text", 400, lambda: chat("look <|image_pad|> here"), param="messages[0].content[0].text"),
+    # /v1/completions prompt lists, token-id prompts and echo; a refused prompt cancels those admitted before it
+    Case(
+        "prompt-list-too-long",
+        400,
+        lambda: {"model": MODEL, "prompt": ["x"] * 33, "max_tokens": 1},
+        param="prompt",
+        mentions=("33", "32", "--max-prompts-per-request"),
+        path="/v1/completions",
+    ),
+    Case(
+        "prompt-list-one-refused",
+        400,
+        lambda: {"model": MODEL, "prompt": ["hi", "y " * 5000], "max_tokens": 1},
+        param="prompt[1]",
+        mentions=("prompt[1]", "--max-prompt-bytes"),
+        path="/v1/completions",
+    ),
+    Case(
+        "token-prompt-placeholder",
+        400,
+        lambda: {"model": MODEL, "prompt": [5, SPECIAL_TOKEN_IDS["<|image_pad|>"]], "max_tokens": 1},
+        param="prompt[1]",
+        mentions=("placeholder",),
+        path="/v1/completions",
+    ),
+    Case(
+        "echo-with-logprobs",
+        400,
+        lambda: {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1, "max_tokens": 1},
+        param="echo",
+        path="/v1/completions",
+    ),
+    # caller-chosen media uuids and /v1/responses
+    Case(
+        "uuid-bad-charset",
+        400,
+        lambda: chat({"type": "image_url", "image_url": None, "uuid": "has space"}, "hi"),
+        param="messages[0].content[0].uuid",
+        mentions=("letters, digits",),
+    ),
+    Case(
+        "uuid-never-registered",
+        404,
+        lambda: chat({"type": "image_url", "image_url": None, "uuid": "never-sent"}, "hi"),
+        param="messages[0].content[0].uuid",
+        mentions=("never-sent",),
+    ),
+    Case(
+        "responses-unknown-previous",
+        404,
+        lambda: {"model": MODEL, "input": "hi", "previous_response_id": "resp_nope", "max_output_tokens": 2},
+        param="previous_response_id",
+        mentions=("resp_nope", "--response-store-entries"),
+        path="/v1/responses",
+    ),
+    Case(
+        "responses-tools",
+        400,
+        lambda: {"model": MODEL, "input": "hi", "tools": [{"type": "function", "name": "f"}]},
+        param="tools",
+        path="/v1/responses",
+    ),
     # images
     Case(
         "not-base64",
@@ -203,8 +272,9 @@ CASES = [
     Case(
         "bad-uuid",
         400,
-        lambda: chat({"type": "image_url", "image_url": None, "uuid": "my-photo"}),
+        lambda: chat({"type": "image_url", "image_url": None, "uuid": "sha256:not-hex"}),
         param="messages[0].content[0].uuid",
+        mentions=("64 lowercase hex",),
     ),
     Case(
         "uuid-not-matching",
@@ -398,3 +468,30 @@ def test_no_server_errors(ctx):
         if k.startswith("mmcast_http_requests_total") and 'status="5' in k and v
     }
     assert not bad, bad
+
+
+def test_metrics_on_the_http_port_need_the_token(ctx):
+    """``/metrics`` on the API port (as vLLM serves it) is behind the API's own authentication."""
+    _, http, token, _ = ctx
+    refused = http.get("/metrics")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthenticated"
+    served = http.get("/metrics", headers=_bearer(token))
+    assert served.status_code == 200 and "mmcast_http_requests_total{" in served.text
+
+
+def test_caller_chosen_ids_are_per_tenant(ctx):
+    """A media uuid and a response id of one tenant name nothing for another (the same 404 as never sent)."""
+    _, http, token, other = ctx
+    named = {**GOOD, "uuid": "tenant-photo"}
+    assert http.post("/v1/chat/completions", json=chat(named, "hi"), headers=_bearer(token)).status_code == 200
+    by_uuid = chat({"type": "image_url", "image_url": None, "uuid": "tenant-photo"}, "hi")
+    assert http.post("/v1/chat/completions", json=by_uuid, headers=_bearer(token)).status_code == 200
+    refused = http.post("/v1/chat/completions", json=by_uuid, headers=_bearer(other))
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "messages[0].content[0].uuid"
+
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+    first = http.post("/v1/responses", json=body, headers=_bearer(token)).json()
+    later = {**body, "previous_response_id": first["id"]}
+    assert http.post("/v1/responses", json=later, headers=_bearer(token)).status_code == 200
+    refused = http.post("/v1/responses", json=later, headers=_bearer(other))
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "previous_response_id"

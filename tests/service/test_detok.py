@@ -54,6 +54,18 @@ def test_stop_string_truncates_and_is_not_emitted(tokenizer):
     assert streamed == "the sky is blue. "
 
 
+@pytest.mark.parametrize("stop", [(), ("STOP",)])
+@pytest.mark.parametrize("step", [1, 2])
+def test_a_cut_inside_a_character_drops_its_incomplete_bytes(tokenizer, stop, step):
+    """Generation cut (max_tokens) inside a multi-byte character: the text ends before it, never in "\ufffd" —
+    streamed token by token or in batches, with a stop string pending or not."""
+    ids = tokenizer.encode("ok 😀")
+    assert tokenizer.decode(ids[:-1]).endswith("\ufffd")  # the emoji's bytes span several tokens
+    ts, streamed = stream_all(tokenizer, ids[:-1], stop=stop, step=step)
+    assert streamed == "ok "
+    assert ts.stopped_by is None
+
+
 def test_partial_stop_prefix_is_held_back_then_released(tokenizer):
     ids = tokenizer.encode("a red ST and a blue square")
     ts, streamed = stream_all(tokenizer, ids, stop=["STOP"])
@@ -98,8 +110,9 @@ def stream_in_batches(tok, ids, cuts, skip_special_tokens=True):
 )
 def test_random_token_sequences_stream_to_the_full_decode(any_tokenizer, ids, cuts, skip):
     """Any ids (byte tokens that split characters anywhere, special tokens, invalid UTF-8), in any batches: the
-    deltas concatenate to the full decode, and what is out at each step is a prefix of it."""
-    full = any_tokenizer.decode(ids, skip_special_tokens=skip)
+    deltas concatenate to the full decode less the replacement characters of an incomplete UTF-8 tail, and what is
+    out at each step is a prefix of it."""
+    full = any_tokenizer.decode(ids, skip_special_tokens=skip).rstrip("\ufffd")
     deltas = stream_in_batches(any_tokenizer, ids, cuts, skip)
     assert "".join(deltas) == full
     assert all(full.startswith("".join(deltas[: k + 1])) for k in range(len(deltas)))
@@ -122,4 +135,4 @@ def test_multibyte_text_streams_whole_characters_with_special_tokens_skipped(any
     assert "".join(deltas) == unicodedata.normalize("NFC", text) == any_tokenizer.decode(ids, skip_special_tokens=True)
     assert all("\ufffd" not in d for d in deltas)
     kept = "".join(stream_in_batches(any_tokenizer, ids, [], skip_special_tokens=False))
-    assert kept == any_tokenizer.decode(ids, skip_special_tokens=False)
+    assert kept == any_tokenizer.decode(ids, skip_special_tokens=False).rstrip("\ufffd")  # a split character's tail
