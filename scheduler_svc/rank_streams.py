@@ -376,7 +376,8 @@ class WorkerGroup:
                 if s.failed.is_set():
                     raise GroupDown(s.failure or f"rank {s.rank} failed")
                 raise GroupDown(
-                    f"rank {s.rank} ({s.address}): no answer to step {step_id} within {self.step_timeout:.1f}s"
+                    f"rank {s.rank} ({s.address}): no answer to step {step_id} within {self.step_timeout:.1f}s "
+                    "(--step-timeout-seconds)"
                 )
             result = get.result()
             if result.step_id != step_id:

@@ -574,8 +574,8 @@ class Scheduler:
         return RequestUpdate(r.request_id, [], None, finished=reason, usage=r.usage, error=error)
 
     # --- group loss -------------------------------------------------------------------------------------------
-    def recover(self) -> list[RequestUpdate]:
-        """The group was lost: every cache is gone. Running requests go back to the front of the queue, in order,
+    def recover(self, reason: str = "") -> list[RequestUpdate]:
+        """The group was lost (``reason``: why, named in a convicted request's error): every cache is gone. Running requests go back to the front of the queue, in order,
         as new requests whose prompt includes the tokens generated so far; the step in flight is void.
 
         When the loss happened during a step, poison isolation judges its requests (``scheduler_svc/poison.py``);
@@ -601,7 +601,8 @@ class Scheduler:
                         usage=r.usage,
                         error_status=Status.INTERNAL,
                         error=f"request {r.request_id} crashed the worker group twice, the second time running alone; "
-                        "it is failed so that the group keeps serving the other requests",
+                        "it is failed so that the group keeps serving the other requests"
+                        + (f"; the group was lost: {reason}" if reason else ""),
                     )
                 )
         self._outstanding = None
