@@ -249,6 +249,12 @@ class SchedulerMetrics:
             registry=r,
         )
         self.http_in_flight = Gauge("mmcast_http_requests_in_flight", "HTTP API requests being answered.", registry=r)
+        self.http_closed = Counter(
+            "mmcast_http_connections_closed_total",
+            "HTTP connections the server closed on a deadline (header_timeout, write_timeout; http_guard.py).",
+            ["reason"],
+            registry=r,
+        )
         self._init_labels()
 
     def set_cache_config(self, block_size: int, num_blocks: int) -> None:
