@@ -210,14 +210,14 @@ class NetLab:
             self.heal(node)
         return downs
 
-    def rate_limit(self, node: Node, rate: str, latency: str = "500ms") -> None:
-        """``tbf`` at ``rate`` (tc units: 1mbit) on both ends of ``node``'s link; ``latency`` bounds the queue."""
-        burst = "32kbit"
-        for ns, dev in ((node.netns, IFNAME), (self.hub, node.hub_if)):
-            self._tc(
-                ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency", latency
-            )
-        self._log(f"rate {node.name} {rate}")
+    def rate_limit(self, node: Node, rate: str, direction: str = "both", latency: str = "500ms") -> None:
+        """``tbf`` at ``rate`` (tc units: 1mbit) on ``node``'s link: what it sends (``out``), what it receives
+        (``in``) or ``both``; ``latency`` bounds the queue."""
+        ends = {"out": [(node.netns, IFNAME)], "in": [(self.hub, node.hub_if)]}
+        for ns, dev in ends["out"] + ends["in"] if direction == "both" else ends[direction]:
+            tbf = ["tbf", "rate", rate, "burst", "32kbit", "latency", latency]
+            self._tc(ns, "qdisc", "replace", "dev", dev, "root", *tbf)
+        self._log(f"rate {node.name} {direction} {rate}")
 
     def unlimit(self, node: Node) -> None:
         for ns, dev in ((node.netns, IFNAME), (self.hub, node.hub_if)):
