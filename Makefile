@@ -109,7 +109,8 @@ fuzz: install
 # Network faults (docs/RELIABILITY.md, "Network faults"): every test of these modules, the long ones (`chaos` marker)
 # included; each process in its own network namespace, so it needs root (skipped otherwise). One NETFAULT line per
 # fault; MMCAST_SOAK_REPORT=path collects them as JSON lines.
-CHAOS_TESTS := tests/faults/test_net_partitions.py tests/faults/test_net_transfer_modes.py tests/faults/test_http_door.py
+CHAOS_TESTS := tests/faults/test_net_partitions.py tests/faults/test_net_transfer_modes.py tests/faults/test_net_envoy.py \
+  tests/faults/test_http_door.py
 chaos: install
 	$(BIN)/python -m pytest -q -s --timeout=1200 --run-chaos $(CHAOS_TESTS)
 

@@ -18,10 +18,11 @@ from tests.support.netns_relay import Relay
 
 
 class NetGroup(LocalGroup):
-    def __init__(self, lab: NetLab, model_dir, tp: int = 2, transfer_mode: str = "lazy", **kw) -> None:
+    def __init__(self, lab: NetLab, model_dir, tp: int = 2, transfer_mode: str = "lazy", *, name: str = "", **kw):
+        """``name``: prefix of the nodes' names, so several groups (replicas) share one lab."""
         self.lab = lab
-        self.sched: Node = lab.node("sched")
-        self.ranks: list[Node] = [lab.node(f"rank{r}") for r in range(tp)]
+        self.sched: Node = lab.node(f"{name}sched")
+        self.ranks: list[Node] = [lab.node(f"{name}rank{r}") for r in range(tp)]
         self._relayed: dict[tuple[str, int], int] = {}  # (netns, port) -> the relay's 127.0.0.1 port
         super().__init__(model_dir, tp, transfer_mode, **kw)
         self.env.update({"GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME})
