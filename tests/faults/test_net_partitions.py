@@ -79,6 +79,7 @@ class Env:
                 assert_matches(c.generate(p, max_tokens=4, ignore_eos=True, logprobs=0), self.oracle(p, 4), "warm")
 
     def traffic(self, n_new: int = 2, n_cached: int = 2) -> Streams:
+        self.group.wait_ready(240)  # a fault before may have left the group restarting
         new = self.fresh(n_new)
         cached = self.fresh(n_cached)
         self.warm(cached)
@@ -90,6 +91,7 @@ class Env:
 
     def check_after(self, streams: Streams, what: str) -> None:
         """Nothing left running; the mirrors agree with the ranks' caches; RSS within its bound."""
+        self.group.wait_ready(240)  # the group the fault took down is back (readiness needs every rank)
         assert wait_until(self.idle, 60), f"{what}: requests still running, waiting or holding KV blocks"
         recoveries = self.metric("mmcast_worker_group_recoveries_total")
         rows = [self.metric("mmcast_worker_encoder_cache_tokens", f"rank{r}") for r in range(TP)]
@@ -140,6 +142,8 @@ def lab():
         pytest.skip(reason)
     with NetLab() as made:
         yield made
+    left = [n for n in lab_namespaces() if n.startswith(made.tag)]
+    assert not left, f"namespaces left after the lab closed: {left}"
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +241,7 @@ def test_a_1_mbit_scheduler_link_while_new_1280x720_images_travel(env):
 def slow_link(env: Env, name: str, node, direction: str, n: int = 2) -> dict:
     """``n`` new 1280x720 images sent while ``node``'s link runs at 1 Mbit/s (``direction``); the requests end
     (completed, or failed naming the cause), their streamed tokens are the oracle's, the group serves afterwards."""
+    env.group.wait_ready(240)
     big = env.fresh(n, size=(1280, 720))
     for p in big:
         env.oracle(p, 8)
