@@ -70,13 +70,12 @@ def _namespaces() -> list[str]:
 
 
 def _pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed child its parent has not reaped yet is gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 def delete_namespace(name: str) -> None:
