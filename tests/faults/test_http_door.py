@@ -126,6 +126,7 @@ def read_until_closed(s: socket.socket, timeout: float) -> tuple[bytes, float | 
 def test_slowloris_headers_are_cut_at_the_header_deadline(door):
     """20 clients trickle a header byte every 0.3 s, forever: each is answered 408 naming the flag and closed
     within the header deadline, while a normal client is served correctly meanwhile."""
+    closed0 = door.metric("mmcast_http_connections_closed_total", reason="header_timeout")
     socks = [door.connect() for _ in range(20)]
     for s in socks:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
@@ -156,6 +157,7 @@ def test_slowloris_headers_are_cut_at_the_header_deadline(door):
     for data, _ in answers:
         assert data.startswith(b"HTTP/1.1 408"), data[:200]
         assert b"--http-header-timeout-seconds" in data, data[-300:]
+    assert door.metric("mmcast_http_connections_closed_total", reason="header_timeout") - closed0 == 20
     report("http_slowloris", connections=20, closed_within_s=time.monotonic() - t0, status=408)
 
 
@@ -163,6 +165,7 @@ def test_two_thousand_idle_connections(door):
     """2,000 connections that never send a byte: the door keeps serving (correctly) while they are open, closes
     them all at the header deadline, and the scheduler's memory stays bounded."""
     rss0 = door.rss()
+    closed0 = door.metric("mmcast_http_connections_closed_total", reason="header_timeout")
     socks = []
     t0 = time.monotonic()
     try:
@@ -183,6 +186,7 @@ def test_two_thousand_idle_connections(door):
     door.check_served()
     assert closed == 2000, f"{2000 - closed} idle connections still open after {HEADER_TIMEOUT + 30} s"
     assert rss_open - rss0 < RSS_GROWTH_BOUND, (rss0, rss_open)
+    assert door.metric("mmcast_http_connections_closed_total", reason="header_timeout") - closed0 == 2000
     report(
         "http_idle_connections",
         connections=2000,
@@ -230,6 +234,7 @@ def test_an_sse_reader_that_stops_reading_is_ended(door):
     assert rss_peak - rss0 < RSS_GROWTH_BOUND
     closed = [r for r in door.log_records() if "not reading" in r.get("msg", "")]
     assert closed, "no log line names the connection closed for not reading"
+    assert door.metric("mmcast_http_connections_closed_total", reason="write_timeout") >= 1
     door.check_served()
     report(
         "http_sse_reader_stops",
