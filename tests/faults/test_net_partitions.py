@@ -62,6 +62,11 @@ class Env:
     def metric(self, name: str, source: str = "scheduler", **labels: str) -> float:
         return scrape(self.group.metrics_urls[source], name, **labels)
 
+    def slow_steps(self) -> float:
+        """Steps that took over a second (mmcast_step_seconds): how a fault the group rode through still shows."""
+        total = self.metric("mmcast_step_seconds_bucket", le="+Inf")
+        return total - self.metric("mmcast_step_seconds_bucket", le="1.0")
+
     def idle(self) -> bool:
         names = ("mmcast_requests_running", "mmcast_requests_waiting", "mmcast_kv_blocks_used")
         return all(self.metric(m) == 0 for m in names)
@@ -185,6 +190,7 @@ def run_fault(env: Env, name: str, fault, *, streams: Streams, join_s: float = 2
     """Streams start, the fault runs once every stream has a token (``fault()`` returns when the link is whole
     again), the streams end; returns the figures."""
     recoveries0 = env.metric("mmcast_worker_group_recoveries_total")
+    slow0 = env.slow_steps()
     wall0 = time.time()
     streams.start()
     streams.wait_tokens(1)
@@ -199,6 +205,7 @@ def run_fault(env: Env, name: str, fault, *, streams: Streams, join_s: float = 2
         resumed_after_heal_s=streams.resumed_after(healed),
         completed_after_heal_s=max(d[-1][0] for d in streams.deltas if d) - healed,
         recoveries=env.metric("mmcast_worker_group_recoveries_total") - recoveries0,
+        steps_over_1s=env.slow_steps() - slow0,
     )
     report(name, **figures)
     assert not wrong, f"{name}: wrong tokens: {wrong}"
@@ -216,6 +223,7 @@ def test_one_way_partition_scheduler_to_rank_below_the_step_deadline(env):
     )
     assert not figures["failures"], figures["failures"]
     assert figures["recoveries"] == 0
+    assert figures["steps_over_1s"] >= 1, "the fault left no trace in mmcast_step_seconds"
     env.check_after(streams, "2 s one-way partition")
 
 
@@ -227,6 +235,7 @@ def test_collective_link_cut_while_the_step_streams_stay_up(env):
         env, "cut_rank0_rank1_2s", lambda: _for(2.0, env.lab.cut, env.rank0, env.rank1), streams=streams
     )
     assert not figures["failures"], figures["failures"]
+    assert figures["steps_over_1s"] >= 1, "the fault left no trace in mmcast_step_seconds"
     env.check_after(streams, "collective link cut 2 s")
 
 
