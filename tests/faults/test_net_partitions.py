@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -27,7 +29,7 @@ from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.load import Budgets, MiB, rss_of
 from tests.support.net_group import NetGroup
 from tests.support.net_traffic import Streams, report
-from tests.support.netlab import NetLab, lab_namespaces, unavailable_reason
+from tests.support.netlab import NetLab, pid_alive, lab_namespaces, unavailable_reason
 from tests.support.oracle import Oracle, assert_matches, scrape, user_turn, wait_until
 
 pytestmark = pytest.mark.slow
@@ -296,6 +298,30 @@ def test_no_namespace_of_a_closed_lab_is_left():
     lab.close()
     assert proc.wait(10) is not None
     assert not names & set(lab_namespaces())
+
+
+def test_a_killed_run_leaves_nothing_behind():
+    """A run killed with SIGKILL (no atexit, no finalizer) leaves its namespaces; the next lab removes them, and
+    what still ran inside them."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    code = (
+        "import sys, time\n"
+        "from tests.support.netlab import NetLab\n"
+        "lab = NetLab(); node = lab.node('x'); lab.exec(node, ['sleep', '600'])\n"
+        "print(lab.tag, flush=True); time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    tag = proc.stdout.readline().strip()
+    assert tag, "the child made no lab"
+    inside = subprocess.run(["ip", "netns", "pids", f"{tag}-x"], capture_output=True, text=True).stdout.split()
+    proc.kill()
+    proc.wait(10)
+    assert [n for n in lab_namespaces(proc.pid) if n.startswith(tag)]  # left behind by the killed run
+    NetLab().close()  # a new lab cleans up the runs whose process is gone
+    assert not lab_namespaces(proc.pid)
+    assert inside and not any(pid_alive(int(pid)) for pid in inside), "a process of the lab survived"
 
 
 # -- long: make chaos -------------------------------------------------------------------------------------------------

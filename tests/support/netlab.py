@@ -69,7 +69,7 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """The process exists and is not a zombie (a killed child its parent has not reaped yet is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -85,7 +85,7 @@ def delete_namespace(name: str) -> None:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
     deadline = time.monotonic() + 5
-    while pids and time.monotonic() < deadline and any(_pid_alive(int(p)) for p in pids):
+    while pids and time.monotonic() < deadline and any(pid_alive(int(p)) for p in pids):
         time.sleep(0.05)
     _ip("netns", "del", name, check=False)
 
@@ -97,7 +97,7 @@ def cleanup_stale() -> list[str]:
         if not name.startswith(PREFIX):
             continue
         owner = name[len(PREFIX) :].split("-", 1)[0]
-        if owner.isdigit() and not _pid_alive(int(owner)):
+        if owner.isdigit() and not pid_alive(int(owner)):
             delete_namespace(name)
             removed.append(name)
     return removed
