@@ -29,7 +29,7 @@ from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.support.load import Budgets, MiB, rss_of
 from tests.support.net_group import NetGroup
 from tests.support.net_traffic import Streams, report
-from tests.support.netlab import NetLab, pid_alive, lab_namespaces, unavailable_reason
+from tests.support.netlab import NetLab, lab_namespaces, pid_alive, unavailable_reason
 from tests.support.oracle import Oracle, assert_matches, scrape, user_turn, wait_until
 
 pytestmark = pytest.mark.slow
