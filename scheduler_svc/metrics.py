@@ -276,5 +276,7 @@ class SchedulerMetrics:
             self.mm_items.labels(disposition, "image")
         for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):  # vLLM's event types (kv_events.py)
             self.kv_events.labels(kind)
+        for reason in ("header_timeout", "write_timeout"):  # http_guard.py
+            self.http_closed.labels(reason)
         for stage in STAGES:
             self.request_stage_seconds.labels(stage)
