@@ -344,6 +344,47 @@ def test_partition_scheduler_rank_past_the_step_deadline(env):
 
 
 @pytest.mark.chaos
+def test_an_idle_group_partitioned_is_found_by_its_keepalives(env):
+    """Rank 1's link down for 15 s while the group is idle: no step is in flight to miss a deadline, so only the
+    keepalives can tell the streams are half-open. The scheduler declares the group lost naming them, reconnects
+    once the link is back, and new requests are answered equal to the oracle."""
+    env.group.wait_ready(240)
+    assert wait_until(env.idle, 60)
+    recoveries0 = env.metric("mmcast_worker_group_recoveries_total")
+    wall0 = time.time()
+    t0 = time.monotonic()
+    env.lab.partition(env.rank1)
+    try:
+
+        def found() -> bool:
+            lost = [r for r in env.log_lines("scheduler", wall0) if r.get("msg", "").startswith("worker group lost")]
+            return any("keepalives unanswered" in r["msg"] for r in lost)
+
+        assert wait_until(found, 30, 0.2), "the scheduler did not notice the half-open streams"
+        detected = time.monotonic() - t0
+        time.sleep(max(0.0, 15.0 - detected))
+    finally:
+        env.lab.heal(env.rank1)
+    healed = time.monotonic()
+    env.group.wait_ready(240)
+    back = time.monotonic() - healed
+    streams = env.traffic()
+    streams.start()
+    streams.join(240)
+    figures = report(
+        "idle_group_rank1_partitioned_15s",
+        **streams.figures(
+            detected_after_s=detected,
+            serving_after_heal_s=back,
+            recoveries=env.metric("mmcast_worker_group_recoveries_total") - recoveries0,
+        ),
+    )
+    assert not streams.failures() and not streams.wrong(), (streams.failures(), streams.wrong())
+    assert figures["recoveries"] >= 1
+    env.check_after(streams, "idle group partitioned")
+
+
+@pytest.mark.chaos
 def test_collective_link_cut_past_the_group_timeout(env):
     """The ranks' link cut for 15 s (past the step deadline and the ranks' group timeout) while the step streams
     stay up: the ranks end their collective, the group restarts, the streams complete correctly."""
