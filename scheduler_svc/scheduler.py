@@ -575,8 +575,9 @@ class Scheduler:
 
     # --- group loss -------------------------------------------------------------------------------------------
     def recover(self, reason: str = "") -> list[RequestUpdate]:
-        """The group was lost (``reason``: why, named in a convicted request's error): every cache is gone. Running requests go back to the front of the queue, in order,
-        as new requests whose prompt includes the tokens generated so far; the step in flight is void.
+        """The group was lost (``reason``: why; a convicted request's error names it): every cache is gone.
+        Running requests go back to the front of the queue, in order, as new requests whose prompt includes the
+        tokens generated so far; the step in flight is void.
 
         When the loss happened during a step, poison isolation judges its requests (``scheduler_svc/poison.py``);
         a request convicted of crashing the group is failed instead of requeued: its final update (ERROR,
