@@ -7,7 +7,7 @@ PYTEST_TIMEOUT ?= 300
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml client/pyproject.toml | sha256sum | cut -c1-12)
 PROTOS := $(wildcard proto/mmcast/v1/*.proto)
 
-.PHONY: install oracle-install proto proto-baseline proto-check lint test test-fast demo bench bench-quick bench-aiperf bench-peer bench-peer-quick peer-install soak fuzz tools clean
+.PHONY: install oracle-install proto proto-baseline proto-check lint test test-fast demo bench bench-quick bench-aiperf bench-peer bench-peer-quick peer-install soak fuzz chaos tools clean
 
 install: $(STAMP)
 
@@ -105,6 +105,14 @@ soak: install
 
 fuzz: install
 	$(BIN)/python -m pytest -q --timeout=3600 -m fuzz tests --run-fuzz
+
+# Network faults (docs/RELIABILITY.md, "Network faults"): every test of these modules, the long ones (`chaos` marker)
+# included; each process in its own network namespace, so it needs root (skipped otherwise). One NETFAULT line per
+# fault; MMCAST_SOAK_REPORT=path collects them as JSON lines.
+CHAOS_TESTS := tests/faults/test_net_partitions.py tests/faults/test_net_transfer_modes.py tests/faults/test_net_envoy.py \
+  tests/faults/test_http_door.py
+chaos: install
+	$(BIN)/python -m pytest -q -s --timeout=1200 --run-chaos $(CHAOS_TESTS)
 
 clean:
 	rm -rf $(VENV) $(AIPERF_VENV) .venv-peer .venv-oracle .pytest_cache .ruff_cache .hypothesis build *.egg-info client/build client/*.egg-info

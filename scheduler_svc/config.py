@@ -335,6 +335,21 @@ class SchedulerConfig:
         max=65535,
         section=_SERVICE,
     )
+    http_header_timeout_seconds: float = setting(
+        10.0,
+        "an HTTP request's headers must be complete this long after the connection opens (or after the next "
+        "request's first byte); otherwise 408 and the connection is closed (slow or idle clients)",
+        min=0.1,
+        max=3600.0,
+        section=_SERVICE,
+    )
+    http_write_timeout_seconds: float = setting(
+        30.0,
+        "an HTTP response (a stream too) whose client reads nothing for this long is aborted and its request cancelled",
+        min=0.1,
+        max=86400.0,
+        section=_SERVICE,
+    )
     served_model_name: str = setting(
         "",
         "the model name the HTTP API answers to and lists in /v1/models (default: the model folder's name)",

@@ -286,7 +286,7 @@ class Engine:
         # open, the next (recovered) step would go to ranks still holding the old requests.
         await self.group.close()
         if self.core is not None:
-            for update in self.core.recover():  # a request convicted of crashing the group: it fails alone
+            for update in self.core.recover(reason):  # a request convicted of crashing the group: it fails alone
                 self.metrics.poison_requests.inc()
                 log.error(
                     "poison request failed: it crashed the worker group twice",

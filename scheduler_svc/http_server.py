@@ -5,6 +5,7 @@ event loop, beside the gRPC server, so both doors share one engine, one frontend
   ``HttpsContext``, rotated files taken within ``HTTPS_REFRESH_SECONDS``), mutual when ``--tls-client-ca-file``.
 - uvicorn runs without its own signal handlers and lifespan: the scheduler process owns shutdown (server.py) and
   stops this port after its in-flight requests drained.
+- Clients that hold a connection without using it are cut off by the header and write deadlines of http_guard.py.
 - ``HttpMetrics`` counts every answer by route, method and status and times it to its last byte.
 """
 
@@ -19,6 +20,7 @@ import time
 import uvicorn
 
 from common import tls
+from scheduler_svc.http_guard import guarded_protocol
 from scheduler_svc.metrics import SchedulerMetrics
 
 log = logging.getLogger("mmcast.scheduler.http")
@@ -87,10 +89,22 @@ def bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     """One uvicorn server on one socket; ``start`` returns the bound port."""
 
-    def __init__(self, app, *, host: str, port: int, https: tls.HttpsContext | None = None) -> None:
+    def __init__(
+        self,
+        app,
+        *,
+        host: str,
+        port: int,
+        https: tls.HttpsContext | None = None,
+        header_timeout: float = 10.0,
+        write_timeout: float = 30.0,
+        on_close=None,
+    ) -> None:
+        """``header_timeout``, ``write_timeout``: the deadlines of http_guard.py; ``on_close(reason)`` counts them."""
         self.host, self.port, self.https = host, port, https
         self.config = uvicorn.Config(
             app,
+            http=guarded_protocol(header_timeout, write_timeout, on_close),
             lifespan="off",
             log_config=None,
             access_log=False,

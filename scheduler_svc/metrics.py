@@ -249,6 +249,12 @@ class SchedulerMetrics:
             registry=r,
         )
         self.http_in_flight = Gauge("mmcast_http_requests_in_flight", "HTTP API requests being answered.", registry=r)
+        self.http_closed = Counter(
+            "mmcast_http_connections_closed_total",
+            "HTTP connections the server closed on a deadline (header_timeout, write_timeout; http_guard.py).",
+            ["reason"],
+            registry=r,
+        )
         self._init_labels()
 
     def set_cache_config(self, block_size: int, num_blocks: int) -> None:
@@ -270,5 +276,7 @@ class SchedulerMetrics:
             self.mm_items.labels(disposition, "image")
         for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):  # vLLM's event types (kv_events.py)
             self.kv_events.labels(kind)
+        for reason in ("header_timeout", "write_timeout"):  # http_guard.py
+            self.http_closed.labels(reason)
         for stage in STAGES:
             self.request_stage_seconds.labels(stage)

@@ -102,11 +102,20 @@ class _RankStream:
         self.on_fail = on_fail
         self.last_keepalive_rtt: float | None = None
         self.last_heard = time.monotonic()  # when the rank last sent anything
+        self.writing = False  # a frame is being written (waiting on flow control while the link takes no bytes)
         self._reader: asyncio.Task | None = None
 
     async def write(self, raw: bytes, kind: str = "control") -> None:
-        await self.call.write(raw)
+        await self.write_raw(raw)
         self.on_bytes(kind, len(raw))
+
+    async def write_raw(self, raw: bytes) -> None:
+        """One frame, uncounted; ``writing`` is set while gRPC flow control holds it (a link taking no bytes)."""
+        self.writing = True
+        try:
+            await self.call.write(raw)
+        finally:
+            self.writing = False
 
     async def handshake(self, hs: worker_pb2.Handshake, timeout: float) -> worker_pb2.HandshakeAck:
         try:
@@ -328,10 +337,20 @@ class WorkerGroup:
         self._check_up()
         if len(rank_payloads) != self.world_size:
             raise ValueError(f"rank_payloads has {len(rank_payloads)} entries for {self.world_size} ranks")
+        # One deadline for writing the step and for its answers: a rank whose link takes no bytes (a partition,
+        # a link far too slow for the payload) holds the write on gRPC flow control for as long as it lasts.
+        deadline = time.monotonic() + self.step_timeout
         with tracing.span("mmcast.broadcast", step_id=step_id, ranks=self.world_size) as current:
-            await self._broadcast(control, rank_payloads, current)
+            try:
+                await asyncio.wait_for(self._broadcast(control, rank_payloads, current), self.step_timeout)
+            except TimeoutError:
+                stuck = ", ".join(f"rank {s.rank} ({s.address})" for s in self._streams if s.writing) or "a rank"
+                raise GroupDown(
+                    f"{stuck}: step {step_id} not written within {self.step_timeout:.1f}s (--step-timeout-seconds); "
+                    "its link takes no more bytes"
+                ) from None
         self.last_sent_at = time.perf_counter()
-        return await self._await_results(step_id)
+        return await self._await_results(step_id, deadline)
 
     async def _broadcast(
         self, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadTensors]], current
@@ -352,7 +371,7 @@ class WorkerGroup:
         raw_control = worker_pb2.StepRequest(control=control).SerializeToString()
         metadata, rest = item_proto.control_byte_breakdown(control, len(raw_control))
         try:
-            await asyncio.gather(*(s.call.write(raw_control) for s in self._streams))
+            await asyncio.gather(*(s.write_raw(raw_control) for s in self._streams))
         except _WRITE_ERRORS as exc:
             raise GroupDown(f"write to a rank failed: {exc!r}") from None
         for _ in self._streams:
@@ -360,8 +379,7 @@ class WorkerGroup:
             self._count("control", rest)
         tracing.set_attributes(current, payload_items=len(order), control_bytes=len(raw_control))
 
-    async def _await_results(self, step_id: int) -> list[worker_pb2.StepResult]:
-        deadline = time.monotonic() + self.step_timeout
+    async def _await_results(self, step_id: int, deadline: float) -> list[worker_pb2.StepResult]:
         results: list[worker_pb2.StepResult] = []
         for s in self._streams:
             get = asyncio.ensure_future(s.results.get())
@@ -376,7 +394,8 @@ class WorkerGroup:
                 if s.failed.is_set():
                     raise GroupDown(s.failure or f"rank {s.rank} failed")
                 raise GroupDown(
-                    f"rank {s.rank} ({s.address}): no answer to step {step_id} within {self.step_timeout:.1f}s"
+                    f"rank {s.rank} ({s.address}): no answer to step {step_id} within {self.step_timeout:.1f}s "
+                    "(--step-timeout-seconds)"
                 )
             result = get.result()
             if result.step_id != step_id:

@@ -579,9 +579,10 @@ class Scheduler:
         return RequestUpdate(r.request_id, [], None, finished=reason, usage=r.usage, error=error)
 
     # --- group loss -------------------------------------------------------------------------------------------
-    def recover(self) -> list[RequestUpdate]:
-        """The group was lost: every cache is gone. Running requests go back to the front of the queue, in order,
-        as new requests whose prompt includes the tokens generated so far; the step in flight is void.
+    def recover(self, reason: str = "") -> list[RequestUpdate]:
+        """The group was lost (``reason``: why; a convicted request's error names it): every cache is gone.
+        Running requests go back to the front of the queue, in order, as new requests whose prompt includes the
+        tokens generated so far; the step in flight is void.
 
         When the loss happened during a step, poison isolation judges its requests (``scheduler_svc/poison.py``);
         a request convicted of crashing the group is failed instead of requeued: its final update (ERROR,
@@ -606,7 +607,8 @@ class Scheduler:
                         usage=r.usage,
                         error_status=Status.INTERNAL,
                         error=f"request {r.request_id} crashed the worker group twice, the second time running alone; "
-                        "it is failed so that the group keeps serving the other requests",
+                        "it is failed so that the group keeps serving the other requests"
+                        + (f"; the group was lost: {reason}" if reason else ""),
                     )
                 )
         self._outstanding = None

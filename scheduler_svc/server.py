@@ -181,7 +181,15 @@ class SchedulerServer:
         )
         app = HttpMetrics(self.openai.app(), self.metrics)
         https = tls.https_context(c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file)
-        return HttpServer(app, host=c.listen.rsplit(":", 1)[0], port=c.http_port, https=https)
+        return HttpServer(
+            app,
+            host=c.listen.rsplit(":", 1)[0],
+            port=c.http_port,
+            https=https,
+            header_timeout=c.http_header_timeout_seconds,
+            write_timeout=c.http_write_timeout_seconds,
+            on_close=lambda reason: self.metrics.http_closed.labels(reason).inc(),
+        )
 
     @property
     def model_name(self) -> str:

@@ -135,9 +135,10 @@ def serve_local_tp2(tiny_model_dir):
         yield group
 
 
-# --- long runs: `fuzz` and `soak` tests run only when asked (make fuzz / make soak) ---------------------------------
+# --- long runs: `fuzz`, `soak`, `chaos` tests run only when asked (make fuzz / soak / chaos) ----------------------------
 
-_LONG_RUNS = {"fuzz": "--run-fuzz", "soak": "--run-soak"}  # marker -> the option that enables its tests
+# marker -> the option that enables its tests
+_LONG_RUNS = {"fuzz": "--run-fuzz", "soak": "--run-soak", "chaos": "--run-chaos"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -127,3 +127,41 @@ def test_a_rank_that_comes_back_is_reached_at_the_next_attempt():
             await server.stop(None)
 
     asyncio.run(body())
+
+
+def test_a_step_whose_payload_cannot_be_written_fails_at_the_step_deadline():
+    """A rank whose link stops taking bytes (a partition, a very slow link) while a step's payload is written: the
+    write waits on gRPC flow control. The step deadline covers the writes too, so the group is declared lost at the
+    deadline (naming the flag) instead of the engine waiting as long as the link stays broken."""
+    import asyncio
+
+    import torch
+
+    from mmcast.v1 import worker_pb2
+    from scheduler_svc.rank_streams import GroupDown, PayloadTensors, WorkerGroup
+    from tests.support.fake_rank import FakeRank, FakeRankConfig
+
+    fp = "f" * 64
+
+    async def body():
+        rank = FakeRank(FakeRankConfig(rank=0, world_size=1, fingerprint=fp))
+        await rank.start()
+        group = WorkerGroup([rank.address], model_fingerprint=fp, block_size=16, step_timeout=0.5)
+        try:
+            await group.connect()
+            stream = group._streams[0]
+
+            async def stuck(raw: bytes) -> None:  # what a write into a partitioned link does
+                await asyncio.Event().wait()
+
+            stream.call.write = stuck
+            payload = [[PayloadTensors("item", [("pixel_values", torch.zeros(1024, 16))])]]
+            t0 = time.monotonic()
+            with pytest.raises(GroupDown, match="--step-timeout-seconds"):
+                await asyncio.wait_for(group.run_step(1, worker_pb2.StepControl(step_id=1), payload), 10)
+            assert time.monotonic() - t0 < 5
+        finally:
+            await group.close()
+            await rank.stop()
+
+    asyncio.run(body())

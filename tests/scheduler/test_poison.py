@@ -112,7 +112,7 @@ class CrashingGroup(Harness):
             and (poison.num_computed_tokens + scheduled[self.poison] >= self.at_token)
         ):
             self.crashes.append((plan.step_id, sorted(scheduled)))
-            for update in self.sched.recover():
+            for update in self.sched.recover(reason=f"rank 1 exited during step {plan.step_id}"):
                 self.failed[update.request_id] = update
             self.recoveries += 1
             self._new_ranks()
@@ -141,6 +141,8 @@ def test_the_poison_is_found_and_only_it_fails(at_token):
     update = h.failed["poison"]
     assert update.finished is FinishReason.ERROR and update.error_status is Status.INTERNAL
     assert "request poison crashed the worker group twice" in update.error
+    # the cause of the last loss is named (a step deadline on a slow link reads differently from a crash)
+    assert f"the group was lost: rank 1 exited during step {h.crashes[-1][0]}" in update.error
     # two failures batched, then the poison alone; each innocent one ran alone once in between (cleared)
     assert len(h.crashes) == 3
     assert h.crashes[0][1] == h.crashes[1][1] == sorted(names)
