@@ -33,23 +33,16 @@ def _marked(params, index) -> bool:
     return FAIL_SEED <= params.seed < FAIL_SEED + 100 and index >= params.seed - FAIL_SEED
 
 
-def failing_sample(real):
-    def sample(row, params, index):
-        if _marked(params, index):
-            raise RuntimeError(f"injected failure at output token {index}")
-        return real(row, params, index)
-
-    return sample
-
-
 def failing_batch(real):
-    """The step's batched draw raises when any of its rows is marked: the rank then samples each request alone
-    (``session.sample``, also failing for the marked ones), so only those fail."""
+    """A draw raises when any of its rows is marked: the step's batched draw fails, the rank then samples each
+    request alone (a batch of one, failing again for the marked ones), so only those fail."""
 
-    def sample_batch(logits, params, indices):
+    def sample_batch(logits, params, indices, *args, **kwargs):
         if any(_marked(p, i) for p, i in zip(params, indices, strict=True)):
+            if len(params) == 1:  # a request sampled alone
+                raise RuntimeError(f"injected failure at output token {indices[0]}")
             raise RuntimeError("injected failure of the batched draw")
-        return real(logits, params, indices)
+        return real(logits, params, indices, *args, **kwargs)
 
     return sample_batch
 
@@ -115,7 +108,6 @@ def counter(server, name, **labels):
 
 def test_a_request_that_fails_at_the_rank_fails_alone(service, tiny_model_dir, monkeypatch):
     server, rank, target = service
-    monkeypatch.setattr(session_module, "sample", failing_sample(session_module.sample))
     monkeypatch.setattr(session_module, "sample_batch", failing_batch(session_module.sample_batch))
     oracle = Oracle(tiny_model_dir)
     good_prompt, later_prompt = "Describe a quiet harbour at dawn.", "Name three colours of the sea."
