@@ -41,28 +41,15 @@ README_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("scheduler", "max_waiting", ""),
     ("worker", "kv_blocks", ""),
     ("worker", "kv_cache_memory_fraction", "vLLM's `gpu_memory_utilization` / `VLLM_CPU_KVCACHE_SPACE`"),
-    ("worker", "kv_cache_max_bytes", ""),
     ("worker", "payload_cache_bytes", ""),
     ("worker", "encoder_cache_tokens", ""),
-    (
-        "worker",
-        "cpu_linear",
-        "1.4–2.5× faster products at decode sizes; a `lm_head` tied to the embedding is kept twice",
-    ),
     ("scheduler", "max_images_per_request", ""),
     ("scheduler", "max_image_pixels", ""),
     ("scheduler", "max_upload_bytes", ""),
     ("scheduler", "max_request_bytes", ""),
     ("scheduler", "allowed_media_domains", 'the SSRF rules: [docs/SECURITY.md](docs/SECURITY.md), "Image URLs"'),
-    ("scheduler", "allowed_local_media_path", ""),
-    ("scheduler", "allowed_media_networks", ""),
-    ("scheduler", "group_deadline_seconds", ""),
-    ("scheduler", "drain_seconds", ""),
     ("scheduler", "http_port", '`serve-local` turns it on at 8000; see "Call it with any OpenAI client"'),
     ("scheduler", "served_model_name", ""),
-    ("scheduler", "kv_events_endpoint", "for prefix-aware pickers (docs/DEPLOYMENT.md §4)"),
-    ("scheduler", "kv_events_topic", ""),
-    ("scheduler", "kv_events_queue", ""),
 )
 
 
