@@ -16,7 +16,7 @@ import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 
-from common import settings
+from common import settings, tls_settings
 from common.settings import LOG_LEVELS, setting
 
 TRANSFER_MODES = ("full", "strip", "lazy")
@@ -32,7 +32,7 @@ DEFAULT_IMAGE_FORMATS = ["JPEG", "PNG", "WEBP", "GIF", "BMP"]
 PROMPT_BYTES_PER_TOKEN = 8
 # --help sections
 _LIMITS, _CACHES, _BATCHING = "model and request limits", "caches", "batching"
-_WIRE, _SERVICE, _SECURITY = "transfer to the ranks", "service", "security (docs/SECURITY.md; secrets are files)"
+_WIRE, _SERVICE, _SECURITY = "transfer to the ranks", "service", tls_settings.SECURITY
 _MEDIA = "image URLs (OpenAI API; docs/SECURITY.md)"
 PROG = "mmcast-scheduler"
 DESCRIPTION = "mmcast scheduler: serves mmcast.v1.GenerationService and drives one tensor-parallel worker group."
@@ -418,18 +418,12 @@ class SchedulerConfig:
     log_level: str = setting("info", "level of the JSON logs", choices=LOG_LEVELS, section=_SERVICE)
 
     # --- security (docs/SECURITY.md); secrets are file paths, as Kubernetes mounts Secrets --------------------------
-    tls_cert_file: str = setting(
-        "",
-        "PEM certificate (chain) of the client port; set with --tls-key-file to serve TLS; re-read when it changes",
-        section=_SECURITY,
-        metavar="PEM",
+    tls_cert_file: str = tls_settings.cert_file(
+        "PEM certificate (chain) of the client port; set with --tls-key-file to serve TLS; re-read when it changes"
     )
-    tls_key_file: str = setting("", "PEM private key of --tls-cert-file", section=_SECURITY, metavar="PEM")
-    tls_client_ca_file: str = setting(
-        "",
-        "PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs --tls-cert-file",
-        section=_SECURITY,
-        metavar="PEM",
+    tls_key_file: str = tls_settings.key_file()
+    tls_client_ca_file: str = tls_settings.client_ca_file(
+        "PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs --tls-cert-file"
     )
     auth_tokens_file: str = setting(
         "",
@@ -532,13 +526,8 @@ class SchedulerConfig:
 
     def _check_secret_files(self) -> None:
         """Pairs come together and named files exist; their contents are checked when the server starts."""
-        pairs = [("tls_cert_file", "tls_key_file"), ("worker_tls_cert_file", "worker_tls_key_file")]
-        for cert, key in pairs:
-            if bool(getattr(self, cert)) != bool(getattr(self, key)):
-                given, missing = (cert, key) if getattr(self, cert) else (key, cert)
-                raise ValueError(f"{given} is set but {missing} is not: a TLS certificate needs its private key")
-        if self.tls_client_ca_file and not self.tls_cert_file:
-            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file: mutual TLS is TLS first")
+        tls_settings.check_server_tls(self)
+        tls_settings.check_pair(self, prefix="worker_")
         for f in dataclasses.fields(self):
             if f.name.endswith("_file") and getattr(self, f.name) and not os.path.isfile(getattr(self, f.name)):
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r}: no such file ({settings.flag_of(f)})")

@@ -16,16 +16,20 @@ from mmcast.v1 import worker_pb2
 from scheduler_svc.request import SamplingParams
 from scheduler_svc.step_plan import NewRequestData, RunningRequestData
 
+# The fields each message takes unchanged from the attribute of the same name; the others are built below.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs", "return_logprobs")
+_COUNTS = ("num_computed_tokens", "num_scheduled_tokens")  # both request messages carry them
+_NEW_REQUEST_FIELDS = ("request_id", "prompt_token_ids", "block_ids", *_COUNTS, "num_output_tokens")
+_RUNNING_FIELDS = ("request_id", "new_token_ids", "new_block_ids", *_COUNTS)
+_STEP_FIELDS = ("step_id", "finished_request_ids", "evict_payload_ids", "evict_encoder_ids", "reset_caches")
+
+
+def _same_named(source, fields: tuple[str, ...]) -> dict:
+    return {name: getattr(source, name) for name in fields}
+
 
 def sampling_to_proto(sampling: SamplingParams) -> worker_pb2.WorkerSampling:
-    msg = worker_pb2.WorkerSampling(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        seed=sampling.seed,
-        logprobs=sampling.logprobs,
-        return_logprobs=sampling.return_logprobs,
-    )
+    msg = worker_pb2.WorkerSampling(**_same_named(sampling, _SAMPLING_FIELDS))
     if sampling.penalties.active:
         penalties.to_worker(sampling.penalties, msg)
     return msg
@@ -33,14 +37,9 @@ def sampling_to_proto(sampling: SamplingParams) -> worker_pb2.WorkerSampling:
 
 def new_request_to_proto(data: NewRequestData) -> worker_pb2.NewRequest:
     return worker_pb2.NewRequest(
-        request_id=data.request_id,
-        prompt_token_ids=data.prompt_token_ids,
+        **_same_named(data, _NEW_REQUEST_FIELDS),
         mm_items=[feature_to_proto(f) for f in data.mm_items],
         sampling=sampling_to_proto(data.sampling),
-        block_ids=data.block_ids,
-        num_computed_tokens=data.num_computed_tokens,
-        num_scheduled_tokens=data.num_scheduled_tokens,
-        num_output_tokens=data.num_output_tokens,
         live=None
         if data.live is None
         else worker_pb2.LiveContext(
@@ -52,29 +51,19 @@ def new_request_to_proto(data: NewRequestData) -> worker_pb2.NewRequest:
 
 
 def running_request_to_proto(data: RunningRequestData) -> worker_pb2.RunningRequest:
-    return worker_pb2.RunningRequest(
-        request_id=data.request_id,
-        new_token_ids=data.new_token_ids,
-        new_block_ids=data.new_block_ids,
-        num_computed_tokens=data.num_computed_tokens,
-        num_scheduled_tokens=data.num_scheduled_tokens,
-    )
+    return worker_pb2.RunningRequest(**_same_named(data, _RUNNING_FIELDS))
 
 
 def step_control(plan) -> worker_pb2.StepControl:
     """The control message of a ``StepPlan`` (identical for every rank)."""
     return worker_pb2.StepControl(
-        step_id=plan.step_id,
+        **_same_named(plan, _STEP_FIELDS),
         new_requests=[new_request_to_proto(n) for n in plan.new_requests],
         running=[running_request_to_proto(r) for r in plan.running],
-        finished_request_ids=plan.finished_request_ids,
         encoder_inputs=[
             worker_pb2.EncoderInput(item_identifier=i, owner_rank=owner or 0, replicated=owner is None)
             for i, owner in zip(plan.encoder_inputs, plan.encoder_owners, strict=True)
         ],
-        evict_payload_ids=plan.evict_payload_ids,
-        evict_encoder_ids=plan.evict_encoder_ids,
-        reset_caches=plan.reset_caches,
         token_masks=[worker_pb2.TokenMask(request_id=rid, allowed=mask) for rid, mask in plan.token_masks.items()],
     )
 

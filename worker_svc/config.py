@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
-from common import settings
+from common import settings, tls_settings
 from common.process import default_threads
 from common.settings import LOG_LEVELS, invalid, setting
 
@@ -24,7 +24,7 @@ _HOST = re.compile(r"^[A-Za-z0-9_.\-:]*$")
 _ADDR = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]*):\d{1,5}$")
 # --help sections
 _GROUP, _CACHES, _SERVICE = "model and group", "caches", "service"
-_SECURITY = "security (docs/SECURITY.md; secrets are files)"
+_SECURITY = tls_settings.SECURITY
 PROG = "mmcast-worker"
 DESCRIPTION = "One tensor-parallel rank of the mmcast worker group (gRPC WorkerService.Step)."
 
@@ -169,18 +169,12 @@ class WorkerConfig:
     log_level: str = setting("info", "level of the JSON logs", choices=LOG_LEVELS, section=_SERVICE)
 
     # --- security -----------------------------------------------------------------------------------------------
-    tls_cert_file: str = setting(
-        "",
-        "PEM certificate of the Step port (with --tls-key-file: TLS only); re-read when it changes",
-        section=_SECURITY,
-        metavar="PEM",
+    tls_cert_file: str = tls_settings.cert_file(
+        "PEM certificate of the Step port (with --tls-key-file: TLS only); re-read when it changes"
     )
-    tls_key_file: str = setting("", "PEM private key of --tls-cert-file", section=_SECURITY, metavar="PEM")
-    tls_client_ca_file: str = setting(
-        "",
-        "PEM CA bundle; the scheduler must present a certificate it signed (mutual TLS)",
-        section=_SECURITY,
-        metavar="PEM",
+    tls_key_file: str = tls_settings.key_file()
+    tls_client_ca_file: str = tls_settings.client_ca_file(
+        "PEM CA bundle; the scheduler must present a certificate it signed (mutual TLS)"
     )
     shared_token_file: str = setting(
         "",
@@ -233,11 +227,7 @@ class WorkerConfig:
 
     def _check_security(self) -> None:
         """Pairs come together and named files exist; their contents are checked when the server starts."""
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            given = "tls_cert_file" if self.tls_cert_file else "tls_key_file"
-            raise invalid(given, getattr(self, given), "set together with the other of --tls-cert-file/--tls-key-file")
-        if self.tls_client_ca_file and not self.tls_cert_file:
-            raise invalid("tls_client_ca_file", self.tls_client_ca_file, "used with --tls-cert-file and --tls-key-file")
+        tls_settings.check_server_tls(self)
         for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "shared_token_file"):
             if getattr(self, name) and not os.path.isfile(getattr(self, name)):
                 raise invalid(name, getattr(self, name), "an existing file")
