@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from common import settings
 from common.settings import LOG_LEVELS, setting
+from scheduler_svc.media_domains import normalize_domain
 
 TRANSFER_MODES = ("full", "strip", "lazy")
 PAYLOAD_ENCODINGS = ("encoded", "pixels")
@@ -509,9 +510,7 @@ class SchedulerConfig:
 
     def _check_media(self) -> None:
         """Host names and CIDRs parse and the local media directory exists, so a typo fails at start-up rather than
-        as every request's refusal. The rules themselves are scheduler_svc/media_urls.py's."""
-        from scheduler_svc.media_urls import normalize_domain
-
+        as every request's refusal. The rules themselves are scheduler_svc/media_domains.py's."""
         try:
             self.allowed_media_domains = [normalize_domain(str(d)) for d in self.allowed_media_domains]
         except ValueError as exc:

@@ -19,7 +19,7 @@ import dataclasses
 from common.errors import Status
 from common.ids import ItemId, RequestId
 from common.multimodal import MultiModalFeatureSpec
-from scheduler_svc.accounting import ItemAccounting, RequestUsage
+from scheduler_svc.accounting_events import ItemAccounting, RequestUsage
 from scheduler_svc.request import FinishReason, Request, SamplingParams
 
 
