@@ -555,11 +555,6 @@ class SchedulerConfig:
             )
         return configured
 
-    @classmethod
-    def help_texts(cls) -> dict[str, str]:
-        """Field name -> one-line help, for generated command lines."""
-        return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
-
 
 def build_parser() -> argparse.ArgumentParser:
     """``mmcast-scheduler``'s command line: a flag per ``SchedulerConfig`` field, ``--version``, ``--print-config``."""

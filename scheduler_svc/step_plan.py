@@ -112,11 +112,6 @@ class StepPlan:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
-    @property
-    def is_housekeeping(self) -> bool:
-        """True when the step computes nothing (only finishes, evictions or a cache reset to tell the ranks)."""
-        return not self.num_scheduled_tokens
-
     def totals(self) -> ItemAccounting:
         """Accounting summed over requests (what the metrics add)."""
         return ItemAccounting.total([*self.accounting.values(), self.released])
