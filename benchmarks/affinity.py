@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
     import sys
 
-    from benchmarks.run import RESULTS
+    from benchmarks.paths import RESULTS
     from benchmarks.scenarios import Images
     from common.tiny_model import ensure_tiny_model
 

@@ -133,8 +133,3 @@ class Client:
 
     async def close(self) -> None:
         await self._client.close()
-
-
-def run_sync(coro):
-    """One request or workload from synchronous code (each workload runs in its own event loop)."""
-    return asyncio.run(coro)

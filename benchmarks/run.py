@@ -29,12 +29,11 @@ from collections.abc import Callable
 from benchmarks import affinity, grammar_cost, http_overhead, new_images, plots, report, sched_steps, videos
 from benchmarks import floors as floors_mod
 from benchmarks.new_images import CANDIDATE, ImageSet
+from benchmarks.paths import RESULTS, ROOT
 from benchmarks.scenarios import Images, Record, Session, question, user
 from benchmarks.videos import Clips, VideoPlan
 from common.process import ensure_allocator_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
 PIXEL_PATH = ("--payload-encoding", "pixels", "--encoder-placement", "replicated")
 SEEDS = {"cached_floor": 1000, "duplicate": 5000, "conversation": 2000, "sliding_window": 3000, "warmup": 9000}
 

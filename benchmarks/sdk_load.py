@@ -43,11 +43,6 @@ def write_dataset(path: str, images, count: int, seed: int, size: tuple[int, int
     return entries
 
 
-def read_dataset(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _one(client, entry: dict, max_tokens: int) -> dict:
     messages = [
         {

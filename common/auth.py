@@ -158,10 +158,6 @@ class TokenTable:
             except TokenFileError as exc:
                 log.error("token file changed but cannot be used; keeping the previous tokens: %s", exc)
 
-    @property
-    def tenants(self) -> set[str]:
-        return set(self._table.values())
-
     def tenant(self, token: str) -> str | None:
         self._maybe_reload()
         digest, found = _digest(token), None

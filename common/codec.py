@@ -235,31 +235,3 @@ def payload_frames(
 ) -> list[bytes]:
     """All frames of ``iter_payload_frames`` at once."""
     return list(iter_payload_frames(item_identifier, field_name, tensor, chunk_size=chunk_size))
-
-
-def payload_frames_size(item_identifier: str, field_name: str, tensor: torch.Tensor, *, chunk_size: int) -> int:
-    """Bytes ``iter_payload_frames`` would produce, computed without touching the tensor's data."""
-    from mmcast.v1 import worker_pb2
-
-    byte_size = tensor.numel() * tensor.element_size()
-    header = tensor_pb2.TensorHeader(dtype=dtype_to_proto(tensor.dtype), shape=list(tensor.shape), byte_size=byte_size)
-    if byte_size == 0:
-        head = worker_pb2.PayloadFrame(item_identifier=item_identifier, field_name=field_name, header=header)
-        return worker_pb2.StepRequest(payload=head).ByteSize()
-    header.chunk_size = chunk_size
-    header.num_chunks = math.ceil(byte_size / chunk_size)
-    total = 0
-    for index in range(header.num_chunks):
-        size = min(chunk_size, byte_size - index * chunk_size)
-        head = worker_pb2.PayloadFrame(item_identifier=item_identifier, field_name=field_name)
-        if index == 0:
-            head.header.CopyFrom(header)
-        chunk = tensor_pb2.TensorChunk(index=index)
-        body = head.ByteSize() + _field_size(chunk.ByteSize() + _field_size(size))
-        total += _field_size(body)
-    return total
-
-
-def _field_size(payload_len: int) -> int:
-    """Bytes of a length-delimited field (one-byte key) holding ``payload_len`` bytes."""
-    return 1 + len(_varint(payload_len)) + payload_len

@@ -17,7 +17,7 @@ The rule is ``transformers`` 5.24's ``get_rope_index`` (the oracle of docs/ARCHI
 - videos: the temporal step is ``interval = tokens_per_second * second_per_grid_t`` (Qwen2.5-VL; 1 when the item
   has no ``second_per_grid_ts``), quantised as ``(arange(t) * interval).long()`` in the field's float dtype, as
   transformers does. Qwen2-VL ignores ``second_per_grid_ts`` and steps by 1: pass ``tokens_per_second=None``
-  (``rope_index_kwargs`` does; its processor never emits the field, so the default 1.0 gives the same).
+  (the family's ``rope_kwargs`` does; its processor never emits the field, so the default 1.0 gives the same).
   The text after a video resumes at ``start + max(h, w)`` — transformers 5.x advances by the spatial extent only.
   The original Qwen code (Qwen2-VL / Qwen2.5-VL repos, vLLM) resumes at the block's largest position + 1, i.e.
   ``start + max(floor((t - 1) * interval) + 1, h, w)``, so the two differ whenever a video's temporal span
@@ -205,11 +205,3 @@ def mrope_positions_for_window(positions: torch.Tensor, start: int, end: int, de
     if start >= n:
         return tail
     return torch.cat([positions[:, start:], tail], dim=1)
-
-
-def rope_index_kwargs(config: Any) -> dict[str, Any]:
-    """``spatial_merge_size`` and ``tokens_per_second`` of ``mrope_positions`` for an M-RoPE family's config (the
-    family's own rule, ``common/families/``)."""
-    from common.families import family_of
-
-    return family_of(config).rope_kwargs(config)

@@ -31,19 +31,6 @@ TEMPLATE_FILES = (
 )
 
 
-def image_only(processor_class):
-    """`processor_class` without a video processor, which transformers cannot build without torchvision.
-
-    Same name as the parent, so anything it saves still names the real class.
-    """
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        # ProcessorMixin takes its sub-processor list from this signature, so `video_processor` is not required.
-        processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-    return type(processor_class.__name__, (processor_class,), {"__init__": __init__, "video_processor": None})
-
-
 def _from_pretrained(model_dir: Path):
     from transformers import AutoConfig, AutoProcessor
     from transformers.utils import is_torchvision_available

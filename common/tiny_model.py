@@ -506,7 +506,7 @@ def build_processor(variant: str = "qwen2_vl", tokenizer=None):
     _check_variant(variant)
     from transformers import Qwen2VLImageProcessorPil
 
-    from common.processor import image_only
+    from common.families.base import image_only
 
     tokenizer = build_tokenizer() if tokenizer is None else tokenizer
     if variant == "llava":

@@ -122,8 +122,3 @@ def synthetic_jpeg(seed: int, size: tuple[int, int] = DEFAULT_SIZE, quality: int
     buffer = io.BytesIO()
     synthetic_scene(seed, size).save(buffer, format="JPEG", quality=quality, optimize=False)
     return buffer.getvalue()
-
-
-def synthetic_jpegs(count: int, *, seed: int = 0, size: tuple[int, int] = DEFAULT_SIZE) -> list[bytes]:
-    """`count` distinct scenes: scene i uses seed `seed * 100003 + i`."""
-    return [synthetic_jpeg(seed * 100003 + i, size) for i in range(count)]

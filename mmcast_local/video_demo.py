@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from mmcast_local.demo import Progress, human_bytes
+from mmcast_local.progress import Progress, human_bytes
 
 AGENT_QUESTIONS = (
     "What happens in this video?",

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from common import settings, tls_settings
 from common.settings import LOG_LEVELS, setting
+from scheduler_svc.media_domains import normalize_domain
 
 TRANSFER_MODES = ("full", "strip", "lazy")
 PAYLOAD_ENCODINGS = ("encoded", "pixels")
@@ -503,9 +504,7 @@ class SchedulerConfig:
 
     def _check_media(self) -> None:
         """Host names and CIDRs parse and the local media directory exists, so a typo fails at start-up rather than
-        as every request's refusal. The rules themselves are scheduler_svc/media_urls.py's."""
-        from scheduler_svc.media_urls import normalize_domain
-
+        as every request's refusal. The rules themselves are scheduler_svc/media_domains.py's."""
         try:
             self.allowed_media_domains = [normalize_domain(str(d)) for d in self.allowed_media_domains]
         except ValueError as exc:
@@ -544,11 +543,6 @@ class SchedulerConfig:
                 f"{name}={configured} exceeds what the ranks reported ({from_ranks}); lower --{name.replace('_', '-')}"
             )
         return configured
-
-    @classmethod
-    def help_texts(cls) -> dict[str, str]:
-        """Field name -> one-line help, for generated command lines."""
-        return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from common import tracing
 from common.errors import REQUEST_RESOURCE, MmcastError, Resource, Status, Unavailable
 from common.ids import ItemId, RequestId
-from scheduler_svc.accounting import Disposition
+from scheduler_svc.accounting_events import Disposition
 from scheduler_svc.inputs import GroupBudget, Sample, StepOutcome
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.plan_proto import step_control

@@ -277,7 +277,3 @@ class LiveSessions:
             if not free:
                 session.holder = None
             self.close(key)
-
-    @property
-    def held_blocks(self) -> int:
-        return sum(len(s.blocks) for s in self.sessions.values())

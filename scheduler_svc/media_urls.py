@@ -38,6 +38,7 @@ from urllib.parse import unquote, urlsplit
 import httpx
 
 from common.errors import InvalidArgument, ResourceExhausted
+from scheduler_svc.media_domains import normalize_domain
 
 if TYPE_CHECKING:
     from scheduler_svc.config import SchedulerConfig
@@ -58,33 +59,11 @@ THREAD_DECODE_CHARS = 1 << 20
 _SHOWN_CHARS = 100  # characters of a URL quoted in an error: enough to recognise it, never a whole data: URL
 _READ_CHUNK = 1 << 16  # bytes read from a local file at a time
 _MAX_DATA_HEADER = 1024  # characters of a data: URL's media type and parameters, where its ',' is looked for
-_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 _CGNAT = ipaddress.IPv4Network("100.64.0.0/10")  # carrier-grade NAT (RFC 6598): not global, but not "private" either
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # well-known NAT64 prefix: the last 32 bits are an IPv4 address
 
 
 # --- host names and addresses -------------------------------------------------------------------------------------
-def normalize_domain(entry: str) -> str:
-    """An ``--allowed-media-domains`` entry in the form hosts are compared in: lower case, no trailing dot, an IP
-    literal in its compressed form (brackets dropped), ``*.suffix`` kept. Raises ValueError naming the entry."""
-    text = entry.strip().lower().rstrip(".")
-    literal = text[1:-1] if text.startswith("[") and text.endswith("]") else text
-    try:
-        return str(ipaddress.ip_address(literal))
-    except ValueError:
-        pass
-    name = text[2:] if text.startswith("*.") else text
-    if not name.isascii():
-        raise ValueError(f"{entry!r} is not ASCII: write an internationalized name in its xn-- (IDNA) form")
-    labels = name.split(".")
-    if not all(_LABEL.match(label) for label in labels) or (text.startswith("*.") and len(labels) < 2):
-        raise ValueError(
-            f"{entry!r} is not a host name, an IP address or '*.' and a domain of two labels or more "
-            "(such as media.example.com or *.example.com)"
-        )
-    return text
-
-
 def host_of(url: httpx.URL) -> str:
     """The URL's host as allow-list entries are written: IDNA (xn--) form, lower case, no trailing dot."""
     return normalize_domain(url.raw_host.decode("ascii")) if url.raw_host else ""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import json
 import logging
 import time
 import uuid
@@ -42,9 +41,13 @@ from scheduler_svc import (
     request_parsing,
     tool_calls,
 )
-from scheduler_svc.completion import MAX_TOKENS_FIELD, Chunk, Completion, CompletionRequest, Completions
+from scheduler_svc.completion import MAX_TOKENS_FIELD, Completion, CompletionRequest, Completions
 from scheduler_svc.http_server import HTTP_ROUTES
+from scheduler_svc.openai_choices import Choices
+from scheduler_svc.openai_completions import TextCompletions
 from scheduler_svc.openai_errors import HttpError
+from scheduler_svc.openai_responses import Responses
+from scheduler_svc.openai_sse import SSE_HEADERS, ClientGone, joined_chunks, sse_event
 from scheduler_svc.request_parsing import ImageContent, TextContent, Turn, VideoContent
 
 log = logging.getLogger(__name__)
@@ -73,11 +76,6 @@ _SCHEMA_FIELDS = {
     )
     for name in model.model_fields
 }
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class _ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
 
 
 def _param(loc: tuple) -> str:
@@ -204,9 +202,6 @@ class OpenAIApi:
         max_body_bytes: int,
         metrics_registry=None,
     ) -> None:
-        from scheduler_svc.openai_completions import TextCompletions
-        from scheduler_svc.openai_responses import Responses
-
         self.completions = completions
         self.frontend = completions.frontend
         self.config = completions.config
@@ -293,8 +288,6 @@ class OpenAIApi:
                         code="unsupported",
                     )
                 if body.n > 1:
-                    from scheduler_svc.openai_choices import Choices  # it builds on this module's translation
-
                     choices = Choices(self, call, body, req)
                     first = await self._until_disconnect(request, choices.admit())
                 else:
@@ -309,7 +302,7 @@ class OpenAIApi:
                 extra={"request_id": call.client_id if call else "", "code": err.status.value},
             )
             return self._error(self._http_error(err, call))
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         except Exception:
             return self._internal(call)
@@ -361,7 +354,7 @@ class OpenAIApi:
                     )
                 parts.append(chunk)
         except ClientDisconnect:
-            raise _ClientGone() from None
+            raise ClientGone() from None
         data = b"".join(parts)
         parts.clear()
         if not data:
@@ -617,7 +610,7 @@ class OpenAIApi:
 
         try:
             chunks = await self._until_disconnect(request, collect())
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         except MmcastError as err:  # failed before its first token
             return self._error(self._http_error(err, call))
@@ -639,7 +632,7 @@ class OpenAIApi:
             choice["message"], choice["finish_reason"] = tool_calls.whole_answer(
                 text, choice["finish_reason"], self.tool_format
             )
-        choice["logprobs"] = self._chat_logprobs(_joined(chunks)) if logprobs else None
+        choice["logprobs"] = self._chat_logprobs(joined_chunks(chunks)) if logprobs else None
         out = {**self._envelope(call), "choices": [choice], "usage": self._usage(completion)}
         return JSONResponse(out, headers=self._headers(call, completion))
 
@@ -647,7 +640,7 @@ class OpenAIApi:
         chunks = completion.chunks()
         try:  # the first chunk before the response starts: a request that fails now gets a plain HTTP error
             first = await self._until_disconnect(request, anext(chunks, None))
-        except _ClientGone:
+        except ClientGone:
             await chunks.aclose()
             return Response(status_code=499)
         except MmcastError as err:
@@ -673,7 +666,7 @@ class OpenAIApi:
         calls = tool_calls.CallStream(self.tool_format) if call.tools is not None else None
 
         def event(choice: dict) -> bytes:
-            return _sse({**envelope, "choices": [choice], **usage_field})
+            return sse_event({**envelope, "choices": [choice], **usage_field})
 
         try:
             yield event(
@@ -699,7 +692,7 @@ class OpenAIApi:
             err = self._ended_badly(completion)
             if err is not None:
                 e = self._http_error(err, call)
-                yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+                yield sse_event({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
             else:
                 result = completion.result
                 finish = _FINISH[result.finish_reason]
@@ -718,11 +711,11 @@ class OpenAIApi:
                 }
                 yield event(last)
                 if include_usage:
-                    yield _sse({**envelope, "choices": [], "usage": self._usage(completion)})
+                    yield sse_event({**envelope, "choices": [], "usage": self._usage(completion)})
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # a server bug mid-stream: the stream still ends in OpenAI's shape, naming the id
             e = self._http_error(exc, call) if isinstance(exc, MmcastError) else self._internal_error(call)
-            yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+            yield sse_event({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
             yield b"data: [DONE]\n\n"
         finally:
             await chunks.aclose()
@@ -762,7 +755,7 @@ class OpenAIApi:
 
     @staticmethod
     async def _until_disconnect(request: Request, awaitable):
-        """``awaitable``'s result, or ``_ClientGone`` (with the awaitable cancelled) if the client disconnects
+        """``awaitable``'s result, or ``ClientGone`` (with the awaitable cancelled) if the client disconnects
         first: a client that leaves while its request waits for the model cancels it."""
         work = asyncio.ensure_future(awaitable)
 
@@ -781,7 +774,7 @@ class OpenAIApi:
                 await work
             except (asyncio.CancelledError, Exception):
                 pass
-            raise _ClientGone()
+            raise ClientGone()
         return work.result()
 
     def _http_error(self, err: MmcastError, call: _Call | None) -> HttpError:
@@ -844,12 +837,3 @@ class OpenAIApi:
         return self._error(
             HttpError(405, f"{request.method} is not allowed on {request.url.path[:200]}", code="method_not_allowed")
         )
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _joined(chunks: list) -> Chunk:
-    """All chunks' tokens and log-probabilities as one chunk."""
-    return Chunk([t for c in chunks for t in c.token_ids], "", [lp for c in chunks for lp in c.logprobs])

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import MmcastError
 from scheduler_svc.completion import Completion, CompletionRequest
-from scheduler_svc.openai_api import SSE_HEADERS, _ClientGone, _joined, _sse
+from scheduler_svc.openai_sse import SSE_HEADERS, ClientGone, joined_chunks, sse_event
 
 _DONE = object()  # a choice's chunks are exhausted
 
@@ -121,7 +121,7 @@ class Choices:
         choice: dict = {"index": index, **finish}
         logprobs = completion.sampling.return_logprobs
         choice["message"] = {"role": "assistant", "content": text}
-        choice["logprobs"] = api._chat_logprobs(_joined(chunks)) if logprobs else None
+        choice["logprobs"] = api._chat_logprobs(joined_chunks(chunks)) if logprobs else None
         return choice
 
     async def whole(self, request: Request, first) -> Response:
@@ -135,7 +135,7 @@ class Choices:
 
         try:
             await api._until_disconnect(request, collect())
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         except MmcastError as err:
             return api._error(api._http_error(err, call))
@@ -162,7 +162,7 @@ class Choices:
         usage_field = {"usage": None} if include_usage else {}
 
         def event(choice: dict) -> bytes:
-            return _sse({**envelope, "choices": [choice], **usage_field})
+            return sse_event({**envelope, "choices": [choice], **usage_field})
 
         try:
             for i in range(len(self.completions)):
@@ -183,13 +183,13 @@ class Choices:
                     lp = api._chat_logprobs(chunk) if logprobs else None
                     yield event({"index": i, "delta": {"content": chunk.text}, "logprobs": lp, "finish_reason": None})
             if include_usage:
-                yield _sse({**envelope, "choices": [], "usage": usage(self.completions)})
+                yield sse_event({**envelope, "choices": [], "usage": usage(self.completions)})
         except MmcastError as exc:
             e = api._http_error(exc, call)
-            yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+            yield sse_event({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
         except Exception:  # a server bug mid-stream: the stream still ends in OpenAI's shape, naming the id
             e = api._internal_error(call)
-            yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+            yield sse_event({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
         yield b"data: [DONE]\n\n"
 
 

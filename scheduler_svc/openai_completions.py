@@ -25,9 +25,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from common.errors import MmcastError
 from scheduler_svc import grammar_requests, prompt_lists, request_parsing
 from scheduler_svc.completion import Completion, CompletionRequest
-from scheduler_svc.openai_api import SSE_HEADERS, _ClientGone, _sse
 from scheduler_svc.openai_choices import follower_request
 from scheduler_svc.openai_errors import HttpError
+from scheduler_svc.openai_sse import SSE_HEADERS, ClientGone, sse_event
 
 _FINISH = {"stop": "stop", "length": "length"}
 
@@ -195,7 +195,7 @@ class TextCompletions:
 
         try:
             results = await api._until_disconnect(request, _all_or_none([collect(c) for c in chosen]))
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         except MmcastError as err:  # failed before its first token
             return api._error(api._http_error(err, call))
@@ -228,7 +228,7 @@ class TextCompletions:
         except BaseException as exc:
             for s in streams:
                 await s.aclose()
-            if isinstance(exc, _ClientGone):
+            if isinstance(exc, ClientGone):
                 return Response(status_code=499)
             if isinstance(exc, MmcastError):
                 return api._error(api._http_error(exc, call))
@@ -260,7 +260,7 @@ class TextCompletions:
             await queue.put((i, None))
 
         def event(choice: dict) -> bytes:
-            return _sse({**envelope, "choices": [choice], **usage_field})
+            return sse_event({**envelope, "choices": [choice], **usage_field})
 
         tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
         offsets, first_written, open_streams = [0] * len(streams), False, len(streams)
@@ -293,12 +293,12 @@ class TextCompletions:
                 offsets[i] += len(chunk.text)
             done = [c.completion.result for c in choices]
             if include_usage and all(r is not None and r.error is None for r in done):
-                yield _sse({**envelope, "choices": [], "usage": self._usage(choices)})
+                yield sse_event({**envelope, "choices": [], "usage": self._usage(choices)})
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # a server bug mid-stream: the stream still ends in OpenAI's shape, naming the id
             api = self.api
             e = api._http_error(exc, call) if isinstance(exc, MmcastError) else api._internal_error(call)
-            yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+            yield sse_event({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
             yield b"data: [DONE]\n\n"
         finally:
             for task in tasks:
@@ -312,7 +312,7 @@ class TextCompletions:
         err = api._ended_badly(completion)
         if err is not None:
             e = api._http_error(err, call)
-            return _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+            return sse_event({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
         result = completion.result
         return event(
             {

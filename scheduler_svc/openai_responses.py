@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from common.errors import MmcastError
 from scheduler_svc import openai_schema, request_parsing, response_store
 from scheduler_svc.completion import MAX_TOKENS_FIELD, Completion, CompletionRequest
-from scheduler_svc.openai_api import SSE_HEADERS, _ClientGone
 from scheduler_svc.openai_errors import HttpError
+from scheduler_svc.openai_sse import SSE_HEADERS, ClientGone
 from scheduler_svc.request_parsing import TextContent, Turn
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -76,7 +76,7 @@ class Responses:
             return api._error(err)
         except MmcastError as err:
             return api._error(api._http_error(err, call))
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         except Exception:
             return api._internal(call)
@@ -148,7 +148,7 @@ class Responses:
 
         try:
             chunks = await api._until_disconnect(request, collect())
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         except MmcastError as err:
             return api._error(api._http_error(err, answer.call))
@@ -173,7 +173,7 @@ class Responses:
             first = await api._until_disconnect(request, anext(chunks, None))
         except Exception as exc:
             await chunks.aclose()
-            if isinstance(exc, _ClientGone):
+            if isinstance(exc, ClientGone):
                 return Response(status_code=499)
             if isinstance(exc, MmcastError):
                 return api._error(api._http_error(exc, answer.call))

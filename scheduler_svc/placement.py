@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from common.errors import MmcastError
 from common.ids import ItemId
 from common.multimodal import MultiModalFeatureSpec
-from scheduler_svc.accounting import Delivery, Disposition, TransferAccounting
-from scheduler_svc.cache_mirrors import BudgetedLRU, GroupMirrors
+from scheduler_svc.cache_mirrors import BudgetedLRU
 from scheduler_svc.step_plan import payload_nbytes
-
-if TYPE_CHECKING:
-    from scheduler_svc.request import Request
-    from scheduler_svc.windows import Window
 
 
 @dataclasses.dataclass
@@ -116,28 +110,3 @@ def owner_holding(mirrors: Sequence[BudgetedLRU], key: ItemId) -> int:
     raise MmcastError(
         f"internal: no rank holds the payload of item {key[:16]} (sharded full/strip pins it on its owner at admission)"
     )
-
-
-def commit_owner(
-    mirrors: GroupMirrors,
-    book: TransferAccounting,
-    request: Request,
-    i: int,
-    window: Window,
-    due: int | None,
-    lazy: bool,
-) -> int:
-    """sharded: the owner of the window's encode index ``i``, its held payload pinned for the step; settles a lazy
-    due of ``due`` bytes per rank in ``book`` (the owner held it: rank_cached, else sent when queued; the other
-    ranks: encoder_shared)."""
-    key, rid = request.mm_features[i].identifier, request.request_id
-    if not lazy:
-        return owner_holding(mirrors.payloads, key)  # chosen, sent and settled at admission
-    rank = window.owners[i]
-    if key in mirrors.payloads[rank]:
-        mirrors.pin_for_step(rank, key)
-        if due is not None:
-            book.record(Delivery(rid, key, rank, Disposition.RANK_CACHED, due))
-    if due is not None:
-        book.record_ranks(rid, key, Disposition.ENCODER_SHARED, due, but=rank)
-    return rank

@@ -1,17 +1,14 @@
-"""Step plan -> protobuf: the one ``StepControl`` every rank receives, and the payload frames of an item.
+"""Step plan -> protobuf: the one ``StepControl`` every rank receives.
 
-The control is built once per step; the service serializes it once and writes the same bytes to each rank.
-Payload frames of an item are built once per step (``item_payload_frames``) and written to every rank whose
-``StepPlan.rank_payloads`` lists the item.
+The control is built once per step; the service serializes it once and writes the same bytes to each rank. The
+payload frames of an item are built once per step too, by the rank streams (``rank_streams.py``), and written to
+every rank whose ``StepPlan.rank_payloads`` lists the item.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-from common import codec, penalties
+from common import penalties
 from common.item_proto import feature_to_proto
-from common.multimodal import MultiModalFeatureSpec
 from mmcast.v1 import worker_pb2
 from scheduler_svc.request import SamplingParams
 from scheduler_svc.step_plan import NewRequestData, RunningRequestData
@@ -66,19 +63,3 @@ def step_control(plan) -> worker_pb2.StepControl:
         ],
         token_masks=[worker_pb2.TokenMask(request_id=rid, allowed=mask) for rid, mask in plan.token_masks.items()],
     )
-
-
-def iter_item_payload_frames(
-    feature: MultiModalFeatureSpec, chunk_size: int = codec.DEFAULT_CHUNK_SIZE
-) -> Iterator[bytes]:
-    """Serialized ``StepRequest``s carrying every payload (non keep_on_cpu) field of an item, in field order,
-    one chunk-sized frame at a time. Write each frame to every rank whose ``rank_payloads`` lists the item."""
-    if feature.data is None:
-        raise ValueError(f"item {feature.identifier[:16]} has no data; the scheduler's copy must keep its payload")
-    for name, elem in feature.data.payload_fields().items():
-        yield from codec.iter_payload_frames(feature.identifier, name, elem.data, chunk_size=chunk_size)
-
-
-def item_payload_frames(feature: MultiModalFeatureSpec, chunk_size: int = codec.DEFAULT_CHUNK_SIZE) -> list[bytes]:
-    """All frames of ``iter_item_payload_frames`` at once."""
-    return list(iter_item_payload_frames(feature, chunk_size))

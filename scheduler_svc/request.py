@@ -15,7 +15,7 @@ from common import penalties
 from common.errors import InvalidArgument
 from common.ids import BlockHash, RequestId
 from common.multimodal import MultiModalFeatureSpec
-from scheduler_svc.accounting import RequestUsage
+from scheduler_svc.accounting_events import RequestUsage
 from scheduler_svc.admission import check_max_tokens_fits
 
 

@@ -12,7 +12,7 @@ import time
 
 from common.errors import MmcastError
 from common.ids import RequestId
-from scheduler_svc.accounting import RequestUsage
+from scheduler_svc.accounting_events import RequestUsage
 from scheduler_svc.stage_timing import RequestStages
 
 

@@ -19,7 +19,7 @@ import dataclasses
 from common.errors import Status
 from common.ids import ItemId, RequestId
 from common.multimodal import MultiModalFeatureSpec
-from scheduler_svc.accounting import ItemAccounting, RequestUsage
+from scheduler_svc.accounting_events import ItemAccounting, RequestUsage
 from scheduler_svc.request import FinishReason, Request, SamplingParams
 
 
@@ -111,11 +111,6 @@ class StepPlan:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def is_housekeeping(self) -> bool:
-        """True when the step computes nothing (only finishes, evictions or a cache reset to tell the ranks)."""
-        return not self.num_scheduled_tokens
 
     def totals(self) -> ItemAccounting:
         """Accounting summed over requests (what the metrics add)."""

@@ -31,7 +31,8 @@ from common.errors import MmcastError
 from common.ids import ItemId, RequestId
 from common.multimodal import MultiModalFeatureSpec, PayloadState, strip_covered_mm_data
 from scheduler_svc import placement, windows
-from scheduler_svc.accounting import Delivery, Disposition, EncoderRun, TransferAccounting
+from scheduler_svc.accounting import TransferAccounting
+from scheduler_svc.accounting_events import Delivery, Disposition, EncoderRun
 from scheduler_svc.cache_mirrors import GroupMirrors
 from scheduler_svc.config import ENCODER_PLACEMENTS, TRANSFER_MODES
 from scheduler_svc.request import Request
@@ -223,7 +224,7 @@ class TransferDecider:
             key = features[i].identifier
             due = self.book.settle(rid, key) if lazy else None  # settled per rank: held here, else sent below
             if self.sharded:
-                owners[i] = placement.commit_owner(self.mirrors, self.book, request, i, window, due, lazy)
+                owners[i] = self._commit_owner(request, i, window, due, lazy)
                 continue  # one owner: its payload is handled there, the other ranks get its output
             for rank, mirror in enumerate(self.mirrors.payloads):
                 if not lazy:
@@ -260,6 +261,22 @@ class TransferDecider:
         reached = window.encode + window.reuse
         if reached:
             request.pin_end = max(request.pin_end, max(reached) + 1)
+
+    def _commit_owner(self, request: Request, i: int, window: Window, due: int | None, lazy: bool) -> int:
+        """sharded: the owner of the window's encode index ``i``, its held payload pinned for the step; settles a
+        lazy due of ``due`` bytes per rank (the owner held it: rank_cached, else sent when queued; the other ranks:
+        encoder_shared)."""
+        key, rid = request.mm_features[i].identifier, request.request_id
+        if not lazy:
+            return placement.owner_holding(self.mirrors.payloads, key)  # chosen, sent and settled at admission
+        rank = window.owners[i]
+        if key in self.mirrors.payloads[rank]:
+            self.mirrors.pin_for_step(rank, key)
+            if due is not None:
+                self.book.record(Delivery(rid, key, rank, Disposition.RANK_CACHED, due))
+        if due is not None:
+            self.book.record_ranks(rid, key, Disposition.ENCODER_SHARED, due, but=rank)
+        return rank
 
     # --- progress and release ----------------------------------------------------------------------------------
     def advance(self, request: Request) -> None:

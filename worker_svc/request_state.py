@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from common import item_proto, penalties
-from common.ids import ItemId, RequestId
+from common.ids import RequestId
 from common.mrope import mrope_positions, mrope_positions_for_window
 from common.multimodal import MultiModalFeatureSpec
 from mmcast.v1 import multimodal_pb2, worker_pb2
@@ -265,7 +265,3 @@ def _check_live(msg: worker_pb2.NewRequest, n: int, computed: int, capacity: int
                 f"{computed} retained tokens, from inside the block table ({capacity} rows)",
                 rid,
             )
-
-
-def item_ids(state: RequestState) -> list[ItemId]:
-    return [f.identifier for f in state.features]

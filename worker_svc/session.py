@@ -120,11 +120,6 @@ class Session:
         except FrameError as exc:
             raise StepError(code.BAD_TENSOR, str(exc), item_identifier=frame.item_identifier) from None
 
-    def step(self, control: worker_pb2.StepControl) -> StepOutcome:
-        checked = self.check(control)
-        self.commit(checked)
-        return self.execute(checked)
-
     def clear(self) -> None:
         """Drops every request and cache entry of this stream."""
         self.requests.clear()

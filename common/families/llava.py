@@ -22,7 +22,7 @@
 
 from __future__ import annotations
 
-from common.families import Family, config_get
+from common.families.base import Family, config_get
 
 
 class LlavaFamily(Family):

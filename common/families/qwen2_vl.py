@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.families import Family, config_get
+from common.families.base import Family, config_get
 
 
 class Qwen2VLFamily(Family):

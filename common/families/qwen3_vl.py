@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.families import config_get
+from common.families.base import config_get
 from common.families.qwen2_vl import Qwen2VLFamily
 
 _DECODER = "model.language_model.layers.*."

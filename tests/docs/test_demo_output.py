@@ -25,7 +25,8 @@ def test_the_shapes_match_what_the_demo_prints():
     """The patterns follow mmcast_local/demo.py's own formatting (a row made by format_row, the header it prints)."""
     from types import SimpleNamespace
 
-    from mmcast_local.demo import HEADER, format_row, human_bytes
+    from mmcast_local.demo import HEADER, format_row
+    from mmcast_local.progress import human_bytes
 
     usage = SimpleNamespace(
         images=3,

@@ -311,7 +311,7 @@ def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_di
     from common.item_proto import feature_from_proto
     from mmcast.v1 import worker_pb2
     from scheduler_svc.inputs import GroupBudget
-    from scheduler_svc.plan_proto import item_payload_frames, step_control
+    from scheduler_svc.plan_proto import step_control
     from scheduler_svc.request import Request, SamplingParams
     from scheduler_svc.scheduler import Scheduler
 
@@ -327,7 +327,9 @@ def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_di
     assert [e.item_identifier for e in control.encoder_inputs] == [f.identifier for f in prompt.mm_features[:2]]
     assert [s.identifier for s in plan.rank_payloads[1]] == [f.identifier for f in prompt.mm_features[:2]]
     for send in plan.rank_payloads[0]:
-        frames = [worker_pb2.StepRequest.FromString(b).payload for b in item_payload_frames(send.feature, 4096)]
+        (field,) = send.feature.data.payload_fields().items()  # what the rank streams write: pixel_values alone
+        raw = codec.payload_frames(send.identifier, field[0], field[1].data, chunk_size=4096)
+        frames = [worker_pb2.StepRequest.FromString(b).payload for b in raw]
         assembler = codec.TensorAssembler(frames[0].header, max_bytes=1 << 30, name="pixel_values")
         for frame in frames:
             assembler.add_chunk(frame.chunk.index, frame.chunk.data)

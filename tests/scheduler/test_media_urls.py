@@ -26,7 +26,8 @@ from PIL import Image
 
 from common.errors import InvalidArgument, ResourceExhausted
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.media_urls import MediaLoader, MediaPolicy, address_refusal, domain_allowed, normalize_domain
+from scheduler_svc.media_domains import normalize_domain
+from scheduler_svc.media_urls import MediaLoader, MediaPolicy, address_refusal, domain_allowed
 from tests.support.pki import make_pki
 
 FIELD = "messages[0].content[1].image_url.url"

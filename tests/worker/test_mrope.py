@@ -16,11 +16,11 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 
+from common.families import family_of
 from common.mrope import (
     decode_positions,
     mrope_positions,
     mrope_positions_for_window,
-    rope_index_kwargs,
     uses_mrope,
 )
 from common.multimodal import (
@@ -182,6 +182,11 @@ def hf_rope_index(model, ids: list[int], features, token_types: torch.Tensor | N
 
 
 _GRID_NAMES = {Modality.IMAGE: "image_grid_thw", Modality.VIDEO: "video_grid_thw"}
+
+
+def rope_index_kwargs(config) -> dict:
+    """What the rank passes ``mrope_positions`` besides the prompt: its family's rule (``Family.rope_kwargs``)."""
+    return family_of(config).rope_kwargs(config)
 
 
 def ours(model, ids, features):
