@@ -59,17 +59,6 @@ def oracle(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def api(group):
-    with openai.OpenAI(base_url=group.openai_base_url, api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model_name(api):
-    return api.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     from common.processor import load_processor
 

@@ -33,17 +33,6 @@ def oracle(tiny_model_dir):
     return Oracle(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def api(group):
-    with openai.OpenAI(base_url=group.openai_base_url, api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model_name(api):
-    return api.models.list().data[0].id
-
-
 def ids_of(oracle, prompt: str) -> list[int]:
     return oracle.processor.tokenizer(prompt)["input_ids"]
 

@@ -18,17 +18,6 @@ URL = "data:image/png;base64," + base64.b64encode(IMG).decode()
 GREEDY = dict(temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def api(serve_local_tp2):
-    with openai.OpenAI(base_url=serve_local_tp2.openai_base_url, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model_name(api):
-    return api.models.list().data[0].id
-
-
 def chat(api, model_name, messages, n=6):
     out = api.chat.completions.create(model=model_name, messages=messages, max_tokens=n, **GREEDY)
     return out.choices[0].message.content, out.usage.prompt_tokens

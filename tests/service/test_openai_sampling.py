@@ -21,17 +21,6 @@ REPEATING = "a a a a a a a a"  # the tiny model's greedy answer repeats itself h
 
 
 @pytest.fixture(scope="module")
-def api(serve_local_tp2):
-    with openai.OpenAI(base_url=serve_local_tp2.openai_base_url, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model_name(api):
-    return api.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def hf(tiny_model_dir):
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 

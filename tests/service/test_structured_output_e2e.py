@@ -30,17 +30,6 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCH
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def api(serve_local_tp2):
-    with openai.OpenAI(base_url=serve_local_tp2.openai_base_url, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model_name(api):
-    return api.models.list().data[0].id
-
-
 def test_100_of_100_sampled_answers_validate_against_the_schema(serve_local_tp2, model_name):
     async def main():
         async with openai.AsyncOpenAI(

@@ -40,17 +40,6 @@ QUESTION = {
 }
 
 
-@pytest.fixture(scope="module")
-def api(serve_local_tp2):
-    with openai.OpenAI(base_url=serve_local_tp2.openai_base_url, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model_name(api):
-    return api.models.list().data[0].id
-
-
 def check_calls(message, names) -> None:
     assert [c.function.name for c in message.tool_calls] == names
     for c in message.tool_calls:
