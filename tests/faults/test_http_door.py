@@ -198,7 +198,8 @@ def test_two_thousand_idle_connections(door):
 
 def test_an_sse_reader_that_stops_reading_is_ended(door):
     """A streaming client reads the first events, then stops reading (a 4 KiB receive window, 536-byte segments, so
-    the kernel buffers on both sides hold ~100 KB rather than megabytes: ~100 of the 1500 events): the server stops
+    the client's kernel buffer holds ~100 KB; the server's send buffer may still grow to tcp_wmem's 4 MiB, so the stream
+    is 8000 events of ~830 bytes, ~6.6 MB, more than both hold): the server stops
     writing into it once the socket is full, ends the connection after the write deadline instead of holding the
     stream (and the request) forever, the request is cancelled, and the scheduler's memory stays bounded."""
     rss0 = door.rss()
@@ -206,7 +207,7 @@ def test_an_sse_reader_that_stops_reading_is_ended(door):
         {
             "model": door.model,
             "prompt": "Once upon a time",
-            "max_tokens": 1500,
+            "max_tokens": 8000,
             "temperature": 0.0,
             "logprobs": 20,
             "stream": True,
