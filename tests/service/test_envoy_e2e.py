@@ -157,8 +157,15 @@ def run_turns(conv: Conversation, turns: range, envoy: Envoy, groups, model: str
 
 def run_all(conversations, turns: range, envoy, groups, model) -> None:
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        for f in [pool.submit(run_turns, c, turns, envoy, groups, model) for c in conversations]:
-            f.result()
+        futures = [pool.submit(run_turns, c, turns, envoy, groups, model) for c in conversations]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:  # with Envoy's own account of its retries, for the turns that reached the client as errors
+        stats = {
+            f"{c}.{s}": envoy.stat(f"cluster.{c}.{s}")
+            for c in ("mmcast_grpc", "mmcast_http")
+            for s in ("upstream_rq_retry", "upstream_rq_retry_overflow", "upstream_rq_retry_limit_exceeded")
+        }
+        raise AssertionError(f"{len(errors)} turns failed; Envoy: {stats}") from errors[0]
 
 
 def hit(conv: Conversation, t: int) -> bool:
