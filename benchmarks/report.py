@@ -10,7 +10,10 @@ import collections
 import os
 from collections.abc import Iterable, Sequence
 
-from benchmarks import affinity, http_overhead, new_images, stats, videos
+from benchmarks.affinity import sdk_balancing as affinity
+from benchmarks.http_api import http_overhead
+from benchmarks.support import stats
+from benchmarks.transfer import new_images, videos
 
 ANCHOR = {"before_ms_per_image": 21.0, "after_ms_per_image": 2.9}  # vLLM #52040 / PR #52041, TP=4 GPUs, 31B
 MODES = ("full", "strip", "lazy")
@@ -363,7 +366,7 @@ def quick_table(analysis: dict) -> str:
 
 
 def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots: Sequence[str]) -> None:
-    from benchmarks.floors import floors_table  # noqa: F401 - the caller renders floors with it
+    from benchmarks.transfer.floors import floors_table  # noqa: F401 - the caller renders floors with it
 
     out = [f"# mmcast benchmark — {meta['plan']} ({meta['timestamp']})", "",
            f"Machine: {meta['machine']['cpu']} ({meta['machine']['cores']} cores, {meta['machine']['memory_gib']:.0f} "
@@ -409,14 +412,14 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
                 "heaviest payload), through the SDK (each clip uploaded once, referenced by hash); bytes are the "
                 "scheduler's `mmcast_broadcast_bytes_total{kind=\"payload\"}` per request, summed over ranks; "
                 "encoder runs and deliveries are `Usage.encoder_runs` and `Usage.images_sent` (videos counted as "
-                "items). benchmarks/videos.py says how each figure is made.", "", clips, ""]  # fmt: skip
+                "items). benchmarks/transfer/videos.py says how each figure is made.", "", clips, ""]  # fmt: skip
     if analysis.get("http_overhead"):
         out += [
             "",
             "## The HTTP door against the gRPC SDK (issue 24)",
             "",
             "One fresh group (TP1, defaults), the same requests through the SDK and the `openai` package, "
-            "interleaved request by request (benchmarks/http_overhead.py).",
+            "interleaved request by request (benchmarks/http_api/http_overhead.py).",
             "",
             http_overhead.markdown(analysis["http_overhead"]),
             "",

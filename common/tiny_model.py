@@ -30,14 +30,14 @@ by two ranks.
 ``width="real"`` builds the same recipe at Qwen2-VL-2B's published widths (``REAL_WIDTH``: hidden 1536, 12 query /
 2 KV heads, intermediate 8960, vocabulary 151936 with tied embeddings, a vision tower of width 1280 with 16 heads)
 but only 2 decoder layers and 2 vision blocks, randomly initialised (~1.6 GB in float32). Memory measurements use it:
-a rank's activations, KV pool and caches have their real sizes there (``benchmarks/rank_memory.py``). Its tokenizer
+a rank's activations, KV pool and caches have their real sizes there (``benchmarks/rank/rank_memory.py``). Its tokenizer
 is the tiny one (1024 tokens at the bottom of the large vocabulary, as Qwen2-VL-2B's 151657 tokens are of 151936).
 For Qwen3-VL, ``width="real"`` takes Qwen3-VL-2B's widths (``QWEN3_REAL_WIDTH``: hidden 2048, 16 query / 8 KV
 heads of width 128, intermediate 6144, a vision tower of width 1024 whose 2 blocks both feed DeepStack).
 
 ``width="head64"`` is the tiny model with heads of width 64 in the decoder and the vision tower (``HEAD64_WIDTH``:
 hidden 256, 4 query / 2 KV heads, a vision tower of width 256 with 4 heads), still 2 layers, 2 vision blocks and the
-1024-token vocabulary (~17 MB). It exists for the side-by-side benchmark with vLLM (``benchmarks/peer.py``): vLLM's
+1024-token vocabulary (~17 MB). It exists for the side-by-side benchmark with vLLM (``benchmarks/peer/compare.py``): vLLM's
 CPU attention serves only head sizes from 32 up (32, 64, 80, 96, ...), not the tiny model's 16.
 """
 

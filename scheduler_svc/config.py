@@ -194,7 +194,7 @@ class SchedulerConfig:
         section=_LIMITS,
     )
 
-    # --- image URLs of the OpenAI API (scheduler_svc/media_urls.py); everything off but data: URLs by default -----
+    # --- image URLs of the OpenAI API (scheduler_svc/doors/media_urls.py); everything off but data: URLs by default -----
     allowed_media_domains: list = setting(
         [],
         "host names whose http(s) image URLs may be fetched (comma separated; 'media.example.com' matches that "
@@ -360,7 +360,7 @@ class SchedulerConfig:
     kv_events_endpoint: str = setting(
         "",
         "ZeroMQ endpoint to publish prefix-cache events on, in vLLM's KV-event format (e.g. tcp://*:5557; "
-        "scheduler_svc/kv_events.py); empty = off",
+        "scheduler_svc/transport/kv_events.py); empty = off",
         section=_SERVICE,
         metavar="ENDPOINT",
     )

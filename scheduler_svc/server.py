@@ -33,14 +33,14 @@ from common.decode_guard import DecodeGuardInterceptor
 from common.hashing import model_fingerprint
 from common.process import StartupError
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
-from scheduler_svc.completion import Completions
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import Engine
-from scheduler_svc.http_server import HttpMetrics, HttpServer
-from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.rank_streams import WorkerGroup
-from scheduler_svc.servicer import GenerationServiceServicer
-from scheduler_svc.structured_output import GrammarCompiler
+from scheduler_svc.core.structured_output import GrammarCompiler
+from scheduler_svc.doors.http_server import HttpMetrics, HttpServer
+from scheduler_svc.doors.servicer import GenerationServiceServicer
+from scheduler_svc.engine.completion import Completions
+from scheduler_svc.engine.metrics import SchedulerMetrics
+from scheduler_svc.engine.step_loop import Engine
+from scheduler_svc.transport.rank_streams import WorkerGroup
 
 log = logging.getLogger("mmcast.scheduler")
 
@@ -54,9 +54,9 @@ class SchedulerServer:
     """Everything one scheduler process runs; usable in-process by tests (``start``/``stop``)."""
 
     def __init__(self, config: SchedulerConfig, *, metrics: SchedulerMetrics | None = None) -> None:
-        from scheduler_svc.frontend import Frontend
-        from scheduler_svc.request import Request, SamplingParams
-        from scheduler_svc.scheduler import Scheduler
+        from scheduler_svc.core.request import Request, SamplingParams
+        from scheduler_svc.core.scheduler import Scheduler
+        from scheduler_svc.engine.frontend import Frontend
 
         self.config = config
         self.metrics = metrics or SchedulerMetrics()
@@ -89,7 +89,7 @@ class SchedulerServer:
         # Prefix-cache events for outside pickers (--kv-events-endpoint): every core of this process feeds one sink.
         self.kv_events = None
         if config.kv_events_endpoint:
-            from scheduler_svc.kv_events import KVEventPublisher, KVEventSink
+            from scheduler_svc.transport.kv_events import KVEventPublisher, KVEventSink
 
             sink = KVEventSink(config.block_size, config.kv_events_queue, self.metrics)
             self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_topic, sink, self.metrics)
@@ -166,8 +166,8 @@ class SchedulerServer:
         self._health_state: dict[str, int] = {}
 
     def _http_server(self) -> HttpServer:
-        from scheduler_svc.media_urls import MediaLoader, MediaPolicy
-        from scheduler_svc.openai_api import OpenAIApi
+        from scheduler_svc.doors.media_urls import MediaLoader, MediaPolicy
+        from scheduler_svc.doors.openai_api import OpenAIApi
 
         c = self.config
         self.openai = OpenAIApi(

@@ -1,4 +1,4 @@
-"""The HTTP-overhead benchmark (benchmarks/http_overhead.py): its analysis on synthetic records, and its smallest plan
+"""The HTTP-overhead benchmark (benchmarks/http_api/http_overhead.py): its analysis on synthetic records, and its smallest plan
 end to end against a real group (the doors agree, every cell is timed, the tables render). No timing is asserted:
 the machine is shared."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import http_overhead as ho
+from benchmarks.http_api import http_overhead as ho
 
 
 def _rec(scenario, door, index, ttft, text="abc", n=0, image=""):
@@ -50,7 +50,7 @@ def test_a_different_answer_on_one_door_fails_equality():
 @pytest.mark.slow
 def test_smallest_plan_runs_against_a_real_group(tmp_path, tiny_model_dir):
     pytest.importorskip("openai")
-    from benchmarks.scenarios import Images
+    from benchmarks.support.scenarios import Images
 
     plan = ho.PLANS["test"]
     result = ho.measure(str(tiny_model_dir), Images(str(tmp_path / "images"), (448, 448)), plan)

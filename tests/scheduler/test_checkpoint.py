@@ -1,5 +1,5 @@
 """Model folders as checkpoints ship them, and what the scheduler does with one that cannot serve
-(common/processor.py, scheduler_svc/main.py), and the status of a request the server fails (scheduler_svc/servicer.py).
+(common/processor.py, scheduler_svc/main.py), and the status of a request the server fails (scheduler_svc/doors/servicer.py).
 
 - A chat template in any file transformers reads serves prompts tokenized with that template. The reference is
   the template text the test wrote, rendered by the tokenizer's own ``apply_chat_template`` and each image pad
@@ -228,7 +228,7 @@ def _assert_internal(info, request_id: str) -> None:
 
 
 def test_an_unexpected_exception_is_internal_with_the_request_id(harness, monkeypatch):
-    from scheduler_svc import completion
+    from scheduler_svc.engine import completion
 
     h = harness
 
@@ -280,7 +280,7 @@ def test_an_unexpected_exception_in_the_http_api_is_500_with_the_request_id(tiny
     import httpx
 
     from mmcast_local.supervisor import free_ports
-    from scheduler_svc import completion
+    from scheduler_svc.engine import completion
 
     (port,) = free_ports(1)
     h = FakeGroupScheduler(tiny_model_dir, n_ranks=1, http_port=port).start()

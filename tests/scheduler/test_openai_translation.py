@@ -20,7 +20,7 @@ from common.errors import (
     Status,
     Unavailable,
 )
-from scheduler_svc import openai_api, openai_errors, openai_schema
+from scheduler_svc.doors import openai_api, openai_errors, openai_schema
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from common.tiny_model import SPECIAL_TOKEN_IDS, VOCAB_SIZE
-from scheduler_svc.detok import TextStream
+from scheduler_svc.engine.detok import TextStream
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,10 @@ from common.multimodal import (
 )
 from mmcast.v1 import multimodal_pb2, worker_pb2
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.inputs import GroupBudget, Sample, StepOutcome
-from scheduler_svc.plan_proto import step_control
-from scheduler_svc.request import Request, SamplingParams
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.core.inputs import GroupBudget, Sample, StepOutcome
+from scheduler_svc.core.request import Request, SamplingParams
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.transport.plan_proto import step_control
 
 IMG = 1000  # placeholder token id
 EOS = 1001
