@@ -26,7 +26,7 @@ import yaml
 
 from mmcast_local.supervisor import free_ports
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "deploy" / "envoy" / "envoy.yaml"
 ENVOY = ROOT / ".tools" / "bin" / "envoy"
 

@@ -29,7 +29,7 @@ import time
 
 from benchmarks.http_api import sdk_load
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 SEED = 250_000  # the load's images; the warm-up's are SEED + 10_000 + k
 # Metrics of the table: (label, AIPerf's key in profile_export_aiperf.json, sdk_load's key).

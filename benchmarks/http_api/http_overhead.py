@@ -614,7 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="folder for http_overhead.md/.json (default benchmarks/results/<ts>-http)")
     parser.add_argument("--model-dir", help="tiny model folder (built if missing; default benchmarks/results/.model)")
     args = parser.parse_args(argv)
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+    root = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "results"
+    )
     out = args.out or os.path.join(root, f"{time.strftime('%Y%m%d-%H%M%S')}-http")
     model_dir = str(
         ensure_tiny_model(args.model_dir or os.path.join(root, ".model", "qwen2_vl"), replace_stale=not args.model_dir)

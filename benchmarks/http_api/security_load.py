@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.http_api.security_load", description=__doc__.split("\n\n")[0]
     )
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
     parser.add_argument("--out", default=os.path.join(root, f"{time.strftime('%Y%m%d-%H%M%S')}-security"))
     parser.add_argument("--model-dir", default=os.path.join(root, ".model", "qwen2_vl"))
     args = parser.parse_args(argv)

@@ -33,7 +33,7 @@ from benchmarks.peer.peer_client import Client
 from benchmarks.peer.peer_engines import VLLM_VIDEO_ARGS, Mmcast, Vllm
 from benchmarks.peer.peer_workloads import LoadPlan, Parts, VideoParts, VideoPlan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 ENGINES = ("vllm", "mmcast_tp1", "mmcast_tp2")
 # Also accepted by --engines: mmcast_tp1_threadsK, the one rank with K intra-op threads instead of its default (the

@@ -26,7 +26,7 @@ import subprocess
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEER_VENV = os.path.join(ROOT, ".venv-peer")
 MAX_MODEL_LEN = 8192  # 26 cached 448x448 images (256 tokens each) and four 1280x720 ones (1,196 each) fit
 # vLLM's CPU KV cache in GiB: far above what the workloads hold (head64: 2 kB per token), far below the 24 GiB.

@@ -37,7 +37,7 @@ import threading
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = os.path.join(ROOT, "benchmarks", "results", ".model")
 MIXED = (256, 512, 1024, 2048, 4096)
 # Qwen2-VL-7B-Instruct's config.json widths; 2 decoder layers, the 2B-width recipe's 2 vision blocks.

@@ -23,7 +23,7 @@ import time
 
 from benchmarks.support.proc_memory import status_mib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL_DIR = os.path.join(ROOT, "benchmarks", "results", ".model", "qwen2_vl-real-width")
 TURNS, MAX_TOKENS, SEED = 8, 16, 0  # mmcast demo's defaults
 

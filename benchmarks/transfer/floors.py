@@ -155,7 +155,7 @@ class _Receivers:
 
 
 def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 async def _grpc_times(ports: Sequence[int], tensor, repeats: int, warmup: int) -> list[float]:
