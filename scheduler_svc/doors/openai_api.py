@@ -46,9 +46,9 @@ from scheduler_svc.doors.openai_completions import TextCompletions
 from scheduler_svc.doors.openai_errors import HttpError
 from scheduler_svc.doors.openai_responses import Responses
 from scheduler_svc.doors.openai_sse import SSE_HEADERS, ClientGone, joined_chunks, sse_event
-from scheduler_svc.doors.request_parsing import ImageContent, TextContent, Turn, VideoContent
 from scheduler_svc.engine import affinity_key
 from scheduler_svc.engine.completion import MAX_TOKENS_FIELD, Completion, CompletionRequest, Completions
+from scheduler_svc.engine.request_input import ImageContent, SamplingSpec, TextContent, Turn, VideoContent
 
 log = logging.getLogger(__name__)
 
@@ -404,7 +404,7 @@ class OpenAIApi:
             **common,
         )
 
-    def _sampling(self, call: _Call, body) -> tuple[request_parsing.SamplingSpec, bool]:
+    def _sampling(self, call: _Call, body) -> tuple[SamplingSpec, bool]:
         """The shared checks (request_parsing.parse_sampling) on this body's values; errors are renamed to the
         body's field names."""
         if call.kind == "chat":

@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import MmcastError
-from scheduler_svc.doors import openai_schema, request_parsing, response_store
+from scheduler_svc.doors import openai_schema, response_store
 from scheduler_svc.doors.openai_errors import HttpError
 from scheduler_svc.doors.openai_sse import SSE_HEADERS, ClientGone
-from scheduler_svc.doors.request_parsing import TextContent, Turn
 from scheduler_svc.engine.completion import MAX_TOKENS_FIELD, Completion, CompletionRequest
+from scheduler_svc.engine.request_input import ImageContent, TextContent, Turn
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -134,7 +134,7 @@ class Responses:
                     image_url=openai_schema.ImageURL(url=part.image_url) if part.image_url is not None else None,
                 )
                 data, digest, field = await self.api._media(call, as_chat, f"{where}.content[{j}]", "image")
-                parts.append(request_parsing.ImageContent(data, digest, field))
+                parts.append(ImageContent(data, digest, field))
             else:
                 parts.append(TextContent(part.text))
         return Turn(_ROLES[item.role], tuple(parts))

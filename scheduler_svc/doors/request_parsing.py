@@ -7,7 +7,6 @@ message starts with); the servicer maps them to status codes and details.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 
@@ -15,6 +14,14 @@ from common import penalties
 from common.errors import InvalidArgument
 from common.video_input import VideoOptions
 from mmcast.v1 import generation_pb2
+from scheduler_svc.engine.request_input import (
+    ImageContent,
+    LiveSpec,
+    SamplingSpec,
+    TextContent,
+    Turn,
+    VideoContent,
+)
 
 ROLES = {
     generation_pb2.ROLE_SYSTEM: "system",
@@ -28,50 +35,6 @@ MAX_CACHE_SALT_CHARS = 256
 # fullmatch, never match with "$": "$" also matches before a trailing newline.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]+")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingSpec:
-    """Validated sampling parameters of one request."""
-
-    max_tokens: int  # >= 1
-    temperature: float  # [0, 2]; below 1e-5 (GREEDY_EPSILON, worker_svc/sampling.py) = greedy
-    top_p: float  # (0, 1]
-    top_k: int  # [0, vocab_size]; 0 = no top-k cut
-    seed: int | None  # None: the server picks one
-    stop: tuple[str, ...]  # stop strings, matched on the server
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
-    logprobs: int  # top alternatives per token
-    return_logprobs: bool
-    penalties: penalties.Penalties = penalties.NONE  # presence/frequency/repetition, logit_bias, min_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class TextContent:
-    text: str
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageContent:
-    data: bytes | None  # encoded image bytes
-    uploaded_sha256: str | None  # reference to an upload
-    field: str  # where it came from, for error messages: "messages[1].content[0].image"
-
-
-@dataclasses.dataclass(frozen=True)
-class VideoContent:
-    data: bytes | None  # the container file's bytes
-    uploaded_sha256: str | None  # reference to an upload
-    field: str  # where it came from, for error messages: "messages[1].content[0].video"
-    video_options: VideoOptions  # how to sample it (unset options: the model's video processor defaults)
-
-
-@dataclasses.dataclass(frozen=True)
-class Turn:
-    role: str  # system | user | assistant | tool
-    parts: tuple[TextContent | ImageContent | VideoContent, ...]
-    tool_calls: tuple[dict, ...] = ()  # an assistant turn's calls: {"name": str, "arguments": dict} (the template's)
 
 
 MAX_VIDEO_FPS = 60.0
@@ -263,15 +226,6 @@ def check_cache_salt(salt: str) -> None:
 
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-@dataclasses.dataclass(frozen=True)
-class LiveSpec:
-    """``GenerateRequest.live``: the session a turn continues (``scheduler_svc/core/live_sessions.py``)."""
-
-    session_id: str
-    keep_turns: int  # 0: the server's default
-    close: bool
 
 
 def parse_live(msg) -> LiveSpec:

@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import threading
 
-from scheduler_svc.doors.request_parsing import ImageContent, TextContent, Turn, VideoContent
+from scheduler_svc.engine.request_input import ImageContent, TextContent, Turn, VideoContent
 
 _TURN_BYTES = 64  # the charge of a turn's and of a media reference's bookkeeping, beside its text
 

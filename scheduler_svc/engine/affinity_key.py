@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from common.errors import InvalidArgument
 from mmcast_client.affinity import AFFINITY_HEADER, conversation_key, session_key
-from scheduler_svc.doors.request_parsing import ImageContent, Turn, VideoContent
+from scheduler_svc.engine.request_input import ImageContent, Turn, VideoContent
 
 SESSION_HEADER = "x-session-id"  # a client's own conversation id (the name proxies and gateways commonly hash on)
 MAX_KEY_CHARS = 256  # longest x-mmcast-affinity / x-session-id value accepted (the SDK's keys have 32)

@@ -23,11 +23,10 @@ from common.errors import InvalidArgument, MmcastError, Unavailable
 from common.ids import RequestId
 from scheduler_svc.core import admission
 from scheduler_svc.core.structured_output import GrammarSpec
-from scheduler_svc.doors import request_parsing
-from scheduler_svc.doors.request_parsing import SamplingSpec
-from scheduler_svc.engine import affinity_key, prompt_lists
+from scheduler_svc.engine import affinity_key, prompt_lists, request_input
 from scheduler_svc.engine.detok import TextStream
 from scheduler_svc.engine.request_handle import FinishEvent, RequestHandle, TokenEvent
+from scheduler_svc.engine.request_input import SamplingSpec
 from scheduler_svc.engine.request_log import RequestSummary
 from scheduler_svc.engine.step_loop import Engine
 from scheduler_svc.engine.tenancy import scoped_cache_salt, scoped_request_id
@@ -46,7 +45,7 @@ class CompletionRequest:
     tenant: str  # the caller's tenant ("" when authentication is off)
     sampling: SamplingSpec  # max_tokens is a placeholder when ``default_max_tokens`` is set
     received: float  # time.monotonic() when the call arrived: TTFT and queue time count from here
-    turns: Sequence[request_parsing.Turn] | None = None  # a chat conversation; exactly one of turns / prompt
+    turns: Sequence[request_input.Turn] | None = None  # a chat conversation; exactly one of turns / prompt
     prompt: str | None = None  # a plain text prompt, tokenized as is (no chat template)
     prompt_token_ids: tuple[int, ...] | None = None  # a prompt given as token ids (checked by the door), or None
     cache_salt: str = ""  # the client's prefix-cache salt (checked)
@@ -54,7 +53,7 @@ class CompletionRequest:
     continue_final_message: bool = False  # chat: the answer continues the last message's text (its turn left open)
     default_max_tokens: bool = False  # True: max_tokens not given; take what the context leaves, up to the limit
     affinity: str = ""  # the conversation key the client chose (affinity_key.client_key), "" for none
-    live: request_parsing.LiveSpec | None = None  # the next turn of a live session (live_sessions.py)
+    live: request_input.LiveSpec | None = None  # the next turn of a live session (live_sessions.py)
     grammar: GrammarSpec | None = None  # structured output: the grammar the answer must follow (None: free text)
     tools: tuple[dict, ...] = ()  # OpenAI tools, passed to the chat template (tool_calls.py)
     # True (the HTTP door, whose x-request-id is a client's label, as vLLM treats it): an id still in flight gets a

@@ -17,9 +17,9 @@ from scheduler_svc.core import admission
 from scheduler_svc.core.inputs import GroupBudget
 from scheduler_svc.core.request import Request, SamplingParams
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.doors.request_parsing import SamplingSpec
 from scheduler_svc.engine.completion import CompletionRequest, Completions
 from scheduler_svc.engine.frontend import ChatTurn, Frontend, ImagePart, TextPart
+from scheduler_svc.engine.request_input import SamplingSpec
 
 SHAPE = re.compile(
     r"(?P<fields>.+?): (?:at least )?(?P<prompt>\d+) prompt tokens(?: \([^)]+\))? \+ (?P<generate>\d+) to generate "

@@ -381,7 +381,8 @@ def test_videos_under_pixels_are_processed_once_per_sampling(tiny_model_dir):
     """A video seen before (same tenant, bytes and sampling) comes from the processor cache: no header read, no
     decode, the same item; sampled otherwise it is another item, decoded again. Under encoded nothing is decoded."""
     from common.multimodal import Modality
-    from scheduler_svc.doors.request_parsing import VideoContent, video_options
+    from scheduler_svc.doors.request_parsing import video_options
+    from scheduler_svc.engine.request_input import VideoContent
     from tests.video_clips import make_clip
 
     clip = make_clip(codec="h264", width=112, height=84, fps=8, seconds=2.0, seed=3)

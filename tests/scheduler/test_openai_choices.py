@@ -7,8 +7,8 @@ import dataclasses
 import types
 
 from scheduler_svc.doors.openai_choices import follower_request, usage
-from scheduler_svc.doors.request_parsing import SamplingSpec
 from scheduler_svc.engine.completion import CompletionRequest
+from scheduler_svc.engine.request_input import SamplingSpec
 
 SPEC = SamplingSpec(
     max_tokens=4, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), ignore_eos=False,
