@@ -1,6 +1,6 @@
 """What the service hands the scheduler core (the counterpart of step_plan.py): the group's budgets when it connects,
 and each step's results as rank 0 and the owner ranks reported them — plain dataclasses, no protobuf. The shell
-(engine.py, rank_streams.py) builds them from the handshakes and the ``StepResult`` messages.
+(step_loop.py, rank_streams.py) builds them from the handshakes and the ``StepResult`` messages.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the request path reads of one request in the engine: its token and finish events, its times and usage.
 
-The engine (engine.py) owns the handles and fills them from the step loop; the request path (completion.py)
+The engine (step_loop.py) owns the handles and fills them from the step loop; the request path (completion.py)
 reads them on the same event loop.
 """
 

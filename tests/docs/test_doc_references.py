@@ -308,6 +308,8 @@ def test_every_dotted_module_exists():
             head, first = m.group(1).split(".")[:2]
             if first in {"py", "md", "yaml", "json", "txt", "proto"}:
                 continue  # a file name's suffix, not a module
+            if text[max(0, m.start() - 12) : m.start()].endswith('"logger": "'):
+                continue  # a log line's logger name, which keeps its name when its module moves
             if f"{head}/{first}.py" in tree() or f"{head}/{first}" in folders():
                 continue
             if re.search(
