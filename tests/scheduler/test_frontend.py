@@ -19,7 +19,7 @@ from common.hashing import item_identifier
 from common.multimodal import ENCODED_FIELD, FieldKind, PayloadEncoding, PayloadState
 from common.processor import load_processor
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import frontend as frontend_module
+from scheduler_svc.engine import frontend_media as frontend_module  # where images are hashed
 from scheduler_svc.engine.frontend import ChatTurn, Frontend, ImagePart, TextPart
 from scheduler_svc.engine.upload_store import UploadStore
 from tests.support.oracle import image_as_sent
