@@ -28,7 +28,6 @@ import dataclasses
 import ipaddress
 import os
 import re
-import socket
 import ssl
 import stat
 from collections.abc import Awaitable, Callable, Sequence
@@ -38,13 +37,20 @@ from urllib.parse import unquote, urlsplit
 import httpx
 
 from common.errors import InvalidArgument, ResourceExhausted
+from scheduler_svc.doors.media_addresses import (
+    IPNetwork,
+    address_refusal,
+    domain_allowed,
+    host_of,
+    is_ip_literal,
+    parse_address,
+    resolve_host,
+)
 from scheduler_svc.media_domains import normalize_domain
 
 if TYPE_CHECKING:
     from scheduler_svc.config import SchedulerConfig
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 # (host, port) -> the addresses it resolves to. The loader's only name lookup; tests give their own.
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 
@@ -59,81 +65,6 @@ THREAD_DECODE_CHARS = 1 << 20
 _SHOWN_CHARS = 100  # characters of a URL quoted in an error: enough to recognise it, never a whole data: URL
 _READ_CHUNK = 1 << 16  # bytes read from a local file at a time
 _MAX_DATA_HEADER = 1024  # characters of a data: URL's media type and parameters, where its ',' is looked for
-_CGNAT = ipaddress.IPv4Network("100.64.0.0/10")  # carrier-grade NAT (RFC 6598): not global, but not "private" either
-_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # well-known NAT64 prefix: the last 32 bits are an IPv4 address
-
-
-# --- host names and addresses -------------------------------------------------------------------------------------
-def host_of(url: httpx.URL) -> str:
-    """The URL's host as allow-list entries are written: IDNA (xn--) form, lower case, no trailing dot."""
-    return normalize_domain(url.raw_host.decode("ascii")) if url.raw_host else ""
-
-
-def domain_allowed(host: str, domains: Sequence[str]) -> bool:
-    """Whether ``host`` (as ``host_of`` gives it) is an entry of ``domains`` or a subdomain of a ``*.`` entry.
-
-    ``*.example.com`` matches ``a.example.com`` and ``a.b.example.com``, not ``example.com`` itself (list both for
-    both), and never an IP address (``*.0.0.1`` does not match ``127.0.0.1``)."""
-    if host in domains:
-        return True
-    return not _is_ip_literal(host) and any(d.startswith("*.") and host.endswith(d[1:]) for d in domains)
-
-
-def _embedded_ipv4(ip: IPAddress) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 address carries to (IPv4-mapped, 6to4, NAT64), which is where it would connect."""
-    if not isinstance(ip, ipaddress.IPv6Address):
-        return None
-    if ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    if ip.sixtofour is not None:
-        return ip.sixtofour
-    if ip in _NAT64:
-        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    return None
-
-
-def _non_public(ip: IPAddress) -> str | None:
-    """Why ``ip`` is not a public unicast address (as words for an error), or None when it is one."""
-    if ip.is_unspecified:
-        return "unspecified"
-    if ip.is_loopback:
-        return "loopback"
-    if ip.is_link_local:  # 169.254.0.0/16 holds the cloud metadata service 169.254.169.254
-        return "link-local"
-    if isinstance(ip, ipaddress.IPv4Address) and ip in _CGNAT:
-        return "shared (CGNAT)"
-    if ip.is_multicast:
-        return "multicast"
-    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
-        return "site-local"
-    if ip.is_reserved:  # before private: Python counts 240.0.0.0/4 as both
-        return "reserved"
-    if ip.is_private:
-        return "private"
-    if not ip.is_global:
-        return "non-global"
-    return None
-
-
-def address_refusal(ip: IPAddress, allowed_networks: Sequence[IPNetwork] = ()) -> str | None:
-    """Why a fetch may not connect to ``ip`` (words for an error), or None when it may: a public unicast address,
-    or one inside ``allowed_networks``. An IPv6 address that carries an IPv4 one (IPv4-mapped, 6to4, NAT64) is
-    judged by the IPv4 one, where the packets end up: NAT64 of a public address passes (IPv6-only clusters reach
-    the IPv4 internet so), NAT64 of 10.0.0.1 does not."""
-    inner = _embedded_ipv4(ip)
-    candidates: list[IPAddress] = [ip] if inner is None else [ip, inner]
-    if any(c.version == n.version and c in n for c in candidates for n in allowed_networks):
-        return None
-    if inner is None:
-        return _non_public(ip)
-    reason = _non_public(inner)
-    return None if reason is None else f"{reason} (inside the IPv6 address {ip})"
-
-
-async def resolve_host(host: str, port: int) -> list[str]:
-    """Every address ``host`` resolves to, as getaddrinfo (the system resolver) answers, without duplicates."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 def _shown(url: str) -> str:
@@ -141,18 +72,6 @@ def _shown(url: str) -> str:
     if len(url) <= _SHOWN_CHARS:
         return repr(url)
     return f"{url[:_SHOWN_CHARS]!r}... ({len(url)} characters)"
-
-
-def _is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
-
-
-def _address(text: str) -> IPAddress:
-    return ipaddress.ip_address(text.split("%", 1)[0])  # a scope id (fe80::1%eth0) is not part of the address
 
 
 # --- policy ---------------------------------------------------------------------------------------------------------
@@ -370,7 +289,7 @@ class MediaLoader:
 
     async def _checked_addresses(self, host: str, port: int, field: str) -> list[str]:
         """The addresses to connect to for ``host``: all of them public (or in an allowed network), else refused."""
-        if _is_ip_literal(host):
+        if is_ip_literal(host):
             addresses = [host]  # checked like a resolved name; host_of gave it in canonical form
         else:
             try:
@@ -380,7 +299,7 @@ class MediaLoader:
             if not addresses:
                 raise InvalidArgument(f"{field}: the host {host} resolves to no address", field=field)
         for text in addresses:
-            reason = address_refusal(_address(text), self.policy.allowed_networks)
+            reason = address_refusal(parse_address(text), self.policy.allowed_networks)
             if reason is not None:
                 shown = host if text == host else f"{host} resolves to {text}, which"
                 raise InvalidArgument(
@@ -425,7 +344,7 @@ class MediaLoader:
                     extensions["sni_hostname"] = host
                 request = httpx.Request(
                     "GET",
-                    target.copy_with(host=str(_address(address)), fragment=None),
+                    target.copy_with(host=str(parse_address(address)), fragment=None),
                     headers={
                         "Host": target.netloc.decode("ascii"),
                         "Accept": f"{kind}/*",
