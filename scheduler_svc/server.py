@@ -29,8 +29,8 @@ from prometheus_client import start_http_server
 
 from common import tls
 from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
-from common.decode_guard import DecodeGuardInterceptor
 from common.hashing import model_fingerprint
+from common.parse_guard import ParseGuardInterceptor
 from common.process import StartupError
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from scheduler_svc.config import SchedulerConfig
@@ -266,7 +266,7 @@ class SchedulerServer:
         interceptors = [AioServerMetricsInterceptor(self.metrics.registry, services=[generation_service])]
         if self.tokens is not None:
             interceptors.append(BearerTokenInterceptor(self.tokens, GUARDED_METHODS))
-        interceptors.append(DecodeGuardInterceptor())
+        interceptors.append(ParseGuardInterceptor())
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[

@@ -51,9 +51,9 @@ def _schemas() -> dict:
     from scheduler_svc.doors import openai_schema
 
     return {
-        "/v1/chat/completions": openai_schema.ChatCompletionRequest,
-        "/v1/completions": openai_schema.CompletionRequest,
-        "/v1/responses": openai_schema.ResponsesRequest,
+        "/v1/chat/completions": openai_schema.ChatCompletionBody,
+        "/v1/completions": openai_schema.CompletionBody,
+        "/v1/responses": openai_schema.ResponsesBody,
     }
 
 

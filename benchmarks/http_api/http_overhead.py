@@ -24,7 +24,7 @@ same prompt through every door and must return the same text; for the image scen
 (the same images through every door, after the timed rounds) must too. A mismatch fails the run.
 
 Besides, in process and without the server: what base64 costs per image (client: ``b64encode`` into a data: URL and
-``json.dumps`` of the body; server: ``openai_schema.ChatCompletionRequest.model_validate_json`` of that body, which is
+``json.dumps`` of the body; server: ``openai_schema.ChatCompletionBody.model_validate_json`` of that body, which is
 the HTTP door's JSON parse, ``json.loads`` of it for comparison, ``base64.b64decode(validate=True)`` and the sha256
 the door takes of inline images), per image size, in ms and as a share of the HTTP door's TTFT p50 on that image.
 """

@@ -58,7 +58,7 @@ def measure_step_flatness(
 ) -> dict:
     """Per mode and item count: decode-step time (p50, p90 µs), items examined per decode step, admission cost."""
     from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.core.inputs import GroupBudget, Sample, StepOutcome
+    from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome, Sample
     from scheduler_svc.core.scheduler import Scheduler
     from scheduler_svc.transport.plan_proto import step_control
 
@@ -84,7 +84,7 @@ def measure_step_flatness(
                 if plan is None:
                     break
                 step_control(plan).SerializeToString()
-                sched.update_from_output(plan, StepOutcome({rid: Sample(17) for rid in plan.sampling_request_ids}))
+                sched.update_from_output(plan, GroupStepOutcome({rid: Sample(17) for rid in plan.sampling_request_ids}))
                 elapsed = (time.perf_counter() - t0) * 1e6
                 is_decode = not plan.new_requests and all(n == 1 for n in plan.num_scheduled_tokens.values())
                 if is_decode:

@@ -34,7 +34,7 @@ class Sample:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepOutcome:
+class GroupStepOutcome:
     """What a step's answers report back to ``Scheduler.update_from_output``."""
 
     sampled: dict[RequestId, Sample] = dataclasses.field(default_factory=dict)  # rank 0's token per sampling request

@@ -9,7 +9,7 @@ The service drives it (all calls from one thread or event loop)::
     plan = sched.schedule()           # StepPlan, or None when there is nothing to tell the ranks
     # ... the shell maps the plan to protobuf (plan_proto.step_control): rank r gets plan.rank_payloads[r]
     # frames, then the control; it waits for every rank's StepResult and maps them back to plain data ...
-    updates = sched.update_from_output(plan, StepOutcome(sampled={request_id: Sample(token_id, logprob, top)},
+    updates = sched.update_from_output(plan, GroupStepOutcome(sampled={request_id: Sample(token_id, logprob, top)},
                                                          failed={request_id: message}))  # rank 0's failures
     #   -> [RequestUpdate]; raises StepOutputError (a FailedPrecondition: recover the group) on a mismatch
     sched.finish_request(request_id, FinishReason.CANCELLED)   # -> final RequestUpdate | None; next plan tells ranks
@@ -56,7 +56,7 @@ from common.errors import (
 from common.ids import ItemId, RequestId
 from scheduler_svc.config import SchedulerConfig, context_length
 from scheduler_svc.core import admission
-from scheduler_svc.core.inputs import GroupBudget, StepOutcome
+from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome
 from scheduler_svc.core.kv_cache import KVCacheManager
 from scheduler_svc.core.live_sessions import LiveSessions
 from scheduler_svc.core.poison import PoisonIsolator
@@ -435,7 +435,7 @@ class Scheduler:
         return out
 
     # --- results in ---------------------------------------------------------------------------------------------
-    def update_from_output(self, plan: StepPlan, outcome: StepOutcome) -> list[RequestUpdate]:
+    def update_from_output(self, plan: StepPlan, outcome: GroupStepOutcome) -> list[RequestUpdate]:
         """Applies a finished step: computed tokens, new cached blocks, rank 0's sampled tokens, stop checks.
 
         ``outcome.sampled``: rank 0's token of every request whose window reached its end. ``outcome.failed``:

@@ -82,7 +82,7 @@ class RunningRequestData:
 class StepPlan:
     """One step for the whole group. Send ``rank_payloads[r]`` frames then the control (``plan_proto.step_control``)
     to rank r, for every r; wait for every rank's StepResult; pass their results to ``Scheduler.update_from_output``
-    as an ``inputs.StepOutcome``."""
+    as an ``inputs.GroupStepOutcome``."""
 
     step_id: int  # strictly increasing, never reused (also across recoveries)
     new_requests: list[NewRequestData]  # admitted or resumed this step, in admission order

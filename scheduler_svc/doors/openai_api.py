@@ -122,7 +122,7 @@ class OpenAIApi(BodyReading, MediaParts, ChatAnswers):
         call: Call | None = None
         try:
             tenant = self._tenant(request)
-            schema = openai_schema.ChatCompletionRequest if kind == "chat" else openai_schema.CompletionRequest
+            schema = openai_schema.ChatCompletionBody if kind == "chat" else openai_schema.CompletionBody
             body = await self._read(request, schema)
             check_neutral(body)
             openai_sampling.check_choices(body, self.config.max_choices)

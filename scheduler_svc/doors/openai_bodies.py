@@ -29,8 +29,8 @@ _NEUTRAL = {
 _SCHEMA_FIELDS = {
     name
     for model in (
-        openai_schema.ChatCompletionRequest,
-        openai_schema.CompletionRequest,
+        openai_schema.ChatCompletionBody,
+        openai_schema.CompletionBody,
         openai_schema.ChatMessage,
         openai_schema.ImageContentPart,
         openai_schema.TextContentPart,
@@ -38,7 +38,7 @@ _SCHEMA_FIELDS = {
         openai_schema.StreamOptions,
         openai_schema.ToolCall,
         openai_schema.ToolCallFunction,
-        openai_schema.ResponsesRequest,
+        openai_schema.ResponsesBody,
         openai_schema.InputMessage,
         openai_schema.InputImage,
     )

@@ -28,7 +28,7 @@ from scheduler_svc.engine.request_input import ImageContent, TextContent, Turn
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-def _check_unsupported(body: openai_schema.ResponsesRequest) -> None:
+def _check_unsupported(body: openai_schema.ResponsesBody) -> None:
     fmt = ((body.text or {}).get("format") or {}).get("type", "text")
     refused = [
         ("tools", bool(body.tools)),
@@ -55,7 +55,7 @@ class Responses:
         api, received, call = self.api, time.monotonic(), None
         try:
             tenant = api._tenant(request)
-            body = await api._read(request, openai_schema.ResponsesRequest)
+            body = await api._read(request, openai_schema.ResponsesBody)
             _check_unsupported(body)
             api._check_model(body.model)
             call = api._new_call(request, tenant, body.model, "chat")
@@ -86,8 +86,8 @@ class Responses:
         return await self._whole(request, answer)
 
     # --- translation in ---------------------------------------------------------------------------------------
-    def _sampling(self, call, body: openai_schema.ResponsesRequest):
-        as_chat = openai_schema.ChatCompletionRequest(
+    def _sampling(self, call, body: openai_schema.ResponsesBody):
+        as_chat = openai_schema.ChatCompletionBody(
             model=body.model,
             messages=[{"role": "user", "content": ""}],
             max_tokens=body.max_output_tokens,
@@ -99,7 +99,7 @@ class Responses:
         call.names[MAX_TOKENS_FIELD] = "max_output_tokens"
         return spec
 
-    async def _conversation(self, call, body: openai_schema.ResponsesRequest) -> tuple[list[Turn], list[Turn]]:
+    async def _conversation(self, call, body: openai_schema.ResponsesBody) -> tuple[list[Turn], list[Turn]]:
         """(the kept conversation this one continues, with this request's input; the turns to prompt with)."""
         history: list[Turn] = []
         if body.previous_response_id is not None:
@@ -234,7 +234,7 @@ def _text_part(text: str) -> dict:
 class _Answer:
     """One response on its way out: its ids, the request's echoes, and the text once known."""
 
-    def __init__(self, call, body: openai_schema.ResponsesRequest, completion: Completion, history: list[Turn]) -> None:
+    def __init__(self, call, body: openai_schema.ResponsesBody, completion: Completion, history: list[Turn]) -> None:
         self.call, self.body, self.completion, self.history = call, body, completion, history
         self.id = "resp_" + uuid.uuid4().hex  # unique even when x-request-id is reused: the store's key
         self.message_id = "msg_" + uuid.uuid4().hex

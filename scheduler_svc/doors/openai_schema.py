@@ -116,7 +116,7 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionBody(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=_UINT31)] | None = None  # OpenAI's newer max_tokens
     logprobs: bool = False  # True: the sampled tokens' log-probabilities
@@ -133,7 +133,7 @@ class ChatCompletionRequest(_Sampling):
     media_io_kwargs: dict[str, Any] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionBody(_Sampling):
     # One prompt or several (one choice each, --max-prompts-per-request): text, or token ids taken as given.
     prompt: (
         str
@@ -166,7 +166,7 @@ class InputMessage(_Body):
     content: str | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
 
 
-class ResponsesRequest(_Body):
+class ResponsesBody(_Body):
     model: str
     input: str | Annotated[list[InputMessage], Field(min_length=1)]
     instructions: str | None = None  # a system turn before the conversation, for this response only

@@ -24,7 +24,7 @@ from common.ids import RequestId
 from scheduler_svc.core import admission
 from scheduler_svc.core.structured_output import GrammarSpec
 from scheduler_svc.engine import affinity_key, prompt_lists, request_input
-from scheduler_svc.engine.detok import TextStream
+from scheduler_svc.engine.detok import Detokenizer
 from scheduler_svc.engine.request_handle import FinishEvent, RequestHandle, TokenEvent
 from scheduler_svc.engine.request_input import SamplingSpec
 from scheduler_svc.engine.request_log import RequestSummary
@@ -153,7 +153,7 @@ class Completion:
         refusal a client may retry); after it, the failure ends the iteration with ``result.error`` set, so the
         tokens already sent stand."""
         handle, sampling = self.handle, self.sampling
-        text = TextStream(self.tokenizer, sampling.stop)
+        text = Detokenizer(self.tokenizer, sampling.stop)
         completion_tokens = 0
         finish: FinishEvent | None = None
         ttft = None

@@ -30,7 +30,7 @@ def rust_tokenizer(tokenizer) -> Tokenizer | None:
     return backend
 
 
-class TextStream:
+class Detokenizer:
     """Turns a growing list of token ids into text deltas, and finds stop strings in the text.
 
     Holds text back while it ends in an incomplete UTF-8 sequence, and holds back the tail that could still be the

@@ -17,7 +17,7 @@ from common import tracing
 from common.errors import REQUEST_RESOURCE, MmcastError, Resource, Status, Unavailable
 from common.ids import ItemId, RequestId
 from scheduler_svc.core.accounting_events import Disposition
-from scheduler_svc.core.inputs import GroupBudget, Sample, StepOutcome
+from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome, Sample
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.request_handle import FinishEvent, RequestHandle, TokenEvent
@@ -315,7 +315,7 @@ class Engine:
         now = time.monotonic()
         rank0 = results[0]
         self._count_plan(plan)
-        outcome = StepOutcome(
+        outcome = GroupStepOutcome(
             sampled={
                 RequestId(s.request_id): Sample(
                     s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top_logprobs]

@@ -50,7 +50,7 @@ def test_the_body_s_penalties_reach_the_shared_proto_and_odd_keys_are_refused():
     from scheduler_svc.doors.openai_errors import HttpError
 
     def body(**kw):
-        return openai_schema.CompletionRequest.model_validate({"model": "m", "prompt": "x", **kw})
+        return openai_schema.CompletionBody.model_validate({"model": "m", "prompt": "x", **kw})
 
     p = generation_pb2.SamplingParams()
     openai_sampling.penalties_into(

@@ -1,10 +1,10 @@
 """Requests that are not valid protobuf get INVALID_ARGUMENT naming the message type, not gRPC's UNKNOWN.
 
 gRPC Python answers a request its deserializer cannot parse with UNKNOWN and the exception's repr — a status
-clients treat as a server fault. ``DecodeGuardInterceptor`` gives every handler a deserializer that never raises:
-bytes that do not parse become an ``Undecodable`` marker, and the call ends with INVALID_ARGUMENT before the
+clients treat as a server fault. ``ParseGuardInterceptor`` gives every handler a deserializer that never raises:
+bytes that do not parse become an ``Unparsable`` marker, and the call ends with INVALID_ARGUMENT before the
 servicer sees it (unary requests) or when the iterator reaches it (streamed requests). A servicer that reads a
-stream with ``context.read()`` instead of the iterator checks ``isinstance(frame, Undecodable)`` itself.
+stream with ``context.read()`` instead of the iterator checks ``isinstance(frame, Unparsable)`` itself.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import grpc
 
 
 @dataclasses.dataclass(frozen=True)
-class Undecodable:
+class Unparsable:
     """Stands in for a request message whose bytes did not parse."""
 
     type_name: str  # e.g. mmcast.v1.GenerateRequest
@@ -41,14 +41,14 @@ def safe_deserializer(deserializer):
         try:
             return deserializer(raw)
         except Exception as exc:  # DecodeError, and whatever a custom deserializer raises
-            return Undecodable(name, len(raw), str(exc) or type(exc).__name__)
+            return Unparsable(name, len(raw), str(exc) or type(exc).__name__)
 
     return parse
 
 
 async def _checked(iterator, context):
     async for message in iterator:
-        if isinstance(message, Undecodable):
+        if isinstance(message, Unparsable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.message)
         yield message
 
@@ -70,7 +70,7 @@ def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if inspect.isasyncgenfunction(behavior):
 
         async def guarded_gen(request, context):
-            if isinstance(request, Undecodable):
+            if isinstance(request, Unparsable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             async for response in behavior(arguments(request, context), context):
                 yield response
@@ -79,7 +79,7 @@ def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     else:
 
         async def guarded_call(request, context):
-            if isinstance(request, Undecodable):
+            if isinstance(request, Unparsable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             result = behavior(arguments(request, context), context)
             if inspect.isawaitable(result):
@@ -94,7 +94,7 @@ def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     )
 
 
-class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
+class ParseGuardInterceptor(grpc.aio.ServerInterceptor):
     """See the module docstring. Place it last, so outer interceptors (metrics) see the status it sets."""
 
     async def intercept_service(self, continuation, handler_call_details):
