@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from mmcast_local.supervisor import free_ports
+from mmcast_local.child_processes import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "deploy" / "envoy" / "envoy.yaml"

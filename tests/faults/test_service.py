@@ -98,7 +98,7 @@ def test_a_rank_that_comes_back_is_reached_at_the_next_attempt():
 
     import grpc
 
-    from mmcast_local.supervisor import free_ports
+    from mmcast_local.child_processes import free_ports
     from scheduler_svc.transport.rank_streams import GroupDown, WorkerGroup
     from tests.support.fake_rank import FakeRank, FakeRankConfig
 

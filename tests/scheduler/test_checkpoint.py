@@ -279,7 +279,7 @@ def test_an_unexpected_exception_in_the_http_api_is_500_with_the_request_id(tiny
     holds the traceback under it), no exception text, nothing left holding blocks, the service still serving."""
     import httpx
 
-    from mmcast_local.supervisor import free_ports
+    from mmcast_local.child_processes import free_ports
     from scheduler_svc.engine import completion
 
     (port,) = free_ports(1)
