@@ -153,6 +153,69 @@ def _error(e: BaseException) -> str:
     return text if len(text) <= 900 else f"{text[:600]} … {text[-300:]}"
 
 
+async def _latency_and_capacity(step, client, engine, plan: Plan, parts: Parts, slo_ms, texts, probe, log, only, out):
+    """The cached and new-image latencies, the load ladder and the closed loops, into ``out``."""
+    if "cached" in only:
+        out["cached"] = await step(
+            "cached",
+            peer_workloads.cached(client, parts, plan.cached_ns, plan.cached_repeats, plan.max_tokens, texts, probe),
+        )
+    if "new" in only:
+        new_ns = {size: plan.new_ns[f"{size[0]}x{size[1]}"] for size in plan.new_sizes}
+        out["new"] = {}
+        for size, ns in new_ns.items():
+            out["new"].update(
+                await step(
+                    f"new {size[0]}x{size[1]}",
+                    peer_workloads.new_images(
+                        client, parts, [size], ns, plan.new_repeats, plan.max_tokens, texts, probe
+                    ),
+                )
+            )
+    if "load" in only:
+        ladder = await peer_capacity.ladder(
+            client, parts, plan.load, slo_ms, texts, lambda name, coro: step(name, coro, attach_cpu=True)
+        )
+        out["load"] = ladder.pop("points")
+        out["ladder"] = ladder
+        log(f"{engine.name}: ladder stopped ({ladder['stopped']}), first rate failed {ladder['first_failing_rate']}")
+    if "max" in only:
+        out["max"] = {}
+        for variant in ("new", "cached"):
+            out["max"][variant] = await step(
+                f"closed loop {variant}",
+                peer_capacity.closed_loop(client, parts, plan.closed_requests, plan.closed_tokens, variant, texts),
+            )
+
+
+async def _bursts_and_streams(step, client, engine, plan: Plan, parts: Parts, vparts, texts, log, only, out):
+    """The burst, the sliding window and the video stream, into ``out``."""
+    if "burst" in only:
+        out["burst"] = await step(
+            "burst",
+            peer_capacity.burst(
+                client,
+                parts,
+                plan.burst_decodes,
+                plan.burst_decode_tokens,
+                plan.burst_requests,
+                plan.burst_tokens,
+                texts,
+            ),
+        )
+    if "sliding" in only:
+        out["sliding"] = await step(
+            "sliding",
+            peer_workloads.sliding(client, parts, plan.sliding_turns, plan.window, plan.max_tokens, texts),
+        )
+    if "video" in only and plan.video is not None and vparts is not None:
+        try:
+            out["video"] = await step("video", peer_workloads.video(client, vparts, plan.video, plan.max_tokens, texts))
+        except Exception as e:  # noqa: BLE001 - e.g. an engine that cannot serve video_url: a finding, not the end
+            out["video"] = {"error": _error(e)}
+            log(f"{engine.name}: the video workload failed: {out['video']['error']}")
+
+
 async def drive(
     engine, plan: Plan, parts: Parts, slo_ms: float, log, vparts: VideoParts | None = None, only=WORKLOADS
 ) -> dict:
@@ -177,67 +240,8 @@ async def drive(
 
     try:
         await step("warmup", peer_workloads.warmup(client, parts))
-        if "cached" in only:
-            out["cached"] = await step(
-                "cached",
-                peer_workloads.cached(
-                    client, parts, plan.cached_ns, plan.cached_repeats, plan.max_tokens, texts, probe
-                ),
-            )
-        if "new" in only:
-            new_ns = {size: plan.new_ns[f"{size[0]}x{size[1]}"] for size in plan.new_sizes}
-            out["new"] = {}
-            for size, ns in new_ns.items():
-                out["new"].update(
-                    await step(
-                        f"new {size[0]}x{size[1]}",
-                        peer_workloads.new_images(
-                            client, parts, [size], ns, plan.new_repeats, plan.max_tokens, texts, probe
-                        ),
-                    )
-                )
-        if "load" in only:
-            ladder = await peer_capacity.ladder(
-                client, parts, plan.load, slo_ms, texts, lambda name, coro: step(name, coro, attach_cpu=True)
-            )
-            out["load"] = ladder.pop("points")
-            out["ladder"] = ladder
-            log(
-                f"{engine.name}: ladder stopped ({ladder['stopped']}), first rate failed {ladder['first_failing_rate']}"
-            )
-        if "max" in only:
-            out["max"] = {}
-            for variant in ("new", "cached"):
-                out["max"][variant] = await step(
-                    f"closed loop {variant}",
-                    peer_capacity.closed_loop(client, parts, plan.closed_requests, plan.closed_tokens, variant, texts),
-                )
-        if "burst" in only:
-            out["burst"] = await step(
-                "burst",
-                peer_capacity.burst(
-                    client,
-                    parts,
-                    plan.burst_decodes,
-                    plan.burst_decode_tokens,
-                    plan.burst_requests,
-                    plan.burst_tokens,
-                    texts,
-                ),
-            )
-        if "sliding" in only:
-            out["sliding"] = await step(
-                "sliding",
-                peer_workloads.sliding(client, parts, plan.sliding_turns, plan.window, plan.max_tokens, texts),
-            )
-        if "video" in only and plan.video is not None and vparts is not None:
-            try:
-                out["video"] = await step(
-                    "video", peer_workloads.video(client, vparts, plan.video, plan.max_tokens, texts)
-                )
-            except Exception as e:  # noqa: BLE001 - e.g. an engine that cannot serve video_url: a finding, not the end
-                out["video"] = {"error": _error(e)}
-                log(f"{engine.name}: the video workload failed: {out['video']['error']}")
+        await _latency_and_capacity(step, client, engine, plan, parts, slo_ms, texts, probe, log, only, out)
+        await _bursts_and_streams(step, client, engine, plan, parts, vparts, texts, log, only, out)
     finally:
         await client.close()
     out["engine_cpu_s"] = cpu
