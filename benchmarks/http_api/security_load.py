@@ -222,12 +222,12 @@ def write(out_dir: str, rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.support.paths import RESULTS as root
     from common.tiny_model import ensure_tiny_model
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.http_api.security_load", description=__doc__.split("\n\n")[0]
     )
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
     parser.add_argument("--out", default=os.path.join(root, f"{time.strftime('%Y%m%d-%H%M%S')}-security"))
     parser.add_argument("--model-dir", default=os.path.join(root, ".model", "qwen2_vl"))
     args = parser.parse_args(argv)
