@@ -73,7 +73,7 @@ bench-quick: install
 	$(BIN)/python -m benchmarks.run --quick
 
 # A benchmark client written elsewhere: AIPerf in its own venv (never the project's, never in `make test`), a multimodal
-# chat load against serve-local on the tiny model, then the same load through the SDK (benchmarks/aiperf_load.py).
+# chat load against serve-local on the tiny model, then the same load through the SDK (benchmarks/http_api/aiperf_load.py).
 AIPERF_VENV := .venv-aiperf
 AIPERF_VERSION ?= 0.13.0
 AIPERF_MODEL := benchmarks/results/.model/mmcast-tiny
@@ -87,18 +87,18 @@ $(AIPERF_VENV)/.installed-$(AIPERF_VERSION):
 
 bench-aiperf: install $(AIPERF_VENV)/.installed-$(AIPERF_VERSION)
 	$(BIN)/mmcast make-tiny-model $(AIPERF_MODEL)
-	$(BIN)/python -m benchmarks.aiperf_load --aiperf $(AIPERF_VENV)/bin/aiperf --model-dir $(AIPERF_MODEL) $(AIPERF_ARGS)
+	$(BIN)/python -m benchmarks.http_api.aiperf_load --aiperf $(AIPERF_VENV)/bin/aiperf --model-dir $(AIPERF_MODEL) $(AIPERF_ARGS)
 
-# Beside vLLM (benchmarks/peer.py): vLLM's CPU build in its own .venv-peer (it pins another transformers), then
+# Beside vLLM (benchmarks/peer/compare.py): vLLM's CPU build in its own .venv-peer (it pins another transformers), then
 # vLLM, mmcast TP1 and TP2 in turn on one random Qwen2-VL with 64-wide heads. Quick: <= 10 min after the installs.
 peer-install:
 	bash scripts/install-vllm-peer.sh .venv-peer
 
 bench-peer-quick: install peer-install
-	$(BIN)/python -m benchmarks.peer --quick
+	$(BIN)/python -m benchmarks.peer.compare --quick
 
 bench-peer: install peer-install
-	$(BIN)/python -m benchmarks.peer --full --profile
+	$(BIN)/python -m benchmarks.peer.compare --full --profile
 
 soak: install
 	$(BIN)/python -m pytest -q --timeout=3600 -m soak tests --run-soak

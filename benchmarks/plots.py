@@ -1,12 +1,12 @@
 """PNG plots of an analysis (matplotlib, optional): TTFT against N per mode with the text control, bytes per
 request per mode, TTFT per turn for the conversation and the sliding window, and the cost of a new image per
-payload encoding and encoder placement, and the video scenarios (``benchmarks.videos.plot``)."""
+payload encoding and encoder placement, and the video scenarios (``benchmarks.transfer.videos.plot``)."""
 
 from __future__ import annotations
 
 import os
 
-from benchmarks import videos
+from benchmarks.transfer import videos
 
 _COLOURS = {"full": "tab:red", "strip": "tab:orange", "lazy": "tab:green"}
 _VARIANT_COLOURS = {"pixels+replicated": "tab:red", "encoded+replicated": "tab:blue", "encoded+sharded": "tab:green"}

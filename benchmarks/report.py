@@ -10,10 +10,12 @@ import collections
 import os
 from collections.abc import Iterable, Sequence
 
-from benchmarks import affinity, http_overhead, new_images, stats, videos
+from benchmarks.affinity import sdk_balancing as affinity
+from benchmarks.http_api import http_overhead
+from benchmarks.report_targets import ms_text, ratio_text, targets
+from benchmarks.support import stats
+from benchmarks.transfer import new_images, videos
 
-ANCHOR = {"before_ms_per_image": 21.0, "after_ms_per_image": 2.9}  # vLLM #52040 / PR #52041, TP=4 GPUs, 31B
-MODES = ("full", "strip", "lazy")
 _TIMED = ("image", "control")
 
 
@@ -182,124 +184,6 @@ def broadcast_cost(slope_rows: Sequence[dict], floors: Sequence[dict], size: str
     return out
 
 
-def _target(name: str, target: str, measured: str, ok: bool | None) -> dict:
-    return {
-        "name": name,
-        "target": target,
-        "measured": measured,
-        "status": {True: "met", False: "MISSED", None: "not measured"}[ok],
-    }
-
-
-def targets(analysis: dict) -> list[dict]:
-    """Every issue-7 target next to its measured value."""
-    rows, tables, sl = [], analysis["cached_floor"], analysis["slopes"]
-    cached = [r for r in tables if r["scenario"] == "cached_floor" and r["mode"] in ("strip", "lazy")]
-    if cached:
-        worst = max(r["payload_bytes"] for r in cached)
-        rows.append(
-            _target(
-                "strip/lazy: payload bytes of fully cached images",
-                "0 B",
-                f"max {worst:.0f} B per request over {len(cached)} configurations",
-                worst == 0,
-            )
-        )
-        meta = max(r["metadata_per_image_rank"] for r in cached)
-        rows.append(
-            _target("strip/lazy: metadata per cached image per rank", "≤ 256 B", f"max {meta:.0f} B", meta <= 256)
-        )
-    else:
-        rows.append(_target("strip/lazy: payload bytes of fully cached images", "0 B", "–", None))
-    lazy_turns = [t for t in analysis["turns"] if t["mode"] == "lazy" and t["scenario"] == "sliding_window"]
-    dup = [r for r in analysis["duplicate_warm"] if r["mode"] == "lazy"]
-    if lazy_turns or dup:
-        worst_sw = max((t["deliveries_per_image_rank"] for t in lazy_turns), default=0.0)
-        worst_dup = max((r["deliveries_per_image_rank"] for r in dup), default=0.0)
-        rows.append(_target("lazy: payload deliveries per distinct image per rank (sliding window, duplicate)",
-                            "≤ 1", f"sliding window {worst_sw:.2f}, duplicate {worst_dup:.2f}" +
-                            ("" if dup else " (duplicate not run)"), max(worst_sw, worst_dup) <= 1.0))  # fmt: skip
-    for client, limit in (("sdk", 0.1), ("resend", 0.5)):
-        hits = [
-            s
-            for s in sl
-            if (s["scenario"], s["mode"], s["client"]) == ("cached_floor", "lazy", client) and s["image_specific"]
-        ]
-        if not hits:
-            rows.append(_target(f"lazy image-specific TTFT slope, {client} client", f"≤ {limit} ms/image", "–", None))
-            continue
-        text = "; ".join(
-            f"TP{s['tp']}: {s['image_specific']['slope']:+.3f} ms "
-            f"[{s['image_specific']['ci_low']:+.3f}, {s['image_specific']['ci_high']:+.3f}]"
-            for s in hits
-        )
-        ok = all(s["image_specific"]["slope"] <= limit for s in hits)
-        rows.append(
-            _target(
-                f"lazy image-specific TTFT slope (images − text control), {client} client",
-                f"≤ {limit} ms/image (point estimate; 95 % CI shown)",
-                text,
-                ok,
-            )
-        )
-    for mode in MODES:
-        hits = [s for s in sl if (s["scenario"], s["mode"], s["client"]) == ("cached_floor", mode, "sdk")]
-        if hits:
-            text = "; ".join(
-                f"TP{s['tp']}: {s['images']['slope']:.3f} ms [{s['images']['ci_low']:.3f}, "
-                f"{s['images']['ci_high']:.3f}]"
-                for s in hits
-            )
-            ok = all(s["images"]["ci_low"] > 0 for s in hits) if mode == "full" else None
-            rows.append(_target(f"total TTFT slope, {mode} (anchor: {ANCHOR['before_ms_per_image']} before, "
-                                f"{ANCHOR['after_ms_per_image']} after)", "full grows linearly (CI above 0)"
-                                if mode == "full" else "reported", text, ok))  # fmt: skip
-    for b in analysis["broadcast"]:
-        ok = b["ratio_to_grpc"] is not None and b["ratio_to_grpc"] <= 1.5
-        rows.append(_target(f"full per-image broadcast, TP{b['tp']} (full − strip slope)", "≤ 1.5× gRPC floor",
-                            f"{b['per_image_ms']:.2f} ms = {_x(b['ratio_to_grpc'])} gRPC floor "
-                            f"({_f(b['grpc_floor_ms'])} ms), {_x(b['ratio_to_shm'])} shm floor "
-                            f"({_f(b['shm_floor_ms'])} ms)", ok))  # fmt: skip
-    steps = analysis.get("scheduler_steps")
-    if steps:
-        for mode, v in steps["modes"].items():
-            rows.append(_target(f"scheduler decode-step time flat, {mode}, {steps['counts'][0]}→{steps['counts'][-1]} "
-                                "items", "±20 %, items examined bounded",
-                                f"max deviation {v['flatness'] * 100:.1f} % (p50 {v['rows'][0]['decode_p50_us']:.1f} → "
-                                f"{v['rows'][-1]['decode_p50_us']:.1f} µs), items examined ≤ {v['items_examined_max']}",
-                                v["flatness"] <= 0.2 and v["items_examined_max"] <= 16))  # fmt: skip
-    eq = analysis["equality"]
-    rows += analysis.get("new_images", {}).get("targets", [])
-    rows += (analysis.get("videos") or {}).get("targets", [])
-    rows.append(
-        _target(
-            "all modes return the same tokens",
-            "no mismatch",
-            f"{eq['checked']} comparisons, {len(eq['mismatches'])} mismatches (across TP sizes, "
-            f"informational: {eq['cross_tp_agree']}/{eq['cross_tp_compared']} agree)",
-            eq["ok"],
-        )
-    )
-    xc = analysis["crosscheck"]
-    rows.append(
-        _target(
-            "scheduler byte counters = workers' received bytes",
-            "equal",
-            f"{xc['requests']} requests, {len(xc['mismatches'])} mismatches",
-            xc["ok"],
-        )
-    )
-    return rows
-
-
-def _x(v: float | None) -> str:
-    return "–" if v is None else f"{v:.2f}×"
-
-
-def _f(v: float | None) -> str:
-    return "–" if v is None else f"{v:.2f}"
-
-
 def duplicate_warm(records: Sequence[dict]) -> list[dict]:
     """Duplicate control: payload deliveries of its single image per rank, over every request of the scenario."""
     out = []
@@ -362,9 +246,8 @@ def quick_table(analysis: dict) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots: Sequence[str]) -> None:
-    from benchmarks.floors import floors_table  # noqa: F401 - the caller renders floors with it
-
+def _header(meta: dict, analysis: dict) -> list[str]:
+    """The run's machine, versions and load, and the targets table."""
     out = [f"# mmcast benchmark — {meta['plan']} ({meta['timestamp']})", "",
            f"Machine: {meta['machine']['cpu']} ({meta['machine']['cores']} cores, {meta['machine']['memory_gib']:.0f} "
            f"GiB), load average before/after {meta['machine']['loadavg_before']} / {meta['machine'].get('loadavg_after')}. "
@@ -388,6 +271,12 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
         "|---|---|---|---|",
     ]
     out += [f"| {t['name']} | {t['target']} | {t['measured']} | {t['status']} |" for t in analysis["targets"]]
+    return out
+
+
+def _subject_sections(meta: dict, analysis: dict) -> list[str]:
+    """New images, videos, the HTTP door and replicas: the sections of the benchmarks that ran."""
+    out: list[str] = []
     fresh = new_images.markdown(analysis.get("new_images") or {"rows": []})
     if fresh:
         out += ["", "## New images: cost per never-seen image (issue 15)", "",
@@ -409,14 +298,14 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
                 "heaviest payload), through the SDK (each clip uploaded once, referenced by hash); bytes are the "
                 "scheduler's `mmcast_broadcast_bytes_total{kind=\"payload\"}` per request, summed over ranks; "
                 "encoder runs and deliveries are `Usage.encoder_runs` and `Usage.images_sent` (videos counted as "
-                "items). benchmarks/videos.py says how each figure is made.", "", clips, ""]  # fmt: skip
+                "items). benchmarks/transfer/videos.py says how each figure is made.", "", clips, ""]  # fmt: skip
     if analysis.get("http_overhead"):
         out += [
             "",
             "## The HTTP door against the gRPC SDK (issue 24)",
             "",
             "One fresh group (TP1, defaults), the same requests through the SDK and the `openai` package, "
-            "interleaved request by request (benchmarks/http_overhead.py).",
+            "interleaved request by request (benchmarks/http_api/http_overhead.py).",
             "",
             http_overhead.markdown(analysis["http_overhead"]),
             "",
@@ -424,6 +313,13 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
     scale_out = affinity.markdown(analysis.get("affinity"))
     if scale_out:
         out += ["", "## Replicas: ring hash against round robin (issue 16)", "", scale_out, ""]
+    return out
+
+
+def _transfer_sections(analysis: dict, floors_md: str) -> list[str]:
+    """The transfer modes: the cached floor, bytes per request, conversations, the uncached path, the floors and
+    the scheduler's step time."""
+    out: list[str] = []
     out += [
         "",
         "## Cached floor: TTFT (client side, ms) against N cached images",
@@ -459,8 +355,8 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
             "|---|---|---|---|---|---|",
         ]
         for b in analysis["broadcast"]:
-            out.append(f"| {b['tp']} | {b['per_image_ms']:.2f} | {_f(b['grpc_floor_ms'])} | {_x(b['ratio_to_grpc'])} | "
-                       f"{_f(b['shm_floor_ms'])} | {_x(b['ratio_to_shm'])} |")  # fmt: skip
+            out.append(f"| {b['tp']} | {b['per_image_ms']:.2f} | {ms_text(b['grpc_floor_ms'])} | {ratio_text(b['ratio_to_grpc'])} | "
+                       f"{ms_text(b['shm_floor_ms'])} | {ratio_text(b['ratio_to_shm'])} |")  # fmt: skip
     out += ["", "## Transport floors (one payload to N receiver processes, ms per image)", "", floors_md, ""]
     steps = analysis.get("scheduler_steps")
     if steps:
@@ -474,6 +370,13 @@ def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots:
                 + f" | {v['items_examined_max']} |"
             )
         out.append("")
+    return out
+
+
+def write_markdown(path: str, meta: dict, analysis: dict, floors_md: str, plots: Sequence[str]) -> None:
+    from benchmarks.transfer.floors import floors_table  # noqa: F401 - the caller renders floors with it
+
+    out = [*_header(meta, analysis), *_subject_sections(meta, analysis), *_transfer_sections(analysis, floors_md)]
     out += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots] or [
         "(plots skipped: matplotlib is not installed)"
     ]

@@ -2,13 +2,13 @@
 
 In one run: the transport floors, the scheduler's step time against items held, then for every configuration
 (tensor-parallel size × transfer mode) a fresh local group (real processes, the embedded tiny model, loopback)
-that is warmed and driven through the SDK scenarios of ``benchmarks.scenarios`` (and the video scenarios of
-``benchmarks.videos``: cached clips, a new clip, the live stream, in the groups the plan's ``VideoPlan`` names), then
+that is warmed and driven through the SDK scenarios of ``benchmarks.support.scenarios`` (and the video scenarios of
+``benchmarks.transfer.videos``: cached clips, a new clip, the live stream, in the groups the plan's ``VideoPlan`` names), then
 for every tensor-parallel
 size × new-image variant (payload encoding + encoder placement) a fresh group driven through
-``benchmarks.new_images``, the rank's forward against transformers' static batch on real-width 2-layer checkpoints
-(``benchmarks.rank_engine``: 2B widths in the quick plan, 2B and 7B in the full one), and (full plan) three replicas
-behind one client, ring hash against round robin (``benchmarks.affinity``). All modes, and all variants, must return the same tokens (greedy, ``ignore_eos``); a
+``benchmarks.transfer.new_images``, the rank's forward against transformers' static batch on real-width 2-layer checkpoints
+(``benchmarks.rank.rank_engine``: 2B widths in the quick plan, 2B and 7B in the full one), and (full plan) three replicas
+behind one client, ring hash against round robin (``benchmarks.affinity.sdk_balancing``). All modes, and all variants, must return the same tokens (greedy, ``ignore_eos``); a
 mismatch fails the run after the results are written. Output goes to
 ``benchmarks/results/<timestamp>-<plan>/``: ``results.json`` (machine, versions, commit, every record and figure),
 ``results.md`` (tables; every issue-7 target next to its measured value) and PNG plots (with matplotlib).
@@ -26,12 +26,16 @@ import sys
 import time
 from collections.abc import Callable
 
-from benchmarks import affinity, grammar_cost, http_overhead, new_images, plots, report, sched_steps, videos
-from benchmarks import floors as floors_mod
-from benchmarks.new_images import CANDIDATE, ImageSet
-from benchmarks.paths import RESULTS, ROOT
-from benchmarks.scenarios import Images, Record, Session, question, user
-from benchmarks.videos import Clips, VideoPlan
+from benchmarks import plots, report
+from benchmarks.affinity import sdk_balancing as affinity
+from benchmarks.http_api import http_overhead
+from benchmarks.rank import grammar_cost
+from benchmarks.support.paths import RESULTS, ROOT
+from benchmarks.support.scenarios import Images, Record, Session, question, user
+from benchmarks.transfer import floors as floors_mod
+from benchmarks.transfer import new_images, sched_steps, videos
+from benchmarks.transfer.new_images import CANDIDATE, ImageSet
+from benchmarks.transfer.videos import Clips, VideoPlan
 from common.process import ensure_allocator_env
 
 PIXEL_PATH = ("--payload-encoding", "pixels", "--encoder-placement", "replicated")
@@ -57,15 +61,25 @@ class Plan:
     correctness_tps: tuple[int, ...] = ()  # sizes run for token equality only (oversubscribed: not timed)
     max_tokens: int = 4
     kv_blocks: int = 8192
-    security: bool = False  # also run benchmarks/security_load.py (hostile inputs beside a token stream)
-    rank_memory_tps: tuple[int, ...] = ()  # benchmarks/rank_memory.py: rank peak RSS vs plain transformers per TP
-    new_image_groups: tuple[tuple[int, str], ...] = ()  # benchmarks/new_images.py: a fresh group per (TP, variant)
+    security: bool = False  # also run benchmarks/http_api/security_load.py (hostile inputs beside a token stream)
+    rank_memory_tps: tuple[int, ...] = ()  # benchmarks/rank/rank_memory.py: rank peak RSS vs plain transformers per TP
+    new_image_groups: tuple[
+        tuple[int, str], ...
+    ] = ()  # benchmarks/transfer/new_images.py: a fresh group per (TP, variant)
     new_image_sets: tuple[ImageSet, ...] = ()
-    affinity: affinity.AffinityPlan | None = None  # benchmarks/affinity.py: replicas, ring hash vs round robin
-    rank_engine: str | None = None  # benchmarks/rank_engine.py's plan: the rank's forward vs transformers' batch
-    http_overhead: str | None = None  # benchmarks/http_overhead.py's plan: the HTTP door against the SDK, one group
-    video: VideoPlan | None = None  # benchmarks/videos.py: cached clips, a new clip, the live stream per (TP, mode)
-    grammar_rounds: int = 0  # benchmarks/grammar_cost.py: rounds of the constrained-beside-free decode (0: skipped)
+    affinity: affinity.AffinityPlan | None = (
+        None  # benchmarks/affinity/sdk_balancing.py: replicas, ring hash vs round robin
+    )
+    rank_engine: str | None = None  # benchmarks/rank/rank_engine.py's plan: the rank's forward vs transformers' batch
+    http_overhead: str | None = (
+        None  # benchmarks/http_api/http_overhead.py's plan: the HTTP door against the SDK, one group
+    )
+    video: VideoPlan | None = (
+        None  # benchmarks/transfer/videos.py: cached clips, a new clip, the live stream per (TP, mode)
+    )
+    grammar_rounds: int = (
+        0  # benchmarks/rank/grammar_cost.py: rounds of the constrained-beside-free decode (0: skipped)
+    )
 
     def clients(self, mode: str) -> list[str]:
         return ["sdk", "resend"] if mode in self.resend_modes else ["sdk"]
@@ -82,7 +96,7 @@ PLANS = {
                   new_image_groups=((1, CANDIDATE),), new_image_sets=(ImageSet(*_JPEG_448, (1, 2), 2),),
                   video=VideoPlan(ns=(1, 2), repeats=1, new_repeats=1, stream_turns=4, modes=("lazy",), tps=(1,)),
                   grammar_rounds=2),
-    # Video (benchmarks/videos.py): one tiny pass, lazy only (the smoke's time may grow by seconds, not tens).
+    # Video (benchmarks/transfer/videos.py): one tiny pass, lazy only (the smoke's time may grow by seconds, not tens).
     # make bench-quick (<= 6 min): 448x448 keeps the 26-image prefill (6.6k tokens) cheap on 2 CPU cores; a
     # 1280x720 prompt of 26 images is 31k tokens, whose uncached prefill alone takes ~20 s per configuration here.
     # New images: 448x448 JPEG and PNG with N = 1, 4, 8; one 1280x720 JPEG per request (bytes, runs and CPU per
@@ -136,7 +150,7 @@ def run_config(
     load = [round(x, 2) for x in os.getloadavg()]
     # The transfer-mode scenarios measure what each mode saves on the heaviest payload: the frontend's pixel_values
     # sent to every rank (--payload-encoding pixels, --encoder-placement replicated). What the defaults cost per new
-    # image is benchmarks/new_images.py's subject.
+    # image is benchmarks/transfer/new_images.py's subject.
     with LocalGroup(model_dir, tp=tp, transfer_mode=mode, kv_blocks=plan.kv_blocks, scheduler_args=PIXEL_PATH) as group:
         started = time.monotonic() - t0
         session = Session(group, tp, mode, plan.max_tokens, on_record)
@@ -294,19 +308,19 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
         log("structured output beside free decoding\n" + grammar_cost.write(out_dir, grammar))
     security = []
     if plan.security:
-        from benchmarks import security_load
+        from benchmarks.http_api import security_load
 
         security = security_load.measure(model_dir, log)
         log("hostile inputs beside a token stream\n" + security_load.write(out_dir, security))
     rank_memory = None
     if plan.rank_memory_tps:
-        from benchmarks import rank_memory as rank_memory_mod
+        from benchmarks.rank import rank_memory as rank_memory_mod
 
         rank_memory = rank_memory_mod.measure(list(plan.rank_memory_tps), log=log)
         log("rank peak RSS, demo conversation, real-width checkpoint\n" + rank_memory_mod.write(out_dir, rank_memory))
     engine = None
     if plan.rank_engine:
-        from benchmarks import rank_engine
+        from benchmarks.rank import rank_engine
 
         engine = rank_engine.measure(rank_engine.PLANS[plan.rank_engine], log=log)
         log("the rank's forward against transformers' static batch\n" + rank_engine.write(out_dir, engine))

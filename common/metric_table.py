@@ -1,7 +1,7 @@
 """Prometheus metrics declared as data: each process lists its metrics in one table of ``Metric`` rows (name, kind,
 help, labels, buckets), and ``MetricSet`` registers the rows in the process's registry as attributes the code uses.
 
-The scheduler's table is in scheduler_svc/metrics.py, the worker's in worker_svc/metrics.py; docs/METRICS.md is
+The scheduler's table is in scheduler_svc/engine/metrics.py, the worker's in worker_svc/metrics.py; docs/METRICS.md is
 rendered from the registries they fill (scripts/metrics_doc.py).
 """
 

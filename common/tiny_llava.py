@@ -43,7 +43,7 @@ VISION_CONFIG = {
 
 
 def build_config(text: dict, token_ids: dict, kv_heads: int):
-    """The LLaVA config over the tiny decoder settings ``text`` (``tiny_model._TEXT_CONFIG``), a Llama decoder with
+    """The LLaVA config over the tiny decoder settings ``text`` (``tiny_recipe.TEXT_CONFIG``), a Llama decoder with
     ``kv_heads`` KV heads and plain (1-D) RoPE."""
     from transformers import LlavaConfig
 

@@ -29,17 +29,13 @@ imports it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import ipaddress
 import json
 import logging
 import os
 import pathlib
 import secrets
-import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,101 +44,39 @@ import time
 from collections.abc import Sequence
 
 from common.model_checks import check_checkpoint
-from common.process import ALLOCATOR_ENV, EXIT_STARTUP_FAILURE, startup_failure_cause
+from common.process import ALLOCATOR_ENV
+from mmcast_local.child_processes import LAUNCHER, Child, command_for, free_ports, is_loopback
 from mmcast_local.cpu_pinning import cpu_plan
+from mmcast_local.supervision import Supervision
 
 log = logging.getLogger("mmcast_local.supervisor")
 
 TRANSFER_MODES = ("full", "strip", "lazy")
 GENERATION_SERVICE = "mmcast.v1.GenerationService"
 WORKER_SERVICE = "mmcast.v1.WorkerService"
-# Runs first in every child, then execs the real command. A preexec_fn would run Python between fork and exec in
-# a process whose gRPC threads (the supervisor's clients and health checks) did not survive the fork; gRPC's fork
-# handlers then abort the child now and then. The launcher costs one interpreter start-up (~30 ms).
-_LAUNCHER = """\
-import ctypes, os, signal, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the supervisor thread
-if os.getppid() != int(sys.argv[1]):  # the supervisor died before prctl took effect
-    os._exit(1)
-if sys.argv[2]:  # the CPUs this child is pinned to (cpu_plan); kept across exec, before any thread exists
-    os.sched_setaffinity(0, [int(c) for c in sys.argv[2].split(",")])
-os.execvp(sys.argv[3], sys.argv[3:])
-"""
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-# Listening ports are drawn below the kernel's ephemeral range: a port the OS hands out for `bind(0)` lies inside
-# it, where any outgoing connection (a rank's rendezvous, a health check) may take it before the child binds it.
-_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
-_LISTEN_PORTS = (10000, 32767)  # used when the ephemeral range is unknown or leaves too little room below it
-
-
-def _listen_port_range() -> tuple[int, int]:
-    try:
-        with open(_EPHEMERAL_RANGE) as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return _LISTEN_PORTS
-    return (10000, low - 1) if low > 12000 else _LISTEN_PORTS
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free now, below the ephemeral range where one can (all sockets held open until all
-    are chosen); ports the OS picks where none below is free."""
-    low, high = _listen_port_range()
-    rng = secrets.SystemRandom()
-    sockets: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            for _attempt in range(64):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                try:
-                    s.bind((host, rng.randint(low, high)))
-                except OSError:
-                    s.close()
-                    continue
-                break
-            else:
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _command(script: str, module: str) -> list[str]:
-    """$MMCAST_<SCRIPT>_COMMAND (shell words) if set, else the console script installed beside this interpreter,
-    else `python -m module`."""
-    override = os.environ.get("MMCAST_" + script.removeprefix("mmcast-").upper() + "_COMMAND")
-    if override:
-        return shlex.split(override)
-    beside = pathlib.Path(sys.executable).parent / script
-    if beside.exists():
-        return [str(beside)]
-    return [sys.executable, "-m", module]
+def _check_arguments(model_dir, tp: int, transfer_mode: str, port: int, http_port, metrics_port_base) -> None:
+    """ValueErrors naming the argument, before anything starts."""
+    if tp < 1:
+        raise ValueError(f"tp={tp} must be >= 1")
+    if transfer_mode not in TRANSFER_MODES:
+        raise ValueError(f"transfer_mode={transfer_mode!r}; choose one of {TRANSFER_MODES}")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port={port} must be in [0, 65535] (0 picks a free one)")
+    if http_port is not None and not 0 <= http_port <= 65535:
+        raise ValueError(f"http_port={http_port} must be in [0, 65535] (0 picks a free one; None: no HTTP API)")
+    if metrics_port_base is not None and not 1 <= metrics_port_base <= 65535 - tp:
+        raise ValueError(f"metrics_port_base={metrics_port_base} must be in [1, {65535 - tp}]")
+    if os.path.isfile(os.path.join(model_dir, "config.json")):  # else the processes say what is missing
+        check_checkpoint(model_dir, tp, "--tp")  # ModelConfigError (a ValueError), one line naming --tp
 
 
 class StartupFailure(RuntimeError):
     """A process of the group refused to start for a reason a restart cannot cure; the message is its cause."""
 
 
-@dataclasses.dataclass
-class _Child:
-    name: str  # "scheduler" or "rank<r>"
-    argv: list[str]
-    log_path: pathlib.Path
-    process: subprocess.Popen | None = None
-
-
-class LocalGroup:
+class LocalGroup(Supervision):
     """A supervised local mmcast deployment; see the module docstring."""
 
     def __init__(
@@ -172,18 +106,7 @@ class LocalGroup:
         / `mmcast-worker` (e.g. under a profiler, or a stand-in in tests); the flags are appended to it. The
         environment variables MMCAST_SCHEDULER_COMMAND / MMCAST_WORKER_COMMAND do the same for serve-local.
         `pin_cpus`: pin the scheduler and each rank to CPUs of their own where there are enough (`cpu_plan`)."""
-        if tp < 1:
-            raise ValueError(f"tp={tp} must be >= 1")
-        if transfer_mode not in TRANSFER_MODES:
-            raise ValueError(f"transfer_mode={transfer_mode!r}; choose one of {TRANSFER_MODES}")
-        if not 0 <= port <= 65535:
-            raise ValueError(f"port={port} must be in [0, 65535] (0 picks a free one)")
-        if http_port is not None and not 0 <= http_port <= 65535:
-            raise ValueError(f"http_port={http_port} must be in [0, 65535] (0 picks a free one; None: no HTTP API)")
-        if metrics_port_base is not None and not 1 <= metrics_port_base <= 65535 - tp:
-            raise ValueError(f"metrics_port_base={metrics_port_base} must be in [1, {65535 - tp}]")
-        if os.path.isfile(os.path.join(model_dir, "config.json")):  # else the processes say what is missing
-            check_checkpoint(model_dir, tp, "--tp")  # ModelConfigError (a ValueError), one line naming --tp
+        _check_arguments(model_dir, tp, transfer_mode, port, http_port, metrics_port_base)
         self.model_dir = str(model_dir)
         self.tp = tp
         self.transfer_mode = transfer_mode
@@ -195,8 +118,8 @@ class LocalGroup:
         self.grace_seconds = grace_seconds
         self.max_restarts = max_restarts
         self.restart_window_seconds = restart_window_seconds
-        self.scheduler_command = list(scheduler_command or _command("mmcast-scheduler", "scheduler_svc.main"))
-        self.worker_command = list(worker_command or _command("mmcast-worker", "worker_svc.main"))
+        self.scheduler_command = list(scheduler_command or command_for("mmcast-scheduler", "scheduler_svc.main"))
+        self.worker_command = list(worker_command or command_for("mmcast-worker", "worker_svc.main"))
         self._own_log_dir = log_dir is None
         self.log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="mmcast-local-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -220,7 +143,7 @@ class LocalGroup:
         self.cpus = cpu_plan(sorted(os.sched_getaffinity(0)), tp) if pin_cpus else None
         self.env.setdefault("MMCAST_LOCAL_RANKS", "1" if self.cpus else str(tp))
         self.env.setdefault("MMCAST_RESERVED_CPUS", "0" if self.cpus else "1")
-        if _is_loopback(host):  # the ranks' gloo (CPU) / NCCL (GPU) sockets: loopback like every other port
+        if is_loopback(host):  # the ranks' gloo (CPU) / NCCL (GPU) sockets: loopback like every other port
             self.env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
         self.token_file = self._write_secret()  # removed by stop()
 
@@ -235,8 +158,8 @@ class LocalGroup:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self.scheduler = _Child("scheduler", self._scheduler_argv(), self.log_dir / "scheduler.log")
-        self.workers = [_Child(f"rank{r}", [], self.log_dir / f"rank{r}.log") for r in range(tp)]
+        self.scheduler = Child("scheduler", self._scheduler_argv(), self.log_dir / "scheduler.log")
+        self.workers = [Child(f"rank{r}", [], self.log_dir / f"rank{r}.log") for r in range(tp)]
 
     def _write_secret(self) -> pathlib.Path:
         """The group's shared token, in a 0600 file inside a fresh 0700 folder (``mkdtemp``)."""
@@ -398,78 +321,6 @@ class LocalGroup:
         return "\n".join(out)
 
     # -- supervision (all on the supervisor thread) ----------------------------------------------------------------
-    def _supervise(self) -> None:
-        try:
-            self._start_workers()
-            self._spawn(self.scheduler)
-        except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
-            self._start_error = e
-            self._started.set()
-            return
-        self._started.set()
-        try:
-            while not self._stopping.wait(0.2):
-                dead = [c for c in self.workers if c.process is not None and c.process.poll() is not None]
-                if dead:
-                    if self._gave_up_on_startup(dead):
-                        break
-                    codes = ", ".join(f"{c.name} exit {c.process.returncode}" for c in dead)
-                    if not self._may_restart(f"worker group ({codes})"):
-                        break
-                    self._terminate(self.workers, grace=min(self.grace_seconds, 2.0))
-                    self._start_workers()
-                if self.scheduler.process is not None and self.scheduler.process.poll() is not None:
-                    if self._gave_up_on_startup([self.scheduler]):
-                        break
-                    code = self.scheduler.process.returncode
-                    if not self._may_restart(f"scheduler (exit {code})"):
-                        break
-                    self._spawn(self.scheduler)
-        finally:
-            self._terminate([self.scheduler, *self.workers])
-
-    def _gave_up_on_startup(self, dead: Sequence[_Child]) -> bool:
-        """True (and `failure` set to the cause) when every process in `dead` exited with `EXIT_STARTUP_FAILURE`.
-
-        One killed by a signal or crashed among them makes it a crash: a rank whose peer was killed while the group
-        formed or loaded may fail its own start-up, and a restart cures that."""
-        if any(c.process.returncode != EXIT_STARTUP_FAILURE for c in dead):
-            return False
-        child = dead[0]
-        cause = startup_failure_cause(self._last_run_log(child)) or (
-            f"exited with status {EXIT_STARTUP_FAILURE} (start-up failure); see {child.log_path}"
-        )
-        self.failure = f"{child.name} could not start: {cause}"
-        self.startup_failed = True
-        log.error(self.failure)
-        return True
-
-    @staticmethod
-    def _last_run_log(child: _Child) -> str:
-        """The child's log since its latest start (the file collects every restart, each after a `=== ` line)."""
-        try:
-            lines = child.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return ""
-        starts = [i for i, line in enumerate(lines) if line.startswith("=== ") and " start: " in line]
-        return "\n".join(lines[starts[-1] + 1 :] if starts else lines)
-
-    def _may_restart(self, what: str) -> bool:
-        now = time.monotonic()
-        self._restart_times = [t for t in self._restart_times if now - t < self.restart_window_seconds]
-        if len(self._restart_times) >= self.max_restarts:
-            self.failure = (
-                f"{what} exited; gave up after {self.max_restarts} restarts within {self.restart_window_seconds:.0f} s"
-            )
-            log.error(self.failure)
-            return False
-        # A crash loop should not spin: the first restart is immediate, then 0.5 s, 1 s, 2 s, ... apart.
-        delay = 0.0 if not self._restart_times else min(8.0, 0.5 * 2 ** (len(self._restart_times) - 1))
-        self._restart_times.append(now)
-        self.restarts += 1
-        log.warning("restarting the %s in %.1f s", what, delay)
-        return not self._stopping.wait(delay)
-
     def _start_workers(self) -> None:
         # A fresh rendezvous port: a rank of the old group still in TIME_WAIT or a late peer must not join it.
         dist_port = self.dist_port
@@ -513,12 +364,12 @@ class LocalGroup:
             *self.scheduler_args,
         ]  # fmt: skip
 
-    def _spawn(self, child: _Child) -> None:
+    def _spawn(self, child: Child) -> None:
         with open(child.log_path, "ab") as logf:
             logf.write(f"=== {time.strftime('%H:%M:%S')} start: {' '.join(child.argv)}\n".encode())
             logf.flush()
             process = subprocess.Popen(
-                [sys.executable, "-c", _LAUNCHER, str(os.getpid()), self._cpus_of(child), *child.argv],
+                [sys.executable, "-c", LAUNCHER, str(os.getpid()), self._cpus_of(child), *child.argv],
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
@@ -529,10 +380,10 @@ class LocalGroup:
         with self._lock:
             child.process = process
 
-    def _cpus_of(self, child: _Child) -> str:
+    def _cpus_of(self, child: Child) -> str:
         return "" if self.cpus is None else ",".join(str(c) for c in self.cpus[child.name])
 
-    def _terminate(self, children: Sequence[_Child], grace: float | None = None) -> None:
+    def _terminate(self, children: Sequence[Child], grace: float | None = None) -> None:
         """SIGTERM to each child's process group, then SIGKILL to the groups still alive after `grace`."""
         grace = self.grace_seconds if grace is None else grace
         running = [c.process for c in children if c.process is not None]

@@ -1,6 +1,6 @@
 """The form ``--allowed-media-domains`` entries and URL hosts are compared in.
 
-Both the configuration (which checks every entry at start-up) and the URL loader (``scheduler_svc/media_urls.py``,
+Both the configuration (which checks every entry at start-up) and the URL loader (``scheduler_svc/doors/media_urls.py``,
 which compares a URL's host with them) use it, so it sits below both.
 """
 

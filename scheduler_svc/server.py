@@ -29,18 +29,18 @@ from prometheus_client import start_http_server
 
 from common import tls
 from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
-from common.decode_guard import DecodeGuardInterceptor
 from common.hashing import model_fingerprint
+from common.parse_guard import ParseGuardInterceptor
 from common.process import StartupError
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
-from scheduler_svc.completion import Completions
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import Engine
-from scheduler_svc.http_server import HttpMetrics, HttpServer
-from scheduler_svc.metrics import SchedulerMetrics
-from scheduler_svc.rank_streams import WorkerGroup
-from scheduler_svc.servicer import GenerationServiceServicer
-from scheduler_svc.structured_output import GrammarCompiler
+from scheduler_svc.core.structured_output import GrammarCompiler
+from scheduler_svc.doors.http_server import HttpMetrics, HttpServer
+from scheduler_svc.doors.servicer import GenerationServiceServicer
+from scheduler_svc.engine.completion import Completions
+from scheduler_svc.engine.metrics import SchedulerMetrics
+from scheduler_svc.engine.step_loop import Engine
+from scheduler_svc.transport.rank_streams import WorkerGroup
 
 log = logging.getLogger("mmcast.scheduler")
 
@@ -50,13 +50,30 @@ GUARDED_METHODS = (
 )  # what a bearer token is required for; health and reflection stay open
 
 
+def _worker_credentials(config: SchedulerConfig) -> tuple:
+    """(the rank streams' TLS files, the metadata every rank stream sends): read now, so a bad file stops the start."""
+    worker_tls = tls.channel_files(
+        config.worker_tls_ca_file, config.worker_tls_cert_file, config.worker_tls_key_file, prefix="--worker-"
+    )
+    worker_metadata = ()
+    if config.worker_token_file:
+        token = read_token_file(config.worker_token_file, "--worker-token-file")
+        worker_metadata = (("authorization", f"Bearer {token}"),)
+    elif not config.worker_tls_cert_file:
+        log.warning(
+            "no credentials for the rank streams (--worker-token-file, --worker-tls-cert-file): ranks that require "
+            "authentication (the default) refuse this scheduler with UNAUTHENTICATED"
+        )
+    return worker_tls, worker_metadata
+
+
 class SchedulerServer:
     """Everything one scheduler process runs; usable in-process by tests (``start``/``stop``)."""
 
     def __init__(self, config: SchedulerConfig, *, metrics: SchedulerMetrics | None = None) -> None:
-        from scheduler_svc.frontend import Frontend
-        from scheduler_svc.request import Request, SamplingParams
-        from scheduler_svc.scheduler import Scheduler
+        from scheduler_svc.core.request import Request, SamplingParams
+        from scheduler_svc.core.scheduler import Scheduler
+        from scheduler_svc.engine.frontend import Frontend
 
         self.config = config
         self.metrics = metrics or SchedulerMetrics()
@@ -65,18 +82,7 @@ class SchedulerServer:
             config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
         )
         self.tokens = TokenTable(config.auth_tokens_file) if config.auth_tokens_file else None
-        worker_tls = tls.channel_files(
-            config.worker_tls_ca_file, config.worker_tls_cert_file, config.worker_tls_key_file, prefix="--worker-"
-        )
-        worker_metadata = ()
-        if config.worker_token_file:
-            token = read_token_file(config.worker_token_file, "--worker-token-file")
-            worker_metadata = (("authorization", f"Bearer {token}"),)
-        elif not config.worker_tls_cert_file:
-            log.warning(
-                "no credentials for the rank streams (--worker-token-file, --worker-tls-cert-file): ranks that require "
-                "authentication (the default) refuse this scheduler with UNAUTHENTICATED"
-            )
+        worker_tls, worker_metadata = _worker_credentials(config)
         model_dir = Path(config.model)
         self.fingerprint = model_fingerprint(model_dir)
         self.frontend = Frontend(model_dir, config, metrics=self.metrics)
@@ -86,13 +92,7 @@ class SchedulerServer:
         eos = self.frontend.eos_token_ids
         self._Request, self._SamplingParams = Request, SamplingParams
 
-        # Prefix-cache events for outside pickers (--kv-events-endpoint): every core of this process feeds one sink.
-        self.kv_events = None
-        if config.kv_events_endpoint:
-            from scheduler_svc.kv_events import KVEventPublisher, KVEventSink
-
-            sink = KVEventSink(config.block_size, config.kv_events_queue, self.metrics)
-            self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_topic, sink, self.metrics)
+        self.kv_events = self._kv_events()  # prefix-cache events for outside pickers (--kv-events-endpoint)
 
         def core_factory(budget):
             return Scheduler(
@@ -104,27 +104,7 @@ class SchedulerServer:
                 kv_events=self.kv_events.sink if self.kv_events else None,
             )
 
-        self.group = WorkerGroup(
-            config.workers,
-            model_fingerprint=self.fingerprint,
-            block_size=config.block_size,
-            scheduler_id=config.scheduler_id,
-            chunk_size=config.chunk_size_bytes,
-            step_timeout=config.step_timeout_seconds,
-            on_bytes=lambda kind, n: self.metrics.broadcast_bytes.labels(kind).inc(n),
-            channel_factory=self._worker_channel_factory(worker_tls),
-            call_metadata=worker_metadata,
-            image_formats=config.image_formats,
-            max_image_pixels=config.max_image_pixels,
-            video_limits=worker_pb2.VideoDecodeLimits(
-                max_bytes=config.max_upload_bytes,
-                max_frame_pixels=config.max_video_frame_pixels,
-                max_duration_seconds=config.max_video_seconds,
-                max_total_frames=config.max_video_total_frames,
-                max_sampled_frames=config.max_video_frames,
-                max_streams=config.max_video_streams,
-            ),
-        )
+        self.group = self._worker_group(worker_tls, worker_metadata)
         self.metrics.upload_store_bytes.set_function(lambda: self.uploads.used)
         self.metrics.processor_cache_bytes.set_function(lambda: self.frontend.cache.used)
         self.metrics.upload_pending_bytes.set_function(lambda: self.uploads.pending.total)
@@ -165,9 +145,43 @@ class SchedulerServer:
         self.port = 0
         self._health_state: dict[str, int] = {}
 
+    def _kv_events(self):
+        """The KV-event publisher every core of this process feeds through one sink; None when off."""
+        config = self.config
+        if not config.kv_events_endpoint:
+            return None
+        from scheduler_svc.transport.kv_events import KVEventPublisher, KVEventSink
+
+        sink = KVEventSink(config.block_size, config.kv_events_queue, self.metrics)
+        return KVEventPublisher(config.kv_events_endpoint, config.kv_events_topic, sink, self.metrics)
+
+    def _worker_group(self, worker_tls, worker_metadata) -> WorkerGroup:
+        config = self.config
+        return WorkerGroup(
+            config.workers,
+            model_fingerprint=self.fingerprint,
+            block_size=config.block_size,
+            scheduler_id=config.scheduler_id,
+            chunk_size=config.chunk_size_bytes,
+            step_timeout=config.step_timeout_seconds,
+            on_bytes=lambda kind, n: self.metrics.broadcast_bytes.labels(kind).inc(n),
+            channel_factory=self._worker_channel_factory(worker_tls),
+            call_metadata=worker_metadata,
+            image_formats=config.image_formats,
+            max_image_pixels=config.max_image_pixels,
+            video_limits=worker_pb2.VideoDecodeLimits(
+                max_bytes=config.max_upload_bytes,
+                max_frame_pixels=config.max_video_frame_pixels,
+                max_duration_seconds=config.max_video_seconds,
+                max_total_frames=config.max_video_total_frames,
+                max_sampled_frames=config.max_video_frames,
+                max_streams=config.max_video_streams,
+            ),
+        )
+
     def _http_server(self) -> HttpServer:
-        from scheduler_svc.media_urls import MediaLoader, MediaPolicy
-        from scheduler_svc.openai_api import OpenAIApi
+        from scheduler_svc.doors.media_urls import MediaLoader, MediaPolicy
+        from scheduler_svc.doors.openai_api import OpenAIApi
 
         c = self.config
         self.openai = OpenAIApi(
@@ -266,7 +280,7 @@ class SchedulerServer:
         interceptors = [AioServerMetricsInterceptor(self.metrics.registry, services=[generation_service])]
         if self.tokens is not None:
             interceptors.append(BearerTokenInterceptor(self.tokens, GUARDED_METHODS))
-        interceptors.append(DecodeGuardInterceptor())
+        interceptors.append(ParseGuardInterceptor())
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs vLLM's CPU build into its own virtual environment (default .venv-peer), for benchmarks/peer.py, which
+# Installs vLLM's CPU build into its own virtual environment (default .venv-peer), for benchmarks/peer/compare.py, which
 # runs vLLM beside mmcast on the same machine. Repeatable: a finished install is recognised by a stamp and skipped.
 # vLLM pins its own transformers (< 5.20) and brings its own torchvision; none of it may reach the project's .venv
 # (mmcast runs on transformers 5.24 and without torchvision), hence the separate environment.
@@ -50,7 +50,7 @@ mkdir -p "$ALIAS"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM" >"$ALIAS/METADATA"
 echo "mmcast scripts/install-vllm-peer.sh" >"$ALIAS/INSTALLER"
 
-# 6. py-spy, the sampling profiler benchmarks/peer_profile.py runs on mmcast's processes (a static binary; kept here
+# 6. py-spy, the sampling profiler benchmarks/peer/peer_profile.py runs on mmcast's processes (a static binary; kept here
 #    so the project's .venv stays as pyproject.toml has it).
 "${PIP[@]}" py-spy
 

@@ -35,7 +35,7 @@ def _registries():
     from prometheus_client import CollectorRegistry
 
     from common.grpc_metrics import GrpcServerMetrics
-    from scheduler_svc.metrics import SchedulerMetrics
+    from scheduler_svc.engine.metrics import SchedulerMetrics
     from worker_svc.metrics import WorkerMetrics
 
     out = {}

@@ -4,7 +4,7 @@ request schema and from what the HTTP door really refuses, so the table cannot d
     .venv/bin/python scripts/openai_params_doc.py          # rewrite the table in README.md
     .venv/bin/python scripts/openai_params_doc.py --check  # exit 1 when the committed table differs
 
-Every top-level field of the endpoints' pydantic models (``scheduler_svc/openai_schema.py``) is a row. Its status
+Every top-level field of the endpoints' pydantic models (``scheduler_svc/doors/openai_schema.py``) is a row. Its status
 comes from the door itself: the script builds the HTTP app in-process (no model, no engine) and sends each endpoint
 a body with that field at a non-default value and a model name the server does not serve. The door checks
 unsupported parameters before the model, so a 400 ``unsupported`` naming the field means "refused unless left at
@@ -48,12 +48,12 @@ REQUIRED = {
 
 
 def _schemas() -> dict:
-    from scheduler_svc import openai_schema
+    from scheduler_svc.doors import openai_schema
 
     return {
-        "/v1/chat/completions": openai_schema.ChatCompletionRequest,
-        "/v1/completions": openai_schema.CompletionRequest,
-        "/v1/responses": openai_schema.ResponsesRequest,
+        "/v1/chat/completions": openai_schema.ChatCompletionBody,
+        "/v1/completions": openai_schema.CompletionBody,
+        "/v1/responses": openai_schema.ResponsesBody,
     }
 
 
@@ -61,7 +61,7 @@ def _client():
     from starlette.testclient import TestClient
 
     from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.openai_api import OpenAIApi
+    from scheduler_svc.doors.openai_api import OpenAIApi
 
     family = types.SimpleNamespace(tool_format="hermes")  # the Qwen-VL families' tool calls
     frontend = types.SimpleNamespace(vocab_size=1024, image_token_id=None, video_token_id=None, family=family)
@@ -89,7 +89,7 @@ def _samples(schema, field: str, path: str) -> list:
 def statuses() -> dict[str, dict[str, str]]:
     """parameter -> endpoint -> "served" | "refused" | "ignored". Refused: some value of it other than the default
     gets a 400 ``unsupported`` naming it."""
-    from scheduler_svc.openai_schema import IGNORED
+    from scheduler_svc.doors.openai_schema import IGNORED
 
     client, table = _client(), {}
     for path, schema in _schemas().items():

@@ -3,7 +3,7 @@
 A decode step multiplies a few rows (one per request) by every weight matrix of the decoder and by ``lm_head``.
 On CPU, PyTorch's dense ``linear`` runs these skinny products far below the machine's arithmetic rate; the same
 products over a weight held in oneDNN's own layout (``Tensor.to_mkldnn``) run 1.4-2.5x faster at 1-64 rows and
-about even at prefill sizes, thousands of rows (``benchmarks/rank_engine.py --cpu-linear dense`` measures the
+about even at prefill sizes, thousands of rows (``benchmarks/rank/rank_engine.py --cpu-linear dense`` measures the
 difference end to end; docs/PERFORMANCE.md, "The rank's forward", has the figures). The results agree with the dense
 product to float32 rounding (relative ~1e-6; the summation order differs).
 

@@ -33,9 +33,9 @@ from grpc_reflection.v1alpha import reflection
 
 from common import tls, tracing
 from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
-from common.decode_guard import DecodeGuardInterceptor
 from common.grpc_metrics import AioServerMetricsInterceptor
 from common.model_checks import ModelConfigError, check_checkpoint
+from common.parse_guard import ParseGuardInterceptor
 from common.process import ensure_allocator_env, setup_logging, startup_failure
 from mmcast.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig, load_config
@@ -75,7 +75,7 @@ async def start(config: WorkerConfig) -> RunningWorker:
     if config.shared_token_file:
         token = read_token_file(config.shared_token_file, "--shared-token-file")
         interceptors.append(BearerTokenInterceptor(TokenTable.single(token, "scheduler"), (f"/{SERVICE_NAME}/",)))
-    interceptors.append(DecodeGuardInterceptor())
+    interceptors.append(ParseGuardInterceptor())
     if not (config.shared_token_file or config.tls_client_ca_file):
         log.warning(
             "INSECURE: --insecure-allow-unauthenticated is set; any peer that reaches the Step port can open a stream, "

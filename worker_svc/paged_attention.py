@@ -20,7 +20,7 @@ tower keeps ``sdpa``). Each decoder layer calls ``paged_attention`` with the ste
      are one run of consecutive ids attends over a view of the pool (no copy); one whose table is fragmented (a
      cached prefix and new blocks) has its context rows gathered by one ``index_select`` per layer for keys and
      one for values (scoring each run apart cost 5-20x a contiguous decode at 64 runs,
-     ``benchmarks/paged_attention.py``). Queries of a window attend causally to their own window (bottom-right
+     ``benchmarks/rank/paged_attention.py``). Queries of a window attend causally to their own window (bottom-right
      aligned after the computed prefix); the mask is built once per step, not per layer.
 
    Nothing is copied back: the gathered rows are read, the pool is only written at the new tokens' slots.

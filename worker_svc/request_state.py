@@ -149,6 +149,34 @@ def check_prefix_written(state: RequestState, written: set[int], block_size: int
             )
 
 
+def _positions(
+    msg, prompt: list[int], num_prompt: int, features: list, start: int, live: bool, rope_kwargs, where: str
+):
+    """The prompt's positions and the M-RoPE delta after it (1-D RoPE: ``rope_kwargs`` None); a live turn's from
+    ``start``, after the session's ``position_offset``."""
+    rid = msg.request_id
+    offset = msg.live.position_offset if live else 0
+    if live and any(f.mm_position.offset < start for f in features):
+        raise StepError(code.STATE_MISMATCH, f"{where}: an item lies in the live session's retained tokens", rid)
+    shifted = [f.shifted(-start) for f in features]
+    if rope_kwargs is None:
+        tail, tail_delta = torch.arange(num_prompt - start).reshape(1, -1), 0
+    else:
+        try:
+            tail, tail_delta = mrope_positions(prompt[start:num_prompt], shifted, **rope_kwargs)
+        except ValueError as exc:
+            raise StepError(code.STATE_MISMATCH, f"{where}: M-RoPE positions: {exc}", rid) from None
+    if start or offset:
+        # A live turn: its own tokens' positions from the model's rule, after the session's; the retained tokens'
+        # columns stay zero (their KV already holds their positions; window_positions refuses to read them).
+        positions = torch.zeros((tail.shape[0], num_prompt), dtype=torch.long)
+        positions[:, start:] = tail + offset
+        delta = tail_delta + offset - start
+    else:
+        positions, delta = tail, tail_delta
+    return positions, delta
+
+
 def admit(
     msg: worker_pb2.NewRequest,
     *,
@@ -204,25 +232,7 @@ def admit(
                 f.identifier,
             )
     start = computed if live else 0
-    offset = msg.live.position_offset if live else 0
-    if live and any(f.mm_position.offset < start for f in features):
-        raise StepError(code.STATE_MISMATCH, f"{where}: an item lies in the live session's retained tokens", rid)
-    shifted = [f.shifted(-start) for f in features]
-    if rope_kwargs is None:
-        tail, tail_delta = torch.arange(num_prompt - start).reshape(1, -1), 0
-    else:
-        try:
-            tail, tail_delta = mrope_positions(prompt[start:num_prompt], shifted, **rope_kwargs)
-        except ValueError as exc:
-            raise StepError(code.STATE_MISMATCH, f"{where}: M-RoPE positions: {exc}", rid) from None
-    if start or offset:
-        # A live turn: its own tokens' positions from the model's rule, after the session's; the retained tokens'
-        # columns stay zero (their KV already holds their positions; window_positions refuses to read them).
-        positions = torch.zeros((tail.shape[0], num_prompt), dtype=torch.long)
-        positions[:, start:] = tail + offset
-        delta = tail_delta + offset - start
-    else:
-        positions, delta = tail, tail_delta
+    positions, delta = _positions(msg, prompt, num_prompt, features, start, live, rope_kwargs, where)
     return RequestState(
         request_id=RequestId(rid),
         token_ids=prompt,

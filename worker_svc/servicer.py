@@ -14,8 +14,8 @@ import time
 import grpc
 
 from common import tracing
-from common.decode_guard import Undecodable
 from common.item_proto import control_byte_breakdown
+from common.parse_guard import Unparsable
 from mmcast.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.handshake import HandshakeRejected
 from worker_svc.metrics import WorkerMetrics
@@ -109,7 +109,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         frame = await context.read()
         if frame is grpc.aio.EOF:
             return
-        if isinstance(frame, Undecodable):
+        if isinstance(frame, Unparsable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, frame.message)
         self._count(frame)
         kind = frame.WhichOneof("frame")
@@ -164,7 +164,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     )
                 if frame is grpc.aio.EOF:
                     return
-                if isinstance(frame, Undecodable):  # the stream's state is dropped (close_stream)
+                if isinstance(frame, Unparsable):  # the stream's state is dropped (close_stream)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, frame.message)
                 step_payload_bytes += self._count(frame)
                 kind = frame.WhichOneof("frame")

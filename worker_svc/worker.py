@@ -11,7 +11,7 @@ Failure policy:
 - With ``world_size > 1``, anything else failing during a step (a collective that timed out or lost its peer, a
   crash inside the sharded forward) leaves the group in an unknown state: the rank logs one clear line and exits
   non-zero, so the supervisor restarts the whole group. Only such faults of the rank or its group end a rank; if a
-  request's input is what crashes the group, the scheduler's poison isolation (``scheduler_svc/poison.py``) finds
+  request's input is what crashes the group, the scheduler's poison isolation (``scheduler_svc/core/poison.py``) finds
   and fails that request after the group's second failure with it.
 """
 

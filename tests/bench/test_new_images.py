@@ -8,9 +8,10 @@ import random
 
 import pytest
 
-from benchmarks import new_images, report
-from benchmarks.new_images import BASELINE, CANDIDATE, ImageSet
-from benchmarks.scenarios import Scraper, parse_metrics
+from benchmarks import report
+from benchmarks.support.scenarios import Scraper, parse_metrics
+from benchmarks.transfer import new_images
+from benchmarks.transfer.new_images import BASELINE, CANDIDATE, ImageSet
 
 PIXELS_448 = 1024 * 1176 * 4  # float32 pixel_values of one 448x448 image
 JPEG = 40_000

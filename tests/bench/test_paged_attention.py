@@ -1,4 +1,4 @@
-"""The paged-attention benchmark (benchmarks/paged_attention.py): its quick plan runs, checks both tables' outputs
+"""The paged-attention benchmark (benchmarks/rank/paged_attention.py): its quick plan runs, checks both tables' outputs
 against plain attention, and renders; a baseline tree is loaded beside this one. No timing is asserted."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from benchmarks import paged_attention as bench
+from benchmarks.rank import paged_attention as bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

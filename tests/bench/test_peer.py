@@ -1,4 +1,4 @@
-"""benchmarks/peer.py without vLLM (which lives in .venv-peer, not here): the report's arithmetic on made-up
+"""benchmarks/peer/compare.py without vLLM (which lives in .venv-peer, not here): the report's arithmetic on made-up
 figures, and the smoke plan end to end against one mmcast group, so the side-by-side driver cannot rot."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _point(rate, p99, throughput, wait=0.0, offered=10, failed=0):
 
 
 def test_throughput_at_the_slo_compares_the_rate_held_then_ties_within_one_percent():
-    from benchmarks.peer_report import throughput_held
+    from benchmarks.peer.peer_report import throughput_held
 
     assert throughput_held({"rate": 2.0, "request_throughput": 1.5}, {"rate": 1.0, "request_throughput": 0.8})
     assert not throughput_held({"rate": 1.0, "request_throughput": 0.8}, {"rate": 2.0, "request_throughput": 1.5})
@@ -37,7 +37,7 @@ def test_throughput_at_the_slo_compares_the_rate_held_then_ties_within_one_perce
 
 
 def test_a_rate_is_held_within_the_slo_without_holding_conversations_back():
-    from benchmarks.peer_report import at_slo, holds
+    from benchmarks.peer.peer_report import at_slo, holds
 
     assert holds(_point(1.0, 900, 0.95), 1000)
     assert not holds(_point(1.0, 1100, 0.95), 1000)  # p99 over the SLO
@@ -49,7 +49,7 @@ def test_a_rate_is_held_within_the_slo_without_holding_conversations_back():
 
 
 def test_question_permutations_are_distinct_and_of_equal_length():
-    from benchmarks.peer_client import question
+    from benchmarks.peer.peer_client import question
 
     qs = [question(i) for i in range(20)]
     assert len(set(qs)) == 20
@@ -58,7 +58,7 @@ def test_question_permutations_are_distinct_and_of_equal_length():
 
 @pytest.mark.slow
 def test_smoke_plan_on_mmcast_alone_writes_every_workload(tmp_path):
-    from benchmarks import peer
+    from benchmarks.peer import compare as peer
 
     out = tmp_path / "peer"
     assert peer.main(["--smoke", "--engines", "mmcast_tp1", "--out", str(out)]) == 0

@@ -1,4 +1,4 @@
-"""The side-by-side report's arithmetic on made-up inputs (benchmarks/peer_analysis.py, peer_capacity.py,
+"""The side-by-side report's arithmetic on made-up inputs (benchmarks/peer/peer_analysis.py, peer_capacity.py,
 peer_stages.py, peer_tables.py): the SLO ladder's stop rule, ratios per TP size, medians and spreads over rounds,
 the goals' verdicts, and the stage histogram's parsing. No engine runs here."""
 
@@ -49,7 +49,7 @@ def _run(scale: float = 1.0, throughput: float = 1.0, held=(1.0, 2.0), failed_at
 
 
 def test_the_ladder_stops_at_the_first_rate_failed_at_the_cap_or_when_its_time_is_spent():
-    from benchmarks.peer_capacity import first_failing_rate, ladder_stops
+    from benchmarks.peer.peer_capacity import first_failing_rate, ladder_stops
 
     rates = (1.0, 2.0, 4.0)
     assert ladder_stops([], SLO, rates, 0.0, 100.0) is None  # nothing offered yet
@@ -67,8 +67,8 @@ def test_the_ladder_stops_at_the_first_rate_failed_at_the_cap_or_when_its_time_i
 def test_the_ladder_offers_rates_in_turn_until_one_fails(monkeypatch):
     import asyncio
 
-    from benchmarks import peer_capacity
-    from benchmarks.peer_workloads import LoadPlan
+    from benchmarks.peer import peer_capacity
+    from benchmarks.peer.peer_workloads import LoadPlan
 
     p99_by_rate = {1.0: 300, 2.0: 700, 3.0: 1800, 4.0: 300}  # 4/s would "hold": it must never be offered
 
@@ -96,7 +96,7 @@ def test_the_ladder_offers_rates_in_turn_until_one_fails(monkeypatch):
     got = asyncio.run(peer_capacity.ladder(None, None, plan, SLO, {}, step))
     assert offered == ["load 1/s", "load 0.5/s", "load 0.25/s"]
     assert got["first_failing_rate"] == 0.5
-    from benchmarks.peer_analysis import run_figures
+    from benchmarks.peer.peer_analysis import run_figures
 
     f = run_figures({"load": got["points"]}, SLO)
     assert f["rate_at_slo"] == 0.25 and f["first_failing_rate"] == 0.5
@@ -104,7 +104,7 @@ def test_the_ladder_offers_rates_in_turn_until_one_fails(monkeypatch):
 
 
 def test_higher_rates_get_more_conversations_so_each_offers_the_minimum_schedule():
-    from benchmarks.peer_workloads import LoadPlan
+    from benchmarks.peer.peer_workloads import LoadPlan
 
     plan = LoadPlan(rates=(1.0, 8.0), conversations=8, turns=3, max_tokens=16, min_schedule_s=12)
     assert plan.conversations_at(1.0) == 8  # 24 requests: 24 s of arrivals already
@@ -116,7 +116,7 @@ def test_higher_rates_get_more_conversations_so_each_offers_the_minimum_schedule
 
 
 def test_closed_loop_summary_spans_the_first_send_to_the_last_token():
-    from benchmarks.peer_capacity import gaps_in_window, summarise
+    from benchmarks.peer.peer_capacity import gaps_in_window, summarise
 
     rows = [{"ttft_ms": t, "tpot_ms": 10.0, "itl_ms": [10.0, 12.0], "completion_tokens": 4, "end_s": e}
             for t, e in ((100.0, 1.0), (300.0, 2.0), (500.0, 4.0))]  # fmt: skip
@@ -133,7 +133,7 @@ def test_closed_loop_summary_spans_the_first_send_to_the_last_token():
 
 
 def test_medians_and_spreads_skip_rounds_without_the_figure():
-    from benchmarks.peer_analysis import aggregate, combine
+    from benchmarks.peer.peer_analysis import aggregate, combine
 
     assert aggregate([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
     assert aggregate([None, 4.0]) == {"median": 4.0, "min": 4.0, "max": 4.0, "n": 1}
@@ -143,7 +143,7 @@ def test_medians_and_spreads_skip_rounds_without_the_figure():
 
 
 def test_ratios_per_tp_size_from_every_figure_of_the_issue():
-    from benchmarks.peer_analysis import analyze_rounds
+    from benchmarks.peer.peer_analysis import analyze_rounds
 
     rounds = {"vllm": [_run()], "mmcast_tp1": [_run(0.8, 1.25, tpot=10.0, cpu=0.4)], "mmcast_tp2": [_run(0.5)]}
     a = analyze_rounds(rounds, SLO)
@@ -167,7 +167,7 @@ def test_ratios_per_tp_size_from_every_figure_of_the_issue():
 
 
 def test_cpu_ratio_only_over_the_rates_both_engines_were_offered():
-    from benchmarks.peer_analysis import analyze_rounds
+    from benchmarks.peer.peer_analysis import analyze_rounds
 
     # vLLM failed at 2/s, mmcast went on to 4/s: only 1 and 2/s are compared
     vllm = _run(held=(1.0,), failed_at=2.0, cpu=1.0)
@@ -181,8 +181,8 @@ def test_cpu_ratio_only_over_the_rates_both_engines_were_offered():
 
 
 def test_rounds_give_median_ratios_with_their_spread_and_goals_judge_the_median():
-    from benchmarks import peer_tables
-    from benchmarks.peer_analysis import analyze_rounds
+    from benchmarks.peer import peer_tables
+    from benchmarks.peer.peer_analysis import analyze_rounds
 
     rounds = {"vllm": [_run(), _run(), _run()], "mmcast_tp1": [_run(0.7), _run(1.2), _run(0.8)]}
     a = analyze_rounds(rounds, SLO)
@@ -200,7 +200,7 @@ def test_rounds_give_median_ratios_with_their_spread_and_goals_judge_the_median(
 
 
 def test_throughput_goals_meet_at_one_beyond_at_one_point_two_and_name_the_first_failing_rates():
-    from benchmarks.peer_analysis import analyze_rounds
+    from benchmarks.peer.peer_analysis import analyze_rounds
 
     def goals(mmcast, vllm):
         return {g["name"]: g for g in analyze_rounds({"vllm": [vllm], "mmcast_tp1": [mmcast]}, SLO)["goals"]}
@@ -223,7 +223,7 @@ def test_throughput_goals_meet_at_one_beyond_at_one_point_two_and_name_the_first
 
 
 def test_without_vllm_every_goal_is_not_applicable():
-    from benchmarks.peer_analysis import analyze_rounds
+    from benchmarks.peer.peer_analysis import analyze_rounds
 
     a = analyze_rounds({"mmcast_tp1": [_run()]}, SLO)
     assert a["ratios"] == {}
@@ -250,7 +250,7 @@ mmcast_scheduler_requests_total 7.0
 
 
 def test_stage_histogram_parses_with_any_stage_label_and_reads_absent_as_none():
-    from benchmarks.peer_stages import parse
+    from benchmarks.peer.peer_stages import parse
 
     got = parse(EXPOSITION)
     assert got == {"queue": (0.02, 4.0), "encode": (0.3, 2.0), "brand_new": (0.5, 1.0)}
@@ -263,7 +263,7 @@ def test_stage_histogram_parses_with_any_stage_label_and_reads_absent_as_none():
 
 
 def test_stage_deltas_give_means_per_observation_in_pipeline_order_and_the_table_says_when_absent():
-    from benchmarks import peer_stages
+    from benchmarks.peer import peer_stages
 
     acc = peer_stages.new_accumulator()
     before = {"queue": (0.01, 2.0)}
@@ -316,7 +316,7 @@ def _with_video(run: dict, video: dict | None) -> dict:
 
 
 def test_video_ratios_per_tp_size_once_the_prompt_tokens_agree():
-    from benchmarks.peer_analysis import analyze_rounds
+    from benchmarks.peer.peer_analysis import analyze_rounds
 
     rounds = {"vllm": [_with_video(_run(), _video())], "mmcast_tp1": [_with_video(_run(), _video(0.6))],
               "mmcast_tp2": [_with_video(_run(), _video(1.5))]}  # fmt: skip
@@ -339,8 +339,8 @@ def test_video_ratios_per_tp_size_once_the_prompt_tokens_agree():
 
 
 def test_video_ratios_are_left_out_with_the_reason_when_frames_differ_or_vllm_failed():
-    from benchmarks import peer_report
-    from benchmarks.peer_analysis import analyze_rounds
+    from benchmarks.peer import peer_report
+    from benchmarks.peer.peer_analysis import analyze_rounds
 
     # mmcast TP2 sampled other frames (more prompt tokens): its video ratios are not like for like
     rounds = {"vllm": [_with_video(_run(), _video())], "mmcast_tp1": [_with_video(_run(), _video(0.6))],
@@ -382,8 +382,8 @@ def test_video_ratios_are_left_out_with_the_reason_when_frames_differ_or_vllm_fa
 
 
 def test_the_tables_skip_the_workloads_a_run_left_out():
-    from benchmarks import peer_report
-    from benchmarks.peer_analysis import analyze_rounds
+    from benchmarks.peer import peer_report
+    from benchmarks.peer.peer_analysis import analyze_rounds
 
     only_video = {"vllm": {"video": _video(), "engine_cpu_s": {}}, "mmcast_tp1": {"video": _video(0.5)}}
     a = analyze_rounds({k: [v] for k, v in only_video.items()}, SLO)

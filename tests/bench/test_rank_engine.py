@@ -1,11 +1,11 @@
-"""The rank-engine report's arithmetic (benchmarks/rank_engine.py): phase rates, the decode ratio, the step time
+"""The rank-engine report's arithmetic (benchmarks/rank/rank_engine.py): phase rates, the decode ratio, the step time
 per attended token, and the job filter of its command line."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import rank_engine
+from benchmarks.rank import rank_engine
 
 
 def _side(prefill_s, decode_tokens, decode_s, **extra):

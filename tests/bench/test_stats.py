@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from benchmarks import stats
+from benchmarks.support import stats
 
 
 def test_percentiles_match_linear_interpolation():

@@ -1,4 +1,4 @@
-"""benchmarks/videos.py on made-up records and a recording session (no group, no real clips): the request plan, the
+"""benchmarks/transfer/videos.py on made-up records and a recording session (no group, no real clips): the request plan, the
 TTFT slope per cached clip, the live stream's steady state, the targets, the Markdown and the plot."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from benchmarks import videos
+from benchmarks.transfer import videos
 
 CLIP_PAYLOAD = 2_260_000  # one 2 s clip's float32 pixel_values_videos at 4 frames of 168x280
 

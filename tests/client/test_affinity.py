@@ -20,7 +20,7 @@ from PIL import Image
 from mmcast_client import AsyncClient, Backoff, Client, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from mmcast_client.affinity import AFFINITY_HEADER, RING_HASH_SERVICE_CONFIG, conversation_key, session_key
 from mmcast_client.testing import FakeGenerationServer
-from mmcast_local.supervisor import free_ports
+from mmcast_local.child_processes import free_ports
 
 FAST = Backoff(initial=0.01, maximum=0.05, jitter=0.0)
 ROUND_ROBIN = [("grpc.lb_policy_name", "round_robin")]

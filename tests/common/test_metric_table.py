@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common.metric_table import COUNTER, GAUGE, HISTOGRAM, Metric, MetricSet
-from scheduler_svc.metrics import SCHEDULER_METRICS, SchedulerMetrics
+from scheduler_svc.engine.metrics import SCHEDULER_METRICS, SchedulerMetrics
 from worker_svc.metrics import WORKER_METRICS, WorkerMetrics
 
 

@@ -7,7 +7,7 @@ from transformers import LlamaConfig, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConf
 
 import common.families
 import common.mrope
-import scheduler_svc.frontend
+import scheduler_svc.engine.frontend
 from common.families import uses_mrope
 
 HUB_ROPE_SCALING = {"type": "mrope", "mrope_section": [16, 24, 24]}  # what Qwen2-VL / Qwen2.5-VL checkpoints write
@@ -55,5 +55,5 @@ def test_an_unknown_model_type_with_mrope_sections_is_mrope():
 
 def test_both_sides_use_the_shared_rule():
     # The frontend decides what stripped items keep, the ranks how positions are computed: the same function.
-    assert scheduler_svc.frontend.uses_mrope is common.families.uses_mrope
+    assert scheduler_svc.engine.frontend.uses_mrope is common.families.uses_mrope
     assert common.mrope.uses_mrope is common.families.uses_mrope

@@ -20,7 +20,7 @@ from common.errors import (
     Unavailable,
 )
 from mmcast.v1 import generation_pb2 as g
-from scheduler_svc import request_parsing
+from scheduler_svc.doors import request_parsing
 from tests.support.rich_errors import field_resolves
 
 

@@ -18,7 +18,7 @@ import pytest
 from common import settings
 from common.process import EXIT_STARTUP_FAILURE
 from common.settings import LOG_LEVELS, setting
-from mmcast_local.supervisor import _command
+from mmcast_local.child_processes import command_for as _command
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.main import config_from
 from worker_svc.config import WorkerConfig, load_config

@@ -302,7 +302,7 @@ def test_real_width_qwen3_config_has_qwen3_vl_2b_widths_and_deepstack():
 
 
 def test_head64_config_has_heads_of_width_64_that_tp_2_shards():
-    # vLLM's CPU attention (benchmarks/peer.py) has kernels from head size 32 up, not for the tiny model's 16.
+    # vLLM's CPU attention (benchmarks/peer/compare.py) has kernels from head size 32 up, not for the tiny model's 16.
     config = build_config("qwen2_vl", width="head64")
     text, vision = config.text_config, config.vision_config
     assert text.hidden_size // text.num_attention_heads == 64

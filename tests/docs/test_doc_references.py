@@ -208,9 +208,9 @@ def sections(md_path: str) -> frozenset[str]:
 
 def test_the_scan_sees_the_tree():
     """The checks below cannot pass vacuously: the scan reads the documents and the code that cite them."""
-    assert {"README.md", "docs/ARCHITECTURE.md", "scheduler_svc/transfer.py", "Makefile"} <= set(texts())
+    assert {"README.md", "docs/ARCHITECTURE.md", "scheduler_svc/core/transfer.py", "Makefile"} <= set(texts())
     assert "3" in sections("docs/ARCHITECTURE.md") and "2.7" in sections("docs/ARCHITECTURE.md")
-    assert "docs/ARCHITECTURE.md §2.4" in texts()["scheduler_svc/transfer.py"]  # a docstring is kept
+    assert "docs/ARCHITECTURE.md §2.4" in texts()["scheduler_svc/core/transfer.py"]  # a docstring is kept
 
 
 def test_python_files_are_read_in_their_comments_and_docstrings_only():
@@ -308,6 +308,8 @@ def test_every_dotted_module_exists():
             head, first = m.group(1).split(".")[:2]
             if first in {"py", "md", "yaml", "json", "txt", "proto"}:
                 continue  # a file name's suffix, not a module
+            if text[max(0, m.start() - 12) : m.start()].endswith('"logger": "'):
+                continue  # a log line's logger name, which keeps its name when its module moves
             if f"{head}/{first}.py" in tree() or f"{head}/{first}" in folders():
                 continue
             if re.search(

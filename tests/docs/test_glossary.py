@@ -52,6 +52,11 @@ def test_the_glossary_defines_each_term_once():
         "stream session",
         "conversation",
         "live session",
+        "step outcome",
+        "sampling spec",
+        "request body",
+        "detokenizer",
+        "parse guard",
     ):
         assert term in terms, f"the glossary lacks {term!r}"
 
@@ -73,3 +78,46 @@ def test_plan_and_session_are_qualified(path):
         "(docs/ARCHITECTURE.md §1: step plan, sharding plan, stream session; else say "
         "transfer decision, step check or conversation):\n" + "\n".join(loose)
     )
+
+
+# Names retired so that one concept has one name: (where, old name) -> the name now. ``where`` is a path prefix of
+# the Python files the old name may not be defined in (a class, function or module).
+RETIRED = {
+    ("scheduler_svc/", "StepOutcome"): "GroupStepOutcome",  # worker_svc/session.py's StepOutcome is one rank's
+    ("", "TextStream"): "Detokenizer",
+    ("", "DecodeGuardInterceptor"): "ParseGuardInterceptor",
+    ("", "Undecodable"): "Unparsable",
+    ("", "decode_guard"): "parse_guard",
+    ("scheduler_svc/doors/", "CompletionRequest"): "CompletionBody",  # engine/completion.py's is the engine's
+    ("scheduler_svc/doors/", "ChatCompletionRequest"): "ChatCompletionBody",
+    ("scheduler_svc/doors/", "ResponsesRequest"): "ResponsesBody",
+}
+
+
+def _definitions() -> list[tuple[str, str]]:
+    """(path, name) of every class, function and module the packages define."""
+    import ast
+
+    found = []
+    for package in ("common", "scheduler_svc", "worker_svc", "mmcast_client", "mmcast_local", "benchmarks"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            found.append((rel, path.stem))
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                    found.append((rel, node.name))
+    return found
+
+
+def test_retired_names_stay_retired():
+    defined = _definitions()
+    back = [
+        f"{rel}: {name} (now {new})"
+        for (where, name_), new in RETIRED.items()
+        for rel, name in defined
+        if name == name_ and rel.startswith(where)
+    ]
+    assert not back, "names retired for one name per concept (docs/ARCHITECTURE.md §1) are back:\n" + "\n".join(back)
+    new_names = {name for _, name in defined}
+    missing = sorted(new for new in RETIRED.values() if new not in new_names)
+    assert not missing, f"the glossary's names are not defined anywhere: {missing}"

@@ -98,8 +98,8 @@ def test_a_rank_that_comes_back_is_reached_at_the_next_attempt():
 
     import grpc
 
-    from mmcast_local.supervisor import free_ports
-    from scheduler_svc.rank_streams import GroupDown, WorkerGroup
+    from mmcast_local.child_processes import free_ports
+    from scheduler_svc.transport.rank_streams import GroupDown, WorkerGroup
     from tests.support.fake_rank import FakeRank, FakeRankConfig
 
     fp = "f" * 64
@@ -138,7 +138,7 @@ def test_a_step_whose_payload_cannot_be_written_fails_at_the_step_deadline():
     import torch
 
     from mmcast.v1 import worker_pb2
-    from scheduler_svc.rank_streams import GroupDown, PayloadTensors, WorkerGroup
+    from scheduler_svc.transport.rank_streams import GroupDown, PayloadTensors, WorkerGroup
     from tests.support.fake_rank import FakeRank, FakeRankConfig
 
     fp = "f" * 64

@@ -1,4 +1,4 @@
-"""The context limit: every stage that checks it (scheduler_svc/admission.py's CONTEXT_CHECKS, in the order a request
+"""The context limit: every stage that checks it (scheduler_svc/core/admission.py's CONTEXT_CHECKS, in the order a request
 meets them) refuses with INVALID_ARGUMENT and the one message shape — the field(s), the prompt's tokens, the tokens
 to generate, their sum, the limit, its flag and what to change."""
 
@@ -10,16 +10,16 @@ import types
 
 import pytest
 
-from benchmarks import hostile_inputs as hostile
+from benchmarks.http_api import hostile_inputs as hostile
 from common.errors import InvalidArgument
-from scheduler_svc import admission
-from scheduler_svc.completion import CompletionRequest, Completions
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.frontend import ChatTurn, Frontend, ImagePart, TextPart
-from scheduler_svc.inputs import GroupBudget
-from scheduler_svc.request import Request, SamplingParams
-from scheduler_svc.request_parsing import SamplingSpec
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.core import admission
+from scheduler_svc.core.inputs import GroupBudget
+from scheduler_svc.core.request import Request, SamplingParams
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.engine.completion import CompletionRequest, Completions
+from scheduler_svc.engine.frontend import ChatTurn, Frontend, ImagePart, TextPart
+from scheduler_svc.engine.request_input import SamplingSpec
 
 SHAPE = re.compile(
     r"(?P<fields>.+?): (?:at least )?(?P<prompt>\d+) prompt tokens(?: \([^)]+\))? \+ (?P<generate>\d+) to generate "

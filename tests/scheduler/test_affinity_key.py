@@ -1,4 +1,4 @@
-"""The conversation key a replica returns (scheduler_svc/affinity_key.py) is the SDK's key of the same conversation."""
+"""The conversation key a replica returns (scheduler_svc/engine/affinity_key.py) is the SDK's key of the same conversation."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from mmcast_client._core import request_building
 from mmcast_client.affinity import conversation_key, session_key
 from mmcast_client.images import ImageStore
 from mmcast_client.messages import prepare
-from scheduler_svc.affinity_key import MAX_KEY_CHARS, client_key, key_of
-from scheduler_svc.request_parsing import ImageContent, TextContent, Turn
+from scheduler_svc.engine.affinity_key import MAX_KEY_CHARS, client_key, key_of
+from scheduler_svc.engine.request_input import ImageContent, TextContent, Turn
 
 JPEG = b"\xff\xd8\xff\xe0 not really a jpeg, only bytes to hash"
 SHA = hashlib.sha256(JPEG).hexdigest()

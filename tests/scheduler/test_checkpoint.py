@@ -1,5 +1,5 @@
 """Model folders as checkpoints ship them, and what the scheduler does with one that cannot serve
-(common/processor.py, scheduler_svc/main.py), and the status of a request the server fails (scheduler_svc/servicer.py).
+(common/processor.py, scheduler_svc/main.py), and the status of a request the server fails (scheduler_svc/doors/servicer.py).
 
 - A chat template in any file transformers reads serves prompts tokenized with that template. The reference is
   the template text the test wrote, rendered by the tokenizer's own ``apply_chat_template`` and each image pad
@@ -228,7 +228,7 @@ def _assert_internal(info, request_id: str) -> None:
 
 
 def test_an_unexpected_exception_is_internal_with_the_request_id(harness, monkeypatch):
-    from scheduler_svc import completion
+    from scheduler_svc.engine import completion
 
     h = harness
 
@@ -250,7 +250,7 @@ def test_an_unexpected_exception_is_internal_with_the_request_id(harness, monkey
             add = flush = broken
 
         with monkeypatch.context() as patch:
-            patch.setattr(completion, "TextStream", BrokenText)  # the request path both APIs share
+            patch.setattr(completion, "Detokenizer", BrokenText)  # the request path both APIs share
             with pytest.raises(grpc.RpcError) as info:
                 generate(stub, request("planted-2"))
         _assert_internal(info, "planted-2")
@@ -279,8 +279,8 @@ def test_an_unexpected_exception_in_the_http_api_is_500_with_the_request_id(tiny
     holds the traceback under it), no exception text, nothing left holding blocks, the service still serving."""
     import httpx
 
-    from mmcast_local.supervisor import free_ports
-    from scheduler_svc import completion
+    from mmcast_local.child_processes import free_ports
+    from scheduler_svc.engine import completion
 
     (port,) = free_ports(1)
     h = FakeGroupScheduler(tiny_model_dir, n_ranks=1, http_port=port).start()
@@ -300,7 +300,7 @@ def test_an_unexpected_exception_in_the_http_api_is_500_with_the_request_id(tiny
         with httpx.Client(timeout=30) as http:
             for where, patch_it in (
                 ("frontend", lambda p: p.setattr(h.server.frontend, "process", broken)),
-                ("stream", lambda p: p.setattr(completion, "TextStream", BrokenText)),
+                ("stream", lambda p: p.setattr(completion, "Detokenizer", BrokenText)),
             ):
                 for stream in (False, True):
                     with monkeypatch.context() as patch:
@@ -312,14 +312,14 @@ def test_an_unexpected_exception_in_the_http_api_is_500_with_the_request_id(tiny
                     for leak in ("RuntimeError", "bug text", "Traceback"):
                         assert leak not in r.text, r.text
 
-            class BreaksLater(completion.TextStream):  # fails after the first chunk went out
+            class BreaksLater(completion.Detokenizer):  # fails after the first chunk went out
                 def add(self, ids):
                     if self.ids:
                         raise RuntimeError("the bug text")
                     return super().add(ids)
 
             with monkeypatch.context() as patch:
-                patch.setattr(completion, "TextStream", BreaksLater)
+                patch.setattr(completion, "Detokenizer", BreaksLater)
                 r = http.post(
                     url,
                     json={**body, "max_tokens": 4, "ignore_eos": True, "stream": True},

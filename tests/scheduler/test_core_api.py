@@ -9,10 +9,10 @@ import pytest
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.inputs import GroupBudget
-from scheduler_svc.plan_proto import step_control
-from scheduler_svc.request import FinishReason, Request, SamplingParams
-from scheduler_svc.scheduler import Scheduler, StepOutputError
+from scheduler_svc.core.inputs import GroupBudget
+from scheduler_svc.core.request import FinishReason, Request, SamplingParams
+from scheduler_svc.core.scheduler import Scheduler, StepOutputError
+from scheduler_svc.transport.plan_proto import step_control
 from tests.support.sched_sim import EOS, Harness, outcome, request, text
 
 GROUP = GroupBudget(num_ranks=2, kv_blocks=64, encoder_cache_tokens=64, payload_cache_bytes=2048)

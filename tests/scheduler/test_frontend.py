@@ -18,10 +18,10 @@ from common.errors import InvalidArgument, NotFound, ResourceExhausted
 from common.hashing import item_identifier
 from common.multimodal import ENCODED_FIELD, FieldKind, PayloadEncoding, PayloadState
 from common.processor import load_processor
-from scheduler_svc import frontend as frontend_module
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.frontend import ChatTurn, Frontend, ImagePart, TextPart
-from scheduler_svc.upload_store import UploadStore
+from scheduler_svc.engine import frontend_media as frontend_module  # where images are hashed
+from scheduler_svc.engine.frontend import ChatTurn, Frontend, ImagePart, TextPart
+from scheduler_svc.engine.upload_store import UploadStore
 from tests.support.oracle import image_as_sent
 
 
@@ -310,10 +310,10 @@ def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_di
     from common import codec
     from common.item_proto import feature_from_proto
     from mmcast.v1 import worker_pb2
-    from scheduler_svc.inputs import GroupBudget
-    from scheduler_svc.plan_proto import step_control
-    from scheduler_svc.request import Request, SamplingParams
-    from scheduler_svc.scheduler import Scheduler
+    from scheduler_svc.core.inputs import GroupBudget
+    from scheduler_svc.core.request import Request, SamplingParams
+    from scheduler_svc.core.scheduler import Scheduler
+    from scheduler_svc.transport.plan_proto import step_control
 
     fe = make_frontend(tiny_model_dir)
     prompt = fe.process(conversation())
@@ -381,7 +381,8 @@ def test_videos_under_pixels_are_processed_once_per_sampling(tiny_model_dir):
     """A video seen before (same tenant, bytes and sampling) comes from the processor cache: no header read, no
     decode, the same item; sampled otherwise it is another item, decoded again. Under encoded nothing is decoded."""
     from common.multimodal import Modality
-    from scheduler_svc.request_parsing import VideoContent, video_options
+    from scheduler_svc.doors.request_parsing import video_options
+    from scheduler_svc.engine.request_input import VideoContent
     from tests.video_clips import make_clip
 
     clip = make_clip(codec="h264", width=112, height=84, fps=8, seconds=2.0, seed=3)

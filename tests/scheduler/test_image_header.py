@@ -1,4 +1,4 @@
-"""The frontend's checks before work (common/image_header.py, scheduler_svc/frontend.py): header-predicted
+"""The frontend's checks before work (common/image_header.py, scheduler_svc/engine/frontend.py): header-predicted
 tokens equal the processor's output, refused formats and bombs are never decoded, long text is never tokenized,
 a refused request leaves nothing in the processor cache, unfinished uploads are bounded and released."""
 
@@ -11,13 +11,13 @@ import threading
 import pytest
 from PIL import Image
 
-from benchmarks import hostile_inputs as hostile
+from benchmarks.http_api import hostile_inputs as hostile
 from common.errors import InvalidArgument, ResourceExhausted
 from common.image_header import ImageHeaderReader
 from common.processor import load_processor
 from scheduler_svc.config import DEFAULT_IMAGE_FORMATS, SchedulerConfig
-from scheduler_svc.frontend import ChatTurn, Frontend, ImagePart, TextPart
-from scheduler_svc.upload_store import PendingUploads
+from scheduler_svc.engine.frontend import ChatTurn, Frontend, ImagePart, TextPart
+from scheduler_svc.engine.upload_store import PendingUploads
 from tests.support.images import exif_after_pixels
 
 

@@ -1,4 +1,4 @@
-"""Images enter as the model's processor takes the file the user sent (scheduler_svc/frontend.py): transparency
+"""Images enter as the model's processor takes the file the user sent (scheduler_svc/engine/frontend.py): transparency
 composited onto white by the processor's ``convert_to_rgb``, palette, CMYK and 16-bit images converted by it, the
 EXIF orientation applied as transformers' ``load_image`` applies it.
 
@@ -20,7 +20,7 @@ from transformers.image_utils import load_image
 
 from mmcast_client import Client
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.frontend import ChatTurn, Frontend, ImagePart, TextPart
+from scheduler_svc.engine.frontend import ChatTurn, Frontend, ImagePart, TextPart
 from tests.support.oracle import GENERATE, LOGPROB_TOLERANCE, Oracle, assert_matches, image_as_sent, user_turn
 
 W, H = 112, 84  # 4 x 3 merged patches: 12 image tokens

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from common.hashing import hash_request_blocks
-from scheduler_svc.kv_cache import KVCacheManager
-from scheduler_svc.request import Request
+from scheduler_svc.core.kv_cache import KVCacheManager
+from scheduler_svc.core.request import Request
 from tests.support.sched_sim import IMG, feature
 
 BS = 4

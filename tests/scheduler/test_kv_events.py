@@ -1,4 +1,4 @@
-"""Prefix-cache events (scheduler_svc/kv_events.py): a subscriber rebuilds the cache's block set exactly.
+"""Prefix-cache events (scheduler_svc/transport/kv_events.py): a subscriber rebuilds the cache's block set exactly.
 
 The scheduler core runs against simulated ranks (tests/support/sched_sim.py) with its real KVCacheManager, the real
 publisher and a real ZeroMQ SUB socket over loopback TCP; the subscriber decodes the wire format as vLLM's own
@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import zmq
 
-from scheduler_svc.kv_events import CLEARED, REMOVED, STORED, KVEventPublisher, KVEventSink
+from scheduler_svc.transport.kv_events import CLEARED, REMOVED, STORED, KVEventPublisher, KVEventSink
 from tests.support.sched_sim import Harness, request, text
 
 BLOCK = 16

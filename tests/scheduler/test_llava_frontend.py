@@ -18,7 +18,7 @@ from common.model_checks import read_config
 from common.multimodal import ENCODED_FIELD
 from common.processor import load_processor
 from scheduler_svc.config import DEFAULT_IMAGE_FORMATS, SchedulerConfig
-from scheduler_svc.frontend import ChatTurn, Frontend, ImagePart, TextPart
+from scheduler_svc.engine.frontend import ChatTurn, Frontend, ImagePart, TextPart
 from tests.common import test_image_input as corpus
 from tests.scheduler.test_frontend import IMG_A, IMG_B, png
 from tests.scheduler.test_image_header import SIZES, encoded

@@ -1,4 +1,4 @@
-"""OpenAI image URLs to image bytes (scheduler_svc/media_urls.py): data: URLs, http(s) fetches under the SSRF rules,
+"""OpenAI image URLs to image bytes (scheduler_svc/doors/media_urls.py): data: URLs, http(s) fetches under the SSRF rules,
 file:// reads under one directory.
 
 The HTTP(S) servers are real (the standard library's, on 127.0.0.1, in a thread); what is replaced is only the name
@@ -26,8 +26,9 @@ from PIL import Image
 
 from common.errors import InvalidArgument, ResourceExhausted
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.doors.media_addresses import address_refusal, domain_allowed
+from scheduler_svc.doors.media_urls import MediaLoader, MediaPolicy
 from scheduler_svc.media_domains import normalize_domain
-from scheduler_svc.media_urls import MediaLoader, MediaPolicy, address_refusal, domain_allowed
 from tests.support.pki import make_pki
 
 FIELD = "messages[0].content[1].image_url.url"
@@ -454,7 +455,7 @@ def test_the_metadata_address_is_refused_without_any_connection_attempt():
     ],
 )
 def test_non_public_addresses_are_refused(address, reason):
-    from scheduler_svc.media_urls import _address
+    from scheduler_svc.doors.media_addresses import parse_address as _address
 
     got = address_refusal(_address(address))
     assert got is not None and reason in got, (address, got)
@@ -463,7 +464,7 @@ def test_non_public_addresses_are_refused(address, reason):
 def test_public_addresses_pass_and_allowed_networks_open_only_themselves():
     import ipaddress
 
-    from scheduler_svc.media_urls import _address
+    from scheduler_svc.doors.media_addresses import parse_address as _address
 
     for address in ("93.184.216.34", "8.8.8.8", "2606:4700:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"):
         assert address_refusal(_address(address)) is None, address

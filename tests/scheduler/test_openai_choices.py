@@ -1,4 +1,4 @@
-"""The decisions of ``n`` > 1 (scheduler_svc/openai_choices.py) without a server: each choice's request and seed,
+"""The decisions of ``n`` > 1 (scheduler_svc/doors/openai_choices.py) without a server: each choice's request and seed,
 and the usage OpenAI's way (prompt once, completion tokens summed, the largest prefix hit)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import types
 
-from scheduler_svc.completion import CompletionRequest
-from scheduler_svc.openai_choices import follower_request, usage
-from scheduler_svc.request_parsing import SamplingSpec
+from scheduler_svc.doors.openai_choices import follower_request, usage
+from scheduler_svc.engine.completion import CompletionRequest
+from scheduler_svc.engine.request_input import SamplingSpec
 
 SPEC = SamplingSpec(
     max_tokens=4, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=(), stop_token_ids=(), ignore_eos=False,
@@ -46,11 +46,11 @@ def test_the_body_s_penalties_reach_the_shared_proto_and_odd_keys_are_refused():
     import pytest
 
     from mmcast.v1 import generation_pb2
-    from scheduler_svc import openai_sampling, openai_schema
-    from scheduler_svc.openai_errors import HttpError
+    from scheduler_svc.doors import openai_sampling, openai_schema
+    from scheduler_svc.doors.openai_errors import HttpError
 
     def body(**kw):
-        return openai_schema.CompletionRequest.model_validate({"model": "m", "prompt": "x", **kw})
+        return openai_schema.CompletionBody.model_validate({"model": "m", "prompt": "x", **kw})
 
     p = generation_pb2.SamplingParams()
     openai_sampling.penalties_into(

@@ -20,7 +20,7 @@ from common.errors import (
     Status,
     Unavailable,
 )
-from scheduler_svc import openai_api, openai_errors, openai_schema
+from scheduler_svc.doors import openai_bodies, openai_errors, openai_schema
 
 
 @pytest.mark.parametrize(
@@ -71,8 +71,8 @@ def test_field_names_are_the_bodys():
 
 def _error_of(body: dict) -> openai_errors.HttpError:
     with pytest.raises(ValidationError) as info:
-        openai_schema.ChatCompletionRequest.model_validate_json(json.dumps(body))
-    return openai_api._validation_error(info.value)
+        openai_schema.ChatCompletionBody.model_validate_json(json.dumps(body))
+    return openai_bodies._validation_error(info.value)
 
 
 @pytest.mark.parametrize(
@@ -99,12 +99,12 @@ def test_validation_error_top_level():
     assert _error_of({"model": "m", "messages": [], "stop": [1]}).param in ("messages", "stop[0]")
     assert _error_of({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}).param == "n"
     with pytest.raises(ValidationError) as info:
-        openai_schema.ChatCompletionRequest.model_validate_json(b'{"model": ')
-    assert openai_api._validation_error(info.value).code == "invalid_json"
+        openai_schema.ChatCompletionBody.model_validate_json(b'{"model": ')
+    assert openai_bodies._validation_error(info.value).code == "invalid_json"
 
 
 def test_unknown_fields_are_ignored_and_neutral_values_accepted():
-    body = openai_schema.ChatCompletionRequest.model_validate_json(
+    body = openai_schema.ChatCompletionBody.model_validate_json(
         json.dumps(
             {
                 "model": "m",
@@ -119,12 +119,10 @@ def test_unknown_fields_are_ignored_and_neutral_values_accepted():
             }
         )
     )
-    openai_api._check_neutral(body)  # nothing refused
+    openai_bodies.check_neutral(body)  # nothing refused
     # the rest of OpenAI's parameters are served; a completion's suffix is accepted only at its neutral value
     for field, value in [("suffix", "x")]:
-        body = openai_schema.CompletionRequest.model_validate_json(
-            json.dumps({"model": "m", "prompt": "x", field: value})
-        )
+        body = openai_schema.CompletionBody.model_validate_json(json.dumps({"model": "m", "prompt": "x", field: value}))
         with pytest.raises(openai_errors.HttpError) as info:
-            openai_api._check_neutral(body)
+            openai_bodies.check_neutral(body)
         assert info.value.param == field and info.value.code == "unsupported"

@@ -11,9 +11,9 @@ import pytest
 
 from common.errors import Status
 from common.ids import RequestId
-from scheduler_svc.plan_proto import step_control
-from scheduler_svc.poison import PoisonIsolator
-from scheduler_svc.request import FinishReason
+from scheduler_svc.core.poison import PoisonIsolator
+from scheduler_svc.core.request import FinishReason
+from scheduler_svc.transport.plan_proto import step_control
 from tests.support.sched_sim import Harness, outcome, request, sample_token, text
 
 # --- the decisions -----------------------------------------------------------------------------------------------
@@ -235,8 +235,8 @@ def test_the_engine_fails_a_convicted_request_with_internal_a_metric_and_a_log_l
     import asyncio
     import logging
 
-    from scheduler_svc.engine import Engine, FinishEvent, RequestHandle
-    from scheduler_svc.metrics import SchedulerMetrics
+    from scheduler_svc.engine.metrics import SchedulerMetrics
+    from scheduler_svc.engine.step_loop import Engine, FinishEvent, RequestHandle
 
     class DownGroup:  # the group as _group_lost sees it: it only closes the streams
         async def close(self):
@@ -257,7 +257,7 @@ def test_the_engine_fails_a_convicted_request_with_internal_a_metric_and_a_log_l
             await engine._group_lost("rank 1 (127.0.0.1:1): stream ended: UNAVAILABLE")
             h.sched.reset_group(h.group)
 
-    with caplog.at_level(logging.ERROR, logger="scheduler_svc.engine"):
+    with caplog.at_level(logging.ERROR, logger="scheduler_svc.engine.step_loop"):
         asyncio.run(crash_twice())
     event = handle.events.get_nowait()
     assert isinstance(event, FinishEvent) and event.reason == "error"

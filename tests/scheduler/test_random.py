@@ -12,7 +12,7 @@ import random
 import pytest
 
 from common.errors import ResourceExhausted
-from scheduler_svc.request import FinishReason
+from scheduler_svc.core.request import FinishReason
 from tests.support.sched_sim import Harness, request, sample_token, text
 
 IMAGES = {f"img{k}": length for k, length in enumerate((8, 12, 16, 20, 24, 10, 14))}

@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
-from scheduler_svc.media_aliases import BadUuid, MediaAliases, parse_uuid
-from scheduler_svc.request_parsing import ImageContent, TextContent, Turn
-from scheduler_svc.response_store import ResponseStore, as_references, size_of
+from scheduler_svc.doors.media_aliases import BadUuid, MediaAliases, parse_uuid
+from scheduler_svc.doors.response_store import ResponseStore, as_references, size_of
+from scheduler_svc.engine.request_input import ImageContent, TextContent, Turn
 
 
 def turns(text: str) -> list[Turn]:

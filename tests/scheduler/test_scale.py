@@ -17,9 +17,9 @@ import time
 import pytest
 
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.inputs import GroupBudget
-from scheduler_svc.request import Request, SamplingParams
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.core.inputs import GroupBudget
+from scheduler_svc.core.request import Request, SamplingParams
+from scheduler_svc.core.scheduler import Scheduler
 from tests.support.sched_sim import IMG, Harness, feature, outcome, request, sample_token, text
 
 NUM_ITEMS = 10_000

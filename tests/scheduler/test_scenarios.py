@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.plan_proto import step_control
-from scheduler_svc.request import FinishReason
+from scheduler_svc.core.request import FinishReason
+from scheduler_svc.transport.plan_proto import step_control
 from tests.support.sched_sim import Harness, Violation, request, text
 
 MODES = ("full", "strip", "lazy")

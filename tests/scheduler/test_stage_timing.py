@@ -1,4 +1,4 @@
-"""The TTFT breakdown's arithmetic (scheduler_svc/stage_timing.py) on hand-made step answers; the end-to-end
+"""The TTFT breakdown's arithmetic (scheduler_svc/engine/stage_timing.py) on hand-made step answers; the end-to-end
 values on real ranks are tests/service/test_request_stages.py's."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mmcast.v1 import worker_pb2
-from scheduler_svc.stage_timing import DISJOINT_STAGES, RANK_PARTS, STAGES, RequestStages, StepTimes
+from scheduler_svc.engine.stage_timing import DISJOINT_STAGES, RANK_PARTS, STAGES, RequestStages, StepTimes
 
 
 def answer(step: float, encode: float = 0.0, forward: float = 0.0, sample: float = 0.0, assemble: float = 0.0):

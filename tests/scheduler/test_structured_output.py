@@ -13,13 +13,13 @@ import torch
 
 from common.errors import InvalidArgument
 from mmcast.v1 import worker_pb2
-from scheduler_svc import grammar_requests
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.inputs import GroupBudget
-from scheduler_svc.plan_proto import step_control
-from scheduler_svc.request import FinishReason, Request, SamplingParams
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.structured_output import GrammarCompiler, GrammarSpec
+from scheduler_svc.core.inputs import GroupBudget
+from scheduler_svc.core.request import FinishReason, Request, SamplingParams
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.structured_output import GrammarCompiler, GrammarSpec
+from scheduler_svc.doors import grammar_requests
+from scheduler_svc.transport.plan_proto import step_control
 from tests.support.sched_sim import outcome
 from worker_svc.sampling import SamplingParams as RankSampling
 from worker_svc.sampling import sample, sample_batch

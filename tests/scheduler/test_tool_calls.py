@@ -13,8 +13,8 @@ import torch
 from common.errors import InvalidArgument
 from common.families import family_of
 from common.families.tool_calls import HermesToolCalls, ParsedCall, tool_calls_of
-from scheduler_svc import tool_calls
-from scheduler_svc.structured_output import GrammarCompiler
+from scheduler_svc.core.structured_output import GrammarCompiler
+from scheduler_svc.doors import tool_calls
 from worker_svc.token_mask import allowed_tokens
 
 HERMES = HermesToolCalls()

@@ -1,4 +1,4 @@
-"""Counters count what travelled (scheduler_svc/transfer.py's module doc), in every transfer mode.
+"""Counters count what travelled (scheduler_svc/core/transfer.py's module doc), in every transfer mode.
 
 Every plan is replayed by the simulated ranks of ``tests/support/sched_sim.py``; the payloads each plan really queues for each
 rank (``rank_payloads``, what the group writes) are the reference the counters must equal — per step, and summed
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.plan_proto import step_control
-from scheduler_svc.request import FinishReason
+from scheduler_svc.core.request import FinishReason
+from scheduler_svc.transport.plan_proto import step_control
 from tests.support.sched_sim import ROW_BYTES, Harness, request, text
 
 MODES = ("full", "strip", "lazy")

@@ -23,7 +23,7 @@ import time
 import grpc
 import pytest
 
-from benchmarks.proc_memory import peak_mib
+from benchmarks.support.proc_memory import peak_mib
 from mmcast.v1 import generation_pb2 as pb
 from tests.support import security_catalogue as cat
 from tests.support.rich_errors import check_contract, details_of

@@ -406,7 +406,7 @@ def test_raw_step_frames_long(rank):
 @pytest.fixture(scope="module")
 def frontend(tiny_model_dir):
     from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.frontend import Frontend
+    from scheduler_svc.engine.frontend import Frontend
 
     return Frontend(
         tiny_model_dir,
@@ -503,7 +503,7 @@ def requests(draw):
 
 def parse_and_process(frontend, msg: generation_pb2.GenerateRequest) -> None:
     """What Generate does with a request before the engine: every limit, the processor, the context check."""
-    from scheduler_svc import request_parsing
+    from scheduler_svc.doors import request_parsing
 
     try:
         request_parsing.check_request_id(msg.request_id)

@@ -14,10 +14,10 @@ from common import tls
 from common.auth import TokenFileError, TokenTable, parse_tokens, read_token_file
 from common.errors import InvalidArgument, NotFound
 from common.hashing import item_identifier
-from scheduler_svc import request_parsing
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.tenancy import scoped_cache_salt, scoped_request_id
-from scheduler_svc.upload_store import UploadStore
+from scheduler_svc.doors import request_parsing
+from scheduler_svc.engine.tenancy import scoped_cache_salt, scoped_request_id
+from scheduler_svc.engine.upload_store import UploadStore
 
 ROOT = Path(__file__).resolve().parents[2]
 A, B = "a" * 20, "b" * 24

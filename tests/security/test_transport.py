@@ -27,7 +27,8 @@ from mmcast.v1 import generation_pb2 as pb
 from mmcast.v1 import generation_pb2_grpc as pb_grpc
 from mmcast.v1 import worker_pb2
 from mmcast_client import Client, NotFound
-from mmcast_local.supervisor import LocalGroup, free_ports
+from mmcast_local.child_processes import free_ports
+from mmcast_local.supervisor import LocalGroup
 from tests.support import security_catalogue as cat
 from tests.support.pki import make_pki
 from tests.support.security_support import new_token, scrape, secret_file, serving, wait_for

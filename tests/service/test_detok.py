@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from common.tiny_model import SPECIAL_TOKEN_IDS, VOCAB_SIZE
-from scheduler_svc.detok import TextStream
+from scheduler_svc.engine.detok import Detokenizer
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def tokenizer(tiny_model_dir):
 
 
 def stream_all(tok, ids, stop=(), step=1):
-    ts = TextStream(tok, stop)
+    ts = Detokenizer(tok, stop)
     out = []
     for i in range(0, len(ids), step):
         out.append(ts.add(ids[i : i + step]))
@@ -40,7 +40,7 @@ def test_deltas_concatenate_to_the_full_decode(tokenizer, step):
 def test_multibyte_characters_are_never_split(tokenizer):
     text = "naïve café — über 日本"
     ids = tokenizer.encode(text)
-    ts = TextStream(tokenizer)
+    ts = Detokenizer(tokenizer)
     pieces = [ts.add([i]) for i in ids] + [ts.flush()]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
@@ -83,20 +83,20 @@ TEXT = st.lists(st.sampled_from(PIECES), max_size=40).map("".join)
 
 @pytest.fixture(scope="module", params=["decode-stream", "windowed"])
 def any_tokenizer(request, tokenizer):
-    """The tiny tokenizer as served (DecodeStream), and a copy whose decode would clean up spaces, which TextStream
+    """The tiny tokenizer as served (DecodeStream), and a copy whose decode would clean up spaces, which Detokenizer
     decodes with the windowed fallback (the tokenizer's own decode)."""
     if request.param == "decode-stream":
-        assert TextStream(tokenizer)._stream is not None
+        assert Detokenizer(tokenizer)._stream is not None
         return tokenizer
     windowed = copy.deepcopy(tokenizer)
     windowed.clean_up_tokenization_spaces = True
-    assert TextStream(windowed)._stream is None
+    assert Detokenizer(windowed)._stream is None
     return windowed
 
 
 def stream_in_batches(tok, ids, cuts, skip_special_tokens=True):
     """Feeds ``ids`` in batches split at ``cuts``; returns the deltas (flush last)."""
-    ts = TextStream(tok, skip_special_tokens=skip_special_tokens)
+    ts = Detokenizer(tok, skip_special_tokens=skip_special_tokens)
     bounds = [0, *sorted({c % (len(ids) + 1) for c in cuts}), len(ids)]
     deltas = [ts.add(ids[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
     return deltas + [ts.flush()]
@@ -129,7 +129,7 @@ def test_multibyte_text_streams_whole_characters_with_special_tokens_skipped(any
     ids = any_tokenizer.encode(text)
     for position, special in specials:
         ids.insert(position % (len(ids) + 1), special)
-    ts = TextStream(any_tokenizer)
+    ts = Detokenizer(any_tokenizer)
     deltas = [ts.add([i]) for i in ids] + [ts.flush()]
     # the tokenizer normalizes to NFC on the way in (e + U+0301 comes back as one é)
     assert "".join(deltas) == unicodedata.normalize("NFC", text) == any_tokenizer.decode(ids, skip_special_tokens=True)

@@ -18,7 +18,7 @@ import pytest
 
 from common.multimodal import PayloadState
 from mmcast_local.synthetic_images import synthetic_jpeg
-from scheduler_svc import plan_proto
+from scheduler_svc.transport import plan_proto
 from tests.support.oracle import GENERATE, Oracle, assert_matches, mismatch, user_turn
 from tests.support.rank_group import Group
 from tests.support.service_harness import scheduler_client

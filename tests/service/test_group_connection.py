@@ -7,7 +7,7 @@ import torch
 
 from common import codec
 from mmcast.v1 import worker_pb2
-from scheduler_svc.rank_streams import GroupDown, PayloadTensors, WorkerGroup
+from scheduler_svc.transport.rank_streams import GroupDown, PayloadTensors, WorkerGroup
 from tests.support.fake_rank import FakeRank, FakeRankConfig
 
 FP = "f" * 64

@@ -1,4 +1,4 @@
-"""The HTTP door's header and write deadlines (scheduler_svc/http_guard.py) on the real uvicorn server class of the
+"""The HTTP door's header and write deadlines (scheduler_svc/doors/http_guard.py) on the real uvicorn server class of the
 scheduler (HttpServer), in-process on port 0, with a small ASGI app: no model, no ranks."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from scheduler_svc.http_server import HttpServer
+from scheduler_svc.doors.http_server import HttpServer
 from tests.support.service_harness import LoopThread
 
 DEADLINE = 0.4  # both deadlines, seconds

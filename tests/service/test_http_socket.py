@@ -1,4 +1,4 @@
-"""The HTTP door's listening socket (``scheduler_svc/http_server.py bind``): its connections send without Nagle's
+"""The HTTP door's listening socket (``scheduler_svc/doors/http_server.py bind``): its connections send without Nagle's
 delay. Without ``TCP_NODELAY`` a server-sent event written after the response headers waits for the client's delayed
 ACK (~40 ms on Linux), so every streamed answer's first token arrived late; asyncio sets the option only on sockets
 that name ``IPPROTO_TCP``."""
@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from scheduler_svc.http_server import bind
+from scheduler_svc.doors.http_server import bind
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from mmcast_client import Client
-from mmcast_local.supervisor import LocalGroup, free_ports
+from mmcast_local.child_processes import free_ports
+from mmcast_local.supervisor import LocalGroup
 from mmcast_local.synthetic_images import synthetic_jpeg
 from tests.scheduler.test_kv_events import Subscriber
 from tests.support.oracle import scrape, user_turn

@@ -1,5 +1,5 @@
 """Live sessions end to end: a real TP=2 group (the suite's shared serve-local group) keeps a conversation's KV
-between turns and evicts its oldest turns in place (scheduler_svc/live_sessions.py).
+between turns and evicts its oldest turns in place (scheduler_svc/core/live_sessions.py).
 
 The reference is plain transformers fed the tokens the session retains with explicit position ids: each turn's
 tokens are the chat template's rendering of its messages after an assistant turn, tokenized by the model's own

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from scheduler_svc.request_log import FINISHED_MESSAGE
+from scheduler_svc.engine.request_log import FINISHED_MESSAGE
 from tests.support.oracle import Oracle, wait_until
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ import pytest
 from common.process import JsonFormatter, iso_time
 from mmcast.v1 import generation_pb2 as g
 from mmcast.v1 import generation_pb2_grpc as gg
-from scheduler_svc.request_log import FINISHED_MESSAGE
-from scheduler_svc.stage_timing import DISJOINT_STAGES, STAGES
+from scheduler_svc.engine.request_log import FINISHED_MESSAGE
+from scheduler_svc.engine.stage_timing import DISJOINT_STAGES, STAGES
 from tests.support.chat import IMG_A, IMG_B, image, request, text, user
 from tests.support.service_harness import FakeGroupScheduler
 

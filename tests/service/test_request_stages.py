@@ -1,6 +1,6 @@
 """The TTFT breakdown of one request on both doors, against a real tp=2 group (the shared ``serve_local_tp2``): the
 finished-request log line's ``ttft_<stage>_seconds`` keys and ``mmcast_request_stage_seconds{stage}``
-(scheduler_svc/stage_timing.py defines the stages).
+(scheduler_svc/engine/stage_timing.py defines the stages).
 
 Each request carries a new image, so its first token's step runs the vision encoder on a rank. The client times
 its own TTFT; the disjoint stages lie inside it, so their sum may not exceed it."""
@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from mmcast.v1 import generation_pb2_grpc as gg
-from scheduler_svc.request_log import FINISHED_MESSAGE
-from scheduler_svc.stage_timing import DISJOINT_STAGES, RANK_PARTS, STAGES
+from scheduler_svc.engine.request_log import FINISHED_MESSAGE
+from scheduler_svc.engine.stage_timing import DISJOINT_STAGES, RANK_PARTS, STAGES
 from tests.support.chat import image, request, text, user
 from tests.support.oracle import scrape, wait_until
 from tests.support.security_catalogue import png

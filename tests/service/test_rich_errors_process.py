@@ -22,7 +22,7 @@ from PIL import Image
 from common.hashing import model_fingerprint
 from mmcast.v1 import generation_pb2 as g
 from mmcast.v1 import generation_pb2_grpc as gg
-from mmcast_local.supervisor import free_ports
+from mmcast_local.child_processes import free_ports
 from tests.support.fake_rank import FakeRank, FakeRankConfig
 from tests.support.rich_errors import check_contract, details_of, retry_seconds, violations
 from tests.support.security_support import serving, wait_for

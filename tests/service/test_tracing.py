@@ -23,9 +23,9 @@ from tests.support.chat import IMG_A, image, request, text, user
 MODULES = (
     "common.tracing",
     "scheduler_svc.main",
-    "scheduler_svc.servicer",
-    "scheduler_svc.engine",
-    "scheduler_svc.rank_streams",
+    "scheduler_svc.doors.servicer",
+    "scheduler_svc.engine.step_loop",
+    "scheduler_svc.transport.rank_streams",
     "worker_svc.main",
     "worker_svc.servicer",
 )

@@ -1,4 +1,4 @@
-"""Usage and the metrics count the payload bytes that really reached the ranks (scheduler_svc/transfer.py's
+"""Usage and the metrics count the payload bytes that really reached the ranks (scheduler_svc/core/transfer.py's
 accounting rules), through the real service: an image repeated in one prompt and images shared by concurrent
 requests, in every transfer mode."""
 

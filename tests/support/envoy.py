@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from mmcast_local.supervisor import free_ports
+from mmcast_local.child_processes import free_ports
 from tests.support.deploy_tools import ROOT, tool
 
 CONFIG = ROOT / "deploy" / "envoy" / "envoy.yaml"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from mmcast_local.supervisor import free_ports
+from mmcast_local.child_processes import free_ports
 from tests.support.deploy_tools import tool
 
 

@@ -30,20 +30,20 @@ from common.multimodal import (
 )
 from mmcast.v1 import multimodal_pb2, worker_pb2
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.inputs import GroupBudget, Sample, StepOutcome
-from scheduler_svc.plan_proto import step_control
-from scheduler_svc.request import Request, SamplingParams
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome, Sample
+from scheduler_svc.core.request import Request, SamplingParams
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.transport.plan_proto import step_control
 
 IMG = 1000  # placeholder token id
 EOS = 1001
 ROW_BYTES = 16  # payload bytes per placeholder token of a synthetic item (rows of 4 float32)
 
 
-def outcome(sampled, failed=None) -> StepOutcome:
+def outcome(sampled, failed=None) -> GroupStepOutcome:
     """A step's outcome from the tests' shorthand: request id -> token id or (token id, logprob, top_logprobs);
     ``failed``: request id -> message."""
-    return StepOutcome(
+    return GroupStepOutcome(
         {RequestId(r): Sample(*v) if isinstance(v, tuple) else Sample(v) for r, v in sampled.items()},
         {RequestId(r): m for r, m in (failed or {}).items()},
     )

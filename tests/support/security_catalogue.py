@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from benchmarks import hostile_inputs as hostile
+from benchmarks.http_api import hostile_inputs as hostile
 from common import codec, item_proto
 from common.hashing import model_fingerprint
 from common.multimodal import (

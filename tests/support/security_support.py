@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmcast_local.supervisor import free_ports
+from mmcast_local.child_processes import free_ports
 
 WORKER_BIN = os.path.join(os.path.dirname(sys.executable), "mmcast-worker")
 

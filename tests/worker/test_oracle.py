@@ -159,7 +159,7 @@ def test_resumed_request_continues_identically(worker_env, sched):
 
 def test_encoder_rows_the_rank_keeps_carry_no_autograd_graph(worker_env, sched, monkeypatch):
     # Rows kept in the encoder cache with a grad_fn would pin the vision tower's saved activations until eviction:
-    # at Qwen2-VL-2B's widths ~1.5 GB per 1280x720 image (benchmarks/rank_memory.py measures the rank's peak).
+    # at Qwen2-VL-2B's widths ~1.5 GB per 1280x720 image (benchmarks/rank/rank_memory.py measures the rank's peak).
     runner = worker_env.rank.worker.runner
     kept = []
     encode = runner.encode

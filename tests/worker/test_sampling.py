@@ -397,7 +397,7 @@ def test_fuzz_a_batch_samples_each_row_as_alone(batch):
 )
 @settings(max_examples=100, deadline=None, database=None)
 def test_every_parameter_the_api_admits_samples(temperature, top_p, top_k):
-    """Exactly the ranges ``scheduler_svc/request_parsing.py parse_sampling`` admits, through the rank's proto parsing."""
+    """Exactly the ranges ``scheduler_svc/doors/request_parsing.py parse_sampling`` admits, through the rank's proto parsing."""
     from mmcast.v1 import worker_pb2
     from worker_svc.request_state import sampling_from_proto
 

@@ -116,7 +116,7 @@ def test_the_launcher_pins_the_child_before_it_runs(tmp_path):
     import subprocess
     import sys
 
-    from mmcast_local.supervisor import _LAUNCHER
+    from mmcast_local.child_processes import LAUNCHER as _LAUNCHER
 
     cpu = min(os.sched_getaffinity(0))
     probe = "import os; print(sorted(os.sched_getaffinity(0)))"

@@ -1,0 +1,1 @@
+"""mmcast beside vLLM on the same machine: workloads, capacity, stages and the report."""

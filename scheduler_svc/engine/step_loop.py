@@ -1,0 +1,408 @@
+"""The scheduler's step loop: schedule → broadcast to the group → apply rank 0's tokens → deliver to clients.
+
+Runs on the server's asyncio loop. The scheduler core is plain synchronous Python; the group is the network.
+When the group is lost, the core requeues every running request (generated tokens appended, so client
+streams continue without repeats), the loop reconnects with backoff, and requests still waiting when the group
+has been down longer than the deadline fail with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from common import tracing
+from common.errors import REQUEST_RESOURCE, MmcastError, Resource, Status, Unavailable
+from common.ids import ItemId, RequestId
+from scheduler_svc.core.accounting_events import Disposition
+from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome, Sample
+from scheduler_svc.core.request import FinishReason
+from scheduler_svc.engine.metrics import SchedulerMetrics
+from scheduler_svc.engine.request_handle import FinishEvent, RequestHandle, TokenEvent
+from scheduler_svc.engine.stage_timing import StepTimes
+from scheduler_svc.transport.plan_proto import step_control
+from scheduler_svc.transport.rank_streams import GroupDown, PayloadTensors, WorkerGroup
+
+log = logging.getLogger(__name__)
+
+
+def _plan_attributes(plan) -> dict[str, object]:
+    return {
+        "step_id": plan.step_id,
+        "requests": len(plan.num_scheduled_tokens),
+        "new_requests": len(plan.new_requests),
+        "tokens": plan.total_num_scheduled_tokens,
+        "encoder_inputs": len(plan.encoder_inputs),
+    }
+
+
+def _step_span(plan):
+    """The span of one step (broadcast, every rank's answer); the ranks' spans of it carry the same ids."""
+    if not tracing.enabled():
+        return tracing.span("mmcast.step")
+    return tracing.span(
+        "mmcast.step", request_ids=[str(r) for r in plan.num_scheduled_tokens], **_plan_attributes(plan)
+    )
+
+
+class Engine:
+    def __init__(
+        self,
+        *,
+        group: WorkerGroup,
+        core_factory: Callable[[GroupBudget], object],
+        metrics: SchedulerMetrics,
+        group_deadline_seconds: float,
+        model_max_len: int,
+        keepalive_seconds: float = 5.0,
+        reconnect_backoff: tuple[float, float] = (0.2, 5.0),
+        on_group_state: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.group = group
+        self.core_factory = core_factory
+        self.core = None  # built at the first connect, from the group's budgets
+        self.metrics = metrics
+        self.group_deadline_seconds = group_deadline_seconds
+        self.model_max_len = model_max_len  # the model config's context; the ranks may report less
+        self.keepalive_seconds = keepalive_seconds
+        self.backoff = reconnect_backoff
+        self.on_group_state = on_group_state or (lambda up: None)
+        self.handles: dict[RequestId, RequestHandle] = {}
+        self._wake = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._stopping = False
+        self._down_since: float | None = time.monotonic()
+        self._next_connect_at = time.monotonic()  # when the loop next tries to reach a group that is down
+        self._task: asyncio.Task | None = None
+        self._stats_seen = None  # the core's stats at the previous step (its counters are cumulative)
+        self.last_down_reason = "not connected yet"
+
+    # --- public API (called by the servicer on the same loop) -------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engine")
+
+    async def stop(self, step_grace_seconds: float = 10.0) -> None:
+        """Ends the step loop at a step boundary: a step in flight completes on every rank first (up to
+        ``step_grace_seconds``). Cut between its writes, one rank would hold a step its peers never get, and the
+        group would have to restart before the next scheduler could use it."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), step_grace_seconds)
+            except (TimeoutError, asyncio.CancelledError, Exception):
+                self._task.cancel()
+                try:
+                    await self._task
+                except (asyncio.CancelledError, Exception):
+                    pass
+        await self.group.close()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def submit(self, request, received_at: float | None = None) -> RequestHandle:
+        """Queue a request (a core ``Request``). Raises MmcastError (ALREADY_EXISTS, RESOURCE_EXHAUSTED, ...)."""
+        if self.core is None or not self._ready.is_set():
+            down_for = time.monotonic() - (self._down_since or time.monotonic())
+            if self.core is None or down_for > self.group_deadline_seconds:
+                raise Unavailable(
+                    f"worker group unavailable for {down_for:.1f}s ({self.last_down_reason}); retry later",
+                    retry_after=self.reconnect_wait(),
+                )
+        if request.request_id in self.handles:
+            raise MmcastError(
+                f"request_id {request.request_id!r} is already in flight",
+                Status.ALREADY_EXISTS,
+                resource=Resource(REQUEST_RESOURCE, request.request_id),
+            )
+        self.core.add_request(request)
+        handle = RequestHandle(request.request_id, time.monotonic() if received_at is None else received_at)
+        self.handles[request.request_id] = handle
+        self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+        self.metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
+        self._update_gauges()
+        self._wake.set()
+        return handle
+
+    def finish(self, request_id: RequestId, reason: str) -> None:
+        """Stop a request from the service side (stop string, client gone, deadline). Frees its blocks."""
+        handle = self.handles.pop(request_id, None)
+        if handle is None:
+            return
+        if self.core is not None:
+            update = self.core.finish_request(request_id, FinishReason(reason))
+            if update is not None and update.usage is not None:
+                handle.usage = update.usage
+        self._finish_handle(handle, FinishEvent(reason))
+        self._update_gauges()
+        self._wake.set()
+
+    def _finish_handle(self, handle: RequestHandle, event: FinishEvent) -> None:
+        if handle.finished:
+            return
+        handle.finished = True
+        handle.events.put_nowait(event)
+        m = self.metrics
+        m.requests_finished.labels(event.reason).inc()
+        m.e2e_seconds.observe(time.monotonic() - handle.received_at)
+        m.request_generation_tokens.observe(handle.generated_tokens)
+        self.handles.pop(handle.request_id, None)
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            try:
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug must not silently stop serving: log it, recover, go on
+                log.exception("step loop failed; recovering the group")
+                await self._group_lost(f"step loop failed: {exc!r}")
+                await asyncio.sleep(self.backoff[0])
+
+    async def _loop(self) -> None:
+        delay = self.backoff[0]
+        while not self._stopping:
+            if self.group.budget is not None and not self.group.up:
+                # a stream failed between steps (noticed here, not inside a step): recover like any loss
+                await self._group_lost(self.group.failure or "a rank stream failed")
+                continue
+            if self.core is None or not self.group.up:
+                if await self._connect():
+                    delay = self.backoff[0]
+                else:
+                    self._next_connect_at = time.monotonic() + delay
+                    self._fail_if_past_deadline()
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.backoff[1])
+                continue
+            queued_until = time.monotonic()  # the queue stage of the requests this step first schedules ends here
+            t0, t0_ns = time.perf_counter(), time.time_ns()
+            plan = self.core.schedule()
+            for update in self.core.take_deferred_updates():  # live turns the step could not keep (no blocks)
+                self._deliver(update, time.monotonic())
+            t1 = time.perf_counter()
+            self.metrics.schedule_seconds.observe(t1 - t0)
+            if plan is not None:
+                self._mark_scheduled(plan, time.monotonic(), queued_until)
+                if tracing.enabled():
+                    tracing.record_span("mmcast.schedule", t0_ns, time.time_ns(), **_plan_attributes(plan))
+            if plan is None:
+                self._wake.clear()
+                woke = asyncio.ensure_future(self._wake.wait())
+                failed = asyncio.ensure_future(self.group.any_failed.wait())
+                done, _ = await asyncio.wait(
+                    {woke, failed}, timeout=self.keepalive_seconds, return_when=asyncio.FIRST_COMPLETED
+                )
+                woke.cancel()
+                failed.cancel()
+                await asyncio.gather(woke, failed, return_exceptions=True)  # reap them: no pending tasks left
+                if not done or failed in done:
+                    try:
+                        await self.group.keepalive(stale_after=2.5 * self.keepalive_seconds)
+                    except GroupDown as exc:
+                        await self._group_lost(str(exc))
+                continue
+            try:
+                with _step_span(plan):
+                    results = await self.group.run_step(plan.step_id, step_control(plan), self._payloads(plan))
+            except GroupDown as exc:
+                await self._group_lost(str(exc))
+                continue
+            t2 = time.perf_counter()
+            self.metrics.step_seconds.observe(t2 - t0)
+            sent = self.group.last_sent_at  # building, serializing and writing the step (t1 → sent), then waiting
+            self._apply(plan, results, StepTimes(t1 - t0, sent - t1, t2 - sent, results))
+            await asyncio.sleep(0)  # let client streams and new requests run between steps
+
+    def reconnect_wait(self) -> float:
+        """Seconds until the loop next tries to reach the group (the retry hint of UNAVAILABLE while it is down): a
+        request sent sooner finds the group still down."""
+        return max(0.0, self._next_connect_at - time.monotonic())
+
+    @property
+    def max_model_len(self) -> int:
+        """Context length requests must fit: the core's, resolved at each connect from the configured length, the
+        model's and what the ranks reported; before the first connect, the configured and the model's."""
+        return self.core.max_model_len if self.core is not None else self.model_max_len
+
+    @staticmethod
+    def _payloads(plan) -> list[list[PayloadTensors]]:
+        out = []
+        for sends in plan.rank_payloads:
+            out.append(
+                [
+                    PayloadTensors(s.identifier, [(n, e.data) for n, e in s.feature.data.payload_fields().items()])
+                    for s in sends
+                ]
+            )
+        return out
+
+    async def _connect(self) -> bool:
+        try:
+            budget = await self.group.connect()
+        except GroupDown as exc:
+            self.last_down_reason = str(exc)
+            log.warning("worker group not available: %s", exc)
+            return False
+        if self.core is None:
+            self.core = self.core_factory(budget)
+            self._stats_seen = self.core.stats
+        else:
+            for update in self.core.reset_group(budget):  # requests that no longer fit the new budgets
+                self._deliver(update, time.monotonic())
+        self.metrics.kv_blocks_total.set(budget.kv_blocks)
+        self.metrics.group_up.set(1)
+        self._down_since = None
+        self._ready.set()
+        self.on_group_state(True)
+        self._wake.set()
+        return True
+
+    async def _group_lost(self, reason: str) -> None:
+        log.error("worker group lost: %s", reason)
+        # Not ready from this moment: readiness and the gauges must not wait for the streams to close.
+        self.last_down_reason = reason
+        self.metrics.group_up.set(0)
+        self.metrics.group_recoveries.inc()
+        self._ready.clear()
+        self.on_group_state(False)
+        self._down_since = time.monotonic()
+        # Close every stream, healthy or not: a rank that missed a deadline or a keepalive may still be running
+        # the lost step, and only a reconnect under a newer epoch makes the ranks drop that stream's state. Left
+        # open, the next (recovered) step would go to ranks still holding the old requests.
+        await self.group.close()
+        if self.core is not None:
+            for update in self.core.recover(reason):  # a request convicted of crashing the group: it fails alone
+                self.metrics.poison_requests.inc()
+                log.error(
+                    "poison request failed: it crashed the worker group twice",
+                    extra={"request_id": update.request_id, "reason": reason},
+                )
+                self._deliver(update, time.monotonic())
+        self._update_gauges()
+
+    def _fail_if_past_deadline(self) -> None:
+        if self._down_since is None or self.core is None:
+            return
+        down_for = time.monotonic() - self._down_since
+        if down_for <= self.group_deadline_seconds or not self.handles:
+            return
+        err = Unavailable(
+            f"worker group down for {down_for:.1f}s, past --group-deadline-seconds={self.group_deadline_seconds:g} "
+            f"({self.last_down_reason})",
+            retry_after=self.reconnect_wait(),
+        )
+        for request_id, handle in list(self.handles.items()):
+            self.core.finish_request(request_id, FinishReason.ERROR, error=err.message)
+            self._finish_handle(handle, FinishEvent("error", err))
+        self._update_gauges()
+
+    def _apply(self, plan, results, times: StepTimes | None = None) -> None:
+        now = time.monotonic()
+        rank0 = results[0]
+        self._count_plan(plan)
+        outcome = GroupStepOutcome(
+            sampled={
+                RequestId(s.request_id): Sample(
+                    s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top_logprobs]
+                )
+                for s in rank0.sampled
+            },
+            failed={RequestId(f.request_id): f.message for f in rank0.failures},
+            # Items an owner rank could not decode (encoded payloads): every rank skipped the windows reaching them.
+            item_failures={ItemId(f.item_identifier): f.message for r in results for f in r.item_failures},
+        )
+        for request_id, message in outcome.failed.items():
+            log.warning("request failed at the worker", extra={"request_id": request_id, "reason": message})
+        for ident, message in outcome.item_failures.items():
+            log.warning("image failed at its owner rank", extra={"item": ident[:16], "reason": message})
+        for update in self.core.update_from_output(plan, outcome):
+            self._deliver(update, now, times)
+        for request_id, handle in self.handles.items():
+            if request_id in plan.accounting:
+                request = self.core.get_request(request_id)
+                if request is not None:
+                    handle.usage = request.usage
+        self._update_gauges()
+
+    def _mark_scheduled(self, plan, now: float, queued_until: float) -> None:
+        """Ends the queue time of the requests this step schedules for the first time (a resumed one keeps its
+        first). ``queued_until``: when this step's ``schedule()`` began, the end of the queue stage."""
+        for request_id in plan.num_scheduled_tokens:
+            handle = self.handles.get(request_id)
+            if handle is not None and handle.first_scheduled_at is None:
+                handle.first_scheduled_at = now
+                handle.stages.queue = queued_until - handle.submitted_at
+                self.metrics.queue_seconds.observe(now - handle.received_at)
+
+    def _deliver(self, update, now: float, times: StepTimes | None = None) -> None:
+        """``times``: the step that produced the update (None for updates from outside a step)."""
+        handle = self.handles.get(update.request_id)
+        if handle is None:
+            return
+        if update.usage is not None:
+            handle.usage = update.usage
+        if update.new_token_ids:
+            if handle.first_token_at is None:
+                handle.first_token_at = now
+                handle.stages.first_token_step = times
+                self.metrics.ttft.observe(now - handle.received_at)
+            else:
+                self.metrics.inter_token_seconds.observe(now - handle.last_token_at)
+            handle.last_token_at = now
+            handle.generated_tokens += len(update.new_token_ids)
+            self.metrics.generation_tokens.inc(len(update.new_token_ids))
+            handle.events.put_nowait(TokenEvent(list(update.new_token_ids), list(update.logprobs or [])))
+        if update.finished is not None:
+            error = None
+            if update.finished is FinishReason.ERROR:
+                status = update.error_status or (Status.UNAVAILABLE if update.error else Status.INTERNAL)
+                error = MmcastError(update.error or "request failed", status, field=update.error_field)
+            self._finish_handle(handle, FinishEvent(update.finished.value, error))
+
+    def _count_plan(self, plan) -> None:
+        """Per-step item dispositions and saved bytes, and the core's cumulative counters as deltas."""
+        m = self.metrics
+        totals = plan.totals()
+        video = plan.video_totals.by_disposition()
+        for (disposition, items, nbytes, saved_reason), (_, v_items, v_bytes, _) in zip(
+            totals.by_disposition(), video, strict=True
+        ):
+            for modality, n, b in (("image", items - v_items, nbytes - v_bytes), ("video", v_items, v_bytes)):
+                if n or (modality == "image" and disposition is not Disposition.ABANDONED):
+                    m.mm_items.labels(disposition.value, modality).inc(n)  # abandoned and video: from the first
+                if saved_reason is not None and (b or modality == "image"):
+                    m.payload_bytes_saved.labels(saved_reason, modality).inc(b)
+        m.encoder_items.inc(len(plan.encoder_inputs))
+        m.encoder_runs.inc(totals.encoder_runs)
+        m.encoder_output_shared_bytes.inc(totals.encoder_output_bytes_shared)
+        stats, seen = self.core.stats, self._stats_seen
+        m.prefix_query_tokens.inc(max(0, stats.prefix_query_tokens - seen.prefix_query_tokens))
+        m.prefix_hit_tokens.inc(max(0, stats.prefix_hit_tokens - seen.prefix_hit_tokens))
+        m.preemptions.inc(max(0, stats.preemptions - seen.preemptions))
+        self._stats_seen = stats
+
+    def _update_gauges(self) -> None:
+        if self.core is None:
+            return
+        stats = self.core.stats
+        self.metrics.requests_running.set(stats.num_running)
+        self.metrics.requests_waiting.set(stats.num_waiting)
+        self.metrics.kv_blocks_used.set(stats.kv_blocks_used)
+        if stats.kv_blocks_total:
+            self.metrics.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
+            self.metrics.set_cache_config(self.core.config.block_size, stats.kv_blocks_total)
