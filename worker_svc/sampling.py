@@ -56,6 +56,7 @@ _MASK63 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive indices over the seed space
 GREEDY_EPSILON = 1e-5  # temperatures below this are greedy (see the module docstring)
 _NEG_INF = -math.inf
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 class SamplingError(ValueError):
@@ -113,7 +114,7 @@ def _clean(rows: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
 def _cleaned(logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """``logits`` (or a cleaned copy) with every row's NaN and +inf resolved, and the rows left with nothing to
     draw. One reduction finds the rows to clean: NaN or inf shows in a row's sum."""
-    bad = [i for i, f in enumerate(torch.isfinite(logits.sum(dim=-1)).tolist()) if not f]
+    bad = [i for i, total in enumerate(logits.sum(dim=-1).tolist()) if not math.isfinite(total)]
     if not bad:
         return logits, []
     out = logits.clone()
@@ -155,16 +156,16 @@ def _kth_largest(rows: torch.Tensor, ks: list[int]) -> torch.Tensor:
     return values.gather(1, torch.tensor(at, dtype=torch.long).unsqueeze(1))
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
     """Per row, the first position whose cumulative probability exceeds the row's uniform number times the row's
     total: position i is drawn with probability ``probs[i] / total``; a position of probability zero never."""
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
     target = torch.tensor(uniforms, dtype=torch.float64).unsqueeze(1) * cdf[:, -1:]
-    pos = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    past = pos >= probs.shape[-1]  # the product rounded up to the total: the last position of non-zero probability
-    if bool(past.any()):
-        last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(dim=-1)
-        pos = torch.where(past, last, pos)
+    pos = torch.searchsorted(cdf, target, right=True).flatten().tolist()
+    vocab = probs.shape[-1]
+    for r, p in enumerate(pos):
+        if p >= vocab:  # the product rounded up to the total: the last position of non-zero probability
+            pos[r] = int(torch.nonzero(probs[r] > 0).max())
     return pos
 
 
@@ -181,13 +182,15 @@ def _draw(drawn: torch.Tensor, params: list[SamplingParams], uniforms: list[floa
         threshold = torch.full((len(params), 1), _NEG_INF)
         threshold[cut] = _kth_largest(drawn[cut], [int(params[r].top_k) for r in cut])
         shifted = shifted.masked_fill(drawn < threshold, _NEG_INF)  # each row's maximum stays
-    probs = torch.softmax(torch.nan_to_num(shifted, nan=_NEG_INF), dim=-1)
+    if any(float(p.temperature) > _F32_MAX for p in params):  # inf in float32: -inf / inf is NaN (cut or masked)
+        shifted = torch.nan_to_num(shifted, nan=_NEG_INF)
+    probs = torch.softmax(shifted, dim=-1)
     nucleus = [r for r, p in enumerate(params) if 0.0 < float(p.top_p) < 1.0]
     plain = [r for r in range(len(params)) if r not in set(nucleus)]
     tokens = [0] * len(params)
     if plain:
         rows = probs if len(plain) == len(params) else probs[plain]
-        for r, t in zip(plain, _inverse_cdf(rows, [uniforms[r] for r in plain]).tolist(), strict=True):
+        for r, t in zip(plain, _inverse_cdf(rows, [uniforms[r] for r in plain]), strict=True):
             tokens[r] = t
     if nucleus:
         ranked, order = torch.sort(probs[nucleus], dim=-1, descending=True, stable=True)
@@ -195,8 +198,8 @@ def _draw(drawn: torch.Tensor, params: list[SamplingParams], uniforms: list[floa
         top_p = torch.tensor([float(params[r].top_p) for r in nucleus], dtype=ranked.dtype).unsqueeze(1)
         keep = before < top_p
         keep[:, 0] = True  # the most likely token always stays, however small top_p is
-        pos = _inverse_cdf(ranked * keep, [uniforms[r] for r in nucleus])
-        for r, t in zip(nucleus, order.gather(1, pos.unsqueeze(1)).squeeze(1).tolist(), strict=True):
+        pos = torch.tensor(_inverse_cdf(ranked * keep, [uniforms[r] for r in nucleus])).unsqueeze(1)
+        for r, t in zip(nucleus, order.gather(1, pos).flatten().tolist(), strict=True):
             tokens[r] = t
     return tokens
 
