@@ -122,19 +122,34 @@ def _cleaned(logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return out, [i for i, ok in zip(bad, usable, strict=True) if not ok]
 
 
-def _masked(logits: torch.Tensor, allowed: dict[int, torch.Tensor], errors: dict[int, SamplingError]) -> torch.Tensor:
+def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t``'s rows (ascending, distinct): a view when they are consecutive, else one ``index_select``."""
+    if rows[-1] - rows[0] + 1 == len(rows):
+        return t[rows[0] : rows[-1] + 1]
+    return t.index_select(0, torch.tensor(rows))
+
+
+def _masked(
+    logits: torch.Tensor, owned: bool, allowed: dict[int, torch.Tensor], errors: dict[int, SamplingError]
+) -> torch.Tensor:
     """The grammar stage (structured output): each masked row's tokens outside its allowed row at -inf, all the
-    masked rows in one ``masked_fill``; a row left with no finite or +inf logit gets its ``SamplingError``."""
+    masked rows in one ``masked_fill_`` (in ``logits`` itself when ``owned``, else in a copy); a row left with no
+    finite or +inf logit gets its ``SamplingError``."""
     rows = [i for i in sorted(allowed) if i not in errors]
     if not rows:
         return logits
-    allow = torch.stack([allowed[i].reshape(-1) for i in rows])
-    drawn = logits[rows].masked_fill(~allow, _NEG_INF)
-    out = logits.clone()
-    out[rows] = drawn
-    for i, ok, a in zip(rows, (drawn > _NEG_INF).any(dim=-1).tolist(), allow, strict=True):
-        if not ok:
-            errors[i] = SamplingError(f"none of the {int(a.sum())} tokens the grammar allows has a finite logit")
+    out = logits if owned else logits.clone()
+    forbid = ~(
+        torch.stack([allowed[i].reshape(-1) for i in rows]) if len(rows) > 1 else allowed[rows[0]].reshape(1, -1)
+    )
+    sub = _take(out, rows)
+    sub.masked_fill_(forbid, _NEG_INF)
+    if sub.data_ptr() != out[rows[0]].data_ptr():  # a copy (rows not consecutive): written back in one call
+        out.index_copy_(0, torch.tensor(rows), sub)
+    for i, top in zip(rows, sub.amax(dim=-1).tolist(), strict=True):
+        if top == _NEG_INF:
+            n = int(allowed[i].sum())
+            errors[i] = SamplingError(f"none of the {n} tokens the grammar allows has a finite logit")
     return out
 
 
@@ -210,7 +225,7 @@ def _logprobs(
     """Each row's (log-probability of its token, its top alternatives): one ``log_softmax`` over the rows, one
     ``gather``, and one ``topk`` per distinct count (topk's order among tied values depends on k, so a row's
     alternatives never depend on another row's count)."""
-    logprobs = torch.log_softmax(source[rows], dim=-1)
+    logprobs = torch.log_softmax(_take(source, rows), dim=-1)
     chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows])).flatten().tolist()
     top: dict[int, list[tuple[int, float]]] = {i: [] for i in rows}
     by_count: dict[int, list[int]] = defaultdict(list)
@@ -230,9 +245,11 @@ def _sample_rows(
     indices: list[int],
     raw: torch.Tensor | None,
     allowed: dict[int, torch.Tensor],
+    penalized: bool = False,
 ) -> list[Sample | SamplingError]:
     """Every row of ``logits`` (``[n, vocab]`` float32, already adjusted by its penalties) sampled with its own
-    parameters; ``raw`` (default: ``logits``) are the rows the log-probabilities describe."""
+    parameters; ``raw`` (default: ``logits``) are the rows the log-probabilities describe. ``penalized``:
+    ``logits`` is a tensor of this call's own (the penalties' copy), which the grammar masks may write into."""
     n, vocab = logits.shape
     if vocab == 0:
         return [SamplingError("the logits row is empty") for _ in range(n)]
@@ -240,18 +257,19 @@ def _sample_rows(
     cleaned, empty = _cleaned(logits)
     for i in empty:
         errors[i] = SamplingError(f"none of the {vocab} logits is finite (NaN or -inf everywhere)")
-    drawn = _masked(cleaned, allowed, errors) if allowed else cleaned
+    # The masks write into the cleaned logits only where those are this call's own (``penalized``: a fresh tensor)
+    # and not the source of the log-probabilities (the raw rows are, when given).
+    drawn = _masked(cleaned, penalized and raw is not None, allowed, errors) if allowed else cleaned
     live = [i for i in range(n) if i not in errors]
     greedy = [i for i in live if is_greedy(float(params[i].temperature))]
     drawing = [i for i in live if not is_greedy(float(params[i].temperature))]
     tokens: dict[int, int] = {}
     if greedy:
-        rows = drawn if len(greedy) == n else drawn[greedy]
-        tokens.update(zip(greedy, torch.argmax(rows, dim=-1).tolist(), strict=True))
+        tokens.update(zip(greedy, torch.argmax(_take(drawn, greedy), dim=-1).tolist(), strict=True))
     if drawing:
         uniforms = [draw_uniform(int(params[i].seed), int(indices[i])) for i in drawing]
-        rows = drawn if len(drawing) == n else drawn[drawing]
-        tokens.update(zip(drawing, _draw(rows, [params[i] for i in drawing], uniforms), strict=True))
+        chosen = _draw(_take(drawn, drawing), [params[i] for i in drawing], uniforms)
+        tokens.update(zip(drawing, chosen, strict=True))
     wanting = [i for i in live if params[i].return_logprobs]
     source = cleaned
     if wanting and raw is not None:
@@ -308,4 +326,5 @@ def sample_batch(
         return []
     raw = logits.detach().float()
     adjusted = penalize.apply(raw, [p.penalties for p in params], indices, histories or [None] * n)
-    return _sample_rows(adjusted, params, indices, None if adjusted is raw else raw, allowed or {})
+    penalized = adjusted is not raw
+    return _sample_rows(adjusted, params, indices, raw if penalized else None, allowed or {}, penalized)

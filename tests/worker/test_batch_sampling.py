@@ -192,3 +192,38 @@ def test_temperatures_past_float32_draw_among_the_usable_tokens_only():
     params = [SamplingParams(temperature=t, seed=s) for s, t in enumerate((3.4028235677973366e38, math.inf, 1e300))]
     for index in range(20):
         assert all(s.token_id in (1, 3) for s in sample_batch(x, params, [index] * 3))
+
+
+def test_masks_and_cleaning_leave_the_callers_logits_as_they_were():
+    x = logits(4, 2)
+    x[2, 3] = math.nan
+    before = x.clone()
+    only = torch.zeros(VOCAB, dtype=torch.bool)
+    only[[1, 2]] = True
+    pen = SamplingParams(temperature=1.0, penalties=Penalties(presence_penalty=1.0), return_logprobs=True)
+    params = [SamplingParams(return_logprobs=True), pen, SamplingParams(temperature=1.0), SamplingParams()]
+    got = sample_batch(x, params, [0] * 4, [([1], 1)] * 4, {0: only, 1: only, 3: only})
+    assert all(s.token_id in (1, 2) for s in (got[0], got[1], got[3]))
+    assert got[0].logprob == float(torch.log_softmax(x[0], -1)[got[0].token_id])  # of the unmasked row
+    row = x[0].clone()
+    assert sample(row, params[0], 0, raw=x[1], allowed=only).token_id in (1, 2)
+    assert torch.equal(row, x[0]) and torch.equal(x.nan_to_num(), before.nan_to_num())
+
+
+def test_rows_of_a_large_vocabulary_draw_the_same_alone_as_in_a_batch():
+    """Qwen2-VL's 151,936 tokens: the kernels' vectorised paths over long rows, batch or not."""
+    x = logits(6, 4, vocab=151936)
+    params = [
+        SamplingParams(temperature=1.0, seed=1, return_logprobs=True, logprobs=5),
+        SamplingParams(temperature=0.6, top_p=0.9, seed=2),
+        SamplingParams(temperature=1.2, top_k=50, seed=3),
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_k=100_000, top_p=0.95, seed=5),
+        SamplingParams(temperature=1.0, seed=6, penalties=Penalties(repetition_penalty=1.2)),
+    ]
+    histories = [([5, 9, 9], 1)] * 6
+    for index in (0, 7):
+        batch = sample_batch(x, params, [index] * 6, histories)
+        for i in range(6):
+            alone = sample_batch(x[i : i + 1], [params[i]], [index], [histories[i]])[0]
+            assert (batch[i].token_id, batch[i].logprob, batch[i].top) == (alone.token_id, alone.logprob, alone.top)
