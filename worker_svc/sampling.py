@@ -29,7 +29,7 @@ that are never NaN. The rules, in order:
   threshold keeps them too. The threshold is taken on the cleaned logits, not the temperature-scaled ones:
   scaling is monotone, so the same tokens pass, but a scaled value could round into a tie the logits lack;
 - top-p is applied after top-k (vLLM's order), to the distribution renormalized over the tokens top-k kept;
-  tokens are ranked by probability, equal ones by token id;
+  tokens are ranked by probability (among equal ones in an order fixed by the row alone);
 - top-p outside (0, 1) (0, -0.0, negative, NaN, >= 1) is no nucleus cut (an unset proto float is 0); any positive
   top-p keeps at least the most likely token, so 1e-45 is greedy among the finite logits;
 - the draw: the kept probabilities' cumulative sum (float64; in token-id order, or in the nucleus's order for a
@@ -57,6 +57,7 @@ _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive indices
 GREEDY_EPSILON = 1e-5  # temperatures below this are greedy (see the module docstring)
 _NEG_INF = -math.inf
 _F32_MAX = torch.finfo(torch.float32).max
+_NUCLEUS_CANDIDATES = 256  # a top-p row's nucleus is looked for among its most likely tokens first
 
 
 class SamplingError(ValueError):
@@ -175,13 +176,55 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
     """Per row, the first position whose cumulative probability exceeds the row's uniform number times the row's
     total: position i is drawn with probability ``probs[i] / total``; a position of probability zero never."""
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-    target = torch.tensor(uniforms, dtype=torch.float64).unsqueeze(1) * cdf[:, -1:]
+    totals = cdf[:, -1].tolist()
+    target = torch.tensor([[u * t] for u, t in zip(uniforms, totals, strict=True)], dtype=torch.float64)
     pos = torch.searchsorted(cdf, target, right=True).flatten().tolist()
     vocab = probs.shape[-1]
     for r, p in enumerate(pos):
         if p >= vocab:  # the product rounded up to the total: the last position of non-zero probability
             pos[r] = int(torch.nonzero(probs[r] > 0).max())
     return pos
+
+
+def _ranked_draw(ranked: torch.Tensor, order: torch.Tensor, keep: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """The token ids drawn from rows of probabilities in ranked order (``order``: their ids), ``keep`` the nucleus."""
+    pos = torch.tensor(_inverse_cdf(ranked * keep, uniforms)).unsqueeze(1)
+    return order.gather(1, pos).flatten().tolist()
+
+
+def _kept(ranked: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """The nucleus of rows of probabilities in descending order: the tokens with less than ``top_p`` of the mass
+    strictly above them, and always the first."""
+    before = torch.cumsum(ranked, dim=-1) - ranked
+    keep = before < torch.tensor(top_p, dtype=ranked.dtype).unsqueeze(1)
+    keep[:, 0] = True  # the most likely token always stays, however small top_p is
+    return keep
+
+
+def _nucleus(probs: torch.Tensor, top_p: list[float], uniforms: list[float]) -> list[int]:
+    """One token per row of ``probs`` from its top-p nucleus. The nucleus is looked for among the row's
+    ``_NUCLEUS_CANDIDATES`` most likely tokens first (one ``topk``; a 152k-token sort costs ~10 ms a row here); only
+    rows whose nucleus reaches past them are sorted whole. A token tied with the last candidate but left out has at
+    least as much mass above it, so it is outside the nucleus either way."""
+    vocab, tokens = probs.shape[-1], [0] * len(top_p)
+    rest = list(range(len(top_p)))
+    if vocab > 2 * _NUCLEUS_CANDIDATES:
+        ranked, order = torch.topk(probs, _NUCLEUS_CANDIDATES, dim=-1, sorted=True)
+        keep = _kept(ranked, top_p)
+        inside = [r for r, past in enumerate(keep[:, -1].tolist()) if not past]
+        if inside:
+            got = _ranked_draw(
+                _take(ranked, inside), _take(order, inside), _take(keep, inside), [uniforms[r] for r in inside]
+            )
+            for r, t in zip(inside, got, strict=True):
+                tokens[r] = t
+        rest = [r for r, past in enumerate(keep[:, -1].tolist()) if past]
+    if rest:
+        ranked, order = torch.sort(_take(probs, rest), dim=-1, descending=True, stable=True)
+        keep = _kept(ranked, [top_p[r] for r in rest])
+        for r, t in zip(rest, _ranked_draw(ranked, order, keep, [uniforms[r] for r in rest]), strict=True):
+            tokens[r] = t
+    return tokens
 
 
 def _draw(drawn: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> list[int]:
@@ -208,13 +251,10 @@ def _draw(drawn: torch.Tensor, params: list[SamplingParams], uniforms: list[floa
         for r, t in zip(plain, _inverse_cdf(rows, [uniforms[r] for r in plain]), strict=True):
             tokens[r] = t
     if nucleus:
-        ranked, order = torch.sort(probs[nucleus], dim=-1, descending=True, stable=True)
-        before = torch.cumsum(ranked, dim=-1) - ranked  # mass strictly above each token
-        top_p = torch.tensor([float(params[r].top_p) for r in nucleus], dtype=ranked.dtype).unsqueeze(1)
-        keep = before < top_p
-        keep[:, 0] = True  # the most likely token always stays, however small top_p is
-        pos = torch.tensor(_inverse_cdf(ranked * keep, [uniforms[r] for r in nucleus])).unsqueeze(1)
-        for r, t in zip(nucleus, order.gather(1, pos).flatten().tolist(), strict=True):
+        drawn_at = _nucleus(
+            _take(probs, nucleus), [float(params[r].top_p) for r in nucleus], [uniforms[r] for r in nucleus]
+        )
+        for r, t in zip(nucleus, drawn_at, strict=True):
             tokens[r] = t
     return tokens
 

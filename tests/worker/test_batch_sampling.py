@@ -227,3 +227,16 @@ def test_rows_of_a_large_vocabulary_draw_the_same_alone_as_in_a_batch():
         for i in range(6):
             alone = sample_batch(x[i : i + 1], [params[i]], [index], [histories[i]])[0]
             assert (batch[i].token_id, batch[i].logprob, batch[i].top) == (alone.token_id, alone.logprob, alone.top)
+
+
+def test_a_nucleus_found_among_the_candidates_draws_as_a_full_sort_would(monkeypatch):
+    from worker_svc import sampling as sampling_mod
+
+    x = logits(4, 6, vocab=4096) / 3 - 12  # a tail of small mass, and 30 likely tokens per row: a nucleus of
+    x[:, 100:3100:100] = logits(4, 8, vocab=30) / 3  # a few of them, inside the 256 candidates
+    x[3] = logits(1, 7, vocab=4096)[0] / 10  # nearly flat: its nucleus reaches past them
+    params = [SamplingParams(temperature=1.0, top_p=p, seed=9) for p in (0.9, 0.5, 0.99, 0.9)]
+    fast = [[s.token_id for s in sample_batch(x, params, [i] * 4)] for i in range(40)]
+    monkeypatch.setattr(sampling_mod, "_NUCLEUS_CANDIDATES", 4096)  # every row sorted whole
+    assert fast == [[s.token_id for s in sample_batch(x, params, [i] * 4)] for i in range(40)]
+    assert len({row[0] for row in fast}) > 1 and len({row[3] for row in fast}) > 10
