@@ -35,6 +35,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -123,11 +124,13 @@ def _decode_groups(decodes: list[tuple[int, Sequence[int], int]]) -> list[list[t
 
 
 def _decode_batch(group: list[tuple[int, Sequence[int], int]], block_size: int, device) -> DecodeBatch:
+    # Index arithmetic on a few small arrays: numpy's per-call cost is a fraction of torch's, and this runs every
+    # decode step; only the results become tensors.
     width = group[0][2]
     blocks = -(-width // block_size)
-    contexts = torch.tensor([context for _, _, context in group], dtype=torch.long)
+    contexts = np.array([context for _, _, context in group], dtype=np.int64)
     # each table cut to its own blocks, then padded with its last block (rows past the context are replaced below)
-    tables = torch.tensor(
+    tables = np.array(
         [
             [
                 *ids[: -(-context // block_size)],
@@ -135,18 +138,19 @@ def _decode_batch(group: list[tuple[int, Sequence[int], int]], block_size: int, 
             ]
             for _, ids, context in group
         ],
-        dtype=torch.long,
+        dtype=np.int64,
     )
-    rows = (tables[:, :, None] * block_size + torch.arange(block_size)).view(len(group), -1)[:, :width]
-    last = rows.gather(1, (contexts - 1)[:, None])
-    own = torch.arange(width)[None, :] < contexts[:, None]
-    rows = torch.where(own, rows, last)
+    rows = (tables[:, :, None] * block_size + np.arange(block_size)).reshape(len(group), -1)[:, :width]
+    last = rows[np.arange(len(group)), contexts - 1][:, None]
+    own = np.arange(width)[None, :] < contexts[:, None]
+    rows = np.where(own, rows, last)
     padded = bool((contexts < width).any())
+    bias = torch.from_numpy(np.where(own, 0.0, -math.inf).astype(np.float32))[:, None, :] if padded else None
     return DecodeBatch(
         tokens=torch.tensor([index for index, _, _ in group], dtype=torch.long, device=device),
-        rows=rows.flatten().to(device),
+        rows=torch.from_numpy(rows.reshape(-1)).to(device),
         width=width,
-        bias=torch.zeros(own.shape).masked_fill_(~own, -math.inf)[:, None, :].to(device) if padded else None,
+        bias=bias.to(device) if bias is not None else None,
     )
 
 

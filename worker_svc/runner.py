@@ -25,6 +25,7 @@ decoder's linear layers multiply by oneDNN-packed weights (``worker_svc/cpu_line
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -296,13 +297,16 @@ class ModelRunner:
 
     # --- language model --------------------------------------------------------------------------------------
 
-    def _embeds(self, item: ForwardInput) -> torch.Tensor:
-        ids = torch.tensor(item.token_ids, dtype=torch.long, device=self.device)
-        embeds = self.embed(ids)
-        if item.mm_rows:
-            embeds = embeds.clone()
-            for local, rows in item.mm_rows:
-                embeds[local.to(self.device)] = rows[:, : self.hidden].to(self.device, embeds.dtype)
+    def _embeds(self, items: Sequence[ForwardInput]) -> torch.Tensor:
+        """The packed step's input embeddings: one lookup for every window's tokens (not one per window: a decode
+        step's cost would grow by a module call, and under TP a collective, per request), then the encoder rows."""
+        flat = list(itertools.chain.from_iterable(it.token_ids for it in items))
+        embeds = self.embed(torch.tensor(flat, dtype=torch.long, device=self.device))
+        base = 0
+        for it in items:
+            for local, rows in it.mm_rows:
+                embeds[local.to(self.device) + base] = rows[:, : self.hidden].to(self.device, embeds.dtype)
+            base += len(it.token_ids)
         return embeds
 
     def _encoder_kwargs(self, items: Sequence[ForwardInput]) -> dict:
@@ -330,7 +334,7 @@ class ModelRunner:
         step = paged_attention.plan_step(
             self.pool.data, [(it.block_ids, it.start, it.start + len(it.token_ids)) for it in items], self.block_size
         )
-        embeds = torch.cat([self._embeds(it) for it in items])[None]
+        embeds = self._embeds(items)[None]
         positions = torch.cat([it.positions for it in items], dim=1).to(self.device)[:, None, :]
         text_model = self.model.model.language_model
         hidden = text_model(

@@ -1,16 +1,19 @@
-"""Token sampling on rank 0: greedy or temperature + top-k + top-p, reproducible per (request seed, token index).
+"""Token sampling on rank 0, vectorised over the step's batch: greedy, or temperature + top-k + top-p, each row
+reproducible per (request seed, token index) whatever else the step holds.
 
-The draw for output token ``i`` uses a fresh CPU generator seeded from ``(seed, i)``, so a request recomputed after
-preemption or recovery repeats exactly the draws it made before. Log-probabilities are those of the unmodified
-model distribution (``log_softmax`` of the raw logits: vLLM's ``raw_logprobs`` mode), whatever the penalties, logit
-biases, min_tokens masking, temperature, top-k and top-p did to the draw.
+The draw for output token ``i`` of a request is an inverse-CDF draw with one uniform number derived from
+``(seed, i)`` alone (``draw_uniform``: a 64-bit mix, no generator state), so a request recomputed after preemption
+or recovery repeats exactly the draws it made before, and its tokens do not depend on the rows beside it.
+Log-probabilities are those of the unmodified model distribution (``log_softmax`` of the raw logits: vLLM's
+``raw_logprobs`` mode), whatever the penalties, logit biases, min_tokens masking, grammar, temperature, top-k and
+top-p did to the draw.
 
-``sample_batch`` first applies the step's penalties and biases to the whole batch (worker_svc/penalize.py); the
-draw and the argmax then see the adjusted logits, the log-probabilities the raw ones. ``sample`` takes a row that is
-already adjusted, and its raw row for the log-probabilities.
-
-A step samples every request in one ``sample_batch`` call, equal to ``sample`` row by row (tests check it on fuzzed
-batches): the greedy rows share one finiteness check, one ``argmax`` and one ``log_softmax``.
+``sample_batch`` applies the step's penalties and biases to the whole batch (worker_svc/penalize.py), then samples
+every row in a few tensor operations: one cleaning of the rows holding NaN or inf, the grammar masks of the masked
+rows in one ``masked_fill``, one ``argmax`` for the greedy rows; for the drawing rows one scaling by their
+temperatures, one top-k threshold selection, one ``softmax``, one ``sort`` for the rows with a top-p cut and one
+cumulative sum and ``searchsorted`` for the draw; one ``log_softmax`` and one ``topk`` per distinct count for the
+log-probabilities. ``sample`` is one row through the same code (its logits already adjusted).
 
 ``sample`` is total over its parameters: whatever the temperature, top-k, top-p, seed or logprobs count (NaN,
 infinities, -0.0, denormals, negative or huge values) it returns a token inside the vocabulary and log-probabilities
@@ -26,8 +29,11 @@ that are never NaN. The rules, in order:
   threshold keeps them too. The threshold is taken on the cleaned logits, not the temperature-scaled ones:
   scaling is monotone, so the same tokens pass, but a scaled value could round into a tie the logits lack;
 - top-p is applied after top-k (vLLM's order), to the distribution renormalized over the tokens top-k kept;
+  tokens are ranked by probability (among equal ones in an order fixed by the row alone);
 - top-p outside (0, 1) (0, -0.0, negative, NaN, >= 1) is no nucleus cut (an unset proto float is 0); any positive
   top-p keeps at least the most likely token, so 1e-45 is greedy among the finite logits;
+- the draw: the kept probabilities' cumulative sum (float64; in token-id order, or in the nucleus's order for a
+  top-p row) is searched for the uniform number times the total; a token of probability zero is never drawn;
 - a logprobs count <= 0 returns no alternatives; above the vocabulary, the whole vocabulary; alternatives of
   probability zero are left out;
 - logits: NaN never wins (it is treated as -inf); tokens at +inf share all the probability; -inf is never drawn.
@@ -38,15 +44,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
 
 import torch
 
 from common.penalties import NONE, Penalties
 from worker_svc import penalize
 
+_MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads consecutive indices over the seed space
 GREEDY_EPSILON = 1e-5  # temperatures below this are greedy (see the module docstring)
+_NEG_INF = -math.inf
+_F32_MAX = torch.finfo(torch.float32).max
+_NUCLEUS_CANDIDATES = 256  # a top-p row's nucleus is looked for among its most likely tokens first
 
 
 class SamplingError(ValueError):
@@ -72,58 +83,251 @@ class Sample:
 
 
 def draw_seed(seed: int, index: int) -> int:
-    """The generator seed of output token ``index`` of a request seeded ``seed``."""
-    mixed = (seed * _GOLDEN + (index + 1) * (_GOLDEN >> 1)) & ((1 << 64) - 1)
+    """The 63-bit draw key of output token ``index`` of a request seeded ``seed``."""
+    mixed = (seed * _GOLDEN + (index + 1) * (_GOLDEN >> 1)) & _MASK64
     mixed ^= mixed >> 29
     return mixed & _MASK63
+
+
+def draw_uniform(seed: int, index: int) -> float:
+    """The uniform number in [0, 1) (53 bits) that output token ``index`` of a request seeded ``seed`` is drawn
+    with: ``draw_seed`` through splitmix64's finalizer, so neighbouring keys give unrelated numbers."""
+    z = draw_seed(seed, index)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * 2.0**-53
 
 
 def is_greedy(temperature: float) -> bool:
     return not temperature >= GREEDY_EPSILON  # NaN included
 
 
-def clean_logits(logits: torch.Tensor) -> torch.Tensor:
-    """float32 logits without NaN or +inf: NaN -> -inf; if any +inf, those tokens 0 and every other -inf.
-    Raises ``SamplingError`` when nothing is left to draw."""
-    logits = logits.detach().float().reshape(-1)
-    if logits.numel() == 0:
-        raise SamplingError("the logits row is empty")
-    if math.isfinite(float(logits.sum())):  # every entry is finite (NaN or inf would show in the sum); one fast
-        return logits  # reduction where an elementwise isfinite() costs ~2x a log_softmax at 152k tokens
-    logits = logits.masked_fill(torch.isnan(logits), -math.inf)
-    pos_inf = torch.isposinf(logits)
-    if bool(pos_inf.any()):
-        return torch.full_like(logits, -math.inf).masked_fill(pos_inf, 0.0)
-    if not bool(torch.isfinite(logits).any()):
-        raise SamplingError(f"none of the {logits.numel()} logits is finite (NaN or -inf everywhere)")
-    return logits
+def _clean(rows: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    """Rows without NaN or +inf (NaN -> -inf; a row with any +inf: those tokens 0, every other -inf), and for each
+    whether anything is left to draw."""
+    rows = rows.masked_fill(torch.isnan(rows), _NEG_INF)
+    pos_inf = torch.isposinf(rows)
+    rows = torch.where(pos_inf.any(dim=-1, keepdim=True), torch.where(pos_inf, 0.0, _NEG_INF), rows)
+    return rows, (rows > _NEG_INF).any(dim=-1).tolist()
 
 
-def _kth_largest(logits: torch.Tensor, k: int) -> torch.Tensor:
-    # A partial selection of the smaller side, never a full sort: at 152k tokens the usual k (up to a few hundred)
-    # costs under a millisecond on a CPU, k near the vocabulary as little, k = half the vocabulary ~8 ms; kthvalue
-    # costs ~8 ms for every k.
-    n = logits.numel()
-    if k <= n - k + 1:
-        return torch.topk(logits, k, sorted=False).values.min()
-    return torch.topk(logits, n - k + 1, largest=False, sorted=False).values.max()  # the (n-k+1)-th smallest
+def _cleaned(logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``logits`` (or a cleaned copy) with every row's NaN and +inf resolved, and the rows left with nothing to
+    draw. One reduction finds the rows to clean: NaN or inf shows in a row's sum."""
+    bad = [i for i, total in enumerate(logits.sum(dim=-1).tolist()) if not math.isfinite(total)]
+    if not bad:
+        return logits, []
+    out = logits.clone()
+    out[bad], usable = _clean(logits[bad])
+    return out, [i for i, ok in zip(bad, usable, strict=True) if not ok]
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_probs, order = torch.sort(probs, descending=True)
-    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
-    keep = before < top_p
-    keep[0] = True  # the most likely token always stays, however small top_p is
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t``'s rows (ascending, distinct): a view when they are consecutive, else one ``index_select``."""
+    if rows[-1] - rows[0] + 1 == len(rows):
+        return t[rows[0] : rows[-1] + 1]
+    return t.index_select(0, torch.tensor(rows))
 
 
-def allow_only(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """The grammar stage (structured output): a cleaned logits row with every token outside ``allowed`` (a boolean
-    ``[vocab]`` row) at -inf. Raises ``SamplingError`` when no allowed token has a finite or +inf logit."""
-    drawn = logits.masked_fill(~allowed, -math.inf)
-    if not bool((drawn > -math.inf).any()):
-        raise SamplingError(f"none of the {int(allowed.sum())} tokens the grammar allows has a finite logit")
-    return drawn
+def _masked(
+    logits: torch.Tensor, owned: bool, allowed: dict[int, torch.Tensor], errors: dict[int, SamplingError]
+) -> torch.Tensor:
+    """The grammar stage (structured output): each masked row's tokens outside its allowed row at -inf, all the
+    masked rows in one ``masked_fill_`` (in ``logits`` itself when ``owned``, else in a copy); a row left with no
+    finite or +inf logit gets its ``SamplingError``."""
+    rows = [i for i in sorted(allowed) if i not in errors]
+    if not rows:
+        return logits
+    out = logits if owned else logits.clone()
+    forbid = ~(
+        torch.stack([allowed[i].reshape(-1) for i in rows]) if len(rows) > 1 else allowed[rows[0]].reshape(1, -1)
+    )
+    sub = _take(out, rows)
+    sub.masked_fill_(forbid, _NEG_INF)
+    if sub.data_ptr() != out[rows[0]].data_ptr():  # a copy (rows not consecutive): written back in one call
+        out.index_copy_(0, torch.tensor(rows), sub)
+    for i, top in zip(rows, sub.amax(dim=-1).tolist(), strict=True):
+        if top == _NEG_INF:
+            n = int(allowed[i].sum())
+            errors[i] = SamplingError(f"none of the {n} tokens the grammar allows has a finite logit")
+    return out
+
+
+def _kth_largest(rows: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """The k-th largest value of each row (``ks[r]`` for row r, 0 < k < vocab), as a ``[rows, 1]`` column. A
+    partial selection of the smaller side when every row allows one (at 152k tokens the usual k, up to a few
+    hundred, costs under a millisecond a row); a full sort of the rows otherwise."""
+    vocab, kmax = rows.shape[-1], max(ks)
+    smallest = [vocab - k + 1 for k in ks]  # the k-th largest is the (vocab-k+1)-th smallest
+    if kmax <= vocab // 2:
+        values, at = torch.topk(rows, kmax, dim=-1, sorted=True).values, [k - 1 for k in ks]
+    elif max(smallest) <= vocab // 2:
+        values, at = (
+            torch.topk(rows, max(smallest), dim=-1, largest=False, sorted=True).values,
+            [s - 1 for s in smallest],
+        )
+    else:
+        values, at = torch.sort(rows, dim=-1, descending=True).values, [k - 1 for k in ks]
+    return values.gather(1, torch.tensor(at, dtype=torch.long).unsqueeze(1))
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """Per row, the first position whose cumulative probability exceeds the row's uniform number times the row's
+    total: position i is drawn with probability ``probs[i] / total``; a position of probability zero never."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    totals = cdf[:, -1].tolist()
+    target = torch.tensor([[u * t] for u, t in zip(uniforms, totals, strict=True)], dtype=torch.float64)
+    pos = torch.searchsorted(cdf, target, right=True).flatten().tolist()
+    vocab = probs.shape[-1]
+    for r, p in enumerate(pos):
+        if p >= vocab:  # the product rounded up to the total: the last position of non-zero probability
+            pos[r] = int(torch.nonzero(probs[r] > 0).max())
+    return pos
+
+
+def _ranked_draw(ranked: torch.Tensor, order: torch.Tensor, keep: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """The token ids drawn from rows of probabilities in ranked order (``order``: their ids), ``keep`` the nucleus."""
+    pos = torch.tensor(_inverse_cdf(ranked * keep, uniforms)).unsqueeze(1)
+    return order.gather(1, pos).flatten().tolist()
+
+
+def _kept(ranked: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """The nucleus of rows of probabilities in descending order: the tokens with less than ``top_p`` of the mass
+    strictly above them, and always the first."""
+    before = torch.cumsum(ranked, dim=-1) - ranked
+    keep = before < torch.tensor(top_p, dtype=ranked.dtype).unsqueeze(1)
+    keep[:, 0] = True  # the most likely token always stays, however small top_p is
+    return keep
+
+
+def _nucleus(probs: torch.Tensor, top_p: list[float], uniforms: list[float]) -> list[int]:
+    """One token per row of ``probs`` from its top-p nucleus. The nucleus is looked for among the row's
+    ``_NUCLEUS_CANDIDATES`` most likely tokens first (one ``topk``; a 152k-token sort costs ~10 ms a row here); only
+    rows whose nucleus reaches past them are sorted whole. A token tied with the last candidate but left out has at
+    least as much mass above it, so it is outside the nucleus either way."""
+    vocab, tokens = probs.shape[-1], [0] * len(top_p)
+    rest = list(range(len(top_p)))
+    if vocab > 2 * _NUCLEUS_CANDIDATES:
+        ranked, order = torch.topk(probs, _NUCLEUS_CANDIDATES, dim=-1, sorted=True)
+        keep = _kept(ranked, top_p)
+        inside = [r for r, past in enumerate(keep[:, -1].tolist()) if not past]
+        if inside:
+            got = _ranked_draw(
+                _take(ranked, inside), _take(order, inside), _take(keep, inside), [uniforms[r] for r in inside]
+            )
+            for r, t in zip(inside, got, strict=True):
+                tokens[r] = t
+        rest = [r for r, past in enumerate(keep[:, -1].tolist()) if past]
+    if rest:
+        ranked, order = torch.sort(_take(probs, rest), dim=-1, descending=True, stable=True)
+        keep = _kept(ranked, [top_p[r] for r in rest])
+        for r, t in zip(rest, _ranked_draw(ranked, order, keep, [uniforms[r] for r in rest]), strict=True):
+            tokens[r] = t
+    return tokens
+
+
+def _draw(drawn: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> list[int]:
+    """One token per row of ``drawn`` (cleaned, masked logits, each row with a usable entry) at its own
+    temperature, top-k and top-p, with its own uniform number."""
+    vocab = drawn.shape[-1]
+    temperature = torch.tensor([float(p.temperature) for p in params], dtype=torch.float32).unsqueeze(1)
+    # Shifted by each row's maximum first: the scaled values are <= 0 with an exact 0 at the maximum, so neither a
+    # small temperature nor a huge logit range can overflow, and the softmax's sum is >= 1 before it normalizes.
+    shifted = (drawn - drawn.amax(dim=-1, keepdim=True)) / temperature
+    cut = [r for r, p in enumerate(params) if 0 < int(p.top_k) < vocab]
+    if cut:
+        threshold = torch.full((len(params), 1), _NEG_INF)
+        threshold[cut] = _kth_largest(drawn[cut], [int(params[r].top_k) for r in cut])
+        shifted = shifted.masked_fill(drawn < threshold, _NEG_INF)  # each row's maximum stays
+    if any(float(p.temperature) > _F32_MAX for p in params):  # inf in float32: -inf / inf is NaN (cut or masked)
+        shifted = torch.nan_to_num(shifted, nan=_NEG_INF)
+    probs = torch.softmax(shifted, dim=-1)
+    nucleus = [r for r, p in enumerate(params) if 0.0 < float(p.top_p) < 1.0]
+    plain = [r for r in range(len(params)) if r not in set(nucleus)]
+    tokens = [0] * len(params)
+    if plain:
+        rows = probs if len(plain) == len(params) else probs[plain]
+        for r, t in zip(plain, _inverse_cdf(rows, [uniforms[r] for r in plain]), strict=True):
+            tokens[r] = t
+    if nucleus:
+        drawn_at = _nucleus(
+            _take(probs, nucleus), [float(params[r].top_p) for r in nucleus], [uniforms[r] for r in nucleus]
+        )
+        for r, t in zip(nucleus, drawn_at, strict=True):
+            tokens[r] = t
+    return tokens
+
+
+def _logprobs(
+    source: torch.Tensor, rows: list[int], tokens: dict[int, int], counts: list[int]
+) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+    """Each row's (log-probability of its token, its top alternatives): one ``log_softmax`` over the rows, one
+    ``gather``, and one ``topk`` per distinct count (topk's order among tied values depends on k, so a row's
+    alternatives never depend on another row's count)."""
+    logprobs = torch.log_softmax(_take(source, rows), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows])).flatten().tolist()
+    top: dict[int, list[tuple[int, float]]] = {i: [] for i in rows}
+    by_count: dict[int, list[int]] = defaultdict(list)
+    for r, k in enumerate(counts):
+        if k > 0:
+            by_count[min(k, logprobs.shape[-1])].append(r)
+    for k, group in by_count.items():
+        values, ids = torch.topk(logprobs[group], k, dim=-1)
+        for r, vs, ts in zip(group, values.tolist(), ids.tolist(), strict=True):
+            top[rows[r]] = [(t, v) for t, v in zip(ts, vs, strict=True) if v != _NEG_INF]
+    return {i: (c, top[i]) for i, c in zip(rows, chosen, strict=True)}
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    indices: list[int],
+    raw: torch.Tensor | None,
+    allowed: dict[int, torch.Tensor],
+    penalized: bool = False,
+) -> list[Sample | SamplingError]:
+    """Every row of ``logits`` (``[n, vocab]`` float32, already adjusted by its penalties) sampled with its own
+    parameters; ``raw`` (default: ``logits``) are the rows the log-probabilities describe. ``penalized``:
+    ``logits`` is a tensor of this call's own (the penalties' copy), which the grammar masks may write into."""
+    n, vocab = logits.shape
+    if vocab == 0:
+        return [SamplingError("the logits row is empty") for _ in range(n)]
+    errors: dict[int, SamplingError] = {}
+    cleaned, empty = _cleaned(logits)
+    for i in empty:
+        errors[i] = SamplingError(f"none of the {vocab} logits is finite (NaN or -inf everywhere)")
+    # The masks write into the cleaned logits only where those are this call's own (``penalized``: a fresh tensor)
+    # and not the source of the log-probabilities (the raw rows are, when given).
+    drawn = _masked(cleaned, penalized and raw is not None, allowed, errors) if allowed else cleaned
+    live = [i for i in range(n) if i not in errors]
+    greedy = [i for i in live if is_greedy(float(params[i].temperature))]
+    drawing = [i for i in live if not is_greedy(float(params[i].temperature))]
+    tokens: dict[int, int] = {}
+    if greedy:
+        tokens.update(zip(greedy, torch.argmax(_take(drawn, greedy), dim=-1).tolist(), strict=True))
+    if drawing:
+        uniforms = [draw_uniform(int(params[i].seed), int(indices[i])) for i in drawing]
+        chosen = _draw(_take(drawn, drawing), [params[i] for i in drawing], uniforms)
+        tokens.update(zip(drawing, chosen, strict=True))
+    wanting = [i for i in live if params[i].return_logprobs]
+    source = cleaned
+    if wanting and raw is not None:
+        source, empty = _cleaned(raw)
+        for i in empty:
+            if i in tokens and params[i].return_logprobs:
+                errors[i] = SamplingError(f"none of the {vocab} raw logits is finite (NaN or -inf everywhere)")
+        wanting = [i for i in wanting if i not in errors]
+    scored = _logprobs(source, wanting, tokens, [int(params[i].logprobs) for i in wanting]) if wanting else {}
+    out: list[Sample | SamplingError] = []
+    for i in range(n):
+        if i in errors:
+            out.append(errors[i])
+        elif i in scored:
+            out.append(Sample(tokens[i], *scored[i]))
+        else:
+            out.append(Sample(tokens[i], None, []))
+    return out
 
 
 def sample(
@@ -136,34 +340,13 @@ def sample(
     """One token from a ``[vocab]`` logits row, already adjusted by its penalties; ``raw`` (default: ``logits``)
     is the model's row, whose distribution the log-probabilities describe. ``index`` is the output token index (0
     for the first). ``allowed``: the grammar's boolean row; the draw is among those tokens.
-    Raises only ``SamplingError`` (logits without a finite entry)."""
-    logits = clean_logits(logits)
-    drawn = logits if allowed is None else allow_only(logits, allowed)
-    temperature = float(params.temperature)
-    if is_greedy(temperature):
-        token = int(torch.argmax(drawn))
-    else:
-        # Shifted by the maximum first: the scaled values are <= 0 with an exact 0 at the maximum, so neither a
-        # small temperature nor a huge logit range can overflow, and the softmax's sum is >= 1 before it normalizes.
-        shifted = (drawn - drawn.max()) / temperature
-        top_k = int(params.top_k)
-        if 0 < top_k < logits.numel():
-            shifted = shifted.masked_fill(drawn < _kth_largest(drawn, top_k), -math.inf)  # the maximum stays
-        probs = torch.softmax(torch.nan_to_num(shifted, nan=-math.inf), dim=-1)
-        top_p = float(params.top_p)
-        if 0.0 < top_p < 1.0:
-            probs = _nucleus(probs, top_p)
-        generator = torch.Generator(device="cpu").manual_seed(draw_seed(int(params.seed), int(index)))
-        token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
-    if not params.return_logprobs:
-        return Sample(token, None, [])
-    logprobs = torch.log_softmax(logits if raw is None else clean_logits(raw), dim=-1)
-    top: list[tuple[int, float]] = []
-    k = min(int(params.logprobs), logprobs.shape[-1])
-    if k > 0:
-        values, ids = torch.topk(logprobs, k)
-        top = [(i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v != -math.inf]
-    return Sample(token, float(logprobs[token]), top)
+    Raises only ``SamplingError`` (logits without a finite entry). The same code as a row of ``sample_batch``."""
+    row = logits.detach().float().reshape(1, -1)
+    raw_row = None if raw is None else raw.detach().float().reshape(1, -1)
+    got = _sample_rows(row, [params], [index], raw_row, {} if allowed is None else {0: allowed})[0]
+    if isinstance(got, SamplingError):
+        raise got
+    return got
 
 
 def sample_batch(
@@ -175,48 +358,13 @@ def sample_batch(
 ) -> list[Sample | SamplingError]:
     """``sample`` of every row of ``logits`` (``[n, vocab]``) with its own parameters and output index, one result
     per row: its ``Sample``, or the ``SamplingError`` that row alone raised. ``histories[i]``: row i's tokens
-    ``(prompt + output so far, prompt length)``, needed where its penalties count them.
-
-    Equal to calling ``sample`` row by row; what is common to the rows is done once: one finiteness check, one
-    ``argmax`` for the greedy rows, one ``log_softmax`` and one ``topk`` for the rows that want log-probabilities.
-    Rows that draw (a temperature) or hold a non-finite value go through ``sample`` alone: their generator is
-    seeded per row, and their cleaning is per row. ``allowed``: row -> the grammar's boolean row (structured
-    output); those rows go through ``sample`` too, with their mask."""
-    allowed = allowed or {}
+    ``(prompt + output so far, prompt length)``, needed where its penalties count them. ``allowed``: row -> the
+    grammar's boolean row (structured output). A row's result depends on that row alone (its logits, parameters,
+    output index and history), never on the other rows of the batch."""
     n = logits.shape[0]
+    if n == 0:
+        return []
     raw = logits.detach().float()
-    logits = penalize.apply(raw, [p.penalties for p in params], indices, histories or [None] * n)
-    adjusted = logits is not raw
-    finite = torch.isfinite(raw.sum(dim=-1)).tolist() if n else []  # one reduction; NaN/inf shows in the sum
-    if adjusted and n:  # masks add -inf (fine for argmax); an overflow to +inf or nothing left goes the slow way
-        finite = [f and m for f, m in zip(finite, torch.isfinite(logits.amax(dim=-1)).tolist(), strict=True)]
-    out: list[Sample | SamplingError | None] = [None] * n
-    greedy = [i for i in range(n) if finite[i] and is_greedy(float(params[i].temperature)) and i not in allowed]
-    for i in range(n):
-        if out[i] is None and i not in greedy:
-            try:
-                out[i] = sample(logits[i], params[i], indices[i], raw[i] if adjusted else None, allowed.get(i))
-            except SamplingError as exc:
-                out[i] = exc
-    if greedy:
-        rows = logits[greedy] if len(greedy) < n else logits
-        tokens = torch.argmax(rows, dim=-1).tolist()
-        wanting = [j for j, i in enumerate(greedy) if params[i].return_logprobs]
-        lp_of: dict[int, tuple[float, list[tuple[int, float]]]] = {}
-        if wanting:
-            raw_rows = raw[greedy] if len(greedy) < n else raw
-            logprobs = torch.log_softmax(raw_rows[wanting], dim=-1)
-            chosen = logprobs.gather(1, torch.tensor([[tokens[j]] for j in wanting])).flatten().tolist()
-            for r, j in enumerate(wanting):
-                top: list[tuple[int, float]] = []
-                kj = min(int(params[greedy[j]].logprobs), logprobs.shape[-1])
-                if kj > 0:  # per row with its own k: topk's order among tied values depends on k
-                    values, ids = torch.topk(logprobs[r], kj)
-                    top = [(t, v) for t, v in zip(ids.tolist(), values.tolist(), strict=True) if v != -math.inf]
-                lp_of[j] = (chosen[r], top)
-        for j, i in enumerate(greedy):
-            if j in lp_of:
-                out[i] = Sample(tokens[j], *lp_of[j])
-            else:
-                out[i] = Sample(tokens[j], None, [])
-    return out  # type: ignore[return-value]
+    adjusted = penalize.apply(raw, [p.penalties for p in params], indices, histories or [None] * n)
+    penalized = adjusted is not raw
+    return _sample_rows(adjusted, params, indices, raw if penalized else None, allowed or {}, penalized)

@@ -41,7 +41,7 @@ from worker_svc.request_state import RequestState
 from worker_svc.runner import ForwardInput, StepLogits
 from worker_svc.sampling import Sample, SamplingError, sample_batch
 from worker_svc.step_errors import StepError, code
-from worker_svc.token_mask import allowed_tokens, check_token_masks
+from worker_svc.token_mask import allowed_rows, check_token_masks
 
 log = logging.getLogger(__name__)
 
@@ -376,9 +376,9 @@ class Session:
         histories = [(s.token_ids, s.num_prompt_tokens) for s in states]  # no copies: penalties.py slices
         rows = [row for row in logits.rows if row is not None]  # 0, 1, ...: every window that samples, in order
         vocab = logits.batch.shape[-1]
-        allowed = {
-            k: allowed_tokens(masks[s.request_id].allowed, vocab) for k, s in enumerate(states) if s.request_id in masks
-        }
+        masked = [k for k, s in enumerate(states) if s.request_id in masks]
+        unpacked = allowed_rows([masks[states[k].request_id].allowed for k in masked], vocab) if masked else None
+        allowed = {k: unpacked[j] for j, k in enumerate(masked)}
         try:
             drawn: list = sample_batch(logits.batch, params, indices, histories, allowed)
         except Exception:  # noqa: BLE001 - isolate the failing request below

@@ -50,3 +50,11 @@ def allowed_tokens(mask: bytes, vocab_size: int) -> torch.Tensor:
     """The boolean ``[vocab]`` row of a mask: True = the token may be sampled."""
     bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab_size]
     return torch.from_numpy(bits.astype(np.bool_))
+
+
+def allowed_rows(masks: list[bytes], vocab_size: int) -> torch.Tensor:
+    """The boolean ``[len(masks), vocab]`` rows of a step's masks (each ``mask_nbytes(vocab_size)`` bytes, as
+    ``check_token_masks`` ensures), unpacked in one call."""
+    packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masks), -1)
+    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits.view(np.bool_))
