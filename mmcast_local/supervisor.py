@@ -333,17 +333,28 @@ class LocalGroup(Supervision):
         with self._lock:
             self.generation += 1
 
+    # Where each process lives, for a subclass that runs them elsewhere (tests: one network namespace each).
+    def _address_of(self, child: str) -> str:
+        """The address the child ("scheduler" or "rank<r>") binds and is reached at."""
+        return self.host
+
+    def _launch_prefix(self, child: str) -> list[str]:
+        """A command the child's own command is run under (none here)."""
+        return []
+
     def _worker_argv(self, rank: int, dist_port: int) -> list[str]:
+        host, rank0 = self._address_of(f"rank{rank}"), self._address_of("rank0")
         argv = [
+            *self._launch_prefix(f"rank{rank}"),
             *self.worker_command,
             "--rank", str(rank),
             "--world-size", str(self.tp),
-            "--listen", f"{self.host}:{self.worker_ports[rank]}",
-            "--dist-init", f"tcp://{self.host}:{dist_port}",
+            "--listen", f"{host}:{self.worker_ports[rank]}",
+            "--dist-init", f"tcp://{rank0}:{dist_port}",
             "--model", self.model_dir,
             "--metrics-port", str(self.metrics_ports[1 + rank]),
-            "--metrics-host", self.host,
-            "--dist-bind-host", self.host,
+            "--metrics-host", host,
+            "--dist-bind-host", rank0,
             "--shared-token-file", str(self.token_file),
         ]  # fmt: skip
         if self.kv_blocks is not None:
@@ -351,13 +362,16 @@ class LocalGroup(Supervision):
         return argv + self.worker_args
 
     def _scheduler_argv(self) -> list[str]:
+        host = self._address_of("scheduler")
+        workers = [f"{self._address_of(f'rank{r}')}:{p}" for r, p in enumerate(self.worker_ports)]
         return [
+            *self._launch_prefix("scheduler"),
             *self.scheduler_command,
-            "--listen", self.target,
+            "--listen", f"{host}:{self.port}",
             "--metrics-port", str(self.metrics_ports[0]),
-            "--metrics-host", self.host,
+            "--metrics-host", host,
             "--worker-token-file", str(self.token_file),
-            "--workers", ",".join(self.worker_targets),
+            "--workers", ",".join(workers),
             "--model", self.model_dir,
             "--transfer-mode", self.transfer_mode,
             *(["--http-port", str(self.http_port)] if self.http_port is not None else []),

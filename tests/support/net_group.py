@@ -67,40 +67,14 @@ class NetGroup(LocalGroup):
         return {"grpc": f"{self.sched.address}:{self.port}", "http": f"{self.sched.address}:{self.http_port}"}
 
     # -- what the processes see: lab addresses, one namespace each -----------------------------------------------------
-    def _worker_argv(self, rank: int, dist_port: int) -> list[str]:
-        node, rank0 = self.ranks[rank], self.ranks[0]
-        argv = [
-            *NetLab.prefix(node),
-            *self.worker_command,
-            "--rank", str(rank),
-            "--world-size", str(self.tp),
-            "--listen", f"{node.address}:{self.worker_ports[rank]}",
-            "--dist-init", f"tcp://{rank0.address}:{dist_port}",
-            "--model", self.model_dir,
-            "--metrics-port", str(self.metrics_ports[1 + rank]),
-            "--metrics-host", node.address,
-            "--dist-bind-host", rank0.address,
-            "--shared-token-file", str(self.token_file),
-        ]  # fmt: skip
-        if self.kv_blocks is not None:
-            argv += ["--kv-blocks", str(self.kv_blocks)]
-        return argv + self.worker_args
+    def _node(self, child: str) -> Node:
+        return self.sched if child == "scheduler" else self.ranks[int(child.removeprefix("rank"))]
 
-    def _scheduler_argv(self) -> list[str]:
-        workers = [f"{node.address}:{p}" for node, p in zip(self.ranks, self.worker_ports, strict=True)]
-        return [
-            *NetLab.prefix(self.sched),
-            *self.scheduler_command,
-            "--listen", f"{self.sched.address}:{self.port}",
-            "--metrics-port", str(self.metrics_ports[0]),
-            "--metrics-host", self.sched.address,
-            "--worker-token-file", str(self.token_file),
-            "--workers", ",".join(workers),
-            "--model", self.model_dir,
-            "--transfer-mode", self.transfer_mode,
-            *(["--http-port", str(self.http_port)] if self.http_port is not None else []),
-            *self.scheduler_args,
-        ]  # fmt: skip
+    def _address_of(self, child: str) -> str:
+        return self._node(child).address
+
+    def _launch_prefix(self, child: str) -> list[str]:
+        return NetLab.prefix(self._node(child))
 
     def stop(self) -> None:
         try:
