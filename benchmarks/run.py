@@ -20,8 +20,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +28,8 @@ from benchmarks import plots, report
 from benchmarks.affinity import sdk_balancing as affinity
 from benchmarks.http_api import http_overhead
 from benchmarks.rank import grammar_cost
-from benchmarks.support.paths import RESULTS, ROOT
+from benchmarks.support.paths import RESULTS
+from benchmarks.support.run_meta import git_meta, machine_meta, versions
 from benchmarks.support.scenarios import Images, Record, Session, question, user
 from benchmarks.transfer import floors as floors_mod
 from benchmarks.transfer import new_images, sched_steps, videos
@@ -189,38 +188,6 @@ def run_config(
     return out
 
 
-def machine_meta() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())  # fmt: skip
-    mem_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_kb / 2**20, "platform": platform.platform(),
-            "loadavg_before": [round(x, 2) for x in os.getloadavg()],
-            "allocator_env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
-                                                              "MALLOC_TOP_PAD_")}}  # fmt: skip
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "grpcio", "protobuf", "numpy", "pillow", "prometheus-client", "matplotlib"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def git_meta() -> dict:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(git("status", "--porcelain", "--", "."))}
-
-
 def _progress(total: int):
     try:
         from tqdm import tqdm
@@ -229,37 +196,22 @@ def _progress(total: int):
     return tqdm(total=total, unit="req", dynamic_ncols=True, file=sys.stderr)
 
 
-def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
-    from common.tiny_model import ensure_tiny_model
-
-    os.makedirs(out_dir, exist_ok=True)
-    started = time.monotonic()
-    meta = {"plan": plan.name, "plan_settings": dataclasses.asdict(plan), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "machine": machine_meta(), "versions": versions(), "git": git_meta(),
-            "image_size": f"{plan.size[0]}x{plan.size[1]}"}  # fmt: skip
-    log = lambda msg: print(f"[bench {time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    log(f"plan {plan.name} -> {out_dir}")
-    floor_rows = floors_mod.measure_floors(sizes=plan.floor_sizes, ranks=plan.floor_ranks, repeats=plan.floor_repeats)
-    floors_md = floors_mod.floors_table(floor_rows)
-    log("transport floors\n" + floors_md)
-    steps = sched_steps.measure_step_flatness(plan.step_counts, decode_steps=200)
-    log("scheduler step time measured")
-    model_dir = str(
-        ensure_tiny_model(model_dir or os.path.join(RESULTS, ".model", "qwen2_vl"), replace_stale=model_dir is None)
-    )
-    images = Images(os.path.join(RESULTS, ".images"), plan.size)
-    clips = Clips(os.path.join(RESULTS, ".videos"), plan.video) if plan.video else None
-    if clips is not None:
-        videos.prepare(clips)  # rendered before any group starts: not timed
-    records: list[dict] = []
-    configs = []
-    http_result = None
+def _planned_total(plan: Plan) -> int:
+    """Requests the whole plan makes (the progress bar's length)."""
     total = sum(planned_requests(plan, m, tp) for m in plan.modes for tp in plan.tps)
     total += sum(2 + 2 * min(2, len(plan.ns)) for _ in plan.correctness_tps for _ in plan.modes)
     total += new_images.planned_requests(plan.new_image_sets) * len(plan.new_image_groups)
     if plan.http_overhead:
         total += http_overhead.planned_requests(http_overhead.PLANS[plan.http_overhead])
-    bar = _progress(total)
+    return total
+
+
+def _driven_groups(plan: Plan, model_dir: str, images: Images, clips: Clips | None, records: list[dict], log):
+    """Every group driven through the SDK scenarios (transfer modes, TP correctness, new-image variants, the HTTP
+    door); each record lands in ``records``. Returns (what each group cost, the HTTP door's result or None)."""
+    configs = []
+    http_result = None
+    bar = _progress(_planned_total(plan))
 
     def on_record(rec: Record) -> None:
         records.append(dataclasses.asdict(rec))
@@ -300,62 +252,83 @@ def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
     finally:
         if bar is not None:
             bar.close()
-    if http_result is not None:
-        log("the HTTP door against the gRPC SDK\n" + http_overhead.write(out_dir, http_result))
-    grammar = None
+    return configs, http_result
+
+
+def _own_measurements(plan: Plan, model_dir: str, images: Images, out_dir: str, log) -> dict:
+    """The measurements that start groups or processes of their own (structured output, hostile inputs, rank memory,
+    the rank's forward, replicas), each written to ``out_dir`` beside the results; None (or []) where the plan
+    skips one."""
+    out = {"grammar": None, "security": [], "rank_memory": None, "rank_engine": None, "affinity": None}
     if plan.grammar_rounds:  # its own fresh group (TP1): a constrained request beside an unconstrained one
-        grammar = grammar_cost.measure(model_dir, rounds=plan.grammar_rounds, log=lambda _md: None)
-        log("structured output beside free decoding\n" + grammar_cost.write(out_dir, grammar))
-    security = []
+        out["grammar"] = grammar_cost.measure(model_dir, rounds=plan.grammar_rounds, log=lambda _md: None)
+        log("structured output beside free decoding\n" + grammar_cost.write(out_dir, out["grammar"]))
     if plan.security:
         from benchmarks.http_api import security_load
 
-        security = security_load.measure(model_dir, log)
-        log("hostile inputs beside a token stream\n" + security_load.write(out_dir, security))
-    rank_memory = None
+        out["security"] = security_load.measure(model_dir, log)
+        log("hostile inputs beside a token stream\n" + security_load.write(out_dir, out["security"]))
     if plan.rank_memory_tps:
-        from benchmarks.rank import rank_memory as rank_memory_mod
+        from benchmarks.rank import rank_memory
 
-        rank_memory = rank_memory_mod.measure(list(plan.rank_memory_tps), log=log)
-        log("rank peak RSS, demo conversation, real-width checkpoint\n" + rank_memory_mod.write(out_dir, rank_memory))
-    engine = None
+        out["rank_memory"] = rank_memory.measure(list(plan.rank_memory_tps), log=log)
+        log(
+            "rank peak RSS, demo conversation, real-width checkpoint\n" + rank_memory.write(out_dir, out["rank_memory"])
+        )
     if plan.rank_engine:
         from benchmarks.rank import rank_engine
 
-        engine = rank_engine.measure(rank_engine.PLANS[plan.rank_engine], log=log)
-        log("the rank's forward against transformers' static batch\n" + rank_engine.write(out_dir, engine))
-    affinity_result = None
+        out["rank_engine"] = rank_engine.measure(rank_engine.PLANS[plan.rank_engine], log=log)
+        log("the rank's forward against transformers' static batch\n" + rank_engine.write(out_dir, out["rank_engine"]))
     if plan.affinity:
-        affinity_result = affinity.run(model_dir, images, plan.affinity, log)
-        log("replicas: ring hash against round robin\n" + affinity.markdown(affinity_result))
+        out["affinity"] = affinity.run(model_dir, images, plan.affinity, log)
+        log("replicas: ring hash against round robin\n" + affinity.markdown(out["affinity"]))
+    return out
+
+
+def run(plan: Plan, out_dir: str, model_dir: str | None = None) -> dict:
+    from common.tiny_model import ensure_tiny_model
+
+    os.makedirs(out_dir, exist_ok=True)
+    started = time.monotonic()
+    meta = {"plan": plan.name, "plan_settings": dataclasses.asdict(plan), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "machine": machine_meta(), "versions": versions(), "git": git_meta(),
+            "image_size": f"{plan.size[0]}x{plan.size[1]}"}  # fmt: skip
+    log = lambda msg: print(f"[bench {time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    log(f"plan {plan.name} -> {out_dir}")
+    floor_rows = floors_mod.measure_floors(sizes=plan.floor_sizes, ranks=plan.floor_ranks, repeats=plan.floor_repeats)
+    floors_md = floors_mod.floors_table(floor_rows)
+    log("transport floors\n" + floors_md)
+    steps = sched_steps.measure_step_flatness(plan.step_counts, decode_steps=200)
+    log("scheduler step time measured")
+    model_dir = str(
+        ensure_tiny_model(model_dir or os.path.join(RESULTS, ".model", "qwen2_vl"), replace_stale=model_dir is None)
+    )
+    images = Images(os.path.join(RESULTS, ".images"), plan.size)
+    clips = Clips(os.path.join(RESULTS, ".videos"), plan.video) if plan.video else None
+    if clips is not None:
+        videos.prepare(clips)  # rendered before any group starts: not timed
+    records: list[dict] = []
+    configs, http_result = _driven_groups(plan, model_dir, images, clips, records, log)
+    if http_result is not None:
+        log("the HTTP door against the gRPC SDK\n" + http_overhead.write(out_dir, http_result))
+    own = _own_measurements(plan, model_dir, images, out_dir, log)
     meta["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     meta["wall_seconds"] = time.monotonic() - started
     if plan.video:
         meta["video"] = {"clips": plan.video.label,
                          "seconds_in_groups": sum(c.get("video_seconds", 0.0) for c in configs)}  # fmt: skip
     analysis = report.analyze(records, floor_rows, steps, meta["image_size"])
-    analysis["affinity"] = affinity_result
+    analysis["affinity"] = own["affinity"]
     analysis["http_overhead"] = http_result and {k: v for k, v in http_result.items() if k != "records"}
-    analysis["grammar_cost"] = grammar
+    analysis["grammar_cost"] = own["grammar"]
     figures = plots.write_plots(out_dir, analysis)
     report.write_markdown(os.path.join(out_dir, "results.md"), meta, analysis, floors_md, figures)
+    results = {"meta": meta, "configs": configs, "floors": floor_rows, "analysis": analysis, "records": records,
+               "security": own["security"], "rank_memory": own["rank_memory"], "rank_engine": own["rank_engine"],
+               "http_overhead_records": http_result["records"] if http_result else []}  # fmt: skip
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(
-            {
-                "meta": meta,
-                "configs": configs,
-                "floors": floor_rows,
-                "analysis": analysis,
-                "records": records,
-                "security": security,
-                "rank_memory": rank_memory,
-                "rank_engine": engine,
-                "http_overhead_records": http_result["records"] if http_result else [],
-            },
-            f,
-            indent=1,
-            default=str,
-        )
+        json.dump(results, f, indent=1, default=str)
     log(f"wrote {out_dir}/results.md, results.json and {len(figures)} plots")
     return analysis
 

@@ -1,5 +1,6 @@
-"""The child processes of a local group (supervisor.py) and their ports: the launcher every child runs first, the
-command of each service, ports free to listen on below the ephemeral range."""
+"""The child processes of a local group (supervisor.py), their ports and environment: the launcher every child runs
+first, the command of each service, ports free to listen on below the ephemeral range, the group's ports, and the
+environment every child gets."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
+
+from common.process import ALLOCATOR_ENV
 
 # Runs first in every child, then execs the real command. A preexec_fn would run Python between fork and exec in
 # a process whose gRPC threads (the supervisor's clients and health checks) did not survive the fork; gRPC's fork
@@ -73,6 +77,39 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def group_ports(
+    tp: int, host: str, port: int, http_port: int | None, metrics_port_base: int | None
+) -> tuple[int, int | None, list[int], list[int]]:
+    """(scheduler gRPC, HTTP or None, each rank's, the metrics ports: scheduler, rank0, rank1, ...); 0, and the
+    metrics ports without a base, take free ones."""
+    n_free = (port == 0) + (http_port == 0) + tp + (0 if metrics_port_base else 1 + tp)
+    spare = free_ports(n_free, host)
+    port = port or spare.pop()
+    http_port = None if http_port is None else (http_port or spare.pop())  # the OpenAI API; None: off
+    worker_ports = [spare.pop() for _ in range(tp)]
+    if metrics_port_base:
+        metrics_ports = [metrics_port_base + i for i in range(1 + tp)]
+    else:
+        metrics_ports = [spare.pop() for _ in range(1 + tp)]
+    return port, http_port, worker_ports, metrics_ports
+
+
+def children_env(base: Mapping[str, str], tp: int, host: str, pinned: bool) -> dict[str, str]:
+    """The children's environment: ``base``, the allocator settings, each rank's share of the CPUs, loopback
+    sockets for a loopback group."""
+    env = dict(base)
+    env.update(ALLOCATOR_ENV)
+    env.update({"MMCAST_ALLOCATOR_ENV_SET": "1", "PYTHONUNBUFFERED": "1"})
+    # The tp ranks share this machine's CPUs with the scheduler and the clients: each rank takes an equal share
+    # of torch threads by default, after one CPU is left to the rest (as vLLM's CPU engine reserves one).
+    # Pinned, each rank is alone on its slice of CPUs: its default threads are the slice's.
+    env.setdefault("MMCAST_LOCAL_RANKS", "1" if pinned else str(tp))
+    env.setdefault("MMCAST_RESERVED_CPUS", "0" if pinned else "1")
+    if is_loopback(host):  # the ranks' gloo (CPU) / NCCL (GPU) sockets: loopback like every other port
+        env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
+    return env
 
 
 def command_for(script: str, module: str) -> list[str]:

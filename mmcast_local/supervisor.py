@@ -44,8 +44,7 @@ import time
 from collections.abc import Sequence
 
 from common.model_checks import check_checkpoint
-from common.process import ALLOCATOR_ENV
-from mmcast_local.child_processes import LAUNCHER, Child, command_for, free_ports, is_loopback
+from mmcast_local.child_processes import LAUNCHER, Child, children_env, command_for, free_ports, group_ports
 from mmcast_local.cpu_pinning import cpu_plan
 from mmcast_local.supervision import Supervision
 
@@ -125,26 +124,11 @@ class LocalGroup(Supervision):
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
         # Ports: fixed for the life of the group so the scheduler can always reconnect to the same addresses.
-        n_free = (port == 0) + (http_port == 0) + tp + (0 if metrics_port_base else 1 + tp)
-        spare = free_ports(n_free, host)
-        self.port = port or spare.pop()
-        self.http_port = None if http_port is None else (http_port or spare.pop())  # the OpenAI API; None: off
-        self.worker_ports = [spare.pop() for _ in range(tp)]
-        if metrics_port_base:
-            self.metrics_ports = [metrics_port_base + i for i in range(1 + tp)]  # scheduler, rank0, rank1, ...
-        else:
-            self.metrics_ports = [spare.pop() for _ in range(1 + tp)]
-        self.env = dict(os.environ if env is None else env)
-        self.env.update(ALLOCATOR_ENV)
-        self.env.update({"MMCAST_ALLOCATOR_ENV_SET": "1", "PYTHONUNBUFFERED": "1"})
-        # The tp ranks share this machine's CPUs with the scheduler and the clients: each rank takes an equal share
-        # of torch threads by default, after one CPU is left to the rest (as vLLM's CPU engine reserves one).
-        # Pinned, each rank is alone on its slice of CPUs: its default threads are the slice's.
+        self.port, self.http_port, self.worker_ports, self.metrics_ports = group_ports(
+            tp, host, port, http_port, metrics_port_base
+        )
         self.cpus = cpu_plan(sorted(os.sched_getaffinity(0)), tp) if pin_cpus else None
-        self.env.setdefault("MMCAST_LOCAL_RANKS", "1" if self.cpus else str(tp))
-        self.env.setdefault("MMCAST_RESERVED_CPUS", "0" if self.cpus else "1")
-        if is_loopback(host):  # the ranks' gloo (CPU) / NCCL (GPU) sockets: loopback like every other port
-            self.env.update({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
+        self.env = children_env(os.environ if env is None else env, tp, host, pinned=bool(self.cpus))
         self.token_file = self._write_secret()  # removed by stop()
 
         self.dist_port: int | None = None  # torch.distributed rendezvous port of the current worker group

@@ -294,7 +294,7 @@ def vllm_video_loader() -> dict:
 
 
 def run(plan: Plan, out_dir: str, width: str, engines: list[str], slo_ms: float, profile: bool, only=WORKLOADS) -> dict:
-    from benchmarks.run import git_meta, machine_meta
+    from benchmarks.support.run_meta import git_meta, machine_meta
     from benchmarks.support.scenarios import Images
 
     os.makedirs(out_dir, exist_ok=True)

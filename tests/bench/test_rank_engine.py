@@ -1,11 +1,11 @@
-"""The rank-engine report's arithmetic (benchmarks/rank/rank_engine.py): phase rates, the decode ratio, the step time
-per attended token, and the job filter of its command line."""
+"""The rank-engine report's arithmetic (benchmarks/rank/rank_engine_report.py): phase rates, the decode ratio, the
+step time per attended token; and the job filter of its command line (benchmarks/rank/rank_engine.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.rank import rank_engine
+from benchmarks.rank import rank_engine, rank_engine_report
 
 
 def _side(prefill_s, decode_tokens, decode_s, **extra):
@@ -22,8 +22,8 @@ def _side(prefill_s, decode_tokens, decode_s, **extra):
 def test_rates_ratio_and_attended_token_cost_follow_the_measured_times():
     served = _side(4.0, 150, 3.0, rank_step_ms=200.0)
     plain = _side(5.0, 150, 6.0, step_ms=400.0)
-    assert rank_engine._rate(served, "prefill") == 400.0 and rank_engine._rate(served, "decode") == 50.0
-    assert rank_engine._rate(plain, "total") == pytest.approx(160 / 11.0)
+    assert rank_engine_report.rate(served, "prefill") == 400.0 and rank_engine_report.rate(served, "decode") == 50.0
+    assert rank_engine_report.rate(plain, "total") == pytest.approx(160 / 11.0)
     row = {
         "width": "2b",
         "job": "equal",
@@ -35,7 +35,7 @@ def test_rates_ratio_and_attended_token_cost_follow_the_measured_times():
         "plain": plain,
         "requests_equal": 15,
     }
-    text = rank_engine.tables({"rows": [row]})
+    text = rank_engine_report.tables({"rows": [row]})
     assert "| 2B | equal | 16 | 100 | 400 / 320 | 50.0 | 25.0 | **2.00×** |" in text
     assert "| 15/16 |" in text
     # 200 ms over 1680 attended tokens: 119.05 µs each; the static batch's 400 ms: 238.10 µs.
