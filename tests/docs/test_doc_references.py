@@ -37,7 +37,15 @@ TEXT_SUFFIXES = {".py", ".pyi", ".md", ".yaml", ".yml", ".tpl", ".txt", ".toml",
 TEXT_NAMES = {"Makefile", "Dockerfile", ".dockerignore", ".gitignore", ".helmignore", "run"}
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", "build", "dist", "node_modules", ".pytest_cache", ".ruff_cache"}
 # Reports the benchmarks write into benchmarks/results/ (git-ignored): named in their docs, never in the tree.
-GENERATED = {"results.md", "rank_memory.md", "security.md", "rank_engine.md", "http_overhead.md", "grammar_cost.md"}
+GENERATED = {
+    "results.md",
+    "rank_memory.md",
+    "security.md",
+    "rank_engine.md",
+    "http_overhead.md",
+    "grammar_cost.md",
+    "step_overlap.md",
+}
 # ``mmcast.*`` also names loggers, proto packages and chart helpers; its one module, mmcast.v1, is checked as a path.
 NOT_MODULE_NAMESPACES = {"mmcast"}
 
