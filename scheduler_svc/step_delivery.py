@@ -94,10 +94,10 @@ class StepDelivery:
     def count_plan(self, plan, core) -> None:
         """Per-step item dispositions and saved bytes, and the core's cumulative counters as deltas."""
         m = self.metrics
-        quiet = not (plan.accounting or plan.encoder_inputs) and plan.released == _NONE == plan.video_totals
-        if not quiet or not self._series_made:  # a plain decode step moves none of these (after the first made them)
+        totals = plan.totals()
+        quiet = not plan.encoder_inputs and totals == _NONE  # a plain decode step: no item moved, nothing encoded
+        if not quiet or not self._series_made:  # (the first step counted makes the item series, at 0)
             self._series_made = True
-            totals = plan.totals()
             video = plan.video_totals.by_disposition()
             for (disposition, items, nbytes, saved_reason), (_, v_items, v_bytes, _) in zip(
                 totals.by_disposition(), video, strict=True

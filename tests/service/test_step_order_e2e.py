@@ -60,7 +60,9 @@ def _stream(api, model: str, **kwargs) -> dict:
 
 
 def _close(served: list[float], reference: list[float]) -> bool:
-    return len(served) == len(reference) and all(abs(a - b) < LOGPROB_TOLERANCE for a, b in zip(served, reference))
+    return len(served) == len(reference) and all(
+        abs(a - b) < LOGPROB_TOLERANCE for a, b in zip(served, reference, strict=False)
+    )
 
 
 def test_requests_ending_in_a_busy_pipeline_get_exactly_their_tokens(api, model_name, expected, tokenizer):
@@ -90,9 +92,9 @@ def test_requests_ending_in_a_busy_pipeline_get_exactly_their_tokens(api, model_
         assert _close(got["length"]["logprobs"], logprobs[:5]), what
         # The stop token is generated (counted, its log-probability returned) and ends the answer.
         assert got["stop_token"]["finish"] == "stop" and got["stop_token"]["tokens"] == k + 1, what
-        assert got["stop_token"]["text"] == tokenizer.decode(tokens[:k], skip_special_tokens=True) or got[
-            "stop_token"
-        ]["text"] == tokenizer.decode(tokens[: k + 1], skip_special_tokens=True), what
+        assert got["stop_token"]["text"] == tokenizer.decode(tokens[:k], skip_special_tokens=True) or got["stop_token"][
+            "text"
+        ] == tokenizer.decode(tokens[: k + 1], skip_special_tokens=True), what
         assert _close(got["stop_token"]["logprobs"][:k], logprobs[:k]), what
         assert got["stop_string"]["finish"] == "stop", what
         assert got["stop_string"]["text"] == full[: full.index(stop)], what
