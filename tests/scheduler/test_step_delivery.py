@@ -102,3 +102,35 @@ def test_gauges_refresh_at_most_every_interval_unless_forced():
         assert running() == 2
 
     asyncio.run(main())
+
+
+def test_a_group_lost_with_tokens_pending_delivers_them_and_requeues_them_in_the_prompt():
+    """The group is lost right after a step was applied (its tokens not yet delivered): the client gets the token
+    once, and the recovered request carries it in its prompt, so the stream continues without a repeat or a gap."""
+    from scheduler_svc.engine import Engine
+
+    class DownGroup:  # the group as _group_lost sees it: it only closes the streams
+        async def close(self):
+            pass
+
+    async def main():
+        core, handles, _ = setup("a", max_tokens=8)
+        engine = Engine(
+            group=DownGroup(),
+            core_factory=None,
+            metrics=SchedulerMetrics(CollectorRegistry()),
+            group_deadline_seconds=60,
+            model_max_len=512,
+        )
+        engine.core, engine.handles = core, handles
+        engine.delivery = StepDelivery(engine.metrics, handles)
+        handle = handles[RequestId("a")]
+        run_step(core, engine.delivery, {"a": 7})
+        run_step(core, engine.delivery, {"a": 8})
+        await engine._group_lost("rank 0 (127.0.0.1:1): stream ended")
+        assert [e.token_ids for e in events(handle)] == [[7], [8]]
+        core.reset_group(GROUP)
+        [resumed] = core.schedule().new_requests
+        assert resumed.prompt_token_ids[-2:] == [7, 8] and resumed.num_output_tokens == 2
+
+    asyncio.run(main())
