@@ -60,6 +60,7 @@ class Engine:
         keepalive_seconds: float = 5.0,
         reconnect_backoff: tuple[float, float] = (0.2, 5.0),
         on_group_state: Callable[[bool], None] | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.group = group
         self.core_factory = core_factory
@@ -70,6 +71,7 @@ class Engine:
         self.keepalive_seconds = keepalive_seconds
         self.backoff = reconnect_backoff
         self.on_group_state = on_group_state or (lambda up: None)
+        self.async_scheduling = async_scheduling  # --async-scheduling: plain decode steps planned a step ahead
         self.handles: dict[RequestId, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
@@ -214,6 +216,9 @@ class Engine:
                         await self._group_lost(str(exc))
                 continue
             try:
+                if self.async_scheduling and self.group.last_sampled_input:
+                    await self._run_ahead(plan, t0, t1)
+                    continue
                 with _step_span(plan):
                     await self.group.send_step(plan.step_id, step_control(plan), self._payloads(plan))
                     # The ranks compute step k: the previous step's tokens go to the clients meanwhile (and the
@@ -227,6 +232,29 @@ class Engine:
             self.metrics.step_seconds.observe(t2 - t0)
             sent = self.group.last_sent_at  # building, serializing and writing the step (t1 → sent), then waiting
             self._apply(plan, results, StepTimes(t1 - t0, sent - t1, t2 - sent, results))
+
+    async def _run_ahead(self, plan, t0: float, t1: float) -> None:
+        """Runs ``plan`` and the plain decode steps the core plans while each one runs (``async_steps.py``): step
+        k+1 is written before step k's answer is awaited, so the ranks never wait for the scheduler between them.
+        Returns when no step is in flight. Raises GroupDown."""
+        with _step_span(plan):
+            await self.group.send_step(plan.step_id, step_control(plan), self._payloads(plan))
+        inflight = [(plan, t0, t1, self.group.last_sent_at)]
+        while inflight:
+            if len(inflight) == 1 and not self._stopping:
+                a0 = time.perf_counter()
+                ahead = self.core.schedule_ahead()
+                if ahead is not None:
+                    a1 = time.perf_counter()
+                    await self.group.send_step(ahead.step_id, step_control(ahead), self._payloads(ahead))
+                    inflight.append((ahead, a0, a1, self.group.last_sent_at))
+                    self.metrics.steps_ahead.inc()
+            self.delivery.flush(self.core)  # the applied steps' tokens to the clients while the ranks compute
+            done, d0, d1, sent = inflight.pop(0)
+            results = await self.group.step_results(done.step_id)
+            t2 = time.perf_counter()
+            self.metrics.step_seconds.observe(t2 - d0)
+            self._apply(done, results, StepTimes(d1 - d0, sent - d1, t2 - sent, results))
 
     def reconnect_wait(self) -> float:
         """Seconds until the loop next tries to reach the group (the retry hint of UNAVAILABLE while it is down): a
