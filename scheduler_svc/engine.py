@@ -246,6 +246,7 @@ class Engine:
                 ahead = self.core.schedule_ahead()
                 if ahead is not None:
                     a1 = time.perf_counter()
+                    self.metrics.schedule_seconds.observe(a1 - a0)
                     await self.group.send_step(ahead.step_id, step_control(ahead), self._payloads(ahead))
                     inflight.append((ahead, a0, a1, self.group.last_sent_at))
                     self.metrics.steps_ahead.inc()
