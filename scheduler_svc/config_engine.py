@@ -81,6 +81,12 @@ class EngineSettings:
         section=BATCHING,
     )
     max_num_seqs: int = setting(64, "requests running at once", min=1, max=65536, section=BATCHING)
+    async_scheduling: bool = setting(
+        False,
+        "build a plain decode step while the previous one runs on the ranks, before its tokens are known (each rank "
+        "takes the token it sampled last step as the input); other steps wait for the answer as before",
+        section=BATCHING,
+    )
     max_waiting: int = setting(
         256, "requests queued before admission; more get RESOURCE_EXHAUSTED", min=0, max=1_000_000, section=BATCHING
     )

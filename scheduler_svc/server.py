@@ -118,6 +118,7 @@ class SchedulerServer:
             keepalive_seconds=config.keepalive_seconds,
             reconnect_backoff=(config.reconnect_backoff_initial_seconds, config.reconnect_backoff_max_seconds),
             on_group_state=self._on_group_state,
+            async_scheduling=config.async_scheduling,
         )
         self.completions = Completions(
             engine=self.engine,

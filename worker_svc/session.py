@@ -36,6 +36,7 @@ from common.multimodal import (
 from mmcast.v1 import worker_pb2
 from worker_svc import step_checks as checks
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
+from worker_svc.last_sampled import LastSampled, extra_tokens
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.request_state import RequestState
 from worker_svc.runner import ForwardInput, StepLogits
@@ -111,6 +112,7 @@ class Session:
         self.items: dict[ItemId, list] = {}  # identifier -> [item message, number of held requests with it]
         self.last_step_id = 0
         self.written: set[int] = set()  # KV pool blocks this stream's requests wrote: the prefixes it may read
+        self.last_sampled = LastSampled()  # the previous step's samples: inputs of async-scheduled deltas
 
     # --- frames ----------------------------------------------------------------------------------------------
 
@@ -128,6 +130,7 @@ class Session:
         self.payloads.clear()
         self.encoded.clear()
         self.written.clear()
+        self.last_sampled.clear()
         self._report_sizes()
 
     # --- phase 1: validate -----------------------------------------------------------------------------------
@@ -142,6 +145,7 @@ class Session:
         held = set(self.requests) - set(finished)
         new, step_items = checks.check_new_requests(control, held, r, self.written)
         running = checks.check_running(control, held, new, self.requests, r)
+        self.last_sampled.check(running)
         windows = checks.check_windows(control, new, running, r)
         encode, encoded_after, payload_hits, payload_queries = checks.check_encoder_inputs(
             control,
@@ -159,7 +163,7 @@ class Session:
         encoder_hits, encoder_queries = checks.check_encoder_outputs_for_windows(windows, encode, encoded_after)
         checks.check_payload_budget(control, incoming, self.payloads)
         masks = check_token_masks(
-            control, windows, r.vocab_size, {s.request_id: len(d.new_token_ids) for s, d in running}
+            control, windows, r.vocab_size, {s.request_id: len(d.new_token_ids) + extra_tokens(d) for s, d in running}
         )
         return _CheckedStep(
             control,
@@ -211,9 +215,13 @@ class Session:
             self._register(state)
             for src, dst, count in state.kv_moves:  # a live turn's compaction, before any forward of the step
                 self.runner.pool.move(state.block_ids, src, dst, count)
+        last = self.last_sampled.resolve(checked.running, self.rank, self.group)
         for state, delta in checked.running:
             state.token_ids.extend(delta.new_token_ids)
             state.num_output_tokens += len(delta.new_token_ids)
+            if delta.input_is_last_sampled:
+                state.token_ids.append(last[state.request_id])
+                state.num_output_tokens += 1
             state.block_ids.extend(delta.new_block_ids)
         if self.metrics is not None:
             m = self.metrics
@@ -363,6 +371,7 @@ class Session:
             for state, drawn in zip(sampling, drawn_all, strict=True):
                 (outcome.sampled if isinstance(drawn, Sample) else outcome.failed).append((state.request_id, drawn))
         outcome.sample_seconds = time.perf_counter() - t1  # the block bookkeeping beside it is negligible
+        self.last_sampled.record(windows, outcome.sampled)
         self._report_sizes()
         return outcome
 

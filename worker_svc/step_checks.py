@@ -126,7 +126,12 @@ def check_windows(
         (s, m.num_scheduled_tokens, len(s.token_ids), len(s.block_ids))
         for s, m in zip(new, control.new_requests, strict=True)
     ] + [
-        (s, d.num_scheduled_tokens, len(s.token_ids) + len(d.new_token_ids), len(s.block_ids) + len(d.new_block_ids))
+        (
+            s,
+            d.num_scheduled_tokens,
+            len(s.token_ids) + len(d.new_token_ids) + d.input_is_last_sampled,  # + the token sampled last step
+            len(s.block_ids) + len(d.new_block_ids),
+        )
         for s, d in running
     ]
     windows: list[Window] = []

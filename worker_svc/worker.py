@@ -127,6 +127,7 @@ class Worker:
             max_model_len=r.max_model_len,
             device=str(r.device),
             encoder_output_row_bytes=r.row_width * r.row_dtype.itemsize,
+            last_sampled_input=True,
         )
 
     # --- streams (event loop) --------------------------------------------------------------------------------

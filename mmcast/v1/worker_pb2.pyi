@@ -108,7 +108,7 @@ class VideoDecodeLimits(_message.Message):
     def __init__(self, max_bytes: _Optional[int] = ..., max_frame_pixels: _Optional[int] = ..., max_duration_seconds: _Optional[float] = ..., max_total_frames: _Optional[int] = ..., max_sampled_frames: _Optional[int] = ..., max_streams: _Optional[int] = ...) -> None: ...
 
 class HandshakeAck(_message.Message):
-    __slots__ = ("protocol_version", "model_fingerprint", "rank", "world_size", "kv_blocks", "payload_cache_bytes", "encoder_cache_tokens", "max_tensor_bytes", "max_model_len", "device", "encoder_output_row_bytes")
+    __slots__ = ("protocol_version", "model_fingerprint", "rank", "world_size", "kv_blocks", "payload_cache_bytes", "encoder_cache_tokens", "max_tensor_bytes", "max_model_len", "device", "encoder_output_row_bytes", "last_sampled_input")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class HandshakeAck(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ENCODER_OUTPUT_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_SAMPLED_INPUT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     model_fingerprint: str
     rank: int
@@ -131,7 +132,8 @@ class HandshakeAck(_message.Message):
     max_model_len: int
     device: str
     encoder_output_row_bytes: int
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ..., encoder_output_row_bytes: _Optional[int] = ...) -> None: ...
+    last_sampled_input: bool
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ..., encoder_output_row_bytes: _Optional[int] = ..., last_sampled_input: _Optional[bool] = ...) -> None: ...
 
 class PayloadFrame(_message.Message):
     __slots__ = ("item_identifier", "field_name", "header", "chunk")
@@ -226,18 +228,20 @@ class KvMove(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class RunningRequest(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "new_block_ids", "num_computed_tokens", "num_scheduled_tokens")
+    __slots__ = ("request_id", "new_token_ids", "new_block_ids", "num_computed_tokens", "num_scheduled_tokens", "input_is_last_sampled")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IS_LAST_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    input_is_last_sampled: bool
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., input_is_last_sampled: _Optional[bool] = ...) -> None: ...
 
 class EncoderInput(_message.Message):
     __slots__ = ("item_identifier", "owner_rank", "replicated")

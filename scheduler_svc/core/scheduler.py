@@ -56,6 +56,7 @@ from common.errors import (
 from common.ids import ItemId, RequestId
 from scheduler_svc.config import SchedulerConfig, context_length
 from scheduler_svc.core import admission
+from scheduler_svc.core.async_steps import plan_ahead
 from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome
 from scheduler_svc.core.kv_cache import KVCacheManager
 from scheduler_svc.core.live_sessions import LiveSessions
@@ -107,6 +108,7 @@ class Scheduler:
         self._reset_next = True  # the first plan of a scheduler (epoch) starts the ranks from empty caches
         self._next_step_id = 1
         self._outstanding: StepPlan | None = None
+        self._ahead: StepPlan | None = None  # async scheduling: the step planned while _outstanding runs
         self.num_preemptions = 0
         self.isolator = PoisonIsolator()
         self._deferred: list[RequestUpdate] = []  # live turns failed inside schedule(): take_deferred_updates()
@@ -429,6 +431,10 @@ class Scheduler:
         self._deferred.append(update)
         return update
 
+    def schedule_ahead(self) -> StepPlan | None:
+        """The step after the one in flight, planned before its tokens are known (``async_steps.py``), or None."""
+        return plan_ahead(self)
+
     def take_deferred_updates(self) -> list[RequestUpdate]:
         """Final updates of live turns that ``schedule`` failed (call after it; the engine delivers them)."""
         out, self._deferred = self._deferred, []
@@ -461,7 +467,7 @@ class Scheduler:
                 f"step {plan.step_id}: rank 0 returned no token for {sorted(missing)} and unexpected tokens for "
                 f"{sorted(unexpected)}" + (f"; both a token and a failure for {sorted(both)}" if both else "")
             )
-        self._outstanding = None
+        self._outstanding, self._ahead = self._ahead, None
         self.decider.mirrors.end_step()
         updates = [self._fail_item(self._requests[rid], *bad_items[rid]) for rid in spoiled]
         for r, n in live:
@@ -611,7 +617,7 @@ class Scheduler:
                         + (f"; the group was lost: {reason}" if reason else ""),
                     )
                 )
-        self._outstanding = None
+        self._outstanding = self._ahead = None
         for r in [r for r in (*self.running, *self.waiting) if r.live is not None]:
             if r in self.waiting:
                 self.waiting.remove(r)

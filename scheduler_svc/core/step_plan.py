@@ -76,6 +76,8 @@ class RunningRequestData:
     new_block_ids: list[int]  # blocks appended to the table this step
     num_computed_tokens: int  # tokens computed before this step; equals the rank's own count
     num_scheduled_tokens: int  # tokens to compute this step
+    # Async scheduling: the step's input is the token the ranks sampled for it last step (new_token_ids empty).
+    input_is_last_sampled: bool = False
 
 
 @dataclasses.dataclass

@@ -111,6 +111,10 @@ SCHEDULER_METRICS = (
         "Time the scheduler core spends building one step.",
         buckets=_STEP_BUCKETS,
     ),
+    Metric(
+        "steps_ahead", COUNTER, "mmcast_steps_planned_ahead_total",
+        "Steps planned while the previous step ran on the ranks, before its tokens were known (--async-scheduling).",
+    ),
     # --- queue and KV pool
     Metric("requests_running", GAUGE, "mmcast_requests_running", "Requests holding KV blocks."),
     Metric("requests_waiting", GAUGE, "mmcast_requests_waiting", "Requests queued for admission."),

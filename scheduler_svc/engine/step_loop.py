@@ -1,4 +1,5 @@
-"""The scheduler's step loop: schedule → broadcast to the group → apply rank 0's tokens → deliver to clients.
+"""The scheduler's step loop: schedule step k → write it to the group → deliver step k-1's tokens to the clients
+(while the ranks compute) → wait for step k's answers → apply rank 0's tokens to the core → schedule step k+1.
 
 Runs on the server's asyncio loop. The scheduler core is plain synchronous Python; the group is the network.
 When the group is lost, the core requeues every running request (generated tokens appended, so client
@@ -16,12 +17,12 @@ from collections.abc import Callable
 from common import tracing
 from common.errors import REQUEST_RESOURCE, MmcastError, Resource, Status, Unavailable
 from common.ids import ItemId, RequestId
-from scheduler_svc.core.accounting_events import Disposition
 from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome, Sample
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.engine.metrics import SchedulerMetrics
-from scheduler_svc.engine.request_handle import FinishEvent, RequestHandle, TokenEvent
+from scheduler_svc.engine.request_handle import FinishEvent, RequestHandle
 from scheduler_svc.engine.stage_timing import StepTimes
+from scheduler_svc.engine.step_delivery import StepDelivery
 from scheduler_svc.transport.plan_proto import step_control
 from scheduler_svc.transport.rank_streams import GroupDown, PayloadTensors, WorkerGroup
 
@@ -59,6 +60,7 @@ class Engine:
         keepalive_seconds: float = 5.0,
         reconnect_backoff: tuple[float, float] = (0.2, 5.0),
         on_group_state: Callable[[bool], None] | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.group = group
         self.core_factory = core_factory
@@ -69,6 +71,7 @@ class Engine:
         self.keepalive_seconds = keepalive_seconds
         self.backoff = reconnect_backoff
         self.on_group_state = on_group_state or (lambda up: None)
+        self.async_scheduling = async_scheduling  # --async-scheduling: plain decode steps planned a step ahead
         self.handles: dict[RequestId, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
@@ -76,7 +79,7 @@ class Engine:
         self._down_since: float | None = time.monotonic()
         self._next_connect_at = time.monotonic()  # when the loop next tries to reach a group that is down
         self._task: asyncio.Task | None = None
-        self._stats_seen = None  # the core's stats at the previous step (its counters are cumulative)
+        self.delivery = StepDelivery(metrics, self.handles)  # the handles' side of each step, run off its path
         self.last_down_reason = "not connected yet"
 
     # --- public API (called by the servicer on the same loop) -------------------------------------------------
@@ -132,7 +135,7 @@ class Engine:
         self.handles[request.request_id] = handle
         self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         self.metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
-        self._update_gauges()
+        self.delivery.update_gauges(self.core)
         self._wake.set()
         return handle
 
@@ -145,20 +148,9 @@ class Engine:
             update = self.core.finish_request(request_id, FinishReason(reason))
             if update is not None and update.usage is not None:
                 handle.usage = update.usage
-        self._finish_handle(handle, FinishEvent(reason))
-        self._update_gauges()
+        self.delivery.finish_handle(handle, FinishEvent(reason))
+        self.delivery.update_gauges(self.core)
         self._wake.set()
-
-    def _finish_handle(self, handle: RequestHandle, event: FinishEvent) -> None:
-        if handle.finished:
-            return
-        handle.finished = True
-        handle.events.put_nowait(event)
-        m = self.metrics
-        m.requests_finished.labels(event.reason).inc()
-        m.e2e_seconds.observe(time.monotonic() - handle.received_at)
-        m.request_generation_tokens.observe(handle.generated_tokens)
-        self.handles.pop(handle.request_id, None)
 
     # --- the loop ---------------------------------------------------------------------------------------------
 
@@ -172,6 +164,8 @@ class Engine:
                 log.exception("step loop failed; recovering the group")
                 await self._group_lost(f"step loop failed: {exc!r}")
                 await asyncio.sleep(self.backoff[0])
+        if self.core is not None:
+            self.delivery.flush(self.core)  # the last step's tokens: stopped at a step boundary, none is lost
 
     async def _loop(self) -> None:
         delay = self.backoff[0]
@@ -192,8 +186,11 @@ class Engine:
             queued_until = time.monotonic()  # the queue stage of the requests this step first schedules ends here
             t0, t0_ns = time.perf_counter(), time.time_ns()
             plan = self.core.schedule()
-            for update in self.core.take_deferred_updates():  # live turns the step could not keep (no blocks)
-                self._deliver(update, time.monotonic())
+            deferred = self.core.take_deferred_updates()  # live turns the step could not keep (no blocks)
+            if deferred:
+                self.delivery.flush(self.core)  # the previous step's tokens first: a request's updates keep order
+            for update in deferred:
+                self.delivery.deliver(update, time.monotonic())
             t1 = time.perf_counter()
             self.metrics.schedule_seconds.observe(t1 - t0)
             if plan is not None:
@@ -201,6 +198,8 @@ class Engine:
                 if tracing.enabled():
                     tracing.record_span("mmcast.schedule", t0_ns, time.time_ns(), **_plan_attributes(plan))
             if plan is None:
+                self.delivery.flush(self.core)
+                self.delivery.update_gauges(self.core)
                 self._wake.clear()
                 woke = asyncio.ensure_future(self._wake.wait())
                 failed = asyncio.ensure_future(self.group.any_failed.wait())
@@ -217,8 +216,15 @@ class Engine:
                         await self._group_lost(str(exc))
                 continue
             try:
+                if self.async_scheduling and self.group.last_sampled_input:
+                    await self._run_ahead(plan, t0, t1)
+                    continue
                 with _step_span(plan):
-                    results = await self.group.run_step(plan.step_id, step_control(plan), self._payloads(plan))
+                    await self.group.send_step(plan.step_id, step_control(plan), self._payloads(plan))
+                    # The ranks compute step k: the previous step's tokens go to the clients meanwhile (and the
+                    # loop yields to client streams and new requests while it waits for the answers).
+                    self.delivery.flush(self.core)
+                    results = await self.group.step_results(plan.step_id)
             except GroupDown as exc:
                 await self._group_lost(str(exc))
                 continue
@@ -226,7 +232,30 @@ class Engine:
             self.metrics.step_seconds.observe(t2 - t0)
             sent = self.group.last_sent_at  # building, serializing and writing the step (t1 → sent), then waiting
             self._apply(plan, results, StepTimes(t1 - t0, sent - t1, t2 - sent, results))
-            await asyncio.sleep(0)  # let client streams and new requests run between steps
+
+    async def _run_ahead(self, plan, t0: float, t1: float) -> None:
+        """Runs ``plan`` and the plain decode steps the core plans while each one runs (``async_steps.py``): step
+        k+1 is written before step k's answer is awaited, so the ranks never wait for the scheduler between them.
+        Returns when no step is in flight. Raises GroupDown."""
+        with _step_span(plan):
+            await self.group.send_step(plan.step_id, step_control(plan), self._payloads(plan))
+        inflight = [(plan, t0, t1, self.group.last_sent_at)]
+        while inflight:
+            if len(inflight) == 1 and not self._stopping:
+                a0 = time.perf_counter()
+                ahead = self.core.schedule_ahead()
+                if ahead is not None:
+                    a1 = time.perf_counter()
+                    self.metrics.schedule_seconds.observe(a1 - a0)
+                    await self.group.send_step(ahead.step_id, step_control(ahead), self._payloads(ahead))
+                    inflight.append((ahead, a0, a1, self.group.last_sent_at))
+                    self.metrics.steps_ahead.inc()
+            self.delivery.flush(self.core)  # the applied steps' tokens to the clients while the ranks compute
+            done, d0, d1, sent = inflight.pop(0)
+            results = await self.group.step_results(done.step_id)
+            t2 = time.perf_counter()
+            self.metrics.step_seconds.observe(t2 - d0)
+            self._apply(done, results, StepTimes(d1 - d0, sent - d1, t2 - sent, results))
 
     def reconnect_wait(self) -> float:
         """Seconds until the loop next tries to reach the group (the retry hint of UNAVAILABLE while it is down): a
@@ -260,10 +289,10 @@ class Engine:
             return False
         if self.core is None:
             self.core = self.core_factory(budget)
-            self._stats_seen = self.core.stats
+            self.delivery.reset_stats(self.core)
         else:
             for update in self.core.reset_group(budget):  # requests that no longer fit the new budgets
-                self._deliver(update, time.monotonic())
+                self.delivery.deliver(update, time.monotonic())
         self.metrics.kv_blocks_total.set(budget.kv_blocks)
         self.metrics.group_up.set(1)
         self._down_since = None
@@ -274,6 +303,8 @@ class Engine:
 
     async def _group_lost(self, reason: str) -> None:
         log.error("worker group lost: %s", reason)
+        if self.core is not None:
+            self.delivery.flush(self.core)  # the last applied step's tokens, before anything the recovery says
         # Not ready from this moment: readiness and the gauges must not wait for the streams to close.
         self.last_down_reason = reason
         self.metrics.group_up.set(0)
@@ -292,8 +323,8 @@ class Engine:
                     "poison request failed: it crashed the worker group twice",
                     extra={"request_id": update.request_id, "reason": reason},
                 )
-                self._deliver(update, time.monotonic())
-        self._update_gauges()
+                self.delivery.deliver(update, time.monotonic())
+        self.delivery.update_gauges(self.core)
 
     def _fail_if_past_deadline(self) -> None:
         if self._down_since is None or self.core is None:
@@ -308,13 +339,12 @@ class Engine:
         )
         for request_id, handle in list(self.handles.items()):
             self.core.finish_request(request_id, FinishReason.ERROR, error=err.message)
-            self._finish_handle(handle, FinishEvent("error", err))
-        self._update_gauges()
+            self.delivery.finish_handle(handle, FinishEvent("error", err))
+        self.delivery.update_gauges(self.core)
 
     def _apply(self, plan, results, times: StepTimes | None = None) -> None:
-        now = time.monotonic()
+        """Applies rank 0's answer to the core (what the next schedule needs) and defers the rest."""
         rank0 = results[0]
-        self._count_plan(plan)
         outcome = GroupStepOutcome(
             sampled={
                 RequestId(s.request_id): Sample(
@@ -330,14 +360,7 @@ class Engine:
             log.warning("request failed at the worker", extra={"request_id": request_id, "reason": message})
         for ident, message in outcome.item_failures.items():
             log.warning("image failed at its owner rank", extra={"item": ident[:16], "reason": message})
-        for update in self.core.update_from_output(plan, outcome):
-            self._deliver(update, now, times)
-        for request_id, handle in self.handles.items():
-            if request_id in plan.accounting:
-                request = self.core.get_request(request_id)
-                if request is not None:
-                    handle.usage = request.usage
-        self._update_gauges()
+        self.delivery.defer(plan, self.core.update_from_output(plan, outcome), times)
 
     def _mark_scheduled(self, plan, now: float, queued_until: float) -> None:
         """Ends the queue time of the requests this step schedules for the first time (a resumed one keeps its
@@ -348,61 +371,3 @@ class Engine:
                 handle.first_scheduled_at = now
                 handle.stages.queue = queued_until - handle.submitted_at
                 self.metrics.queue_seconds.observe(now - handle.received_at)
-
-    def _deliver(self, update, now: float, times: StepTimes | None = None) -> None:
-        """``times``: the step that produced the update (None for updates from outside a step)."""
-        handle = self.handles.get(update.request_id)
-        if handle is None:
-            return
-        if update.usage is not None:
-            handle.usage = update.usage
-        if update.new_token_ids:
-            if handle.first_token_at is None:
-                handle.first_token_at = now
-                handle.stages.first_token_step = times
-                self.metrics.ttft.observe(now - handle.received_at)
-            else:
-                self.metrics.inter_token_seconds.observe(now - handle.last_token_at)
-            handle.last_token_at = now
-            handle.generated_tokens += len(update.new_token_ids)
-            self.metrics.generation_tokens.inc(len(update.new_token_ids))
-            handle.events.put_nowait(TokenEvent(list(update.new_token_ids), list(update.logprobs or [])))
-        if update.finished is not None:
-            error = None
-            if update.finished is FinishReason.ERROR:
-                status = update.error_status or (Status.UNAVAILABLE if update.error else Status.INTERNAL)
-                error = MmcastError(update.error or "request failed", status, field=update.error_field)
-            self._finish_handle(handle, FinishEvent(update.finished.value, error))
-
-    def _count_plan(self, plan) -> None:
-        """Per-step item dispositions and saved bytes, and the core's cumulative counters as deltas."""
-        m = self.metrics
-        totals = plan.totals()
-        video = plan.video_totals.by_disposition()
-        for (disposition, items, nbytes, saved_reason), (_, v_items, v_bytes, _) in zip(
-            totals.by_disposition(), video, strict=True
-        ):
-            for modality, n, b in (("image", items - v_items, nbytes - v_bytes), ("video", v_items, v_bytes)):
-                if n or (modality == "image" and disposition is not Disposition.ABANDONED):
-                    m.mm_items.labels(disposition.value, modality).inc(n)  # abandoned and video: from the first
-                if saved_reason is not None and (b or modality == "image"):
-                    m.payload_bytes_saved.labels(saved_reason, modality).inc(b)
-        m.encoder_items.inc(len(plan.encoder_inputs))
-        m.encoder_runs.inc(totals.encoder_runs)
-        m.encoder_output_shared_bytes.inc(totals.encoder_output_bytes_shared)
-        stats, seen = self.core.stats, self._stats_seen
-        m.prefix_query_tokens.inc(max(0, stats.prefix_query_tokens - seen.prefix_query_tokens))
-        m.prefix_hit_tokens.inc(max(0, stats.prefix_hit_tokens - seen.prefix_hit_tokens))
-        m.preemptions.inc(max(0, stats.preemptions - seen.preemptions))
-        self._stats_seen = stats
-
-    def _update_gauges(self) -> None:
-        if self.core is None:
-            return
-        stats = self.core.stats
-        self.metrics.requests_running.set(stats.num_running)
-        self.metrics.requests_waiting.set(stats.num_waiting)
-        self.metrics.kv_blocks_used.set(stats.kv_blocks_used)
-        if stats.kv_blocks_total:
-            self.metrics.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
-            self.metrics.set_cache_config(self.core.config.block_size, stats.kv_blocks_total)

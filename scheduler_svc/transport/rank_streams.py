@@ -231,6 +231,8 @@ class WorkerGroup:
         self._streams: list[_RankStream] = []
         self.budget: GroupBudget | None = None
         self.last_sent_at = 0.0  # perf_counter() when the latest step's control was written to every rank
+        self._deadlines: dict[int, float] = {}  # step id -> monotonic() deadline for its answers (steps written)
+        self.last_sampled_input = False  # every rank takes a step's input from its own last sample (async steps)
         self.any_failed = asyncio.Event()  # set when a connected rank's stream fails (wakes an idle step loop)
 
     @property
@@ -302,6 +304,8 @@ class WorkerGroup:
             if problems:
                 await self.close()
                 raise GroupDown(f"rank {s.rank} ({s.address}) disagrees: " + "; ".join(problems))
+        self.last_sampled_input = all(a.last_sampled_input for a in acks)
+        self._deadlines = {}
         self.budget = GroupBudget(
             num_ranks=self.world_size,
             kv_blocks=min(a.kv_blocks for a in acks),
@@ -334,6 +338,13 @@ class WorkerGroup:
         self, step_id: int, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadTensors]]
     ) -> list[worker_pb2.StepResult]:
         """Write one step to every rank and wait for every rank's answer (index = rank). Raises GroupDown."""
+        await self.send_step(step_id, control, rank_payloads)
+        return await self.step_results(step_id)
+
+    async def send_step(
+        self, step_id: int, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadTensors]]
+    ) -> None:
+        """Write one step to every rank (``step_results`` then waits for the answers). Raises GroupDown."""
         self._check_up()
         if len(rank_payloads) != self.world_size:
             raise ValueError(f"rank_payloads has {len(rank_payloads)} entries for {self.world_size} ranks")
@@ -350,7 +361,11 @@ class WorkerGroup:
                     "its link takes no more bytes"
                 ) from None
         self.last_sent_at = time.perf_counter()
-        return await self._await_results(step_id, deadline)
+        self._deadlines[step_id] = deadline
+
+    async def step_results(self, step_id: int) -> list[worker_pb2.StepResult]:
+        """Every rank's answer to the step ``send_step`` wrote (index = rank), within its deadline."""
+        return await self._await_results(step_id, self._deadlines.pop(step_id))
 
     async def _broadcast(
         self, control: worker_pb2.StepControl, rank_payloads: Sequence[Sequence[PayloadTensors]], current

@@ -45,6 +45,7 @@ GENERATED = {
     "http_overhead.md",
     "grammar_cost.md",
     "sampler.md",
+    "step_overlap.md",
 }
 # ``mmcast.*`` also names loggers, proto packages and chart helpers; its one module, mmcast.v1, is checked as a path.
 NOT_MODULE_NAMESPACES = {"mmcast"}

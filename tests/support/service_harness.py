@@ -114,13 +114,13 @@ class FakeGroupScheduler:
 
     def _record_plans(self) -> None:
         group = self.server.group
-        original = group.run_step
+        original = group.send_step
 
         async def recording(step_id, control, rank_payloads):
             self.plans.append((step_id, control, rank_payloads))
             return await original(step_id, control, rank_payloads)
 
-        group.run_step = recording
+        group.send_step = recording
 
     def call(self, fn, *args):
         """Run ``fn(*args)`` on the server's loop (for reading engine/core state without races)."""
