@@ -49,6 +49,7 @@ from collections import defaultdict
 import torch
 
 from common.penalties import NONE, Penalties
+from common.sample import Sample
 from worker_svc import penalize
 
 _MASK64 = (1 << 64) - 1
@@ -73,13 +74,6 @@ class SamplingParams:
     return_logprobs: bool = False  # False: no log-probabilities at all
     top_k: int = 0  # (0, vocab): draw among the k largest logits and their ties; else no cut
     penalties: Penalties = NONE  # applied to the logits before everything above (sample_batch)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    token_id: int
-    logprob: float | None  # of token_id under the unmodified distribution (finite); None unless asked
-    top: list[tuple[int, float]]  # (token_id, logprob), most likely first; only tokens of non-zero probability
 
 
 def draw_seed(seed: int, index: int) -> int:

@@ -33,6 +33,7 @@ from common.multimodal import (
     MultiModalKwargsItem,
     PayloadEncoding,
 )
+from common.sample import Sample
 from mmcast.v1 import worker_pb2
 from worker_svc import step_checks as checks
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
@@ -40,7 +41,7 @@ from worker_svc.last_sampled import LastSampled, extra_tokens
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.request_state import RequestState
 from worker_svc.runner import ForwardInput, StepLogits
-from worker_svc.sampling import Sample, SamplingError, sample_batch
+from worker_svc.sampling import SamplingError, sample_batch
 from worker_svc.step_errors import StepError, code
 from worker_svc.token_mask import allowed_rows, check_token_masks
 

@@ -8,8 +8,9 @@ import math
 
 import torch
 
+from common.sample import Sample
 from worker_svc import penalize
-from worker_svc.sampling import Sample, SamplingError, SamplingParams, draw_seed, is_greedy
+from worker_svc.sampling import SamplingError, SamplingParams, draw_seed, is_greedy
 
 
 def clean_logits(logits: torch.Tensor) -> torch.Tensor:

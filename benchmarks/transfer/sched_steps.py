@@ -57,8 +57,9 @@ def measure_step_flatness(
     num_ranks: int = 2,
 ) -> dict:
     """Per mode and item count: decode-step time (p50, p90 µs), items examined per decode step, admission cost."""
+    from common.sample import Sample
     from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome, Sample
+    from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome
     from scheduler_svc.core.scheduler import Scheduler
     from scheduler_svc.transport.plan_proto import step_control
 

@@ -9,7 +9,7 @@ The service drives it (all calls from one thread or event loop)::
     plan = sched.schedule()           # StepPlan, or None when there is nothing to tell the ranks
     # ... the shell maps the plan to protobuf (plan_proto.step_control): rank r gets plan.rank_payloads[r]
     # frames, then the control; it waits for every rank's StepResult and maps them back to plain data ...
-    updates = sched.update_from_output(plan, GroupStepOutcome(sampled={request_id: Sample(token_id, logprob, top)},
+    updates = sched.update_from_output(plan, GroupStepOutcome(sampled={request_id: Sample(token_id, logprob, top_logprobs)},
                                                          failed={request_id: message}))  # rank 0's failures
     #   -> [RequestUpdate]; raises StepOutputError (a FailedPrecondition: recover the group) on a mismatch
     sched.finish_request(request_id, FinishReason.CANCELLED)   # -> final RequestUpdate | None; next plan tells ranks

@@ -91,6 +91,8 @@ RETIRED = {
     ("scheduler_svc/doors/", "CompletionRequest"): "CompletionBody",  # engine/completion.py's is the engine's
     ("scheduler_svc/doors/", "ChatCompletionRequest"): "ChatCompletionBody",
     ("scheduler_svc/doors/", "ResponsesRequest"): "ResponsesBody",
+    ("scheduler_svc/", "Sample"): "Sample",  # one type, common/sample.py, for the sampler and the core
+    ("worker_svc/", "Sample"): "Sample",
 }
 
 

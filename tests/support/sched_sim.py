@@ -28,9 +28,10 @@ from common.multimodal import (
     PayloadState,
     PlaceholderRange,
 )
+from common.sample import Sample
 from mmcast.v1 import multimodal_pb2, worker_pb2
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome, Sample
+from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome
 from scheduler_svc.core.request import Request, SamplingParams
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.transport.plan_proto import step_control

@@ -67,7 +67,11 @@ def test_every_row_draws_the_same_alone_as_in_a_batch_of_16():
             if isinstance(alone, SamplingError):
                 assert isinstance(batch[i], SamplingError) and str(batch[i]) == str(alone)
                 continue
-            assert (batch[i].token_id, batch[i].logprob, batch[i].top) == (alone.token_id, alone.logprob, alone.top)
+            assert (batch[i].token_id, batch[i].logprob, batch[i].top_logprobs) == (
+                alone.token_id,
+                alone.logprob,
+                alone.top_logprobs,
+            )
 
 
 def test_a_seeded_row_ignores_what_else_the_batch_holds():
@@ -183,7 +187,7 @@ def test_greedy_rows_beside_drawing_rows_keep_the_argmax_and_raw_logprobs():
     for i in (0, 1, 3, 5):
         assert got[i].token_id == int(torch.argmax(x[i]))
         assert got[i].logprob == float(lp[i, got[i].token_id])
-    assert [t for t, _ in got[1].top] == torch.topk(x[1], 2).indices.tolist()
+    assert [t for t, _ in got[1].top_logprobs] == torch.topk(x[1], 2).indices.tolist()
     assert sample(x[3], params[3], 3) == got[3]
 
 
@@ -226,7 +230,11 @@ def test_rows_of_a_large_vocabulary_draw_the_same_alone_as_in_a_batch():
         batch = sample_batch(x, params, [index] * 6, histories)
         for i in range(6):
             alone = sample_batch(x[i : i + 1], [params[i]], [index], [histories[i]])[0]
-            assert (batch[i].token_id, batch[i].logprob, batch[i].top) == (alone.token_id, alone.logprob, alone.top)
+            assert (batch[i].token_id, batch[i].logprob, batch[i].top_logprobs) == (
+                alone.token_id,
+                alone.logprob,
+                alone.top_logprobs,
+            )
 
 
 def test_a_nucleus_found_among_the_candidates_draws_as_a_full_sort_would(monkeypatch):

@@ -110,7 +110,7 @@ def test_sample_batch_draws_from_the_adjusted_logits_and_reports_raw_logprobs(se
         if params[i].return_logprobs:  # of the raw model distribution (vLLM's raw_logprobs)
             raw_lp = torch.log_softmax(logits[i], -1)
             assert got[i].logprob == pytest.approx(float(raw_lp[got[i].token_id]), abs=1e-5)
-            assert [t for t, _ in got[i].top] == [t for t, _ in want.top]
+            assert [t for t, _ in got[i].top_logprobs] == [t for t, _ in want.top_logprobs]
 
 
 def test_bias_plus_100_makes_greedy_pick_the_token_and_min_tokens_masks_the_end():

@@ -73,8 +73,8 @@ def test_non_finite_logits():
     best = int(torch.argmax(torch.nan_to_num(row, nan=-math.inf)))
     got = sample(row, SamplingParams(return_logprobs=True, logprobs=VOCAB), 0)
     assert got.token_id == best and math.isfinite(got.logprob)
-    assert {t for t, _ in got.top} == set(range(VOCAB)) - {7, 11}  # zero-probability tokens are left out
-    assert all(math.isfinite(v) for _, v in got.top)
+    assert {t for t, _ in got.top_logprobs} == set(range(VOCAB)) - {7, 11}  # zero-probability tokens are left out
+    assert all(math.isfinite(v) for _, v in got.top_logprobs)
     # +inf: those tokens share all the probability
     row[20] = row[30] = math.inf
     for t in (0.0, 1.0, 2.0):
@@ -92,14 +92,14 @@ def test_huge_logit_ranges_do_not_overflow():
     for t in (GREEDY_EPSILON, 0.5, 2.0, 1e30):
         got = sample(row, SamplingParams(temperature=t, return_logprobs=True, logprobs=4), 0)
         assert got.token_id in (0, 2, 3) and not math.isnan(got.logprob)
-        assert all(not math.isnan(v) for _, v in got.top)
+        assert all(not math.isnan(v) for _, v in got.top_logprobs)
 
 
 def test_logprobs_limits():
     row = logits_row(3)
-    assert sample(row, SamplingParams(return_logprobs=True, logprobs=-5), 0).top == []
-    assert sample(row, SamplingParams(return_logprobs=True, logprobs=0), 0).top == []
-    top = sample(row, SamplingParams(return_logprobs=True, logprobs=2**40), 0).top
+    assert sample(row, SamplingParams(return_logprobs=True, logprobs=-5), 0).top_logprobs == []
+    assert sample(row, SamplingParams(return_logprobs=True, logprobs=0), 0).top_logprobs == []
+    top = sample(row, SamplingParams(return_logprobs=True, logprobs=2**40), 0).top_logprobs
     assert [t for t, _ in top] == torch.argsort(row, descending=True).tolist()
     assert sample(row, SamplingParams(return_logprobs=False, logprobs=20), 0).logprob is None
 
@@ -182,7 +182,9 @@ def test_top_k_leaves_the_log_probabilities_of_the_unmodified_distribution():
     for s in range(20):
         got = sample(row, SamplingParams(temperature=1.0, seed=s, return_logprobs=True, logprobs=VOCAB, top_k=3), 0)
         assert got.logprob == pytest.approx(float(full[got.token_id]))
-        assert [t for t, _ in got.top] == torch.argsort(row, descending=True).tolist()  # tokens the cut removed too
+        assert [t for t, _ in got.top_logprobs] == torch.argsort(
+            row, descending=True
+        ).tolist()  # tokens the cut removed too
 
 
 def test_greedy_ignores_top_k():
@@ -260,10 +262,10 @@ def check_sample(row: torch.Tensor, params: SamplingParams, index: int) -> None:
     assert bool(usable[got.token_id]), "drew a NaN or -inf logit"
     if params.return_logprobs:
         assert got.logprob is not None and math.isfinite(got.logprob) and got.logprob <= 1e-6
-        assert len(got.top) <= max(0, min(params.logprobs, row.numel()))
-        assert all(0 <= t < row.numel() and not math.isnan(v) and v <= 1e-6 for t, v in got.top)
+        assert len(got.top_logprobs) <= max(0, min(params.logprobs, row.numel()))
+        assert all(0 <= t < row.numel() and not math.isnan(v) and v <= 1e-6 for t, v in got.top_logprobs)
     else:
-        assert got.logprob is None and got.top == []
+        assert got.logprob is None and got.top_logprobs == []
     if params.top_k > 0:  # fewer than k tokens lie strictly above the drawn one (ties with the k-th stay)
         values = row.float().nan_to_num(nan=-math.inf)
         assert int((values > values[got.token_id]).sum()) < params.top_k, "drew outside the top k"
@@ -332,7 +334,7 @@ def check_batch(rows: list[torch.Tensor], params: list[SamplingParams], indices:
         except SamplingError:
             assert isinstance(g, SamplingError)
             continue
-        assert isinstance(g, type(want)) and g.token_id == want.token_id and g.top == want.top
+        assert isinstance(g, type(want)) and g.token_id == want.token_id and g.top_logprobs == want.top_logprobs
         assert g.logprob == want.logprob
 
 

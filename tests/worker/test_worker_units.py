@@ -205,7 +205,7 @@ def test_greedy_and_logprobs_of_the_unmodified_distribution():
     s = sample(logits, SamplingParams(temperature=0.0, return_logprobs=True, logprobs=2), index=0)
     assert s.token_id == 1
     assert s.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
-    assert [t for t, _ in s.top] == [1, 3]
+    assert [t for t, _ in s.top_logprobs] == [1, 3]
     assert sample(logits, SamplingParams(), 0).logprob is None
 
 
