@@ -32,7 +32,7 @@ def _session_request(rid: str, count: int, decode_steps: int):
         MultiModalKwargsItem,
         PlaceholderRange,
     )
-    from scheduler_svc.core.request import Request, SamplingParams
+    from scheduler_svc.core.request import Request, RequestSampling
 
     tokens: list[int] = [1, 2, 3]
     features = []
@@ -47,7 +47,7 @@ def _session_request(rid: str, count: int, decode_steps: int):
                                               payload_nbytes=_TOKENS_PER_ITEM * 16))  # fmt: skip
         tokens += [_IMG] * _TOKENS_PER_ITEM + [(i * 7) % 900 + 1, (i * 13) % 900 + 1]
     tokens += [5, 6, 7]
-    return Request(rid, tokens, features, SamplingParams(max_tokens=decode_steps, ignore_eos=True))
+    return Request(rid, tokens, features, RequestSampling(max_tokens=decode_steps, ignore_eos=True))
 
 
 def measure_step_flatness(

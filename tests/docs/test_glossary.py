@@ -93,6 +93,8 @@ RETIRED = {
     ("scheduler_svc/doors/", "ResponsesRequest"): "ResponsesBody",
     ("scheduler_svc/", "Sample"): "Sample",  # one type, common/sample.py, for the sampler and the core
     ("worker_svc/", "Sample"): "Sample",
+    ("scheduler_svc/", "SamplingParams"): "RequestSampling",  # the proto's generation_pb2.SamplingParams keeps its name
+    ("worker_svc/", "SamplingParams"): "RowSampling",
 }
 
 
