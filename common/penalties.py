@@ -1,7 +1,7 @@
 """Penalties and biases on a request's logits: one type from the door to the sampler, and its one range check.
 
 ``Penalties`` travels inside the sampling parameters of every form (request_parsing.SamplingSpec, the scheduler's
-request.SamplingParams, the rank's sampling.SamplingParams) and over both protos; ``parse`` is the only place its
+request.RequestSampling, the rank's sampling.RowSampling) and over both protos; ``parse`` is the only place its
 ranges are checked (both doors call it through request_parsing.parse_sampling), and the rank's ``from_worker``
 only refuses what a correct scheduler never sends. worker_svc/penalize.py applies it to a step's logits.
 

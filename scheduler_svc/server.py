@@ -71,7 +71,7 @@ class SchedulerServer:
     """Everything one scheduler process runs; usable in-process by tests (``start``/``stop``)."""
 
     def __init__(self, config: SchedulerConfig, *, metrics: SchedulerMetrics | None = None) -> None:
-        from scheduler_svc.core.request import Request, SamplingParams
+        from scheduler_svc.core.request import Request, RequestSampling
         from scheduler_svc.core.scheduler import Scheduler
         from scheduler_svc.engine.frontend import Frontend
 
@@ -90,7 +90,7 @@ class SchedulerServer:
         self.tokenizer = self.frontend.tokenizer
         self.uses_mrope = self.frontend.uses_mrope
         eos = self.frontend.eos_token_ids
-        self._Request, self._SamplingParams = Request, SamplingParams
+        self._Request, self._RequestSampling = Request, RequestSampling
 
         self.kv_events = self._kv_events()  # prefix-cache events for outside pickers (--kv-events-endpoint)
 
@@ -225,7 +225,7 @@ class SchedulerServer:
 
     def _make_request(self, request_id, processed, sampling, cache_salt):
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-        params = self._SamplingParams(
+        params = self._RequestSampling(
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,

@@ -16,7 +16,7 @@ from common.ids import RequestId
 from common.mrope import mrope_positions, mrope_positions_for_window
 from common.multimodal import MultiModalFeatureSpec
 from mmcast.v1 import multimodal_pb2, worker_pb2
-from worker_svc.sampling import SamplingParams
+from worker_svc.sampling import RowSampling
 from worker_svc.step_errors import StepError, code
 
 
@@ -32,7 +32,7 @@ class RequestState:
     block_ids: list[int]  # KV pool blocks of the request in order
     num_computed: int  # tokens whose KV the pool holds at block_ids
     num_output_tokens: int  # output tokens among token_ids: the index of the next draw
-    sampling: SamplingParams
+    sampling: RowSampling
     blocks_in_pool: int  # leading blocks complete in the pool (recorded in the session's written set)
     embed_positions: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # item index -> positions
     live: bool = False  # a live session's turn (NewRequest.live): its partial last block is read by the next turn
@@ -80,7 +80,7 @@ class RequestState:
         return embed[inside] - start, inside.nonzero().reshape(-1)
 
 
-def sampling_from_proto(msg: worker_pb2.WorkerSampling, request_id: str, *, vocab_size: int) -> SamplingParams:
+def sampling_from_proto(msg: worker_pb2.WorkerSampling, request_id: str, *, vocab_size: int) -> RowSampling:
     where = f"new_requests[{request_id}].sampling"
     if not msg.temperature >= 0 or msg.temperature > 1e4:
         raise StepError(code.OUT_OF_RANGE, f"{where}.temperature={msg.temperature} must be in [0, 1e4]", request_id)
@@ -99,7 +99,7 @@ def sampling_from_proto(msg: worker_pb2.WorkerSampling, request_id: str, *, voca
         adjust = penalties.from_worker(msg, vocab_size=vocab_size)
     except ValueError as exc:
         raise StepError(code.OUT_OF_RANGE, f"{where}: {exc}", request_id) from None
-    return SamplingParams(
+    return RowSampling(
         temperature=float(msg.temperature),
         top_p=float(top_p),
         seed=int(msg.seed),

@@ -49,6 +49,7 @@ from collections import defaultdict
 import torch
 
 from common.penalties import NONE, Penalties
+from common.sample import Sample
 from worker_svc import penalize
 
 _MASK64 = (1 << 64) - 1
@@ -65,7 +66,9 @@ class SamplingError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
+class RowSampling:
+    """What the sampler needs for one row of a step's batch (one request), from the wire's ``WorkerSampling``."""
+
     temperature: float = 0.0  # < GREEDY_EPSILON = greedy
     top_p: float = 1.0  # (0, 1); anything else = no nucleus cut
     seed: int = 0  # with the output token index, seeds the draw (any integer; reduced modulo 2^64)
@@ -73,13 +76,6 @@ class SamplingParams:
     return_logprobs: bool = False  # False: no log-probabilities at all
     top_k: int = 0  # (0, vocab): draw among the k largest logits and their ties; else no cut
     penalties: Penalties = NONE  # applied to the logits before everything above (sample_batch)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    token_id: int
-    logprob: float | None  # of token_id under the unmodified distribution (finite); None unless asked
-    top: list[tuple[int, float]]  # (token_id, logprob), most likely first; only tokens of non-zero probability
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -227,7 +223,7 @@ def _nucleus(probs: torch.Tensor, top_p: list[float], uniforms: list[float]) -> 
     return tokens
 
 
-def _draw(drawn: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> list[int]:
+def _draw(drawn: torch.Tensor, params: list[RowSampling], uniforms: list[float]) -> list[int]:
     """One token per row of ``drawn`` (cleaned, masked logits, each row with a usable entry) at its own
     temperature, top-k and top-p, with its own uniform number."""
     vocab = drawn.shape[-1]
@@ -281,7 +277,7 @@ def _logprobs(
 
 def _sample_rows(
     logits: torch.Tensor,
-    params: list[SamplingParams],
+    params: list[RowSampling],
     indices: list[int],
     raw: torch.Tensor | None,
     allowed: dict[int, torch.Tensor],
@@ -332,7 +328,7 @@ def _sample_rows(
 
 def sample(
     logits: torch.Tensor,
-    params: SamplingParams,
+    params: RowSampling,
     index: int,
     raw: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
@@ -351,7 +347,7 @@ def sample(
 
 def sample_batch(
     logits: torch.Tensor,
-    params: list[SamplingParams],
+    params: list[RowSampling],
     indices: list[int],
     histories: list[penalize.History | None] | None = None,
     allowed: dict[int, torch.Tensor] | None = None,

@@ -41,7 +41,7 @@ def step_result(
         token = result.sampled.add(request_id=request_id, token_id=s.token_id)
         if s.logprob is not None:
             token.logprob = s.logprob
-            for token_id, logprob in s.top:
+            for token_id, logprob in s.top_logprobs:
                 token.top_logprobs.add(token_id=token_id, logprob=logprob)
     for request_id, message in outcome.failed:
         result.failures.add(request_id=request_id, message=message)

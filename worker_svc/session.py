@@ -25,24 +25,20 @@ from common import item_proto
 from common.errors import InvalidArgument
 from common.ids import ItemId, RequestId
 from common.multimodal import (
-    ENCODED_FIELD,
-    FRAME_INDICES_FIELD,
-    VIDEO_ENCODED_FIELD,
-    Modality,
-    MultiModalFieldElem,
-    MultiModalKwargsItem,
     PayloadEncoding,
 )
+from common.sample import Sample
 from mmcast.v1 import worker_pb2
 from worker_svc import step_checks as checks
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
+from worker_svc.item_pixels import item_pixels
 from worker_svc.last_sampled import LastSampled, extra_tokens
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.request_state import RequestState
-from worker_svc.runner import ForwardInput, StepLogits
-from worker_svc.sampling import Sample, SamplingError, sample_batch
+from worker_svc.runner import ForwardInput
 from worker_svc.step_errors import StepError, code
-from worker_svc.token_mask import allowed_rows, check_token_masks
+from worker_svc.step_sampling import sample_step
+from worker_svc.token_mask import check_token_masks
 
 log = logging.getLogger(__name__)
 
@@ -232,39 +228,6 @@ class Session:
 
     # --- phase 3: compute ------------------------------------------------------------------------------------
 
-    def _pixels(self, ident: ItemId, feature):
-        """The feature with pixel fields: an encoded image decoded and preprocessed by the model's own processor
-        (common/image_input.py); its grid must be the one the item carries (the prompt was built from it). Raises
-        InvalidArgument for a file that fails (the item's failure, not the rank's)."""
-        if feature.encoding is not PayloadEncoding.ENCODED:
-            return feature
-        if feature.modality is Modality.VIDEO:
-            return self._video_pixels(ident, feature)
-        data = feature.data[ENCODED_FIELD].data.numpy().tobytes()
-        pixels, grid = self.images.process_bytes(data, f"item {ident[:16]}")
-        fields = {"pixel_values": MultiModalFieldElem(pixels)}
-        name = self.runner.family.grid_field  # None: a family without a grid (every image one shape)
-        if name is not None:
-            want = feature.data[name].data.reshape(1, 3)
-            if grid is None or not torch.equal(grid, want):
-                got = None if grid is None else grid.tolist()[0]
-                raise InvalidArgument(
-                    f"item {ident[:16]}: the decoded image has the grid {got}, its header gave {want.tolist()[0]}"
-                )
-            fields[name] = feature.data[name]
-        return dataclasses.replace(feature, data=MultiModalKwargsItem(fields), encoding=PayloadEncoding.PIXELS)
-
-    def _video_pixels(self, ident: ItemId, feature):
-        """An encoded video decoded at the planned frames and preprocessed as the model's video processor does
-        (common/video_input.py); the grid it gives must be the item's (the prompt and positions were built from it)."""
-        field = f"item {ident[:16]}"
-        data = feature.data[VIDEO_ENCODED_FIELD].data.numpy().tobytes()
-        grid = feature.data["video_grid_thw"]
-        plan = self.videos.item_plan(data, feature.data[FRAME_INDICES_FIELD].data.tolist(), grid.data, field)
-        pixels = self.videos.process(data, plan, field)
-        fields = {"pixel_values_videos": MultiModalFieldElem(pixels), "video_grid_thw": grid}
-        return dataclasses.replace(feature, data=MultiModalKwargsItem(fields), encoding=PayloadEncoding.PIXELS)
-
     def _encode_step(self, checked: _CheckedStep, outcome: StepOutcome) -> set[ItemId]:
         """Runs the step's encoder work and fills the encoder cache; returns the items that failed (known to every
         rank alike). Each rank first encodes what it owns (every item under replicated placement); with several
@@ -278,7 +241,7 @@ class Session:
                 continue
             p0, encoded = time.perf_counter(), feature.encoding is PayloadEncoding.ENCODED
             try:
-                feature = self._pixels(ident, feature)
+                feature = item_pixels(ident, feature, self.images, self.videos, r.family.grid_field)
             except InvalidArgument as exc:
                 failures[ident] = exc.message
                 continue
@@ -367,49 +330,13 @@ class Session:
             if row is not None and self.rank == 0:
                 sampling.append(state)
         if sampling:
-            drawn_all = self._sample(sampling, logits, checked.token_masks)
+            drawn_all = sample_step(sampling, logits, checked.token_masks, self.rank)
             for state, drawn in zip(sampling, drawn_all, strict=True):
                 (outcome.sampled if isinstance(drawn, Sample) else outcome.failed).append((state.request_id, drawn))
         outcome.sample_seconds = time.perf_counter() - t1  # the block bookkeeping beside it is negligible
         self.last_sampled.record(windows, outcome.sampled)
         self._report_sizes()
         return outcome
-
-    def _sample(self, states: list[RequestState], logits: StepLogits, masks: dict) -> list[Sample | str]:
-        """Each request's token, or why sampling it failed, in one batched call (``sample_batch``). Sampling runs
-        after every collective of the step and only here on rank 0, so a failure is the request's alone: the
-        group's state is intact (see worker.py). Should the batched call itself fail, each request is sampled
-        alone, so only the request whose draw raises fails."""
-        params = [s.sampling for s in states]
-        indices = [s.num_output_tokens for s in states]
-        histories = [(s.token_ids, s.num_prompt_tokens) for s in states]  # no copies: penalties.py slices
-        rows = [row for row in logits.rows if row is not None]  # 0, 1, ...: every window that samples, in order
-        vocab = logits.batch.shape[-1]
-        masked = [k for k, s in enumerate(states) if s.request_id in masks]
-        unpacked = allowed_rows([masks[states[k].request_id].allowed for k in masked], vocab) if masked else None
-        allowed = {k: unpacked[j] for j, k in enumerate(masked)}
-        try:
-            drawn: list = sample_batch(logits.batch, params, indices, histories, allowed)
-        except Exception:  # noqa: BLE001 - isolate the failing request below
-            drawn = []
-            for state, row, history in zip(states, rows, histories, strict=True):
-                try:
-                    one, mask = logits.batch[row : row + 1], {0: allowed[row]} if row in allowed else None
-                    drawn.append(sample_batch(one, [state.sampling], [state.num_output_tokens], [history], mask)[0])
-                except Exception as exc:  # any failure of one request's draw or log-probabilities
-                    drawn.append(exc)
-        out: list[Sample | str] = []
-        for state, got in zip(states, drawn, strict=True):
-            if isinstance(got, Sample):
-                out.append(got)
-                continue
-            log.warning(
-                "sampling failed; the request fails alone",
-                extra={"request_id": state.request_id, "error": repr(got)},
-                exc_info=(type(got), got, got.__traceback__) if not isinstance(got, SamplingError) else False,
-            )
-            out.append(f"sampling failed on rank {self.rank}: {got}")
-        return out
 
     def _report_sizes(self) -> None:
         if self.metrics is not None:

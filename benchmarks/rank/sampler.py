@@ -28,18 +28,18 @@ MIXES = ("greedy", "temperature", "top_p", "top_k", "masked", "penalised", "mixe
 _PENALTIES = Penalties(frequency_penalty=0.5, presence_penalty=0.3, logit_bias=((5, 2.0), (9, -1.0)))
 
 
-def _params(mix: str, i: int) -> tuple[sampling.SamplingParams, bool]:
+def _params(mix: str, i: int) -> tuple[sampling.RowSampling, bool]:
     """Row i's parameters in ``mix``, and whether it carries a grammar mask."""
     if mix == "mixed":
         mix = MIXES[i % (len(MIXES) - 1)]
     seeded = {"temperature": 1.0, "seed": 1000 + i}
     return {
-        "greedy": (sampling.SamplingParams(), False),
-        "temperature": (sampling.SamplingParams(**seeded), False),
-        "top_p": (sampling.SamplingParams(top_p=0.9, **seeded), False),
-        "top_k": (sampling.SamplingParams(top_k=50, **seeded), False),
-        "masked": (sampling.SamplingParams(**seeded), True),
-        "penalised": (sampling.SamplingParams(penalties=_PENALTIES, **seeded), False),
+        "greedy": (sampling.RowSampling(), False),
+        "temperature": (sampling.RowSampling(**seeded), False),
+        "top_p": (sampling.RowSampling(top_p=0.9, **seeded), False),
+        "top_k": (sampling.RowSampling(top_k=50, **seeded), False),
+        "masked": (sampling.RowSampling(**seeded), True),
+        "penalised": (sampling.RowSampling(penalties=_PENALTIES, **seeded), False),
     }[mix]
 
 

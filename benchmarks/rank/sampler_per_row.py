@@ -8,8 +8,9 @@ import math
 
 import torch
 
+from common.sample import Sample
 from worker_svc import penalize
-from worker_svc.sampling import Sample, SamplingError, SamplingParams, draw_seed, is_greedy
+from worker_svc.sampling import RowSampling, SamplingError, draw_seed, is_greedy
 
 
 def clean_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -58,7 +59,7 @@ def allow_only(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 def sample(
     logits: torch.Tensor,
-    params: SamplingParams,
+    params: RowSampling,
     index: int,
     raw: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
@@ -98,7 +99,7 @@ def sample(
 
 def sample_batch(
     logits: torch.Tensor,
-    params: list[SamplingParams],
+    params: list[RowSampling],
     indices: list[int],
     histories: list[penalize.History | None] | None = None,
     allowed: dict[int, torch.Tensor] | None = None,

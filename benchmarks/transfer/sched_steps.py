@@ -32,7 +32,7 @@ def _session_request(rid: str, count: int, decode_steps: int):
         MultiModalKwargsItem,
         PlaceholderRange,
     )
-    from scheduler_svc.core.request import Request, SamplingParams
+    from scheduler_svc.core.request import Request, RequestSampling
 
     tokens: list[int] = [1, 2, 3]
     features = []
@@ -47,7 +47,7 @@ def _session_request(rid: str, count: int, decode_steps: int):
                                               payload_nbytes=_TOKENS_PER_ITEM * 16))  # fmt: skip
         tokens += [_IMG] * _TOKENS_PER_ITEM + [(i * 7) % 900 + 1, (i * 13) % 900 + 1]
     tokens += [5, 6, 7]
-    return Request(rid, tokens, features, SamplingParams(max_tokens=decode_steps, ignore_eos=True))
+    return Request(rid, tokens, features, RequestSampling(max_tokens=decode_steps, ignore_eos=True))
 
 
 def measure_step_flatness(
@@ -57,8 +57,9 @@ def measure_step_flatness(
     num_ranks: int = 2,
 ) -> dict:
     """Per mode and item count: decode-step time (p50, p90 µs), items examined per decode step, admission cost."""
+    from common.sample import Sample
     from scheduler_svc.config import SchedulerConfig
-    from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome, Sample
+    from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome
     from scheduler_svc.core.scheduler import Scheduler
     from scheduler_svc.transport.plan_proto import step_control
 

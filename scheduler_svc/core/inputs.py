@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from common.ids import ItemId, RequestId
+from common.sample import Sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,15 +23,6 @@ class GroupBudget:
     max_model_len: int = 0  # context length the ranks' model allows, 0 = not reported (tokens)
     max_tensor_bytes: int = 0  # largest single tensor every rank accepts, 0 = not reported (bytes)
     encoder_row_bytes: int = 0  # bytes of one encoder-output row: the collective's unit under sharded placement
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    """The token rank 0 sampled for one request in a step."""
-
-    token_id: int  # the sampled token
-    logprob: float | None = None  # its log-probability (natural log), when the request asked for it
-    top_logprobs: list[tuple[int, float]] | None = None  # (token id, log-probability) alternatives, best first
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,8 +35,9 @@ class RequestStatus(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """What the scheduler and the ranks need of a request's sampling (stop strings are the service's)."""
+class RequestSampling:
+    """A request's sampling settings as the core keeps them: its own (max_tokens, stop tokens, ignore_eos) and
+    what it forwards to the ranks (the sampler's part: ``RowSampling`` there); stop strings are the engine's."""
 
     max_tokens: int = 16  # tokens to generate at most, >= 1
     temperature: float = 0.0  # [0, 2]; below 1e-5 (the ranks' greedy epsilon) = greedy
@@ -51,7 +52,7 @@ class SamplingParams:
 
 
 def validate_sampling(
-    sampling: SamplingParams,
+    sampling: RequestSampling,
     num_prompt_tokens: int,
     max_model_len: int,
     *,
@@ -96,7 +97,7 @@ class Request:
         request_id: RequestId | str,
         prompt_token_ids: Sequence[int],
         mm_features: Sequence[MultiModalFeatureSpec] = (),
-        sampling: SamplingParams | None = None,
+        sampling: RequestSampling | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         image_fields: Sequence[str] = (),
@@ -108,7 +109,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         # Sorted by position; the scheduler's copy keeps every payload in every transfer mode.
         self.mm_features: list[MultiModalFeatureSpec] = sorted(mm_features, key=lambda f: f.mm_position.offset)
-        self.sampling = sampling or SamplingParams()
+        self.sampling = sampling or RequestSampling()
         self.cache_salt = cache_salt or None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 

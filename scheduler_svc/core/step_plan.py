@@ -20,7 +20,7 @@ from common.errors import Status
 from common.ids import ItemId, RequestId
 from common.multimodal import MultiModalFeatureSpec
 from scheduler_svc.core.accounting_events import ItemAccounting, RequestUsage
-from scheduler_svc.core.request import FinishReason, Request, SamplingParams
+from scheduler_svc.core.request import FinishReason, Request, RequestSampling
 
 
 def payload_nbytes(feature: MultiModalFeatureSpec) -> int:
@@ -51,7 +51,7 @@ class NewRequestData:
     request_id: RequestId  # the request's id, unique among in-flight requests
     prompt_token_ids: list[int]  # the whole known sequence: prompt + tokens generated so far
     mm_items: list[MultiModalFeatureSpec]  # wire copies, ordered by position, payload_state set for the ranks
-    sampling: SamplingParams  # what the ranks need to sample its tokens
+    sampling: RequestSampling  # what the ranks need to sample its tokens
     block_ids: list[int]  # the request's whole block table (prefix hits first)
     num_computed_tokens: int  # prefix-hit tokens, block aligned; the ranks gather their KV on admission
     num_scheduled_tokens: int  # tokens to compute this step, from num_computed_tokens on

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from common import tracing
 from common.errors import REQUEST_RESOURCE, MmcastError, Resource, Status, Unavailable
 from common.ids import ItemId, RequestId
-from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome, Sample
+from common.sample import Sample
+from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.request_handle import FinishEvent, RequestHandle

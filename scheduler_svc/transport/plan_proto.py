@@ -10,7 +10,7 @@ from __future__ import annotations
 from common import penalties
 from common.item_proto import feature_to_proto
 from mmcast.v1 import worker_pb2
-from scheduler_svc.core.request import SamplingParams
+from scheduler_svc.core.request import RequestSampling
 from scheduler_svc.core.step_plan import NewRequestData, RunningRequestData
 
 # The fields each message takes unchanged from the attribute of the same name; the others are built below.
@@ -25,7 +25,7 @@ def _same_named(source, fields: tuple[str, ...]) -> dict:
     return {name: getattr(source, name) for name in fields}
 
 
-def sampling_to_proto(sampling: SamplingParams) -> worker_pb2.WorkerSampling:
+def sampling_to_proto(sampling: RequestSampling) -> worker_pb2.WorkerSampling:
     msg = worker_pb2.WorkerSampling(**_same_named(sampling, _SAMPLING_FIELDS))
     if sampling.penalties.active:
         penalties.to_worker(sampling.penalties, msg)

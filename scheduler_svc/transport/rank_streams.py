@@ -21,24 +21,17 @@ from common import codec, item_proto, tracing
 from common.ids import ItemId
 from mmcast.v1 import worker_pb2
 from scheduler_svc.core.inputs import GroupBudget
+from scheduler_svc.transport.rank_stream import WRITE_ERRORS, GroupDown, RankStream
 
 log = logging.getLogger(__name__)
 
-STEP_METHOD = "/mmcast.v1.WorkerService/Step"
-# A write to a stream that broke or finished raises one of these; all mean the rank is gone.
-_WRITE_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError)
-
-
-def _auth_hint(code: grpc.StatusCode) -> str:
-    if code != grpc.StatusCode.UNAUTHENTICATED:
-        return ""
-    return (
-        " (give the scheduler the ranks' token with --worker-token-file, or a client certificate with --worker-tls-*)"
-    )
-
-
-class GroupDown(Exception):
-    """The group cannot run steps until it is reconnected. The message says which rank and why."""
+__all__ = [
+    "ByteCounters",
+    "GroupDown",
+    "PayloadTensors",
+    "WorkerGroup",
+    "default_channel_options",
+]
 
 
 @dataclasses.dataclass
@@ -74,115 +67,6 @@ def default_channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.use_local_subchannel_pool", 1),
     ]
-
-
-class _RankStream:
-    """One rank's stream: writes raw frames, and a reader task that routes the rank's answers."""
-
-    def __init__(
-        self,
-        rank: int,
-        address: str,
-        channel: grpc.aio.Channel,
-        on_bytes: Callable[[str, int], None],
-        on_fail: Callable[[], None] = lambda: None,
-        metadata: Sequence[tuple[str, str]] = (),
-    ):
-        self.rank = rank
-        self.address = address
-        self.channel = channel
-        self.call = channel.stream_stream(STEP_METHOD, request_serializer=None, response_deserializer=None)(
-            wait_for_ready=False, metadata=tuple(metadata) or None
-        )
-        self.results: asyncio.Queue[worker_pb2.StepResult] = asyncio.Queue()
-        self.ack: worker_pb2.HandshakeAck | None = None
-        self.failure: str | None = None
-        self.failed = asyncio.Event()
-        self.on_bytes = on_bytes
-        self.on_fail = on_fail
-        self.last_keepalive_rtt: float | None = None
-        self.last_heard = time.monotonic()  # when the rank last sent anything
-        self.writing = False  # a frame is being written (waiting on flow control while the link takes no bytes)
-        self._reader: asyncio.Task | None = None
-
-    async def write(self, raw: bytes, kind: str = "control") -> None:
-        await self.write_raw(raw)
-        self.on_bytes(kind, len(raw))
-
-    async def write_raw(self, raw: bytes) -> None:
-        """One frame, uncounted; ``writing`` is set while gRPC flow control holds it (a link taking no bytes)."""
-        self.writing = True
-        try:
-            await self.call.write(raw)
-        finally:
-            self.writing = False
-
-    async def handshake(self, hs: worker_pb2.Handshake, timeout: float) -> worker_pb2.HandshakeAck:
-        try:
-            await asyncio.wait_for(self.write(worker_pb2.StepRequest(handshake=hs).SerializeToString()), timeout)
-            raw = await asyncio.wait_for(self.call.read(), timeout)
-        except TimeoutError:
-            raise GroupDown(f"rank {self.rank} ({self.address}): no handshake answer within {timeout:.1f}s") from None
-        except grpc.aio.AioRpcError as exc:
-            raise GroupDown(
-                f"rank {self.rank} ({self.address}) refused the handshake: {exc.code().name}: {exc.details()}"
-                + _auth_hint(exc.code())
-            ) from None
-        except _WRITE_ERRORS as exc:
-            raise GroupDown(f"rank {self.rank} ({self.address}): handshake failed: {exc!r}") from None
-        if raw is grpc.aio.EOF:
-            code = await self.call.code()
-            details = await self.call.details()
-            raise GroupDown(
-                f"rank {self.rank} ({self.address}) refused the handshake: {code.name}: {details}" + _auth_hint(code)
-            )
-        frame = worker_pb2.StepResponse.FromString(raw)
-        if frame.WhichOneof("frame") != "handshake_ack":
-            raise GroupDown(f"rank {self.rank} answered the handshake with {frame.WhichOneof('frame')}")
-        self.ack = frame.handshake_ack
-        self._reader = asyncio.create_task(self._read_loop(), name=f"rank-{self.rank}-reader")
-        return self.ack
-
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                raw = await self.call.read()
-                if raw is grpc.aio.EOF:
-                    code = await self.call.code()
-                    self._fail(f"stream ended: {code.name}: {await self.call.details()}")
-                    return
-                frame = worker_pb2.StepResponse.FromString(raw)
-                self.last_heard = time.monotonic()
-                kind = frame.WhichOneof("frame")
-                if kind == "step_result":
-                    self.results.put_nowait(frame.step_result)
-                elif kind == "error":
-                    err = frame.error
-                    self._fail(
-                        f"protocol error {worker_pb2.ProtocolErrorCode.Name(err.code)} at step {err.step_id}: "
-                        f"{err.message}"
-                    )
-                    return
-                elif kind == "keepalive":
-                    self.last_keepalive_rtt = (time.time_ns() - frame.keepalive.sent_unix_nanos) / 1e9
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as exc:
-            self._fail(f"stream broke: {exc.code().name}: {exc.details()}")
-        except Exception as exc:  # a malformed answer is a broken rank, not a crash of the scheduler
-            self._fail(f"unreadable answer: {exc!r}")
-
-    def _fail(self, reason: str) -> None:
-        if self.failure is None:
-            self.failure = f"rank {self.rank} ({self.address}): {reason}"
-            self.failed.set()
-            self.on_fail()
-
-    async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        self.call.cancel()
-        await self.channel.close(grace=None)
 
 
 class WorkerGroup:
@@ -228,7 +112,7 @@ class WorkerGroup:
         self.bytes = ByteCounters()
         self._on_bytes_hook = on_bytes
         self.epoch = 0
-        self._streams: list[_RankStream] = []
+        self._streams: list[RankStream] = []
         self.budget: GroupBudget | None = None
         self.last_sent_at = 0.0  # perf_counter() when the latest step's control was written to every rank
         self._deadlines: dict[int, float] = {}  # step id -> monotonic() deadline for its answers (steps written)
@@ -259,7 +143,7 @@ class WorkerGroup:
         self.epoch = max(self.epoch + 1, time.time_ns())
         self.any_failed = asyncio.Event()
         streams = [
-            _RankStream(
+            RankStream(
                 rank,
                 addr,
                 self._channel_factory(addr, self.channel_options),
@@ -271,7 +155,7 @@ class WorkerGroup:
         ]
         self._streams = streams
 
-        async def shake(s: _RankStream) -> worker_pb2.HandshakeAck:
+        async def shake(s: RankStream) -> worker_pb2.HandshakeAck:
             hs = worker_pb2.Handshake(
                 protocol_version=item_proto.PROTOCOL_VERSION,
                 model_fingerprint=self.model_fingerprint,
@@ -328,10 +212,10 @@ class WorkerGroup:
             if s.failed.is_set():
                 raise GroupDown(s.failure or f"rank {s.rank} failed")
 
-    async def _write(self, targets: Sequence[_RankStream], raw: bytes, kind: str) -> None:
+    async def _write(self, targets: Sequence[RankStream], raw: bytes, kind: str) -> None:
         try:
             await asyncio.gather(*(s.write(raw, kind) for s in targets))
-        except _WRITE_ERRORS as exc:
+        except WRITE_ERRORS as exc:
             raise GroupDown(f"write to a rank failed: {exc!r}") from None
 
     async def run_step(
@@ -373,7 +257,7 @@ class WorkerGroup:
         """Writes the payload frames each rank needs, then the one serialized control to every rank."""
         # Every item once, in first-seen order; each rank receives its own subsequence of it.
         order: dict[ItemId, PayloadTensors] = {}
-        needed_by: dict[ItemId, list[_RankStream]] = {}
+        needed_by: dict[ItemId, list[RankStream]] = {}
         for stream, sends in zip(self._streams, rank_payloads, strict=True):
             for send in sends:
                 order.setdefault(send.identifier, send)
@@ -387,7 +271,7 @@ class WorkerGroup:
         metadata, rest = item_proto.control_byte_breakdown(control, len(raw_control))
         try:
             await asyncio.gather(*(s.write_raw(raw_control) for s in self._streams))
-        except _WRITE_ERRORS as exc:
+        except WRITE_ERRORS as exc:
             raise GroupDown(f"write to a rank failed: {exc!r}") from None
         for _ in self._streams:
             self._count("metadata", metadata)

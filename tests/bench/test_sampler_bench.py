@@ -24,7 +24,8 @@ def test_a_greedy_token_that_differs_fails_the_run(monkeypatch):
 
     def off_by_one(logits, params, *args, **kwargs):
         return [
-            type(s)((s.token_id + 1) % logits.shape[1], s.logprob, s.top) for s in real(logits, params, *args, **kwargs)
+            type(s)((s.token_id + 1) % logits.shape[1], s.logprob, s.top_logprobs)
+            for s in real(logits, params, *args, **kwargs)
         ]
 
     monkeypatch.setattr(sampler_per_row, "sample_batch", off_by_one)

@@ -91,6 +91,10 @@ RETIRED = {
     ("scheduler_svc/doors/", "CompletionRequest"): "CompletionBody",  # engine/completion.py's is the engine's
     ("scheduler_svc/doors/", "ChatCompletionRequest"): "ChatCompletionBody",
     ("scheduler_svc/doors/", "ResponsesRequest"): "ResponsesBody",
+    ("scheduler_svc/", "Sample"): "Sample",  # one type, common/sample.py, for the sampler and the core
+    ("worker_svc/", "Sample"): "Sample",
+    ("scheduler_svc/", "SamplingParams"): "RequestSampling",  # the proto's generation_pb2.SamplingParams keeps its name
+    ("worker_svc/", "SamplingParams"): "RowSampling",
 }
 
 

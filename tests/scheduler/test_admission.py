@@ -15,7 +15,7 @@ from common.errors import InvalidArgument
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import admission
 from scheduler_svc.core.inputs import GroupBudget
-from scheduler_svc.core.request import Request, SamplingParams
+from scheduler_svc.core.request import Request, RequestSampling
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine.completion import CompletionRequest, Completions
 from scheduler_svc.engine.frontend import ChatTurn, Frontend, ImagePart, TextPart
@@ -107,9 +107,9 @@ def core() -> Scheduler:
 
 
 def test_the_cores_own_guards():  # check_core_fits, check_max_tokens_fits
-    err = refusal(lambda: core().add_request(Request("a", list(range(1, 513)), [], SamplingParams(max_tokens=4))))
+    err = refusal(lambda: core().add_request(Request("a", list(range(1, 513)), [], RequestSampling(max_tokens=4))))
     assert_shape(err, ("messages",), 512, generate=1)
-    err = refusal(lambda: core().add_request(Request("b", list(range(1, 11)), [], SamplingParams(max_tokens=505))))
+    err = refusal(lambda: core().add_request(Request("b", list(range(1, 11)), [], RequestSampling(max_tokens=505))))
     assert_shape(err, (admission.GENERATE_FIELD,), 512, generate=505)
     assert "at most 502" in err.message
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.inputs import GroupBudget
-from scheduler_svc.core.request import FinishReason, Request, SamplingParams
+from scheduler_svc.core.request import FinishReason, Request, RequestSampling
 from scheduler_svc.core.scheduler import Scheduler
 from tests.support.sched_sim import EOS, outcome
 
@@ -19,7 +19,7 @@ def make() -> Scheduler:
 
 def add(s: Scheduler, rid: str, n: int = BLOCK - 1, **sampling) -> None:
     sampling.setdefault("max_tokens", 8)
-    s.add_request(Request(rid, list(range(1, n + 1)), [], SamplingParams(**sampling)))
+    s.add_request(Request(rid, list(range(1, n + 1)), [], RequestSampling(**sampling)))
 
 
 def decoding(*rids: str, **sampling) -> Scheduler:

@@ -10,7 +10,7 @@ import pytest
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.inputs import GroupBudget
-from scheduler_svc.core.request import FinishReason, Request, SamplingParams
+from scheduler_svc.core.request import FinishReason, Request, RequestSampling
 from scheduler_svc.core.scheduler import Scheduler, StepOutputError
 from scheduler_svc.transport.plan_proto import step_control
 from tests.support.sched_sim import EOS, Harness, outcome, request, text
@@ -25,7 +25,7 @@ def make(mode="lazy", group=GROUP, **overrides) -> Scheduler:
 
 def plain(rid="r", n=10, **sampling) -> Request:
     sampling.setdefault("max_tokens", 4)
-    return Request(rid, list(range(1, n + 1)), [], SamplingParams(**sampling))
+    return Request(rid, list(range(1, n + 1)), [], RequestSampling(**sampling))
 
 
 # --- config -----------------------------------------------------------------------------------------------------

@@ -311,7 +311,7 @@ def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_di
     from common.item_proto import feature_from_proto
     from mmcast.v1 import worker_pb2
     from scheduler_svc.core.inputs import GroupBudget
-    from scheduler_svc.core.request import Request, SamplingParams
+    from scheduler_svc.core.request import Request, RequestSampling
     from scheduler_svc.core.scheduler import Scheduler
     from scheduler_svc.transport.plan_proto import step_control
 
@@ -319,7 +319,7 @@ def test_processed_prompt_goes_through_the_scheduler_onto_the_wire(tiny_model_di
     prompt = fe.process(conversation())
     config = SchedulerConfig(transfer_mode=mode, max_model_len=fe.max_model_len, encoder_placement="replicated")
     sched = Scheduler(config, GroupBudget(2, 64, 4096, 64 << 20), fe.uses_mrope, fe.eos_token_ids)
-    sched.add_request(Request("r", prompt.token_ids, prompt.mm_features, SamplingParams(max_tokens=2)))
+    sched.add_request(Request("r", prompt.token_ids, prompt.mm_features, RequestSampling(max_tokens=2)))
     plan = sched.schedule()
     control = worker_pb2.StepControl.FromString(step_control(plan).SerializeToString())
     (new,) = control.new_requests

@@ -18,7 +18,7 @@ import pytest
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.inputs import GroupBudget
-from scheduler_svc.core.request import Request, SamplingParams
+from scheduler_svc.core.request import Request, RequestSampling
 from scheduler_svc.core.scheduler import Scheduler
 from tests.support.sched_sim import IMG, Harness, feature, outcome, request, sample_token, text
 
@@ -36,7 +36,7 @@ def big_request(rid: str = "big", max_tokens: int = 16) -> Request:
         features.append(feature(f"item-{k}", len(tokens), ITEM_TOKENS))
         tokens += [IMG] * ITEM_TOKENS
     tokens += [9] * 5
-    return Request(rid, tokens, features, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return Request(rid, tokens, features, RequestSampling(max_tokens=max_tokens, ignore_eos=True))
 
 
 def drive(sched: Scheduler, on_step=None) -> list[tuple[int, float, float, dict]]:
@@ -70,7 +70,7 @@ def test_items_examined_stay_bounded_by_the_window(mode, capsys):
 
     def add_second(step, s):
         if step == 40:  # mid-prefill of the big request
-            s.add_request(Request("small", [1, 2, 3] * 10, [], SamplingParams(max_tokens=4, ignore_eos=True)))
+            s.add_request(Request("small", [1, 2, 3] * 10, [], RequestSampling(max_tokens=4, ignore_eos=True)))
 
     steps = drive(sched, add_second)
     examined = [e for e, *_ in steps]

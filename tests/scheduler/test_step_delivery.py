@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from common.ids import RequestId
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.inputs import GroupBudget
-from scheduler_svc.core.request import FinishReason, Request, SamplingParams
+from scheduler_svc.core.request import FinishReason, Request, RequestSampling
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.request_handle import FinishEvent, RequestHandle, TokenEvent
@@ -27,7 +27,7 @@ def setup(*rids: str, max_tokens: int = 3):
     delivery = StepDelivery(SchedulerMetrics(CollectorRegistry()), handles)
     delivery.reset_stats(core)
     for rid in rids:
-        core.add_request(Request(rid, list(range(1, 11)), [], SamplingParams(max_tokens=max_tokens)))
+        core.add_request(Request(rid, list(range(1, 11)), [], RequestSampling(max_tokens=max_tokens)))
         handles[RequestId(rid)] = RequestHandle(RequestId(rid), 0.0)
     return core, handles, delivery
 

@@ -15,14 +15,13 @@ from common.errors import InvalidArgument
 from mmcast.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.inputs import GroupBudget
-from scheduler_svc.core.request import FinishReason, Request, SamplingParams
+from scheduler_svc.core.request import FinishReason, Request, RequestSampling
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.structured_output import GrammarCompiler, GrammarSpec
 from scheduler_svc.doors import grammar_requests
 from scheduler_svc.transport.plan_proto import step_control
 from tests.support.sched_sim import outcome
-from worker_svc.sampling import SamplingParams as RankSampling
-from worker_svc.sampling import sample, sample_batch
+from worker_svc.sampling import RowSampling, sample, sample_batch
 from worker_svc.token_mask import allowed_tokens, mask_nbytes
 
 SCHEMA = {
@@ -122,8 +121,8 @@ def test_the_rank_draws_only_allowed_tokens_and_keeps_the_models_logprobs():
     logits = torch.randn(3, 1024)
     allowed = torch.zeros(1024, dtype=torch.bool)
     allowed[[5, 700]] = True
-    greedy = RankSampling(return_logprobs=True)
-    hot = RankSampling(temperature=1.0, seed=3, return_logprobs=True)
+    greedy = RowSampling(return_logprobs=True)
+    hot = RowSampling(temperature=1.0, seed=3, return_logprobs=True)
     out = sample_batch(logits, [greedy, hot, greedy], [0, 0, 0], allowed={0: allowed, 1: allowed})
     assert out[0].token_id == (5 if logits[0, 5] > logits[0, 700] else 700)
     assert out[1].token_id in (5, 700)
@@ -172,10 +171,10 @@ def test_constrained_requests_stay_valid_through_preemption_and_recovery(compile
     s.group = group
     spec = GrammarSpec.json_schema(SCHEMA, "f")
     for i in range(4):
-        r = Request(f"c{i}", list(range(10, 18)), [], SamplingParams(max_tokens=80, temperature=1.0))
+        r = Request(f"c{i}", list(range(10, 18)), [], RequestSampling(max_tokens=80, temperature=1.0))
         r.grammar = compiler.compile(spec)
         s.add_request(r)
-    s.add_request(Request("free", list(range(10, 18)), [], SamplingParams(max_tokens=20, ignore_eos=True)))
+    s.add_request(Request("free", list(range(10, 18)), [], RequestSampling(max_tokens=20, ignore_eos=True)))
     disrupt = (lambda core, step: step in (6, 15)) if disruption == "recovery" else None
     out = _run(s, random.Random(7), disrupt)
     if disruption == "preemption":

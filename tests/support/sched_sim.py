@@ -28,10 +28,11 @@ from common.multimodal import (
     PayloadState,
     PlaceholderRange,
 )
+from common.sample import Sample
 from mmcast.v1 import multimodal_pb2, worker_pb2
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome, Sample
-from scheduler_svc.core.request import Request, SamplingParams
+from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome
+from scheduler_svc.core.request import Request, RequestSampling
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.transport.plan_proto import step_control
 
@@ -88,7 +89,7 @@ def build(segments) -> tuple[list[int], list[MultiModalFeatureSpec]]:
 
 def request(rid: str, segments, *, max_tokens: int = 4, salt: str | None = None) -> Request:
     tokens, features = build(segments)
-    return Request(rid, tokens, features, SamplingParams(max_tokens=max_tokens, ignore_eos=True), cache_salt=salt)
+    return Request(rid, tokens, features, RequestSampling(max_tokens=max_tokens, ignore_eos=True), cache_salt=salt)
 
 
 def sample_token(rid: str, position: int) -> int:

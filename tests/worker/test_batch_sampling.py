@@ -11,8 +11,8 @@ import torch
 from common.penalties import Penalties
 from worker_svc.sampling import (
     GREEDY_EPSILON,
+    RowSampling,
     SamplingError,
-    SamplingParams,
     _inverse_cdf,
     draw_uniform,
     sample,
@@ -27,19 +27,19 @@ def logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def mixed_batch(size: int, seed: int) -> tuple[torch.Tensor, list[SamplingParams], list, dict[int, torch.Tensor]]:
+def mixed_batch(size: int, seed: int) -> tuple[torch.Tensor, list[RowSampling], list, dict[int, torch.Tensor]]:
     """Rows of every kind: greedy, temperature, top-k, top-p, both, penalised, grammar-masked, with log-probabilities,
     one with NaN and one with nothing finite."""
     x = logits(size, seed)
     kinds = [
-        SamplingParams(),
-        SamplingParams(temperature=1.0, seed=11),
-        SamplingParams(temperature=0.7, top_k=5, seed=12),
-        SamplingParams(temperature=1.3, top_p=0.8, seed=13, return_logprobs=True, logprobs=3),
-        SamplingParams(temperature=0.9, top_k=9, top_p=0.6, seed=14),
-        SamplingParams(temperature=1.0, seed=15, penalties=Penalties(frequency_penalty=1.0, logit_bias=((3, 4.0),))),
-        SamplingParams(temperature=1.0, seed=16, return_logprobs=True, logprobs=2),
-        SamplingParams(temperature=2.0, top_k=VOCAB - 2, seed=17),
+        RowSampling(),
+        RowSampling(temperature=1.0, seed=11),
+        RowSampling(temperature=0.7, top_k=5, seed=12),
+        RowSampling(temperature=1.3, top_p=0.8, seed=13, return_logprobs=True, logprobs=3),
+        RowSampling(temperature=0.9, top_k=9, top_p=0.6, seed=14),
+        RowSampling(temperature=1.0, seed=15, penalties=Penalties(frequency_penalty=1.0, logit_bias=((3, 4.0),))),
+        RowSampling(temperature=1.0, seed=16, return_logprobs=True, logprobs=2),
+        RowSampling(temperature=2.0, top_k=VOCAB - 2, seed=17),
     ]
     params = [kinds[i % len(kinds)] for i in range(size)]
     histories = [([1, 2, 3, 3, 4], 2)] * size
@@ -67,12 +67,16 @@ def test_every_row_draws_the_same_alone_as_in_a_batch_of_16():
             if isinstance(alone, SamplingError):
                 assert isinstance(batch[i], SamplingError) and str(batch[i]) == str(alone)
                 continue
-            assert (batch[i].token_id, batch[i].logprob, batch[i].top) == (alone.token_id, alone.logprob, alone.top)
+            assert (batch[i].token_id, batch[i].logprob, batch[i].top_logprobs) == (
+                alone.token_id,
+                alone.logprob,
+                alone.top_logprobs,
+            )
 
 
 def test_a_seeded_row_ignores_what_else_the_batch_holds():
     row = logits(1, 9)[0]
-    p = SamplingParams(temperature=1.0, top_p=0.95, seed=2024)
+    p = RowSampling(temperature=1.0, top_p=0.95, seed=2024)
     alone = [sample_batch(row.unsqueeze(0), [p], [i])[0].token_id for i in range(30)]
     for other_seed in (1, 2):
         x, params, histories, allowed = mixed_batch(16, other_seed)
@@ -90,9 +94,7 @@ def test_top_k_of_one_and_a_tiny_top_p_are_the_argmax_in_every_row():
     best = torch.argmax(x, dim=-1).tolist()
     for index in range(10):
         params = [
-            SamplingParams(temperature=t, seed=s, top_k=1)
-            if s % 2
-            else SamplingParams(temperature=t, seed=s, top_p=1e-7)
+            RowSampling(temperature=t, seed=s, top_k=1) if s % 2 else RowSampling(temperature=t, seed=s, top_p=1e-7)
             for s, t in enumerate([0.5, 1.0, 3.0, 1e4] * 4)
         ]
         assert [s.token_id for s in sample_batch(x, params, [index] * 16)] == best
@@ -108,7 +110,7 @@ def test_masked_tokens_are_never_drawn():
         bits.append(bytes(b))
     rows = allowed_rows(bits, VOCAB)
     allowed = {r: rows[r] for r in range(8)}
-    params = [SamplingParams(temperature=5.0, seed=r) for r in range(8)]
+    params = [RowSampling(temperature=5.0, seed=r) for r in range(8)]
     seen: list[set[int]] = [set() for _ in range(8)]
     for index in range(300):
         for r, s in enumerate(sample_batch(x, params, [index] * 8, allowed=allowed)):
@@ -121,12 +123,12 @@ def test_a_mask_that_leaves_no_finite_logit_fails_its_row_alone():
     x[1, :5] = -math.inf
     only = torch.zeros(VOCAB, dtype=torch.bool)
     only[:5] = True
-    got = sample_batch(x, [SamplingParams(temperature=1.0, seed=1)] * 3, [0, 0, 0], allowed={1: only})
+    got = sample_batch(x, [RowSampling(temperature=1.0, seed=1)] * 3, [0, 0, 0], allowed={1: only})
     assert isinstance(got[1], SamplingError) and "the grammar allows" in str(got[1])
     assert not isinstance(got[0], SamplingError) and not isinstance(got[2], SamplingError)
 
 
-def frequencies(row: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+def frequencies(row: torch.Tensor, params: RowSampling, draws: int) -> torch.Tensor:
     """How often each token is drawn over ``draws`` output indices, batched 100 rows a call."""
     counts = torch.zeros(row.numel())
     for start in range(0, draws, 100):
@@ -139,16 +141,16 @@ def frequencies(row: torch.Tensor, params: SamplingParams, draws: int) -> torch.
 def test_draws_follow_the_softmax_and_its_cuts():
     row = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -math.inf])
     want = torch.softmax(row / 0.8, -1)
-    got = frequencies(row, SamplingParams(temperature=0.8, seed=4), 6000)
+    got = frequencies(row, RowSampling(temperature=0.8, seed=4), 6000)
     assert float((got - want).abs().max()) < 0.025, (got, want)
     assert got[7] == 0
     cut = torch.softmax(row[:3] / 0.8, -1)  # top-k 3: renormalized over the three largest
-    got = frequencies(row, SamplingParams(temperature=0.8, seed=5, top_k=3), 6000)
+    got = frequencies(row, RowSampling(temperature=0.8, seed=5, top_k=3), 6000)
     assert float((got[:3] - cut).abs().max()) < 0.025 and float(got[3:].sum()) == 0
     # top-p 0.6: the tokens with less than 0.6 of the mass strictly above them, renormalized
     probs = torch.softmax(row, -1)
     kept = int((torch.cumsum(probs, -1) - probs < 0.6).sum())
-    got = frequencies(row, SamplingParams(temperature=1.0, seed=6, top_p=0.6), 6000)
+    got = frequencies(row, RowSampling(temperature=1.0, seed=6, top_p=0.6), 6000)
     nucleus = probs[:kept] / probs[:kept].sum()
     assert float((got[:kept] - nucleus).abs().max()) < 0.025 and float(got[kept:].sum()) == 0
 
@@ -175,21 +177,21 @@ def test_uniforms_are_per_seed_and_index():
 def test_greedy_rows_beside_drawing_rows_keep_the_argmax_and_raw_logprobs():
     x = logits(6, 8)
     params = [
-        SamplingParams(return_logprobs=True, logprobs=2) if i % 2 else SamplingParams(temperature=1.0) for i in range(6)
+        RowSampling(return_logprobs=True, logprobs=2) if i % 2 else RowSampling(temperature=1.0) for i in range(6)
     ]
-    params[0] = SamplingParams(temperature=GREEDY_EPSILON / 2, return_logprobs=True)
+    params[0] = RowSampling(temperature=GREEDY_EPSILON / 2, return_logprobs=True)
     got = sample_batch(x, params, list(range(6)))
     lp = torch.log_softmax(x, -1)
     for i in (0, 1, 3, 5):
         assert got[i].token_id == int(torch.argmax(x[i]))
         assert got[i].logprob == float(lp[i, got[i].token_id])
-    assert [t for t, _ in got[1].top] == torch.topk(x[1], 2).indices.tolist()
+    assert [t for t, _ in got[1].top_logprobs] == torch.topk(x[1], 2).indices.tolist()
     assert sample(x[3], params[3], 3) == got[3]
 
 
 def test_temperatures_past_float32_draw_among_the_usable_tokens_only():
     x = torch.tensor([[math.nan, 0.0, -math.inf, 1.0]] * 3)
-    params = [SamplingParams(temperature=t, seed=s) for s, t in enumerate((3.4028235677973366e38, math.inf, 1e300))]
+    params = [RowSampling(temperature=t, seed=s) for s, t in enumerate((3.4028235677973366e38, math.inf, 1e300))]
     for index in range(20):
         assert all(s.token_id in (1, 3) for s in sample_batch(x, params, [index] * 3))
 
@@ -200,8 +202,8 @@ def test_masks_and_cleaning_leave_the_callers_logits_as_they_were():
     before = x.clone()
     only = torch.zeros(VOCAB, dtype=torch.bool)
     only[[1, 2]] = True
-    pen = SamplingParams(temperature=1.0, penalties=Penalties(presence_penalty=1.0), return_logprobs=True)
-    params = [SamplingParams(return_logprobs=True), pen, SamplingParams(temperature=1.0), SamplingParams()]
+    pen = RowSampling(temperature=1.0, penalties=Penalties(presence_penalty=1.0), return_logprobs=True)
+    params = [RowSampling(return_logprobs=True), pen, RowSampling(temperature=1.0), RowSampling()]
     got = sample_batch(x, params, [0] * 4, [([1], 1)] * 4, {0: only, 1: only, 3: only})
     assert all(s.token_id in (1, 2) for s in (got[0], got[1], got[3]))
     assert got[0].logprob == float(torch.log_softmax(x[0], -1)[got[0].token_id])  # of the unmasked row
@@ -214,19 +216,23 @@ def test_rows_of_a_large_vocabulary_draw_the_same_alone_as_in_a_batch():
     """Qwen2-VL's 151,936 tokens: the kernels' vectorised paths over long rows, batch or not."""
     x = logits(6, 4, vocab=151936)
     params = [
-        SamplingParams(temperature=1.0, seed=1, return_logprobs=True, logprobs=5),
-        SamplingParams(temperature=0.6, top_p=0.9, seed=2),
-        SamplingParams(temperature=1.2, top_k=50, seed=3),
-        SamplingParams(),
-        SamplingParams(temperature=0.8, top_k=100_000, top_p=0.95, seed=5),
-        SamplingParams(temperature=1.0, seed=6, penalties=Penalties(repetition_penalty=1.2)),
+        RowSampling(temperature=1.0, seed=1, return_logprobs=True, logprobs=5),
+        RowSampling(temperature=0.6, top_p=0.9, seed=2),
+        RowSampling(temperature=1.2, top_k=50, seed=3),
+        RowSampling(),
+        RowSampling(temperature=0.8, top_k=100_000, top_p=0.95, seed=5),
+        RowSampling(temperature=1.0, seed=6, penalties=Penalties(repetition_penalty=1.2)),
     ]
     histories = [([5, 9, 9], 1)] * 6
     for index in (0, 7):
         batch = sample_batch(x, params, [index] * 6, histories)
         for i in range(6):
             alone = sample_batch(x[i : i + 1], [params[i]], [index], [histories[i]])[0]
-            assert (batch[i].token_id, batch[i].logprob, batch[i].top) == (alone.token_id, alone.logprob, alone.top)
+            assert (batch[i].token_id, batch[i].logprob, batch[i].top_logprobs) == (
+                alone.token_id,
+                alone.logprob,
+                alone.top_logprobs,
+            )
 
 
 def test_a_nucleus_found_among_the_candidates_draws_as_a_full_sort_would(monkeypatch):
@@ -235,7 +241,7 @@ def test_a_nucleus_found_among_the_candidates_draws_as_a_full_sort_would(monkeyp
     x = logits(4, 6, vocab=4096) / 3 - 12  # a tail of small mass, and 30 likely tokens per row: a nucleus of
     x[:, 100:3100:100] = logits(4, 8, vocab=30) / 3  # a few of them, inside the 256 candidates
     x[3] = logits(1, 7, vocab=4096)[0] / 10  # nearly flat: its nucleus reaches past them
-    params = [SamplingParams(temperature=1.0, top_p=p, seed=9) for p in (0.9, 0.5, 0.99, 0.9)]
+    params = [RowSampling(temperature=1.0, top_p=p, seed=9) for p in (0.9, 0.5, 0.99, 0.9)]
     fast = [[s.token_id for s in sample_batch(x, params, [i] * 4)] for i in range(40)]
     monkeypatch.setattr(sampling_mod, "_NUCLEUS_CANDIDATES", 4096)  # every row sorted whole
     assert fast == [[s.token_id for s in sample_batch(x, params, [i] * 4)] for i in range(40)]

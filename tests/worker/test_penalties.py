@@ -16,7 +16,7 @@ from common.errors import InvalidArgument
 from common.penalties import Penalties
 from mmcast.v1 import generation_pb2, worker_pb2
 from worker_svc import penalize
-from worker_svc.sampling import SamplingError, SamplingParams, sample, sample_batch
+from worker_svc.sampling import RowSampling, SamplingError, sample, sample_batch
 
 VOCAB = 50
 
@@ -90,7 +90,7 @@ def test_sample_batch_draws_from_the_adjusted_logits_and_reports_raw_logprobs(se
     n = rng.randint(1, 8)
     logits, pens, indices, histories = random_batch(rng, n)
     params = [
-        SamplingParams(
+        RowSampling(
             temperature=rng.choice([0.0, 0.0, 0.8]),
             seed=rng.randrange(2**32),
             return_logprobs=rng.random() < 0.7,
@@ -110,14 +110,14 @@ def test_sample_batch_draws_from_the_adjusted_logits_and_reports_raw_logprobs(se
         if params[i].return_logprobs:  # of the raw model distribution (vLLM's raw_logprobs)
             raw_lp = torch.log_softmax(logits[i], -1)
             assert got[i].logprob == pytest.approx(float(raw_lp[got[i].token_id]), abs=1e-5)
-            assert [t for t, _ in got[i].top] == [t for t, _ in want.top]
+            assert [t for t, _ in got[i].top_logprobs] == [t for t, _ in want.top_logprobs]
 
 
 def test_bias_plus_100_makes_greedy_pick_the_token_and_min_tokens_masks_the_end():
     logits = torch.randn(2, VOCAB)
     p = [
-        SamplingParams(penalties=Penalties(logit_bias=((7, 100.0),))),
-        SamplingParams(penalties=Penalties(logit_bias=((3, 100.0),), min_tokens=2, masked_until_min=(3,))),
+        RowSampling(penalties=Penalties(logit_bias=((7, 100.0),))),
+        RowSampling(penalties=Penalties(logit_bias=((3, 100.0),), min_tokens=2, masked_until_min=(3,))),
     ]
     histories = [([1, 2], 2), ([1, 2, 5], 2)]
     got = sample_batch(logits, p, [0, 1], histories)
@@ -142,7 +142,7 @@ def test_a_resumed_request_counts_its_regenerated_tokens_as_output():
 def test_everything_masked_fails_the_row_alone():
     logits = torch.full((2, 4), -math.inf)
     logits[:, 2] = 1.0
-    p = [SamplingParams(penalties=Penalties(min_tokens=1, masked_until_min=(2,))), SamplingParams()]
+    p = [RowSampling(penalties=Penalties(min_tokens=1, masked_until_min=(2,))), RowSampling()]
     got = sample_batch(logits, p, [0, 0], [([0], 1), ([0], 1)])
     assert isinstance(got[0], SamplingError) and got[1].token_id == 2
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from worker_svc.sampling import GREEDY_EPSILON, SamplingError, SamplingParams, draw_seed, sample, sample_batch
+from worker_svc.sampling import GREEDY_EPSILON, RowSampling, SamplingError, draw_seed, sample, sample_batch
 
 VOCAB = 64
 SCALE = 100  # make fuzz: this many times the examples of make test
@@ -29,7 +29,7 @@ def test_temperatures_below_the_epsilon_are_greedy():
     best = int(torch.argmax(row))
     for t in (0.0, -0.0, 1e-45, 1e-40, 1e-38, 1e-30, GREEDY_EPSILON / 2, math.nan, -1.0, -math.inf):
         for seed in (0, 1, 2**64 - 1):
-            got = sample(row, SamplingParams(temperature=t, seed=seed, return_logprobs=True), 3)
+            got = sample(row, RowSampling(temperature=t, seed=seed, return_logprobs=True), 3)
             assert got.token_id == best, t
             assert got.logprob == pytest.approx(float(torch.log_softmax(row, -1)[best]))
 
@@ -38,31 +38,31 @@ def test_small_temperature_above_the_epsilon_still_samples_and_is_reproducible()
     # Two near-equal top logits: at 1e-5 a gap of 1e-6 still leaves both probable, so draws differ across seeds.
     row = torch.full((VOCAB,), -10.0)
     row[5], row[9] = 3.0, 3.0 - 1e-6
-    draws = {sample(row, SamplingParams(temperature=GREEDY_EPSILON, seed=s), 0).token_id for s in range(40)}
+    draws = {sample(row, RowSampling(temperature=GREEDY_EPSILON, seed=s), 0).token_id for s in range(40)}
     assert draws == {5, 9}
-    again = [sample(row, SamplingParams(temperature=GREEDY_EPSILON, seed=s), 0).token_id for s in range(40)]
-    assert again == [sample(row, SamplingParams(temperature=GREEDY_EPSILON, seed=s), 0).token_id for s in range(40)]
+    again = [sample(row, RowSampling(temperature=GREEDY_EPSILON, seed=s), 0).token_id for s in range(40)]
+    assert again == [sample(row, RowSampling(temperature=GREEDY_EPSILON, seed=s), 0).token_id for s in range(40)]
 
 
 def test_tiny_top_p_keeps_only_the_most_likely_token():
     row = logits_row(1)
     best = int(torch.argmax(row))
     for top_p in (1e-45, 1e-38, 1e-7, float(torch.softmax(row, -1).max()) * 0.999):
-        tokens = {sample(row, SamplingParams(temperature=1.0, top_p=top_p, seed=s), 0).token_id for s in range(30)}
+        tokens = {sample(row, RowSampling(temperature=1.0, top_p=top_p, seed=s), 0).token_id for s in range(30)}
         assert tokens == {best}, top_p
 
 
 def test_top_p_outside_the_open_interval_is_no_cut():
     row = torch.zeros(VOCAB)  # uniform: without a cut every token is possible
     for top_p in (0.0, -0.0, -1.0, math.nan, 1.0, 5.0, math.inf):
-        tokens = {sample(row, SamplingParams(temperature=1.0, top_p=top_p, seed=s), 0).token_id for s in range(400)}
+        tokens = {sample(row, RowSampling(temperature=1.0, top_p=top_p, seed=s), 0).token_id for s in range(400)}
         assert len(tokens) > VOCAB // 2, top_p
 
 
 def test_top_p_just_below_one_cuts_only_the_tail():
     row = torch.zeros(VOCAB)
     row[0] = -40.0  # probability ~e^-40 / 63: in the last 1e-7 of the mass
-    tokens = {sample(row, SamplingParams(temperature=1.0, top_p=1 - 1e-7, seed=s), 0).token_id for s in range(300)}
+    tokens = {sample(row, RowSampling(temperature=1.0, top_p=1 - 1e-7, seed=s), 0).token_id for s in range(300)}
     assert 0 not in tokens and len(tokens) > VOCAB // 2
 
 
@@ -71,37 +71,37 @@ def test_non_finite_logits():
     row[7] = math.nan
     row[11] = -math.inf
     best = int(torch.argmax(torch.nan_to_num(row, nan=-math.inf)))
-    got = sample(row, SamplingParams(return_logprobs=True, logprobs=VOCAB), 0)
+    got = sample(row, RowSampling(return_logprobs=True, logprobs=VOCAB), 0)
     assert got.token_id == best and math.isfinite(got.logprob)
-    assert {t for t, _ in got.top} == set(range(VOCAB)) - {7, 11}  # zero-probability tokens are left out
-    assert all(math.isfinite(v) for _, v in got.top)
+    assert {t for t, _ in got.top_logprobs} == set(range(VOCAB)) - {7, 11}  # zero-probability tokens are left out
+    assert all(math.isfinite(v) for _, v in got.top_logprobs)
     # +inf: those tokens share all the probability
     row[20] = row[30] = math.inf
     for t in (0.0, 1.0, 2.0):
-        draws = [sample(row, SamplingParams(temperature=t, seed=s, return_logprobs=True), 0) for s in range(30)]
+        draws = [sample(row, RowSampling(temperature=t, seed=s, return_logprobs=True), 0) for s in range(30)]
         assert {d.token_id for d in draws} <= {20, 30}
         assert all(d.logprob == pytest.approx(math.log(0.5)) for d in draws)
     with pytest.raises(SamplingError, match="none of the 64 logits is finite"):
-        sample(torch.full((VOCAB,), math.nan), SamplingParams(), 0)
+        sample(torch.full((VOCAB,), math.nan), RowSampling(), 0)
     with pytest.raises(SamplingError):
-        sample(torch.full((VOCAB,), -math.inf), SamplingParams(temperature=1.0), 0)
+        sample(torch.full((VOCAB,), -math.inf), RowSampling(temperature=1.0), 0)
 
 
 def test_huge_logit_ranges_do_not_overflow():
     row = torch.tensor([3e38, -3e38, 3e38 - 1e33, 0.0])
     for t in (GREEDY_EPSILON, 0.5, 2.0, 1e30):
-        got = sample(row, SamplingParams(temperature=t, return_logprobs=True, logprobs=4), 0)
+        got = sample(row, RowSampling(temperature=t, return_logprobs=True, logprobs=4), 0)
         assert got.token_id in (0, 2, 3) and not math.isnan(got.logprob)
-        assert all(not math.isnan(v) for _, v in got.top)
+        assert all(not math.isnan(v) for _, v in got.top_logprobs)
 
 
 def test_logprobs_limits():
     row = logits_row(3)
-    assert sample(row, SamplingParams(return_logprobs=True, logprobs=-5), 0).top == []
-    assert sample(row, SamplingParams(return_logprobs=True, logprobs=0), 0).top == []
-    top = sample(row, SamplingParams(return_logprobs=True, logprobs=2**40), 0).top
+    assert sample(row, RowSampling(return_logprobs=True, logprobs=-5), 0).top_logprobs == []
+    assert sample(row, RowSampling(return_logprobs=True, logprobs=0), 0).top_logprobs == []
+    top = sample(row, RowSampling(return_logprobs=True, logprobs=2**40), 0).top_logprobs
     assert [t for t, _ in top] == torch.argsort(row, descending=True).tolist()
-    assert sample(row, SamplingParams(return_logprobs=False, logprobs=20), 0).logprob is None
+    assert sample(row, RowSampling(return_logprobs=False, logprobs=20), 0).logprob is None
 
 
 def test_seeds_of_any_size_draw_reproducibly():
@@ -109,8 +109,8 @@ def test_seeds_of_any_size_draw_reproducibly():
     for seed in (0, 1, -1, -(2**70), 2**63, 2**64 - 1, 2**64, 2**200):
         s = draw_seed(seed, 0)
         assert 0 <= s < 2**63
-        a = sample(row, SamplingParams(temperature=1.0, seed=seed), 5).token_id
-        assert a == sample(row, SamplingParams(temperature=1.0, seed=seed), 5).token_id
+        a = sample(row, RowSampling(temperature=1.0, seed=seed), 5).token_id
+        assert a == sample(row, RowSampling(temperature=1.0, seed=seed), 5).token_id
 
 
 # --- top-k -------------------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def test_top_k_of_one_is_greedy_at_any_temperature():
         row = logits_row(row_seed)
         best = int(torch.argmax(row))
         for t in (GREEDY_EPSILON, 0.5, 1.0, 2.0, 1e4):
-            tokens = {sample(row, SamplingParams(temperature=t, seed=s, top_k=1), 0).token_id for s in range(25)}
+            tokens = {sample(row, RowSampling(temperature=t, seed=s, top_k=1), 0).token_id for s in range(25)}
             assert tokens == {best}, (row_seed, t)
 
 
@@ -129,13 +129,13 @@ def test_top_k_draws_only_and_all_of_the_k_largest():
     row = logits_row(4) / 8  # nearly flat at temperature 2: every kept token is drawn often in 400 draws
     order = torch.argsort(row, descending=True).tolist()
     for k in (2, 5, 17, VOCAB - 1):
-        tokens = {sample(row, SamplingParams(temperature=2.0, seed=s, top_k=k), 0).token_id for s in range(400)}
+        tokens = {sample(row, RowSampling(temperature=2.0, seed=s, top_k=k), 0).token_id for s in range(400)}
         assert tokens == set(order[:k]), k  # a subset alone would pass a cut stronger than k
 
 
 def test_top_k_draws_repeat_per_seed_and_index():
     row = logits_row(5)
-    params = [SamplingParams(temperature=1.5, seed=s, top_k=8) for s in range(30)]
+    params = [RowSampling(temperature=1.5, seed=s, top_k=8) for s in range(30)]
     first = [sample(row, p, 3).token_id for p in params]
     assert first == [sample(row, p, 3).token_id for p in params]
     assert first != [sample(row, p, 4).token_id for p in params]  # the index is part of the seed
@@ -146,17 +146,17 @@ def test_top_k_outside_the_vocabulary_is_no_cut():
     row = logits_row(6)
     for k in (0, -1, -(2**40), VOCAB, VOCAB + 1, 2**40):
         for s in range(60):  # the very draws of no cut, not merely as many distinct tokens
-            plain = sample(row, SamplingParams(temperature=1.0, seed=s), 2).token_id
-            assert sample(row, SamplingParams(temperature=1.0, seed=s, top_k=k), 2).token_id == plain, k
+            plain = sample(row, RowSampling(temperature=1.0, seed=s), 2).token_id
+            assert sample(row, RowSampling(temperature=1.0, seed=s, top_k=k), 2).token_id == plain, k
 
 
 def test_tokens_tied_with_the_kth_logit_all_stay():
     row = torch.full((VOCAB,), -5.0)
     row[[3, 8, 13]] = 2.0  # three tokens share the largest logit
     row[20] = 1.9
-    tokens = {sample(row, SamplingParams(temperature=1.0, seed=s, top_k=1), 0).token_id for s in range(200)}
+    tokens = {sample(row, RowSampling(temperature=1.0, seed=s, top_k=1), 0).token_id for s in range(200)}
     assert tokens == {3, 8, 13}
-    tokens = {sample(row, SamplingParams(temperature=1.0, seed=s, top_k=4), 0).token_id for s in range(300)}
+    tokens = {sample(row, RowSampling(temperature=1.0, seed=s, top_k=4), 0).token_id for s in range(300)}
     assert tokens == {3, 8, 13, 20}
 
 
@@ -167,7 +167,7 @@ def test_top_p_applies_after_top_k_to_the_renormalized_distribution():
     row = torch.log(torch.tensor([0.40, 0.31, 0.28, 0.01]))
 
     def drawn(**kwargs):
-        return {sample(row, SamplingParams(temperature=1.0, seed=s, **kwargs), 0).token_id for s in range(300)}
+        return {sample(row, RowSampling(temperature=1.0, seed=s, **kwargs), 0).token_id for s in range(300)}
 
     assert drawn(top_p=0.5) == {0, 1}
     assert drawn(top_k=2, top_p=0.5) == {0}
@@ -180,15 +180,17 @@ def test_top_k_leaves_the_log_probabilities_of_the_unmodified_distribution():
     row = logits_row(7)
     full = torch.log_softmax(row, -1)
     for s in range(20):
-        got = sample(row, SamplingParams(temperature=1.0, seed=s, return_logprobs=True, logprobs=VOCAB, top_k=3), 0)
+        got = sample(row, RowSampling(temperature=1.0, seed=s, return_logprobs=True, logprobs=VOCAB, top_k=3), 0)
         assert got.logprob == pytest.approx(float(full[got.token_id]))
-        assert [t for t, _ in got.top] == torch.argsort(row, descending=True).tolist()  # tokens the cut removed too
+        assert [t for t, _ in got.top_logprobs] == torch.argsort(
+            row, descending=True
+        ).tolist()  # tokens the cut removed too
 
 
 def test_greedy_ignores_top_k():
     row = logits_row(8)
     for k in (0, 1, 2, VOCAB):
-        assert sample(row, SamplingParams(temperature=0.0, top_k=k), 0).token_id == int(torch.argmax(row))
+        assert sample(row, RowSampling(temperature=0.0, top_k=k), 0).token_id == int(torch.argmax(row))
 
 
 def test_the_rank_refuses_a_top_k_above_its_vocabulary():
@@ -249,7 +251,7 @@ def rows(draw) -> torch.Tensor:
     return row.to(draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])))
 
 
-def check_sample(row: torch.Tensor, params: SamplingParams, index: int) -> None:
+def check_sample(row: torch.Tensor, params: RowSampling, index: int) -> None:
     usable = torch.isfinite(row.float()) | torch.isposinf(row.float())
     if not bool(usable.any()):
         with pytest.raises(SamplingError):
@@ -260,10 +262,10 @@ def check_sample(row: torch.Tensor, params: SamplingParams, index: int) -> None:
     assert bool(usable[got.token_id]), "drew a NaN or -inf logit"
     if params.return_logprobs:
         assert got.logprob is not None and math.isfinite(got.logprob) and got.logprob <= 1e-6
-        assert len(got.top) <= max(0, min(params.logprobs, row.numel()))
-        assert all(0 <= t < row.numel() and not math.isnan(v) and v <= 1e-6 for t, v in got.top)
+        assert len(got.top_logprobs) <= max(0, min(params.logprobs, row.numel()))
+        assert all(0 <= t < row.numel() and not math.isnan(v) and v <= 1e-6 for t, v in got.top_logprobs)
     else:
-        assert got.logprob is None and got.top == []
+        assert got.logprob is None and got.top_logprobs == []
     if params.top_k > 0:  # fewer than k tokens lie strictly above the drawn one (ties with the k-th stay)
         values = row.float().nan_to_num(nan=-math.inf)
         assert int((values > values[got.token_id]).sum()) < params.top_k, "drew outside the top k"
@@ -289,7 +291,7 @@ def fuzz_parameters(long: bool) -> None:
         top_k=top_ks,
     )
     def prop(temperature, top_p, seed, logprobs, return_logprobs, index, top_k):
-        params = SamplingParams(temperature, top_p, seed, logprobs, return_logprobs, top_k)
+        params = RowSampling(temperature, top_p, seed, logprobs, return_logprobs, top_k)
         check_sample(logits_row(abs(seed) % 7), params, index)
 
     run(prop, 150, long)
@@ -298,7 +300,7 @@ def fuzz_parameters(long: bool) -> None:
 def fuzz_logits(long: bool) -> None:
     @given(row=rows(), temperature=any_float, top_p=any_float, seed=seeds, logprobs=logprob_counts, top_k=top_ks)
     def prop(row, temperature, top_p, seed, logprobs, top_k):
-        check_sample(row, SamplingParams(temperature, top_p, seed, logprobs, True, top_k), 0)
+        check_sample(row, RowSampling(temperature, top_p, seed, logprobs, True, top_k), 0)
 
     run(prop, 150, long)
 
@@ -321,7 +323,7 @@ def test_fuzz_logits():
     fuzz_logits(long=True)
 
 
-def check_batch(rows: list[torch.Tensor], params: list[SamplingParams], indices: list[int]) -> None:
+def check_batch(rows: list[torch.Tensor], params: list[RowSampling], indices: list[int]) -> None:
     """``sample_batch`` equals ``sample`` row by row: the same token, log-probabilities and alternatives, or the same
     failure for that row alone."""
     got = sample_batch(torch.stack(rows), params, indices)
@@ -332,7 +334,7 @@ def check_batch(rows: list[torch.Tensor], params: list[SamplingParams], indices:
         except SamplingError:
             assert isinstance(g, SamplingError)
             continue
-        assert isinstance(g, type(want)) and g.token_id == want.token_id and g.top == want.top
+        assert isinstance(g, type(want)) and g.token_id == want.token_id and g.top_logprobs == want.top_logprobs
         assert g.logprob == want.logprob
 
 
@@ -343,12 +345,12 @@ def test_a_batch_samples_each_row_as_alone():
     rows[3] = torch.full((VOCAB,), -math.inf)  # no token at all: that row's failure only
     rows[4] = rows[1].clone()  # ties across rows are irrelevant; within a row the first maximum wins
     params = [
-        SamplingParams(),
-        SamplingParams(return_logprobs=True, logprobs=3),
-        SamplingParams(return_logprobs=True, logprobs=0),
-        SamplingParams(return_logprobs=True, logprobs=2),
-        SamplingParams(temperature=0.8, top_p=0.9, seed=7, return_logprobs=True, logprobs=5),
-        SamplingParams(return_logprobs=True, logprobs=VOCAB + 10),
+        RowSampling(),
+        RowSampling(return_logprobs=True, logprobs=3),
+        RowSampling(return_logprobs=True, logprobs=0),
+        RowSampling(return_logprobs=True, logprobs=2),
+        RowSampling(temperature=0.8, top_p=0.9, seed=7, return_logprobs=True, logprobs=5),
+        RowSampling(return_logprobs=True, logprobs=VOCAB + 10),
     ]
     check_batch(rows, params, [0, 3, 1, 2, 9, 4])
     got = sample_batch(torch.stack(rows), params, [0, 3, 1, 2, 9, 4])
@@ -386,7 +388,7 @@ def test_fuzz_a_batch_samples_each_row_as_alone(batch):
         for index, value in edits:
             row[index] = value
         rows.append(row)
-        params.append(SamplingParams(temperature, 0.9, seed, logprobs, return_logprobs, top_k))
+        params.append(RowSampling(temperature, 0.9, seed, logprobs, return_logprobs, top_k))
     check_batch(rows, params, list(range(len(rows))))
 
 

@@ -13,7 +13,7 @@ from worker_svc import kv_pool, paged_attention
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.config import WorkerConfig, load_config
 from worker_svc.handshake import EpochGate, HandshakeRejected
-from worker_svc.sampling import SamplingParams, draw_seed, sample
+from worker_svc.sampling import RowSampling, draw_seed, sample
 
 # --- configuration ---------------------------------------------------------------------------------------------
 
@@ -202,21 +202,21 @@ def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows()
 
 def test_greedy_and_logprobs_of_the_unmodified_distribution():
     logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
-    s = sample(logits, SamplingParams(temperature=0.0, return_logprobs=True, logprobs=2), index=0)
+    s = sample(logits, RowSampling(temperature=0.0, return_logprobs=True, logprobs=2), index=0)
     assert s.token_id == 1
     assert s.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
-    assert [t for t, _ in s.top] == [1, 3]
-    assert sample(logits, SamplingParams(), 0).logprob is None
+    assert [t for t, _ in s.top_logprobs] == [1, 3]
+    assert sample(logits, RowSampling(), 0).logprob is None
 
 
 def test_draws_repeat_per_seed_and_index_and_top_p_cuts_the_tail():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
-    params = SamplingParams(temperature=1.0, seed=7)
+    params = RowSampling(temperature=1.0, seed=7)
     first = [sample(logits, params, i).token_id for i in range(20)]
     assert first == [sample(logits, params, i).token_id for i in range(20)]
     assert len(set(first)) > 1 and draw_seed(7, 0) != draw_seed(7, 1) != draw_seed(8, 1)
     top = int(torch.argmax(logits))
-    assert {sample(logits, SamplingParams(temperature=1.0, top_p=1e-6, seed=s), 0).token_id for s in range(20)} == {top}
+    assert {sample(logits, RowSampling(temperature=1.0, top_p=1e-6, seed=s), 0).token_id for s in range(20)} == {top}
 
 
 # --- payload assembly and caches -----------------------------------------------------------------------------

@@ -1,0 +1,71 @@
+"""One step while ``Scheduler.schedule`` builds it, and the ``StepPlan`` it becomes.
+
+The phases (``step_windows.schedule_running``, ``waiting_admission.admit_waiting``,
+``step_windows.clear_for_suspect``) fill one ``StepDraft`` in order; ``assemble_plan`` turns it into the plan the
+ranks are told, or None when there is nothing at all to tell them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.errors import MmcastError
+from common.ids import RequestId
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.step_plan import NewRequestData, RunningRequestData, StepPlan
+from scheduler_svc.core.structured_output import step_masks
+
+
+@dataclasses.dataclass
+class StepDraft:
+    budget: int  # tokens the step may still schedule (tokens)
+    alone: RequestId | None  # the isolated poison suspect that runs alone this step, or None
+    finished_ids: list[RequestId]  # the ranks drop these with the step: finished since the last plan, then preempted
+    preempted: list[RequestId] = dataclasses.field(default_factory=list)  # requeued as new by this step
+    scheduled: list[tuple[Request, int]] = dataclasses.field(default_factory=list)  # (request, tokens), in order
+    new_requests: list[NewRequestData] = dataclasses.field(default_factory=list)  # admitted by this step
+    running: list[RunningRequestData] = dataclasses.field(default_factory=list)  # deltas of the running ones
+
+    def take(self, request: Request, n: int) -> None:
+        """``request`` computes ``n`` tokens in this step (its step data is already added)."""
+        request.num_tokens_told = request.num_tokens
+        self.scheduled.append((request, n))
+        self.budget -= n
+
+
+def assemble_plan(core, draft: StepDraft) -> StepPlan | None:
+    """The plan of a drafted step (``core``: the Scheduler; its decider has finished the step), or None when the
+    ranks need to hear nothing: no window, no finish, no eviction, no reset."""
+    decider = core.decider
+    if not (draft.scheduled or draft.finished_ids or decider.mirrors.evict_payload_ids or core._reset_next):
+        if core._requests:
+            raise MmcastError(f"internal: {len(core._requests)} requests but nothing schedulable")
+        return None
+    accounting, released = decider.book.take_step(lambda rid: core._requests[rid].usage)
+    scheduled = draft.scheduled
+    sampling = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
+    plan = StepPlan(
+        step_id=core._next_step_id,
+        new_requests=draft.new_requests,
+        running=draft.running,
+        finished_request_ids=draft.finished_ids,
+        preempted_request_ids=draft.preempted,
+        encoder_inputs=decider.encoder_inputs,
+        encoder_owners=decider.encoder_owners,
+        evict_payload_ids=list(decider.mirrors.evict_payload_ids),
+        evict_encoder_ids=decider.mirrors.evict_encoder_ids,
+        reset_caches=core._reset_next,
+        num_scheduled_tokens={r.request_id: n for r, n in scheduled},
+        sampling_request_ids=[r.request_id for r in sampling],
+        token_masks=step_masks(sampling),
+        rank_payloads=decider.rank_payloads,
+        accounting=accounting,
+        items_examined=decider.items_examined,
+        scheduled=scheduled,
+        released=released,
+        video_totals=decider.book.take_video(),
+    )
+    core._next_step_id += 1
+    core._reset_next = False
+    core._outstanding = plan
+    return plan
