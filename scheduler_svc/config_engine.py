@@ -82,9 +82,10 @@ class EngineSettings:
     )
     max_num_seqs: int = setting(64, "requests running at once", min=1, max=65536, section=BATCHING)
     async_scheduling: bool = setting(
-        False,
+        True,
         "build a plain decode step while the previous one runs on the ranks, before its tokens are known (each rank "
-        "takes the token it sampled last step as the input); other steps wait for the answer as before",
+        "takes the token it sampled last step as the input); other steps wait for the answer as before "
+        "(--async-scheduling false: every step waits)",
         section=BATCHING,
     )
     max_waiting: int = setting(
