@@ -1,10 +1,8 @@
-"""Attention over the rank's KV block pool, read and written in place: one ragged forward per step.
+"""The CPU attention backend (``worker_svc/attention_backends.py``): the rank's KV block pool read and written in place,
+one ragged forward per step.
 
 A step packs every scheduled window (prefill chunks and decode tokens of all requests) into one sequence of batch 1.
-The language model is the library's own class; only its attention function is this module's, registered with
-transformers' ``AttentionInterface`` under ``ATTN_IMPLEMENTATION`` and selected for the text config alone (the vision
-tower keeps ``sdpa``). Each decoder layer calls ``paged_attention`` with the step's new queries, keys and values
-(rotary already applied); it
+Each decoder layer hands the backend the step's new queries, keys and values (rotary already applied); it
 
 1. writes the new keys and values into their pool slots (``slot = block_id * block_size + offset``), and
 2. attends the queries to their keys read from the pool through the block tables:
@@ -25,8 +23,7 @@ tower keeps ``sdpa``). Each decoder layer calls ``paged_attention`` with the ste
 
    Nothing is copied back: the gathered rows are read, the pool is only written at the new tokens' slots.
 
-What a step needs travels as the ``paged_step`` keyword of the language model's forward, which transformers hands on
-to the attention function of every layer unchanged.
+``plan_step`` builds what a step needs once per forward; ``write_kv`` and ``attend`` run per layer.
 """
 
 from __future__ import annotations
@@ -38,10 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-ATTN_IMPLEMENTATION = "mmcast_paged"
 # A decode batch pads every context to its longest: rows gathered may exceed the rows really read by this factor at
 # most (a batch is cut where one more window would pass it).
 PAD_SLACK = 1.25
@@ -197,7 +191,9 @@ def _allowed(rows: torch.Tensor, context: int, window: int, device) -> torch.Ten
     return torch.arange(context, device=device)[None, :] <= limit[:, None]
 
 
-def _attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, span: Span, scaling: float) -> torch.Tensor:
+def attend_window(
+    q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, span: Span, scaling: float
+) -> torch.Tensor:
     """Attention of one window's queries ``q`` ([heads, n, d]) over its pool rows; returns [heads, n, d]."""
     n = q.shape[1]
     if span.rows is None:
@@ -211,6 +207,10 @@ def _attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, span:
     return F.scaled_dot_product_attention(
         q[None], keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=q.shape[0] > k_layer.shape[0]
     )[0]
+
+
+# the name benchmarks/rank/paged_attention.py calls in this tree and in a baseline checkout's
+_attend = attend_window
 
 
 def _attend_batch(
@@ -233,6 +233,32 @@ def _attend_batch(
     return out.permute(1, 0, 2, 3).reshape(n, heads, dim)
 
 
+def layer_rows(pool: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's keys and values as [kv_heads, num_blocks * block_size, d] views: rows are pool slots."""
+    kv_heads, _, _, dim = pool.shape[2:]
+    return pool[layer, 0].view(kv_heads, -1, dim), pool[layer, 1].view(kv_heads, -1, dim)
+
+
+def write_kv(step: PagedStep, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Stores one layer's new keys and values ([kv_heads, T, d]) at the step's slots."""
+    k_layer, v_layer = layer_rows(step.pool, layer)
+    k_layer.index_copy_(1, step.slots, key.to(k_layer.dtype))
+    v_layer.index_copy_(1, step.slots, value.to(v_layer.dtype))
+
+
+def attend(step: PagedStep, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One layer's attention of the packed step's ``query`` [heads, T, d]; returns [T, heads, d]."""
+    k_layer, v_layer = layer_rows(step.pool, layer)
+    out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])  # [T, heads, d]: the layout returned
+    for batch in step.batches:
+        out.index_copy_(0, batch.tokens, _attend_batch(query, k_layer, v_layer, batch, scaling))
+    for span in step.singles:
+        out[span.start : span.end] = attend_window(
+            query[:, span.start : span.end], k_layer, v_layer, span, scaling
+        ).transpose(0, 1)
+    return out
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -240,37 +266,14 @@ def paged_attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
-    dropout: float = 0.0,
     paged_step: PagedStep | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function contract: query [1, heads, T, d], key/value [1, kv_heads, T, d] of the
-    packed step; returns ([1, T, heads, d], None). Without ``paged_step`` (a plain call of the model, e.g. by a
-    test's reference run) it is the library's ``sdpa``."""
-    if paged_step is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if query.shape[0] != 1:
-        raise ValueError(f"the paged step packs every window in one row; got a batch of {query.shape[0]}")
+    """The CPU backend called as transformers calls an attention function (query [1, heads, T, d], key/value
+    [1, kv_heads, T, d]; returns ([1, T, heads, d], None)) on a step planned by ``plan_step``: the form the tests
+    and ``benchmarks/rank/paged_attention.py`` drive directly."""
+    if paged_step is None or query.shape[0] != 1:
+        raise ValueError("paged_attention takes a planned step (paged_step) and one packed row")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = paged_step.pool[module.layer_idx]
-    kv_heads, _, _, dim = layer.shape[1:]
-    k_layer = layer[0].view(kv_heads, -1, dim)  # [kv_heads, num_blocks * block_size, d]: rows are pool slots
-    v_layer = layer[1].view(kv_heads, -1, dim)
-    k_layer.index_copy_(1, paged_step.slots, key[0].to(k_layer.dtype))
-    v_layer.index_copy_(1, paged_step.slots, value[0].to(v_layer.dtype))
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]: the layout returned
-    for batch in paged_step.batches:
-        out.index_copy_(0, batch.tokens, _attend_batch(query[0], k_layer, v_layer, batch, scaling))
-    for span in paged_step.singles:
-        out[span.start : span.end] = _attend(
-            query[0, :, span.start : span.end], k_layer, v_layer, span, scaling
-        ).transpose(0, 1)
-    return out[None], None
-
-
-def register() -> str:
-    """Registers ``paged_attention`` with transformers (idempotent); returns its implementation name."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
-    return ATTN_IMPLEMENTATION
+    write_kv(paged_step, module.layer_idx, key[0], value[0])
+    return attend(paged_step, module.layer_idx, query[0], scaling)[None], None
