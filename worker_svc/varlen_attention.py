@@ -112,8 +112,9 @@ def _attend_batch(query, k_layer, v_layer, batch: paged_attention.DecodeBatch, s
     kv_heads, _, dim = k_layer.shape
     n = batch.tokens.numel()
     q = query.index_select(1, batch.tokens).transpose(0, 1)[:, :, None]
-    keys = k_layer.index_select(1, batch.rows).view(kv_heads, n, batch.width, dim).transpose(0, 1)
-    values = v_layer.index_select(1, batch.rows).view(kv_heads, n, batch.width, dim).transpose(0, 1)
+    keys = paged_attention.gather_blocks(k_layer, batch.blocks, batch.block_size)
+    values = paged_attention.gather_blocks(v_layer, batch.blocks, batch.block_size)
+    keys, values = (t.view(kv_heads, n, batch.width, dim).transpose(0, 1) for t in (keys, values))
     mask = batch.bias[:, None] if batch.bias is not None else None  # (n, 1, 1, width)
     out = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=query.shape[0] > kv_heads
