@@ -93,13 +93,13 @@ def block_runs(block_ids: Sequence[int], num_tokens: int, block_size: int) -> tu
     return tuple((first, rows) for first, rows in runs)
 
 
-def _single(block_ids: Sequence[int], start: int, end: int, packed: int, block_size: int, device) -> Span:
+def _single(block_ids: Sequence[int], start: int, end: int, packed: int, block_size: int, device, dtype) -> Span:
     runs = block_runs(block_ids, end, block_size)
     blocks = None
     if len(runs) > 1:
         blocks = torch.as_tensor(list(block_ids[: -(-end // block_size)]), dtype=torch.long).to(device)
     n = end - start
-    mask = _causal_bias(end, n, device) if 1 < n < end else None
+    mask = _causal_bias(end, n, device, dtype) if 1 < n < end else None
     return Span(packed, packed + n, end, runs, blocks, block_size if blocks is not None else 0, mask)
 
 
@@ -119,7 +119,7 @@ def _decode_groups(decodes: list[tuple[int, Sequence[int], int]]) -> list[list[t
     return groups
 
 
-def _decode_batch(group: list[tuple[int, Sequence[int], int]], block_size: int, device) -> DecodeBatch:
+def _decode_batch(group: list[tuple[int, Sequence[int], int]], block_size: int, device, dtype) -> DecodeBatch:
     # Index arithmetic on a few small arrays: numpy's per-call cost is a fraction of torch's, and this runs every
     # decode step; only the results become tensors.
     blocks = -(-group[0][2] // block_size)
@@ -144,7 +144,7 @@ def _decode_batch(group: list[tuple[int, Sequence[int], int]], block_size: int, 
         blocks=torch.from_numpy(tables.reshape(-1)).to(device),
         width=width,
         block_size=block_size,
-        bias=bias.to(device) if bias is not None else None,
+        bias=bias.to(device, dtype) if bias is not None else None,  # the pool's dtype, as SDPA's masks must be
     )
 
 
@@ -167,7 +167,7 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
             spans.append(Span(packed, packed + 1, end, ()))
             decodes.append((packed, block_ids, end))
         else:
-            span = _single(block_ids, start, end, packed, block_size, device)
+            span = _single(block_ids, start, end, packed, block_size, device, pool.dtype)
             spans.append(span)
             singles.append(span)
         packed += n
@@ -175,16 +175,16 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
     for group in _decode_groups(decodes):
         if len(group) == 1:  # alone, a decode attends over a view of its pool rows where its blocks are one run
             index, block_ids, context = group[0]
-            span = _single(block_ids, context - 1, context, index, block_size, device)
+            span = _single(block_ids, context - 1, context, index, block_size, device, pool.dtype)
             spans[span_of[index]] = span
             singles.append(span)
         else:
-            batches.append(_decode_batch(group, block_size, device))
+            batches.append(_decode_batch(group, block_size, device, pool.dtype))
     return PagedStep(pool, torch.tensor(slots, dtype=torch.long, device=device), tuple(spans), tuple(singles),
                      tuple(batches))  # fmt: skip
 
 
-def _causal_bias(context: int, window: int, device) -> torch.Tensor:
+def _causal_bias(context: int, window: int, device, dtype=torch.float32) -> torch.Tensor:
     """(window, context) float: 0 where query ``i`` of a window ending at ``context`` sees key ``j``
     (``j <= context - window + i``), -inf elsewhere. Additive, built once per step: given a bool mask, the CPU's SDPA
     converts it to this form in every call."""
@@ -192,7 +192,7 @@ def _causal_bias(context: int, window: int, device) -> torch.Tensor:
         torch.arange(context, device=device)[None, :]
         <= (context - window) + torch.arange(window, device=device)[:, None]
     )
-    return torch.zeros(window, context, device=device).masked_fill_(~allowed, -math.inf)
+    return torch.zeros(window, context, device=device, dtype=dtype).masked_fill_(~allowed, -math.inf)
 
 
 def gather_blocks(layer: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -215,7 +215,7 @@ def attend_window(
         values = gather_blocks(v_layer, span.blocks, span.block_size)[:, : span.context]
     mask = span.mask
     if mask is None and 1 < n < span.context:  # a span built by hand (the benchmark's): the causal mask now
-        mask = _causal_bias(span.context, n, q.device)
+        mask = _causal_bias(span.context, n, q.device, q.dtype)
     # without a computed prefix the window is causal from its first key: SDPA's own causal form skips the masked
     # half of the scores (~1.6x faster at 1,100 tokens than the same mask given)
     return F.scaled_dot_product_attention(

@@ -45,7 +45,7 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out
 
 
-def _run(backend, seed=0):
+def _run(backend, seed=0, dtype=torch.float32):
     """One layer of the packed step through ``backend`` on a seeded random pool: (output, pool after writing)."""
     torch.manual_seed(seed)
     pool = kv_pool.KVPool(
@@ -54,12 +54,13 @@ def _run(backend, seed=0):
         head_dim=DIM,
         num_blocks=64,
         block_size=BLOCK,
-        dtype=torch.float32,
+        dtype=dtype,
         device="cpu",
     )
-    pool.data.normal_()  # earlier tokens' KV, and garbage past every context that must not be read
+    pool.data.normal_()  # earlier tokens' KV, and values past every context that must not count
     tokens = sum(end - start for _, start, end in WINDOWS)
     q, k, v = torch.randn(HEADS, tokens, DIM), torch.randn(KV_HEADS, tokens, DIM), torch.randn(KV_HEADS, tokens, DIM)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     plan = backend.plan(pool.data, WINDOWS, BLOCK)
     backend.write(plan, 1, k, v)
     return backend.attend(plan, 1, q, 0.3), pool.data
@@ -121,3 +122,14 @@ def test_rank_tokens_match_transformers_with_the_sdpa_backend(worker_env_q2, mon
         assert len(plans) >= len(b.outputs)  # every step went through this backend
     finally:
         stream.close()
+
+
+@pytest.mark.parametrize(
+    "backend", [attention_backends.CpuBackend(), varlen_attention.SdpaBackend()], ids=["cpu", "sdpa"]
+)
+def test_a_half_precision_pool_gets_masks_of_its_own_dtype(backend):
+    # SDPA takes a float mask only in the query's dtype: a bfloat16 rank (--dtype bfloat16) must not get float32 ones
+    want, _ = _run(attention_backends.CpuBackend())
+    got, _ = _run(backend, dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
