@@ -128,7 +128,11 @@ def test_rank_tokens_match_transformers_with_the_sdpa_backend(worker_env_q2, mon
     "backend", [attention_backends.CpuBackend(), varlen_attention.SdpaBackend()], ids=["cpu", "sdpa"]
 )
 def test_a_half_precision_pool_gets_masks_of_its_own_dtype(backend):
-    # SDPA takes a float mask only in the query's dtype: a bfloat16 rank (--dtype bfloat16) must not get float32 ones
+    # CUDA's SDPA takes a float mask only in the query's dtype: a bfloat16 rank must not get float32 masks
+    plan = backend.plan(torch.zeros(1, 2, KV_HEADS, 64, BLOCK, DIM, dtype=torch.bfloat16), WINDOWS, BLOCK)
+    paged = getattr(plan, "paged", plan)
+    masks = [s.mask for s in paged.singles if s.mask is not None] + [b.bias for b in paged.batches]
+    assert len(masks) == 2 and {m.dtype for m in masks} == {torch.bfloat16}
     want, _ = _run(attention_backends.CpuBackend())
     got, _ = _run(backend, dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16
