@@ -7,19 +7,20 @@ Each decoder layer hands the backend the step's new queries, keys and values (ro
 1. writes the new keys and values into their pool slots (``slot = block_id * block_size + offset``), and
 2. attends the queries to their keys read from the pool through the block tables:
 
-   - **decode tokens** (a window of one query: the bulk of a loaded step) are attended together, one
-     ``scaled_dot_product_attention`` per layer for all of them: their context rows are gathered by one
-     ``index_select`` for keys and one for values into a batch padded to the longest context of the batch, and a
-     key mask hides the padding. Windows are grouped by context length so padding stays under ``PAD_SLACK`` of
-     the rows really read (one request of 8k tokens beside 300-token ones gets a batch of its own). One call per
-     layer replaces one per request, whose Python and dispatch overhead dominated a decode step of a small model
-     (40 decodes: 80 calls per step on a 2-layer model);
+   - **decode tokens** (a window of one query: the bulk of a loaded step) are attended together, one call per
+     layer for all of them (two batched matmuls): their context blocks are gathered whole by one ``index_select``
+     for keys and one for values (a copy per block, not per row: several times faster) into a batch padded to the
+     longest context of the batch rounded up to a block, and a key mask hides the padding. Windows are grouped by
+     context length so padding stays under ``PAD_SLACK`` of the rows really read (one request of 8k tokens beside
+     300-token ones gets a batch of its own). One call per layer replaces one per request, whose Python and
+     dispatch overhead dominated a decode step of a small model (40 decodes: 80 calls per step on a 2-layer model);
    - **prefill chunks** (and a decode alone in its batch) are attended one window at a time: a window whose blocks
      are one run of consecutive ids attends over a view of the pool (no copy); one whose table is fragmented (a
-     cached prefix and new blocks) has its context rows gathered by one ``index_select`` per layer for keys and
+     cached prefix and new blocks) has its context blocks gathered by one ``index_select`` per layer for keys and
      one for values (scoring each run apart cost 5-20x a contiguous decode at 64 runs,
      ``benchmarks/rank/paged_attention.py``). Queries of a window attend causally to their own window (bottom-right
-     aligned after the computed prefix); the mask is built once per step, not per layer.
+     aligned after the computed prefix): without a prefix by SDPA's own causal form, which skips the masked scores;
+     after one by an additive mask built once per step, not per layer.
 
    Nothing is copied back: the gathered rows are read, the pool is only written at the new tokens' slots.
 
@@ -125,7 +126,7 @@ def _decode_batch(group: list[tuple[int, Sequence[int], int]], block_size: int, 
     blocks = -(-group[0][2] // block_size)
     width = blocks * block_size
     contexts = np.array([context for _, _, context in group], dtype=np.int64)
-    # each table cut to its own blocks, then padded with its last block (rows past the context are replaced below)
+    # each table cut to its own blocks, then padded with its last block (rows past the context: hidden by the bias)
     tables = np.array(
         [
             [
