@@ -83,6 +83,14 @@ class WorkerConfig:
         choices=("auto", "onednn", "dense"),
         section=_GROUP,
     )
+    attention_backend: str = setting(
+        "auto",
+        "the decoder's attention over the KV pool: cpu (batched decode matmuls, SDPA per prefill window), sdpa "
+        "(flash-attn's varlen kernel where importable on CUDA with a half-precision pool, else torch SDPA) or "
+        "auto (cpu on a CPU rank, sdpa on a CUDA one)",
+        choices=("auto", "cpu", "sdpa"),
+        section=_GROUP,
+    )
     threads: int = setting(
         0,
         "torch intra-op threads (0: the CPUs this process may use, by affinity and cgroup quota, less "

@@ -1,32 +1,30 @@
-"""Attention over the rank's KV block pool, read and written in place: one ragged forward per step.
+"""The CPU attention backend (``worker_svc/attention_backends.py``): the rank's KV block pool read and written in place,
+one ragged forward per step.
 
 A step packs every scheduled window (prefill chunks and decode tokens of all requests) into one sequence of batch 1.
-The language model is the library's own class; only its attention function is this module's, registered with
-transformers' ``AttentionInterface`` under ``ATTN_IMPLEMENTATION`` and selected for the text config alone (the vision
-tower keeps ``sdpa``). Each decoder layer calls ``paged_attention`` with the step's new queries, keys and values
-(rotary already applied); it
+Each decoder layer hands the backend the step's new queries, keys and values (rotary already applied); it
 
 1. writes the new keys and values into their pool slots (``slot = block_id * block_size + offset``), and
 2. attends the queries to their keys read from the pool through the block tables:
 
-   - **decode tokens** (a window of one query: the bulk of a loaded step) are attended together, one
-     ``scaled_dot_product_attention`` per layer for all of them: their context rows are gathered by one
-     ``index_select`` for keys and one for values into a batch padded to the longest context of the batch, and a
-     key mask hides the padding. Windows are grouped by context length so padding stays under ``PAD_SLACK`` of
-     the rows really read (one request of 8k tokens beside 300-token ones gets a batch of its own). One call per
-     layer replaces one per request, whose Python and dispatch overhead dominated a decode step of a small model
-     (40 decodes: 80 calls per step on a 2-layer model);
+   - **decode tokens** (a window of one query: the bulk of a loaded step) are attended together, one call per
+     layer for all of them (two batched matmuls): their context blocks are gathered whole by one ``index_select``
+     for keys and one for values (a copy per block, not per row: several times faster) into a batch padded to the
+     longest context of the batch rounded up to a block, and a key mask hides the padding. Windows are grouped by
+     context length so padding stays under ``PAD_SLACK`` of the rows really read (one request of 8k tokens beside
+     300-token ones gets a batch of its own). One call per layer replaces one per request, whose Python and
+     dispatch overhead dominated a decode step of a small model (40 decodes: 80 calls per step on a 2-layer model);
    - **prefill chunks** (and a decode alone in its batch) are attended one window at a time: a window whose blocks
      are one run of consecutive ids attends over a view of the pool (no copy); one whose table is fragmented (a
-     cached prefix and new blocks) has its context rows gathered by one ``index_select`` per layer for keys and
+     cached prefix and new blocks) has its context blocks gathered by one ``index_select`` per layer for keys and
      one for values (scoring each run apart cost 5-20x a contiguous decode at 64 runs,
      ``benchmarks/rank/paged_attention.py``). Queries of a window attend causally to their own window (bottom-right
-     aligned after the computed prefix); the mask is built once per step, not per layer.
+     aligned after the computed prefix): without a prefix by SDPA's own causal form, which skips the masked scores;
+     after one by an additive mask built once per step, not per layer.
 
    Nothing is copied back: the gathered rows are read, the pool is only written at the new tokens' slots.
 
-What a step needs travels as the ``paged_step`` keyword of the language model's forward, which transformers hands on
-to the attention function of every layer unchanged.
+``plan_step`` builds what a step needs once per forward; ``write_kv`` and ``attend`` run per layer.
 """
 
 from __future__ import annotations
@@ -38,10 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-ATTN_IMPLEMENTATION = "mmcast_paged"
 # A decode batch pads every context to its longest: rows gathered may exceed the rows really read by this factor at
 # most (a batch is cut where one more window would pass it).
 PAD_SLACK = 1.25
@@ -55,8 +50,10 @@ class Span:
     end: int  # one past its last; end - start new tokens, computed after ``context - (end - start)`` older ones
     context: int  # tokens the window's last query attends to (computed prefix + the window)
     runs: tuple[tuple[int, int], ...]  # (first pool row, rows) per run of consecutive blocks; rows sum to context
-    rows: torch.Tensor | None = None  # (context,) int64 pool rows in order, where there are several runs
-    mask: torch.Tensor | None = None  # (window, context) bool causal mask of a window of several queries, else None
+    blocks: torch.Tensor | None = None  # (ceil(context / block_size),) int64 block ids in order, where several runs
+    block_size: int = 0  # the pool's, where ``blocks`` is set
+    mask: torch.Tensor | None = None  # (window, context) float: 0 where a query sees a key, -inf elsewhere; only for a
+    # window of several queries after a computed prefix (one without a prefix is causal from its first key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +61,11 @@ class DecodeBatch:
     """Decode windows (one query each) attended in one call, their contexts padded to the longest."""
 
     tokens: torch.Tensor  # (n,) int64 packed index of each window's query
-    rows: torch.Tensor  # (n * width,) int64 pool rows: window i's context at [i * width, i * width + context_i),
-    # then its last row again up to the width (finite values the mask hides; never another request's rows)
-    width: int  # the longest context of the batch
-    bias: torch.Tensor | None  # (n, 1, width) float: 0 at a window's own keys, -inf at padding; None if none padded
+    blocks: torch.Tensor  # (n * width / block_size,) int64 block ids: window i's table cut to its context, then its
+    # last block again up to the width (the slots past its context hold zeros or finite KV, hidden by the bias)
+    width: int  # rows gathered per window: the longest context of the batch rounded up to whole blocks
+    block_size: int  # the pool's
+    bias: torch.Tensor | None  # (n, 1, width) float: 0 at a window's own keys, -inf past them; None if none padded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,15 +94,14 @@ def block_runs(block_ids: Sequence[int], num_tokens: int, block_size: int) -> tu
     return tuple((first, rows) for first, rows in runs)
 
 
-def _single(block_ids: Sequence[int], start: int, end: int, packed: int, block_size: int, device) -> Span:
+def _single(block_ids: Sequence[int], start: int, end: int, packed: int, block_size: int, device, dtype) -> Span:
     runs = block_runs(block_ids, end, block_size)
-    rows = None
+    blocks = None
     if len(runs) > 1:
-        table = torch.as_tensor(list(block_ids[: -(-end // block_size)]), dtype=torch.long)
-        rows = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:end].to(device)
+        blocks = torch.as_tensor(list(block_ids[: -(-end // block_size)]), dtype=torch.long).to(device)
     n = end - start
-    mask = None if n == 1 else _allowed(torch.arange(n, device=device), end, n, device)
-    return Span(packed, packed + n, end, runs, rows, mask)
+    mask = _causal_bias(end, n, device, dtype) if 1 < n < end else None
+    return Span(packed, packed + n, end, runs, blocks, block_size if blocks is not None else 0, mask)
 
 
 def _decode_groups(decodes: list[tuple[int, Sequence[int], int]]) -> list[list[tuple[int, Sequence[int], int]]]:
@@ -123,13 +120,13 @@ def _decode_groups(decodes: list[tuple[int, Sequence[int], int]]) -> list[list[t
     return groups
 
 
-def _decode_batch(group: list[tuple[int, Sequence[int], int]], block_size: int, device) -> DecodeBatch:
+def _decode_batch(group: list[tuple[int, Sequence[int], int]], block_size: int, device, dtype) -> DecodeBatch:
     # Index arithmetic on a few small arrays: numpy's per-call cost is a fraction of torch's, and this runs every
     # decode step; only the results become tensors.
-    width = group[0][2]
-    blocks = -(-width // block_size)
+    blocks = -(-group[0][2] // block_size)
+    width = blocks * block_size
     contexts = np.array([context for _, _, context in group], dtype=np.int64)
-    # each table cut to its own blocks, then padded with its last block (rows past the context are replaced below)
+    # each table cut to its own blocks, then padded with its last block (rows past the context: hidden by the bias)
     tables = np.array(
         [
             [
@@ -140,17 +137,15 @@ def _decode_batch(group: list[tuple[int, Sequence[int], int]], block_size: int, 
         ],
         dtype=np.int64,
     )
-    rows = (tables[:, :, None] * block_size + np.arange(block_size)).reshape(len(group), -1)[:, :width]
-    last = rows[np.arange(len(group)), contexts - 1][:, None]
     own = np.arange(width)[None, :] < contexts[:, None]
-    rows = np.where(own, rows, last)
     padded = bool((contexts < width).any())
     bias = torch.from_numpy(np.where(own, 0.0, -math.inf).astype(np.float32))[:, None, :] if padded else None
     return DecodeBatch(
         tokens=torch.tensor([index for index, _, _ in group], dtype=torch.long, device=device),
-        rows=torch.from_numpy(rows.reshape(-1)).to(device),
+        blocks=torch.from_numpy(tables.reshape(-1)).to(device),
         width=width,
-        bias=bias.to(device) if bias is not None else None,
+        block_size=block_size,
+        bias=bias.to(device, dtype) if bias is not None else None,  # the pool's dtype, as SDPA's masks must be
     )
 
 
@@ -173,7 +168,7 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
             spans.append(Span(packed, packed + 1, end, ()))
             decodes.append((packed, block_ids, end))
         else:
-            span = _single(block_ids, start, end, packed, block_size, device)
+            span = _single(block_ids, start, end, packed, block_size, device, pool.dtype)
             spans.append(span)
             singles.append(span)
         packed += n
@@ -181,36 +176,57 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
     for group in _decode_groups(decodes):
         if len(group) == 1:  # alone, a decode attends over a view of its pool rows where its blocks are one run
             index, block_ids, context = group[0]
-            span = _single(block_ids, context - 1, context, index, block_size, device)
+            span = _single(block_ids, context - 1, context, index, block_size, device, pool.dtype)
             spans[span_of[index]] = span
             singles.append(span)
         else:
-            batches.append(_decode_batch(group, block_size, device))
+            batches.append(_decode_batch(group, block_size, device, pool.dtype))
     return PagedStep(pool, torch.tensor(slots, dtype=torch.long, device=device), tuple(spans), tuple(singles),
                      tuple(batches))  # fmt: skip
 
 
-def _allowed(rows: torch.Tensor, context: int, window: int, device) -> torch.Tensor:
-    """(len(rows), context) bool: query ``i`` of a ``window``-token window ending at ``context`` sees keys up to
-    ``context - window + i``."""
-    limit = (context - window) + rows
-    return torch.arange(context, device=device)[None, :] <= limit[:, None]
+def _causal_bias(context: int, window: int, device, dtype=torch.float32) -> torch.Tensor:
+    """(window, context) float: 0 where query ``i`` of a window ending at ``context`` sees key ``j``
+    (``j <= context - window + i``), -inf elsewhere. Additive, built once per step: given a bool mask, the CPU's SDPA
+    converts it to this form in every call."""
+    allowed = (
+        torch.arange(context, device=device)[None, :]
+        <= (context - window) + torch.arange(window, device=device)[:, None]
+    )
+    return torch.zeros(window, context, device=device, dtype=dtype).masked_fill_(~allowed, -math.inf)
 
 
-def _attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, span: Span, scaling: float) -> torch.Tensor:
+def gather_blocks(layer: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[kv_heads, len(blocks) * block_size, d]: the rows of ``blocks`` of a layer's row view, in order. One copy per
+    block, not per row: a per-row ``index_select`` of 64-float rows ran ~5-20x slower on the same data."""
+    kv_heads, _, dim = layer.shape
+    return layer.view(kv_heads, -1, block_size, dim).index_select(1, blocks).view(kv_heads, -1, dim)
+
+
+def attend_window(
+    q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, span: Span, scaling: float
+) -> torch.Tensor:
     """Attention of one window's queries ``q`` ([heads, n, d]) over its pool rows; returns [heads, n, d]."""
     n = q.shape[1]
-    if span.rows is None:
+    if span.blocks is None:
         ((first, rows),) = span.runs
         keys, values = k_layer[:, first : first + rows], v_layer[:, first : first + rows]
     else:
-        keys, values = k_layer.index_select(1, span.rows), v_layer.index_select(1, span.rows)
+        keys = gather_blocks(k_layer, span.blocks, span.block_size)[:, : span.context]
+        values = gather_blocks(v_layer, span.blocks, span.block_size)[:, : span.context]
     mask = span.mask
-    if mask is None and n > 1:  # a span built by hand (the benchmark's): the causal mask now
-        mask = _allowed(torch.arange(n, device=q.device), span.context, n, q.device)
+    if mask is None and 1 < n < span.context:  # a span built by hand (the benchmark's): the causal mask now
+        mask = _causal_bias(span.context, n, q.device, q.dtype)
+    # without a computed prefix the window is causal from its first key: SDPA's own causal form skips the masked
+    # half of the scores (~1.6x faster at 1,100 tokens than the same mask given)
     return F.scaled_dot_product_attention(
-        q[None], keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=q.shape[0] > k_layer.shape[0]
-    )[0]
+        q[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None and n > 1, scale=scaling,
+        enable_gqa=q.shape[0] > k_layer.shape[0],
+    )[0]  # fmt: skip
+
+
+# the name benchmarks/rank/paged_attention.py calls in this tree and in a baseline checkout's
+_attend = attend_window
 
 
 def _attend_batch(
@@ -224,13 +240,39 @@ def _attend_batch(
     kv_heads, _, dim = k_layer.shape
     heads, n = query.shape[0], batch.tokens.numel()
     q = query.index_select(1, batch.tokens).view(kv_heads, heads // kv_heads, n, dim).transpose(1, 2)
-    keys = k_layer.index_select(1, batch.rows).view(kv_heads, n, batch.width, dim)
-    values = v_layer.index_select(1, batch.rows).view(kv_heads, n, batch.width, dim)
+    keys = gather_blocks(k_layer, batch.blocks, batch.block_size).view(kv_heads, n, batch.width, dim)
+    values = gather_blocks(v_layer, batch.blocks, batch.block_size).view(kv_heads, n, batch.width, dim)
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scaling)  # [kv_heads, n, group, width]
     if batch.bias is not None:
         scores += batch.bias
     out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [kv_heads, n, group, d]
     return out.permute(1, 0, 2, 3).reshape(n, heads, dim)
+
+
+def layer_rows(pool: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's keys and values as [kv_heads, num_blocks * block_size, d] views: rows are pool slots."""
+    kv_heads, _, _, dim = pool.shape[2:]
+    return pool[layer, 0].view(kv_heads, -1, dim), pool[layer, 1].view(kv_heads, -1, dim)
+
+
+def write_kv(step: PagedStep, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Stores one layer's new keys and values ([kv_heads, T, d]) at the step's slots."""
+    k_layer, v_layer = layer_rows(step.pool, layer)
+    k_layer.index_copy_(1, step.slots, key.to(k_layer.dtype))
+    v_layer.index_copy_(1, step.slots, value.to(v_layer.dtype))
+
+
+def attend(step: PagedStep, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One layer's attention of the packed step's ``query`` [heads, T, d]; returns [T, heads, d]."""
+    k_layer, v_layer = layer_rows(step.pool, layer)
+    out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])  # [T, heads, d]: the layout returned
+    for batch in step.batches:
+        out.index_copy_(0, batch.tokens, _attend_batch(query, k_layer, v_layer, batch, scaling))
+    for span in step.singles:
+        out[span.start : span.end] = attend_window(
+            query[:, span.start : span.end], k_layer, v_layer, span, scaling
+        ).transpose(0, 1)
+    return out
 
 
 def paged_attention(
@@ -240,37 +282,14 @@ def paged_attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
-    dropout: float = 0.0,
     paged_step: PagedStep | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function contract: query [1, heads, T, d], key/value [1, kv_heads, T, d] of the
-    packed step; returns ([1, T, heads, d], None). Without ``paged_step`` (a plain call of the model, e.g. by a
-    test's reference run) it is the library's ``sdpa``."""
-    if paged_step is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if query.shape[0] != 1:
-        raise ValueError(f"the paged step packs every window in one row; got a batch of {query.shape[0]}")
+    """The CPU backend called as transformers calls an attention function (query [1, heads, T, d], key/value
+    [1, kv_heads, T, d]; returns ([1, T, heads, d], None)) on a step planned by ``plan_step``: the form the tests
+    and ``benchmarks/rank/paged_attention.py`` drive directly."""
+    if paged_step is None or query.shape[0] != 1:
+        raise ValueError("paged_attention takes a planned step (paged_step) and one packed row")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = paged_step.pool[module.layer_idx]
-    kv_heads, _, _, dim = layer.shape[1:]
-    k_layer = layer[0].view(kv_heads, -1, dim)  # [kv_heads, num_blocks * block_size, d]: rows are pool slots
-    v_layer = layer[1].view(kv_heads, -1, dim)
-    k_layer.index_copy_(1, paged_step.slots, key[0].to(k_layer.dtype))
-    v_layer.index_copy_(1, paged_step.slots, value[0].to(v_layer.dtype))
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]: the layout returned
-    for batch in paged_step.batches:
-        out.index_copy_(0, batch.tokens, _attend_batch(query[0], k_layer, v_layer, batch, scaling))
-    for span in paged_step.singles:
-        out[span.start : span.end] = _attend(
-            query[0, :, span.start : span.end], k_layer, v_layer, span, scaling
-        ).transpose(0, 1)
-    return out[None], None
-
-
-def register() -> str:
-    """Registers ``paged_attention`` with transformers (idempotent); returns its implementation name."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
-    return ATTN_IMPLEMENTATION
+    write_kv(paged_step, module.layer_idx, key[0], value[0])
+    return attend(paged_step, module.layer_idx, query[0], scaling)[None], None

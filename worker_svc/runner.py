@@ -16,8 +16,8 @@ M-RoPE (LLaVA) each token's index.
 
 One forward per step: the windows of every request (prefill chunks and decode tokens alike) are packed into one
 sequence of batch 1, positions ``(3, 1, tokens)`` (``(1, tokens)`` without M-RoPE); the library's text model runs it with the attention function of
-``worker_svc/paged_attention.py`` (selected for the text config only), which writes each token's KV at the slot its
-block table gives and attends per request over views of the pool. The final norm's output is kept only at the
+``worker_svc/attention_backends.py`` (selected for the text config only; one backend per device), which writes each
+token's KV at the slot its block table gives and attends per request over the pool. The final norm's output is kept only at the
 last token of windows that sample, and only those rows go through ``lm_head``. On a one-rank float32 CPU group the
 decoder's linear layers multiply by oneDNN-packed weights (``worker_svc/cpu_linear.py``, ``--cpu-linear``).
 """
@@ -43,7 +43,7 @@ from common.multimodal import (
     MultiModalFeatureSpec,
     PayloadEncoding,
 )
-from worker_svc import cpu_linear, kv_pool, kv_replication, kv_sizing, paged_attention, patch_conv
+from worker_svc import attention_backends, cpu_linear, kv_pool, kv_replication, kv_sizing, patch_conv
 from worker_svc.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -140,9 +140,10 @@ class ModelRunner:
             override = kv_replication.tp_plan_override(model_config, config.world_size, plan)
             kwargs["distributed_config"] = DistributedConfig(tp_size=config.world_size, tp_plan=override or plan)
         model = AutoModelForImageTextToText.from_pretrained(config.model, config=model_config, **kwargs)
-        # The decoder's attention reads and writes the pool (worker_svc/paged_attention.py); the vision tower keeps
-        # the implementation it loaded with.
-        model.set_attn_implementation({"text_config": paged_attention.register()})
+        # The decoder's attention reads and writes the pool through the device's backend
+        # (worker_svc/attention_backends.py); the vision tower keeps the implementation it loaded with.
+        self.attention = attention_backends.select(config.attention_backend, self.device, self.dtype)
+        model.set_attn_implementation({"text_config": attention_backends.register()})
         if shape.kv_replicas(config.world_size) > 1:
             kv_replication.keep_rank_kv_heads(model, shape, config.world_size, config.rank)
         if config.world_size == 1:
@@ -331,8 +332,9 @@ class ModelRunner:
         wanted. Each window's KV lands in the pool at its block table's slots."""
         if not items:
             return StepLogits(None, [])
-        step = paged_attention.plan_step(
-            self.pool.data, [(it.block_ids, it.start, it.start + len(it.token_ids)) for it in items], self.block_size
+        windows = [(it.block_ids, it.start, it.start + len(it.token_ids)) for it in items]
+        step = attention_backends.BoundStep(
+            self.attention, self.attention.plan(self.pool.data, windows, self.block_size)
         )
         embeds = self._embeds(items)[None]
         positions = torch.cat([it.positions for it in items], dim=1).to(self.device)[:, None, :]
@@ -345,7 +347,8 @@ class ModelRunner:
             paged_step=step,
             **self._encoder_kwargs(items),
         ).last_hidden_state[0]
-        wanted = [span.end - 1 for span, it in zip(step.spans, items, strict=True) if it.want_logits]
+        ends = itertools.accumulate(len(it.token_ids) for it in items)
+        wanted = [end - 1 for end, it in zip(ends, items, strict=True) if it.want_logits]
         if not wanted:
             return StepLogits(None, [None] * len(items))
         logits = self.model.lm_head(hidden[torch.tensor(wanted, device=hidden.device)]).float()

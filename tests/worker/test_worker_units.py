@@ -123,9 +123,10 @@ def test_paged_attention_writes_slots_and_reads_fragmented_tables():
     step = paged_attention.plan_step(pool.data, [(ids, a, a + n) for ids, a, n in windows], block)
     assert step.slots.tolist() == [13, 14, 15, 16, 17, 18, 49, 60, 61, 62, 63, 28, 29, 30]
     # the contiguous window reads a view; the fragmented ones gather their context rows in table order
-    assert step.spans[0].rows is None
-    assert step.spans[1].rows.tolist() == [*range(36, 40), *range(0, 8), 48, 49]
-    assert step.spans[2].rows.tolist() == [*range(60, 64), *range(28, 31)]
+    assert step.spans[0].blocks is None
+    assert step.spans[1].blocks.tolist() == [9, 0, 1, 12] and step.spans[2].blocks.tolist() == [15, 7]
+    # a chunk after a computed prefix has its causal bias; a fresh prefill is causal from its first key
+    assert step.spans[0].mask.shape == (6, 11) and step.spans[2].mask is None
     tokens = sum(n for *_, n in windows)
     q, k, v = (
         torch.randn(1, heads, tokens, dim),
@@ -172,13 +173,13 @@ def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows()
     assert batch.width == 12 and sorted(batch.tokens.tolist()) == [0, 8, 9]
     assert {s.start for s in step.singles} == {1, 2}  # the long decode alone, and the chunk
     assert batch.bias is not None and torch.isinf(batch.bias).sum() == (12 - 9) + (12 - 10)
-    # padding repeats the window's own last row: no other request's keys, and finite values even under the mask
-    rows = batch.rows.view(3, 12)
+    # whole blocks of the window's own table, padded with its last block: no other request's keys
+    blocks = batch.blocks.view(3, 3)
     for i, (ids, _, context) in enumerate(
         sorted((w for w in windows if w[2] - w[1] == 1 and w[2] < 40), key=lambda w: -w[2])
     ):
-        own = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[:context]
-        assert rows[i, :context].tolist() == own.tolist() and set(rows[i, context:].tolist()) <= {own[-1].item()}
+        own = ids[: -(-context // block)]
+        assert blocks[i].tolist() == own + [own[-1]] * (3 - len(own))
     tokens = sum(b - a for _, a, b in windows)
     q, k, v = (
         torch.randn(1, heads, tokens, dim),
