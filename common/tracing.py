@@ -100,6 +100,28 @@ def record_span(name: str, start_ns: int, end_ns: int, **attributes: object) -> 
     _tracer.start_span(name, start_time=start_ns, attributes=_attributes(attributes)).end(end_time=end_ns)
 
 
+def open_span(name: str, **attributes: object):
+    """A span begun now and ended later by ``end_span`` (None while tracing is off), for work that overlaps other
+    work of its kind (steps in flight together); ``within(span)`` makes it the parent of the spans begun inside."""
+    if _tracer is None:
+        return None
+    return _tracer.start_span(name, attributes=_attributes(attributes))
+
+
+def within(open_one):
+    """A context manager: ``open_one`` (an ``open_span``) is the current span inside it; it stays open after."""
+    if open_one is None:
+        return _NULL
+    from opentelemetry import trace
+
+    return trace.use_span(open_one, end_on_exit=False)
+
+
+def end_span(open_one) -> None:
+    if open_one is not None:
+        open_one.end()
+
+
 def set_attributes(current, **attributes: object) -> None:
     """Adds attributes to the span a ``with span(...) as current`` gave (nothing while tracing is off)."""
     if current is not None:

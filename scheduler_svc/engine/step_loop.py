@@ -49,6 +49,15 @@ def _step_span(plan):
     )
 
 
+def _open_step_span(plan):
+    """``_step_span`` for a step in flight beside another (async scheduling): begun at its send, ended at its answer."""
+    if not tracing.enabled():
+        return None
+    return tracing.open_span(
+        "mmcast.step", request_ids=[str(r) for r in plan.num_scheduled_tokens], **_plan_attributes(plan)
+    )
+
+
 class Engine:
     def __init__(
         self,
@@ -238,25 +247,39 @@ class Engine:
         """Runs ``plan`` and the plain decode steps the core plans while each one runs (``async_steps.py``): step
         k+1 is written before step k's answer is awaited, so the ranks never wait for the scheduler between them.
         Returns when no step is in flight. Raises GroupDown."""
-        with _step_span(plan):
+        inflight = []
+        try:
+            await self._send_ahead(plan, t0, t1, inflight)
+            while inflight:
+                if len(inflight) == 1 and not self._stopping:
+                    a0, a0_ns = time.perf_counter(), time.time_ns()
+                    ahead = self.core.schedule_ahead()
+                    if ahead is not None:
+                        a1 = time.perf_counter()
+                        self.metrics.schedule_seconds.observe(a1 - a0)
+                        if tracing.enabled():
+                            tracing.record_span("mmcast.schedule", a0_ns, time.time_ns(), **_plan_attributes(ahead))
+                        await self._send_ahead(ahead, a0, a1, inflight)
+                        self.metrics.steps_ahead.inc()
+                self.delivery.flush(self.core)  # the applied steps' tokens to the clients while the ranks compute
+                done, d0, d1, sent, span = inflight[0]
+                results = await self.group.step_results(done.step_id)
+                inflight.pop(0)
+                tracing.end_span(span)
+                t2 = time.perf_counter()
+                self.metrics.step_seconds.observe(t2 - d0)
+                self._apply(done, results, StepTimes(d1 - d0, sent - d1, t2 - sent, results))
+        finally:
+            for *_, span in inflight:  # a group lost with steps in flight: their spans end with it
+                tracing.end_span(span)
+
+    async def _send_ahead(self, plan, t0: float, t1: float, inflight: list) -> None:
+        """Writes ``plan`` and adds it to ``inflight`` with its times and its open span (the broadcast's parent)."""
+        span = _open_step_span(plan)
+        inflight.append((plan, t0, t1, None, span))
+        with tracing.within(span):
             await self.group.send_step(plan.step_id, step_control(plan), self._payloads(plan))
-        inflight = [(plan, t0, t1, self.group.last_sent_at)]
-        while inflight:
-            if len(inflight) == 1 and not self._stopping:
-                a0 = time.perf_counter()
-                ahead = self.core.schedule_ahead()
-                if ahead is not None:
-                    a1 = time.perf_counter()
-                    self.metrics.schedule_seconds.observe(a1 - a0)
-                    await self.group.send_step(ahead.step_id, step_control(ahead), self._payloads(ahead))
-                    inflight.append((ahead, a0, a1, self.group.last_sent_at))
-                    self.metrics.steps_ahead.inc()
-            self.delivery.flush(self.core)  # the applied steps' tokens to the clients while the ranks compute
-            done, d0, d1, sent = inflight.pop(0)
-            results = await self.group.step_results(done.step_id)
-            t2 = time.perf_counter()
-            self.metrics.step_seconds.observe(t2 - d0)
-            self._apply(done, results, StepTimes(d1 - d0, sent - d1, t2 - sent, results))
+        inflight[-1] = (plan, t0, t1, self.group.last_sent_at, span)
 
     def reconnect_wait(self) -> float:
         """Seconds until the loop next tries to reach the group (the retry hint of UNAVAILABLE while it is down): a

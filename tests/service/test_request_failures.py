@@ -1,7 +1,7 @@
 """A request that fails at the rank fails alone: the real scheduler service in-process, connected to a real
 in-process rank (world size 1, the tiny model), with rank 0's sampler made to raise for marked requests.
 
-The failure is injected by wrapping ``worker_svc.session.sample_batch`` and ``sample`` in the test (no fault hook in production code):
+The failure is injected by wrapping ``worker_svc.step_sampling.sample_batch`` in the test (no fault hook in production code):
 requests with seed ``FAIL_SEED + k`` raise from output token ``k`` on. Checked: the failing request ends with
 INTERNAL naming its id (an abort when nothing was streamed, a final with the error otherwise), a concurrent request
 is answered exactly as the transformers oracle answers it, the rank's stream is never torn down (no recovery), the
@@ -22,7 +22,7 @@ from scheduler_svc.server import SchedulerServer
 from tests.support.oracle import Oracle, wait_until
 from tests.support.service_harness import LoopThread
 from tests.support.worker_driver import InProcessWorker, rank_token_file
-from worker_svc import session as session_module
+from worker_svc import step_sampling
 from worker_svc.config import WorkerConfig
 
 FAIL_SEED = 7_000_000
@@ -108,7 +108,7 @@ def counter(server, name, **labels):
 
 def test_a_request_that_fails_at_the_rank_fails_alone(service, tiny_model_dir, monkeypatch):
     server, rank, target = service
-    monkeypatch.setattr(session_module, "sample_batch", failing_batch(session_module.sample_batch))
+    monkeypatch.setattr(step_sampling, "sample_batch", failing_batch(step_sampling.sample_batch))
     oracle = Oracle(tiny_model_dir)
     good_prompt, later_prompt = "Describe a quiet harbour at dawn.", "Name three colours of the sea."
     expected = oracle([{"role": "user", "content": good_prompt}], N)
