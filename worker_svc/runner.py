@@ -152,16 +152,7 @@ class ModelRunner:
         self.model = model.eval().requires_grad_(False)
         # the vision tower's patch embedding as one product (worker_svc/patch_conv.py)
         self.patch_convolutions = patch_conv.swap_patch_convolutions(model)
-        self.linear_layout = "dense"
-        if config.cpu_linear != "dense":
-            why = cpu_linear.unsupported(self.device, self.dtype, config.world_size)
-            if why is None:
-                auto = config.cpu_linear == "auto"
-                packed = cpu_linear.pack_decoder(model, cpu_linear.AUTO_MIN_ELEMENTS if auto else 0)
-                if packed["layers"]:
-                    self.linear_layout = "onednn" if not auto else "auto"
-            else:
-                log.debug("decoder linear layers stay dense", extra={"reason": why})
+        self.linear_layout = self._pack_linear(config, model)
         self.config = model.config
         text = model.config.get_text_config(decoder=True)
         self.text_config = text
@@ -176,29 +167,8 @@ class ModelRunner:
         self.vocab_size = int(text.vocab_size)
         self.max_model_len = int(getattr(text, "max_position_embeddings", 0) or 0)
         kv_heads_local = shape.kv_heads_local(config.world_size)
-        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
         self.block_size = config.block_size
-        num_layers = int(text.num_hidden_layers)
-        # Sized after the weights are in place, so the memory left is what the pool may take (kv_sizing.py).
-        size = self._pool_size(config, num_layers, kv_heads_local, head_dim)
-        self.pool = kv_pool.KVPool(
-            num_layers=num_layers,
-            kv_heads=kv_heads_local,
-            head_dim=head_dim,
-            num_blocks=size.blocks,
-            block_size=config.block_size,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        log.info(
-            "KV pool sized",
-            extra={
-                "kv_blocks": size.blocks,
-                "kv_pool_bytes": size.nbytes,
-                "block_bytes": size.block_bytes,
-                "why": size.reason,
-            },
-        )
+        self.pool = self._make_pool(config, text, kv_heads_local)
         self.uses_mrope = uses_mrope(model.config)
         self.rope_kwargs = self.family.rope_kwargs(model.config) if self.uses_mrope else {}
         self.embed = model.get_input_embeddings()
@@ -218,6 +188,46 @@ class ModelRunner:
                 "kv_replicas": shape.kv_replicas(config.world_size),
                 "linear_layout": self.linear_layout,
             },
+        )
+
+    def _pack_linear(self, config: WorkerConfig, model) -> str:
+        """The decoder's linear layers packed for oneDNN where ``--cpu-linear`` asks and the device allows; the
+        layout they end in."""
+        if config.cpu_linear == "dense":
+            return "dense"
+        why = cpu_linear.unsupported(self.device, self.dtype, config.world_size)
+        if why is not None:
+            log.debug("decoder linear layers stay dense", extra={"reason": why})
+            return "dense"
+        auto = config.cpu_linear == "auto"
+        packed = cpu_linear.pack_decoder(model, cpu_linear.AUTO_MIN_ELEMENTS if auto else 0)
+        if not packed["layers"]:
+            return "dense"
+        return "onednn" if not auto else "auto"
+
+    def _make_pool(self, config: WorkerConfig, text, kv_heads_local: int) -> kv_pool.KVPool:
+        """The KV block pool, sized after the weights are in place, so the memory left is what it may take
+        (kv_sizing.py)."""
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        num_layers = int(text.num_hidden_layers)
+        size = self._pool_size(config, num_layers, kv_heads_local, head_dim)
+        log.info(
+            "KV pool sized",
+            extra={
+                "kv_blocks": size.blocks,
+                "kv_pool_bytes": size.nbytes,
+                "block_bytes": size.block_bytes,
+                "why": size.reason,
+            },
+        )
+        return kv_pool.KVPool(
+            num_layers=num_layers,
+            kv_heads=kv_heads_local,
+            head_dim=head_dim,
+            num_blocks=size.blocks,
+            block_size=config.block_size,
+            dtype=self.dtype,
+            device=self.device,
         )
 
     # --- encoder ---------------------------------------------------------------------------------------------
