@@ -4,11 +4,11 @@ One module-scoped run: a TP=2 lazy group (LocalGroup, the code behind `mmcast se
 Prometheus on loopback scraping the scheduler and both ranks every second (and loading the chart's rules), then a
 workload through the SDK chosen so that every panel has something to show:
 - a growing three-turn conversation: prefix hits, stripped items (saved bytes: prefix_covered);
-- four concurrent requests re-using its images behind other text: rank-cached items (saved bytes: rank_cached),
+- six concurrent requests re-using its images behind other text: rank-cached items (saved bytes: rank_cached),
   encoder-cache hits and, with 56 KV blocks, a waiting queue and preemptions. Their text comes first, so they share
   only the system prompt's block with each other and the conversation: three fit at admission (3 x 18 blocks) and
-  must grow past the pool (3 x 24 blocks); a barrier releases the four together, so they overlap however loaded
-  the machine is;
+  must grow past the pool (3 x 24 blocks), the other three wait; a barrier releases the six together, so they
+  overlap however loaded the machine is. The round repeats until a scrape has seen the queue and the full pool;
 - one prompt larger than the KV pool: RESOURCE_EXHAUSTED, a server-side gRPC error for the error-ratio panel;
 - GetServerInfo: a unary RPC for the unary-latency panel.
 The same run checks that every metric added with the per-request histograms has data that adds up (their sums
@@ -48,9 +48,9 @@ QUESTIONS = (
     "Compare this new picture with the previous one: which has more clouds, where is the sun, what changed?",
     "Now consider all of the pictures so far together and tell me which one feels the warmest and why.",
 )
-CONCURRENT_REQUESTS = 4
+CONCURRENT_REQUESTS = 6  # three run while three wait, so the queue lasts about half of a round
 CONCURRENT_MAX_TOKENS = 96
-QUEUE_ROUNDS = 5  # rounds of the concurrent requests at most, until a scrape has seen the queue and a full pool
+QUEUE_ROUNDS = 15  # rounds of the concurrent requests at most, until a scrape has seen the queue and a full pool
 KV_FULL_SEEN = 0.5  # KV usage a scrape must have seen during the concurrent rounds (three requests need 54 of 56)
 RENDER_ENV = "MMCAST_RENDER_DASHBOARD"
 PICTURE = ROOT / "docs" / "img" / "dashboard.png"
@@ -145,6 +145,10 @@ class LiveRun:
                 seen_full = seen_full or any(v > KV_FULL_SEEN for v in _values(kv))
                 if seen_waiting and seen_full:
                     break
+            missed = [
+                what for what, seen in (("a waiting queue", seen_waiting), ("a full KV pool", seen_full)) if not seen
+            ]
+            assert not missed, f"no scrape saw {' or '.join(missed)} in {QUEUE_ROUNDS} rounds"
             self.preemptions = sum(u.preemptions for u in usages)
             assert self.preemptions > 0, f"no preemption with --kv-blocks {KV_BLOCKS}: {usages}"
             assert sum(u.images_rank_cached for u in usages) > 0, usages
