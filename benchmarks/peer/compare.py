@@ -190,7 +190,7 @@ async def _latency_and_capacity(step, client, engine, plan: Plan, parts: Parts, 
             )
 
 
-async def _bursts_and_streams(step, client, engine, plan: Plan, parts: Parts, vparts, texts, log, only, out):
+async def _bursts_and_streams(step, client, engine, plan: Plan, parts: Parts, vparts, texts, probe, log, only, out):
     """The burst, the sliding window and the video stream, into ``out``."""
     if "burst" in only:
         out["burst"] = await step(
@@ -208,7 +208,7 @@ async def _bursts_and_streams(step, client, engine, plan: Plan, parts: Parts, vp
     if "sliding" in only:
         out["sliding"] = await step(
             "sliding",
-            peer_workloads.sliding(client, parts, plan.sliding_turns, plan.window, plan.max_tokens, texts),
+            peer_workloads.sliding(client, parts, plan.sliding_turns, plan.window, plan.max_tokens, texts, probe),
         )
     if "video" in only and plan.video is not None and vparts is not None:
         try:
@@ -243,7 +243,7 @@ async def drive(
     try:
         await step("warmup", peer_workloads.warmup(client, parts))
         await _latency_and_capacity(step, client, engine, plan, parts, slo_ms, texts, probe, log, only, out)
-        await _bursts_and_streams(step, client, engine, plan, parts, vparts, texts, log, only, out)
+        await _bursts_and_streams(step, client, engine, plan, parts, vparts, texts, probe, log, only, out)
     finally:
         await client.close()
     out["engine_cpu_s"] = cpu

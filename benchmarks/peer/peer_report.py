@@ -64,13 +64,15 @@ def _stage_n(by_n: dict, want: int):
 
 
 def stage_breakdown(rounds: dict[str, list[dict]]) -> dict:
-    """Per mmcast engine, for cached N=2 and new N=1: the stage means over every round's timed requests."""
+    """Per mmcast engine, for cached N=2, new N=1 and the sliding window's turns after it fills (N: the window's
+    images): the stage means over every round's timed requests."""
     out = {}
     for name, runs in rounds.items():
         if name == "vllm":
             continue
         for label, pick, want in (("cached", lambda r: (r.get("cached") or {}).get("stages"), 2),
-                                  ("new", lambda r: ((r.get("new") or {}).get("448x448") or {}).get("stages"), 1)):  # fmt: skip
+                                  ("new", lambda r: ((r.get("new") or {}).get("448x448") or {}).get("stages"), 1),
+                                  ("sliding", lambda r: (r.get("sliding") or {}).get("stages"), 0)):  # fmt: skip
             picked = [_stage_n(pick(r) or {}, want) for r in runs]
             n = next((k for k, _ in picked if k is not None), want)
             acc = peer_stages.merge([a for _, a in picked])

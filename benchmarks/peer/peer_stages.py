@@ -132,8 +132,8 @@ def markdown(columns: list[tuple[str, dict | None, float | None]], vllm_ttft: li
         for _, m, _ in columns
     ]
     lines.append(f"| sum of {', '.join(DISJOINT_STAGES)} per request | " + " | ".join(_fmt(s) for s in sums) + " |")
-    lines.append("| mmcast client TTFT p50 | " + " | ".join(_fmt(t) for _, _, t in columns) + " |")
-    lines.append("| vLLM client TTFT p50 | " + " | ".join(_fmt(t) for t in vllm_ttft) + " |")
+    lines.append("| mmcast client TTFT p50 (sliding: mean) | " + " | ".join(_fmt(t) for _, _, t in columns) + " |")
+    lines.append("| vLLM client TTFT p50 (sliding: mean) | " + " | ".join(_fmt(t) for t in vllm_ttft) + " |")
     missing = [h for h, m, _ in columns if m is None]
     if missing:
         lines += ["", f"`{METRIC}` {NOT_EXPORTED} for: {', '.join(missing)}."]

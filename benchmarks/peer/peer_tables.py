@@ -82,7 +82,8 @@ def breakdown(results: dict, analysis: dict) -> str:
     figures = analysis["figures"]
     columns, vllm = [], []
     for name, by_workload in (analysis.get("stages") or {}).items():
-        for label, key in (("cached", "cached_n2_ttft_p50_ms"), ("new", "new_n1_ttft_p50_ms")):
+        for label, key in (("cached", "cached_n2_ttft_p50_ms"), ("new", "new_n1_ttft_p50_ms"),
+                           ("sliding", "sliding_ttft_mean_after_window_ms")):  # fmt: skip
             got = by_workload.get(label) or {}
             columns.append((f"{name} {label} N={got.get('n')}", got.get("stages"), figures.get(name, {}).get(key)))
             vllm.append(figures.get("vllm", {}).get(key))

@@ -262,19 +262,26 @@ def summarise_load(rows: list[dict], failed: int) -> dict:
     }  # fmt: skip
 
 
-async def sliding(client: Client, parts: Parts, turns: int, window: int, max_tokens: int, texts: dict) -> dict:
+async def sliding(
+    client: Client, parts: Parts, turns: int, window: int, max_tokens: int, texts: dict, probe=None
+) -> dict:
+    """A conversation keeping its last ``window`` turns, one new image each; the turns after the window fills
+    (every token prefilled again, one image new) also read the stage histogram (``probe``: mmcast only)."""
     kept: list[list[dict]] = []  # one [user, assistant] pair per turn still in the window
-    rows = []
+    rows, stages = [], {}
     for t in range(turns):
         turn = user([parts(SEEDS["sliding"] + t)], question(t))
         kept = kept[-(window - 1) :] if window > 1 else []
         messages = [m for pair in kept for m in pair] + [turn]
-        reply = await client.chat(messages, max_tokens)
+        if t + 1 > window:
+            reply = await _probed(client, messages, max_tokens, probe, stages, window)
+        else:
+            reply = await client.chat(messages, max_tokens)
         rows.append(_row(reply, turn=t + 1, images=len(kept) + 1))
         texts[f"sliding/t{t}"] = reply.text
         kept.append([turn, assistant()])
     slid = [r["ttft_ms"] for r in rows if r["turn"] > window]
-    return {"window": window, "rows": rows,
+    return {"window": window, "rows": rows, "stages": stages,
             "ttft_mean_after_window_ms": sum(slid) / len(slid) if slid else None,
             "ttft_mean_ms": sum(r["ttft_ms"] for r in rows) / len(rows)}  # fmt: skip
 

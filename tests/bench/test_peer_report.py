@@ -278,7 +278,7 @@ def test_stage_deltas_give_means_per_observation_in_pipeline_order_and_the_table
     merged = peer_stages.merge([acc, None, acc])
     assert merged["requests"] == 4 and merged["stages"]["rank_encode"][1] == pytest.approx(6.0)
     table = peer_stages.markdown([("mmcast_tp1 cached N=2", m, 90.0)], [120.0])
-    assert "| queue | 10.00 (2) |" in table and "| vLLM client TTFT p50 | 120.0 |" in table
+    assert "| queue | 10.00 (2) |" in table and "| vLLM client TTFT p50 (sliding: mean) | 120.0 |" in table
     # the sum is of the stages that follow one another: queue and rank, not rank_encode (inside rank) nor others
     want = m["queue"]["ms_per_request"] + m["rank"]["ms_per_request"]
     assert f"per request | {want:.1f} |" in table
@@ -397,3 +397,23 @@ def test_the_tables_skip_the_workloads_a_run_left_out():
     goals = {g["name"]: g["status"] for g in analyze_rounds({k: [v] for k, v in only_video.items()}, SLO)["goals"]}
     assert goals["TP1 request throughput at the SLO ≥ 1.0× vLLM's"] == "n/a"
     assert goals["TP2 no worse than TP1 per request"] == "n/a"
+
+
+def test_the_breakdown_has_a_column_for_the_sliding_window_after_it_fills():
+    from benchmarks.peer import peer_report, peer_stages, peer_tables
+
+    acc = peer_stages.new_accumulator()
+    peer_stages.add(acc, {"rank_encode": (0.0, 0.0)}, {"rank_encode": (0.1, 2.0), "rank": (0.3, 2.0)})
+    result = {"sliding": {"window": 4, "stages": {"4": acc}}}  # keys are strings once results.json is read back
+    stages = peer_report.stage_breakdown({"vllm": [{}], "mmcast_tp1": [result]})
+    assert stages["mmcast_tp1"]["sliding"]["n"] == 4 and "vllm" not in stages
+    assert stages["mmcast_tp1"]["sliding"]["stages"]["rank_encode"]["mean_ms"] == pytest.approx(50.0)
+    figures = {
+        "mmcast_tp1": {"sliding_ttft_mean_after_window_ms": 170.0},
+        "vllm": {"sliding_ttft_mean_after_window_ms": 130.0},
+    }
+    table = peer_tables.breakdown({}, {"figures": figures, "stages": stages})
+    header = next(line for line in table.splitlines() if line.startswith("| stage |"))
+    assert header.endswith("| mmcast_tp1 sliding N=4 |")
+    assert "| mmcast client TTFT p50 (sliding: mean) | – | – | 170.0 |" in table
+    assert "| vLLM client TTFT p50 (sliding: mean) | – | – | 130.0 |" in table
