@@ -1,13 +1,15 @@
 """``mmcast.v1.WorkerService`` over grpc.aio: translates step-stream frames into calls on the ``Worker``.
 
 Frames of one stream are handled in order; a step's compute runs on the worker's compute thread, so the event
-loop keeps answering other streams (a superseding handshake, health checks) meanwhile. Received bytes are
+loop keeps answering other streams (a superseding handshake, health checks) meanwhile. The one frame read while a
+step runs is rank 0's ``LateTokenMasks`` of a control that announced ``masks_follow`` (``worker_svc/late_masks.py``). Received bytes are
 counted where they arrive, with the same split the scheduler uses for its sent counters.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -18,9 +20,10 @@ from common.item_proto import control_byte_breakdown
 from common.parse_guard import Unparsable
 from mmcast.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.handshake import HandshakeRejected
+from worker_svc.late_masks import LateMasks
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.session import StepOutcome
-from worker_svc.step_errors import StepError, code_name
+from worker_svc.step_errors import StepError, code, code_name
 from worker_svc.worker import StreamHandle, Worker
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,14 @@ def step_result(
     stats.assemble_time.FromNanoseconds(int(assemble_seconds * 1e9))
     stats.step_time.FromNanoseconds(int((time.perf_counter() - t0) * 1e9))
     return result
+
+
+@dataclasses.dataclass
+class _Received:
+    """What arrived for the next step before its control: payload bytes, and the time spent assembling them."""
+
+    payload_bytes: int = 0
+    assemble_seconds: float = 0.0
 
 
 def _rank_step_span(control: worker_pb2.StepControl, rank: int):
@@ -150,10 +161,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return read.result()
 
     async def _serve(self, handle: StreamHandle, context) -> None:
-        loop = asyncio.get_running_loop()
         rank = self.worker.config.rank
         superseded = asyncio.ensure_future(handle.superseded.wait())
-        step_payload_bytes, step_assemble_seconds = 0, 0.0
+        received = _Received()
         try:
             while True:
                 frame = await self._next(handle, context, superseded)
@@ -166,7 +176,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     return
                 if isinstance(frame, Unparsable):  # the stream's state is dropped (close_stream)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, frame.message)
-                step_payload_bytes += self._count(frame)
+                received.payload_bytes += self._count(frame)
                 kind = frame.WhichOneof("frame")
                 if kind == "payload":
                     if handle.pending_error is None:
@@ -175,28 +185,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                             handle.session.receive_payload(frame.payload)
                         except StepError as exc:
                             handle.pending_error = exc  # reported with the step, after the peers agree
-                        step_assemble_seconds += time.perf_counter() - a0
+                        received.assemble_seconds += time.perf_counter() - a0
                 elif kind == "keepalive":
                     await context.write(worker_pb2.StepResponse(keepalive=frame.keepalive))
                 elif kind == "control":
-                    t0 = time.perf_counter()
-                    control = frame.control
-                    with _rank_step_span(control, rank):
-                        try:
-                            outcome = await loop.run_in_executor(
-                                self.worker.executor, self.worker.apply_step, handle, control
-                            )
-                        except StepError as exc:
-                            await self._refuse(handle, context, exc, control.step_id, rank)
-                            return
-                        if handle.superseded.is_set():
-                            continue  # the next read reports it
-                        result = step_result(
-                            control.step_id, rank, outcome, handle, step_payload_bytes, t0, step_assemble_seconds
-                        )
-                        step_payload_bytes, step_assemble_seconds = 0, 0.0
-                        await context.write(worker_pb2.StepResponse(step_result=result))
-                    self.metrics.step_seconds.observe(time.perf_counter() - t0)
+                    if not await self._step(handle, context, frame.control, received, superseded):
+                        return
+                elif kind == "late_token_masks":  # none is awaited between steps
+                    step_id = frame.late_token_masks.step_id
+                    why = (
+                        f"late_token_masks for step {step_id}: no step of this stream waits for late masks (rank "
+                        f"{rank}; only rank 0 takes them, while it runs a StepControl that announced masks_follow)"
+                    )
+                    await self._refuse(handle, context, StepError(code.STATE_MISMATCH, why), step_id, rank)
+                    return
                 else:
                     await context.abort(
                         grpc.StatusCode.FAILED_PRECONDITION,
@@ -204,6 +206,63 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     )
         finally:
             superseded.cancel()
+
+    async def _step(self, handle: StreamHandle, context, control, received: _Received, superseded) -> bool:
+        """Applies one control on the compute thread and writes its answer; False when the step was refused (the
+        stream ends). On rank 0, a control with ``masks_follow`` runs while this reads the step's late masks."""
+        loop = asyncio.get_running_loop()
+        rank = self.worker.config.rank
+        t0 = time.perf_counter()
+        late = handle.session.expect_late_masks(control) if control.masks_follow and rank == 0 else None
+        with _rank_step_span(control, rank):
+            step = loop.run_in_executor(self.worker.executor, self.worker.apply_step, handle, control)
+            try:
+                if late is not None:
+                    await self._read_late_masks(context, late, step, superseded)
+                outcome = await step
+            except StepError as exc:
+                if handle.superseded.is_set():
+                    return True  # the next read reports it
+                await self._refuse(handle, context, exc, control.step_id, rank)
+                return False
+            if handle.superseded.is_set():
+                return True  # the next read reports it
+            result = step_result(
+                control.step_id, rank, outcome, handle, received.payload_bytes, t0, received.assemble_seconds
+            )
+            received.payload_bytes, received.assemble_seconds = 0, 0.0
+            await context.write(worker_pb2.StepResponse(step_result=result))
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        return True
+
+    async def _read_late_masks(self, context, late: LateMasks, step: asyncio.Future, superseded) -> None:
+        """Reads frames while ``step`` runs, until its late masks come, and hands them to the compute thread (which
+        waits for them before sampling). Keepalives are answered; any other frame, the stream's end or its
+        supersession fails the step instead: the scheduler writes the masks before anything of a later step."""
+        where = f"step {late.step_id} waits for its late token masks (StepControl.masks_follow)"
+        try:
+            while not late.settled and not step.done():
+                read = asyncio.ensure_future(context.read())
+                await asyncio.wait({read, step, superseded}, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():  # the step failed before its masks came, or the stream was superseded
+                    read.cancel()
+                    await asyncio.gather(read, return_exceptions=True)
+                    return
+                frame = read.result()
+                if frame is grpc.aio.EOF or isinstance(frame, Unparsable):
+                    why = "the stream ended" if frame is grpc.aio.EOF else frame.message
+                    late.fail(StepError(code.STATE_MISMATCH, f"{why} while {where}"))
+                    return
+                self._count(frame)
+                kind = frame.WhichOneof("frame")
+                if kind == "keepalive":
+                    await context.write(worker_pb2.StepResponse(keepalive=frame.keepalive))
+                elif kind == "late_token_masks":
+                    late.deliver(frame.late_token_masks)
+                else:
+                    late.fail(StepError(code.STATE_MISMATCH, f"a {kind} frame came while {where}; it must come first"))
+        finally:  # cancelled (the stream is gone) or returned early: the compute thread must not wait on
+            late.fail(StepError(code.STATE_MISMATCH, f"the stream ended or was superseded while {where}"))
 
     async def _refuse(self, handle: StreamHandle, context, exc: StepError, step_id: int, rank: int) -> None:
         """Reports a refused step and ends the stream; its state is dropped."""

@@ -246,14 +246,15 @@ class Engine:
     async def _run_ahead(self, plan, t0: float, t1: float) -> None:
         """Runs ``plan`` and the plain decode steps the core plans while each one runs (``async_steps.py``): step
         k+1 is written before step k's answer is awaited, so the ranks never wait for the scheduler between them.
-        Returns when no step is in flight. Raises GroupDown."""
+        When k+1 announced late masks (constrained requests), they go to rank 0 as soon as k's answer is applied,
+        before anything of k+2. Returns when no step is in flight. Raises GroupDown."""
         inflight = []
         try:
             await self._send_ahead(plan, t0, t1, inflight)
             while inflight:
                 if len(inflight) == 1 and not self._stopping:
                     a0, a0_ns = time.perf_counter(), time.time_ns()
-                    ahead = self.core.schedule_ahead()
+                    ahead = self.core.schedule_ahead(late_masks=self.group.late_token_masks)
                     if ahead is not None:
                         a1 = time.perf_counter()
                         self.metrics.schedule_seconds.observe(a1 - a0)
@@ -269,6 +270,9 @@ class Engine:
                 t2 = time.perf_counter()
                 self.metrics.step_seconds.observe(t2 - d0)
                 self._apply(done, results, StepTimes(d1 - d0, sent - d1, t2 - sent, results))
+                if inflight and inflight[0][0].masks_follow:  # its masks need the tokens just applied
+                    following = inflight[0][0]
+                    await self.group.send_late_masks(following.step_id, self.core.late_masks(following))
         finally:
             for *_, span in inflight:  # a group lost with steps in flight: their spans end with it
                 tracing.end_span(span)

@@ -18,7 +18,14 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs", "return
 _COUNTS = ("num_computed_tokens", "num_scheduled_tokens")  # both request messages carry them
 _NEW_REQUEST_FIELDS = ("request_id", "prompt_token_ids", "block_ids", *_COUNTS, "num_output_tokens")
 _RUNNING_FIELDS = ("request_id", "new_token_ids", "new_block_ids", *_COUNTS, "input_is_last_sampled")
-_STEP_FIELDS = ("step_id", "finished_request_ids", "evict_payload_ids", "evict_encoder_ids", "reset_caches")
+_STEP_FIELDS = (
+    "step_id",
+    "finished_request_ids",
+    "evict_payload_ids",
+    "evict_encoder_ids",
+    "reset_caches",
+    "masks_follow",
+)
 
 
 def _same_named(source, fields: tuple[str, ...]) -> dict:
