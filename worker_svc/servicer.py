@@ -74,6 +74,7 @@ class _Received:
 
     payload_bytes: int = 0
     assemble_seconds: float = 0.0
+    ahead: list = dataclasses.field(default_factory=list)  # a control read during the step before (prior_masks)
 
 
 def _rank_step_span(control: worker_pb2.StepControl, rank: int):
@@ -166,7 +167,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         received = _Received()
         try:
             while True:
-                frame = await self._next(handle, context, superseded)
+                # read_ahead: a control rank 0 read while the step before it ran (it carried that step's late masks)
+                read_ahead = bool(received.ahead)
+                frame = received.ahead.pop() if read_ahead else await self._next(handle, context, superseded)
                 if frame is None or handle.superseded.is_set():
                     await context.abort(
                         grpc.StatusCode.ABORTED,
@@ -176,7 +179,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     return
                 if isinstance(frame, Unparsable):  # the stream's state is dropped (close_stream)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, frame.message)
-                received.payload_bytes += self._count(frame)
+                if not read_ahead:  # else counted when it was read
+                    received.payload_bytes += self._count(frame)
                 kind = frame.WhichOneof("frame")
                 if kind == "payload":
                     if handle.pending_error is None:
@@ -189,15 +193,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 elif kind == "keepalive":
                     await context.write(worker_pb2.StepResponse(keepalive=frame.keepalive))
                 elif kind == "control":
+                    if not read_ahead and frame.control.HasField("prior_masks") and rank == 0:
+                        await self._refuse_late(handle, context, frame.control.prior_masks.step_id, "prior_masks")
+                        return
                     if not await self._step(handle, context, frame.control, received, superseded):
                         return
                 elif kind == "late_token_masks":  # none is awaited between steps
-                    step_id = frame.late_token_masks.step_id
-                    why = (
-                        f"late_token_masks for step {step_id}: no step of this stream waits for late masks (rank "
-                        f"{rank}; only rank 0 takes them, while it runs a StepControl that announced masks_follow)"
-                    )
-                    await self._refuse(handle, context, StepError(code.STATE_MISMATCH, why), step_id, rank)
+                    await self._refuse_late(handle, context, frame.late_token_masks.step_id, "late_token_masks")
                     return
                 else:
                     await context.abort(
@@ -218,7 +220,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             step = loop.run_in_executor(self.worker.executor, self.worker.apply_step, handle, control)
             try:
                 if late is not None:
-                    await self._read_late_masks(context, late, step, superseded)
+                    await self._read_late_masks(context, late, step, superseded, received)
                 outcome = await step
             except StepError as exc:
                 if handle.superseded.is_set():
@@ -235,10 +237,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         return True
 
-    async def _read_late_masks(self, context, late: LateMasks, step: asyncio.Future, superseded) -> None:
+    async def _read_late_masks(
+        self, context, late: LateMasks, step: asyncio.Future, superseded, received: _Received
+    ) -> None:
         """Reads frames while ``step`` runs, until its late masks come, and hands them to the compute thread (which
-        waits for them before sampling). Keepalives are answered; any other frame, the stream's end or its
-        supersession fails the step instead: the scheduler writes the masks before anything of a later step."""
+        waits for them before sampling): a ``LateTokenMasks`` frame, or the next control carrying them in
+        ``prior_masks`` (kept in ``received.ahead`` for after this step's answer). Keepalives are answered; any other
+        frame, the stream's end or its supersession fails the step instead: the scheduler writes the masks before
+        anything else of a later step."""
         where = f"step {late.step_id} waits for its late token masks (StepControl.masks_follow)"
         try:
             while not late.settled and not step.done():
@@ -259,10 +265,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     await context.write(worker_pb2.StepResponse(keepalive=frame.keepalive))
                 elif kind == "late_token_masks":
                     late.deliver(frame.late_token_masks)
+                elif kind == "control" and frame.control.HasField("prior_masks"):
+                    late.deliver(frame.control.prior_masks)
+                    received.ahead.append(frame)  # applied once this step is answered
                 else:
-                    late.fail(StepError(code.STATE_MISMATCH, f"a {kind} frame came while {where}; it must come first"))
+                    why = f"a {kind} frame came while {where}; the masks must come first (or in prior_masks)"
+                    late.fail(StepError(code.STATE_MISMATCH, why))
         finally:  # cancelled (the stream is gone) or returned early: the compute thread must not wait on
             late.fail(StepError(code.STATE_MISMATCH, f"the stream ended or was superseded while {where}"))
+
+    async def _refuse_late(self, handle: StreamHandle, context, step_id: int, field: str) -> None:
+        """Refuses late masks no step of the stream waits for (``field``: where they came)."""
+        rank = self.worker.config.rank
+        why = (
+            f"{field} for step {step_id}: no step of this stream waits for late masks (rank {rank}; only rank 0 "
+            "takes them, while it runs a StepControl that announced masks_follow)"
+        )
+        await self._refuse(handle, context, StepError(code.STATE_MISMATCH, why), step_id, rank)
 
     async def _refuse(self, handle: StreamHandle, context, exc: StepError, step_id: int, rank: int) -> None:
         """Reports a refused step and ends the stream; its state is dropped."""

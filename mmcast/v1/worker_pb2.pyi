@@ -258,7 +258,7 @@ class EncoderInput(_message.Message):
     def __init__(self, item_identifier: _Optional[str] = ..., owner_rank: _Optional[int] = ..., replicated: _Optional[bool] = ...) -> None: ...
 
 class StepControl(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running", "finished_request_ids", "encoder_inputs", "evict_payload_ids", "evict_encoder_ids", "reset_caches", "token_masks", "masks_follow")
+    __slots__ = ("step_id", "new_requests", "running", "finished_request_ids", "encoder_inputs", "evict_payload_ids", "evict_encoder_ids", "reset_caches", "token_masks", "masks_follow", "prior_masks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class StepControl(_message.Message):
     RESET_CACHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     MASKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_MASKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
@@ -279,7 +280,8 @@ class StepControl(_message.Message):
     reset_caches: bool
     token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
     masks_follow: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., encoder_inputs: _Optional[_Iterable[_Union[EncoderInput, _Mapping]]] = ..., evict_payload_ids: _Optional[_Iterable[str]] = ..., evict_encoder_ids: _Optional[_Iterable[str]] = ..., reset_caches: _Optional[bool] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., masks_follow: _Optional[_Iterable[str]] = ...) -> None: ...
+    prior_masks: LateTokenMasks
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., encoder_inputs: _Optional[_Iterable[_Union[EncoderInput, _Mapping]]] = ..., evict_payload_ids: _Optional[_Iterable[str]] = ..., evict_encoder_ids: _Optional[_Iterable[str]] = ..., reset_caches: _Optional[bool] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., masks_follow: _Optional[_Iterable[str]] = ..., prior_masks: _Optional[_Union[LateTokenMasks, _Mapping]] = ...) -> None: ...
 
 class LateTokenMasks(_message.Message):
     __slots__ = ("step_id", "masks")

@@ -58,9 +58,19 @@ def running_request_to_proto(data: RunningRequestData) -> worker_pb2.RunningRequ
     return worker_pb2.RunningRequest(**_same_named(data, _RUNNING_FIELDS))
 
 
-def step_control(plan) -> worker_pb2.StepControl:
-    """The control message of a ``StepPlan`` (identical for every rank)."""
+def late_masks_proto(step_id: int, masks: dict[str, bytes]) -> worker_pb2.LateTokenMasks:
+    """The late masks of step ``step_id`` (``Scheduler.late_masks``): a frame of their own, or the next control's
+    ``prior_masks``."""
+    return worker_pb2.LateTokenMasks(
+        step_id=step_id, masks=[worker_pb2.TokenMask(request_id=rid, allowed=m) for rid, m in masks.items()]
+    )
+
+
+def step_control(plan, prior_masks: worker_pb2.LateTokenMasks | None = None) -> worker_pb2.StepControl:
+    """The control message of a ``StepPlan`` (identical for every rank); ``prior_masks``: the late masks of the step
+    in flight before it, which rank 0 takes from this control."""
     return worker_pb2.StepControl(
+        prior_masks=prior_masks,
         **_same_named(plan, _STEP_FIELDS),
         new_requests=[new_request_to_proto(n) for n in plan.new_requests],
         running=[running_request_to_proto(r) for r in plan.running],

@@ -2,8 +2,8 @@
 
 A step is written as: the payload frames each rank needs (every tensor serialized once, one chunk-sized frame
 at a time, the same bytes written to every rank that needs them), then the StepControl serialized once and the
-same bytes written to every rank; a step planned ahead with ``masks_follow`` gets its ``LateTokenMasks`` on rank 0's
-stream later, before anything of the next step (``send_late_masks``). The step completes when every rank has answered it; rank 0's answer carries
+same bytes written to every rank; a step planned ahead with ``masks_follow`` gets its late masks later, in the next
+step's control (``prior_masks``) or, when none is planned yet, in a frame to rank 0 alone (``send_late_masks``). The step completes when every rank has answered it; rank 0's answer carries
 the sampled tokens. Any broken stream, protocol error, handshake refusal or missed deadline raises
 ``GroupDown``; the caller recovers and calls ``connect`` again, which opens fresh streams under a newer epoch.
 """
@@ -250,13 +250,12 @@ class WorkerGroup:
         self.last_sent_at = time.perf_counter()
         self._deadlines[step_id] = deadline
 
-    async def send_late_masks(self, step_id: int, masks: dict[str, bytes]) -> None:
-        """Writes the ``LateTokenMasks`` of step ``step_id`` (written with ``masks_follow``, not yet answered) to rank
-        0, the rank that samples: one frame per such step, before anything of a later step. Raises GroupDown."""
+    async def send_late_masks(self, frame: worker_pb2.LateTokenMasks) -> None:
+        """Writes the late masks of step ``frame.step_id`` (written with ``masks_follow``, not yet answered) to rank
+        0, the rank that samples, as a frame of their own (when no next control carries them in ``prior_masks``),
+        before anything of a later step. Raises GroupDown."""
         self._check_up()
-        frame = worker_pb2.LateTokenMasks(
-            step_id=step_id, masks=[worker_pb2.TokenMask(request_id=rid, allowed=m) for rid, m in masks.items()]
-        )
+        step_id = frame.step_id
         raw = worker_pb2.StepRequest(late_token_masks=frame).SerializeToString()
         remaining = max(0.0, self._deadlines[step_id] - time.monotonic())
         try:

@@ -1,6 +1,7 @@
-"""Late token masks on an in-process rank (``StepControl.masks_follow``, ``LateTokenMasks``): rank 0 runs the step,
-answers keepalives while it waits for the masks, and draws under them (an announced request without a mask draws
-unmasked); a frame for another step, a mask for a request not announced, a second one, one of the wrong size, a
+"""Late token masks on an in-process rank (``StepControl.masks_follow``, ``LateTokenMasks``, ``prior_masks``): rank 0
+runs the step, answers keepalives while it waits for the masks, and draws under them (an announced request without a
+mask draws unmasked); masks in the next control are taken while the step runs and that control is applied after the
+answer, with the tokens a synchronous scheduler would get; a frame for another step, a mask for a request not announced, a second one, one of the wrong size, a
 frame of a later step before the masks, masks no step waits for and masks that never come are protocol errors
 naming the field, after which the rank keeps serving."""
 
@@ -85,6 +86,40 @@ def test_rank_0_answers_keepalives_while_it_waits_and_draws_under_the_late_masks
     stream.close()
 
 
+def test_masks_in_the_next_control_are_taken_and_that_control_applied_after_the_answer(env, prompt):
+    forced = 9
+    # the synchronous way: the mask in the step's own control, the next step told the token
+    stream, sched, reqs = prefilled(env, prompt)
+    control = decode(sched, reqs)
+    control.token_masks.add(request_id="a", allowed=only(env, forced))
+    stream.send(frame(control=control))
+    first = {t.request_id: t.token_id for t in stream.recv().step_result.sampled}
+    for req in reqs:
+        req.outputs.append(first[req.rid])
+    want = {t.request_id: t.token_id for t in sched.step(reqs)[0].step_result.sampled}
+    stream.close()
+    # async: step k+1 announces the mask, step k+2 (input: k+1's own tokens) carries it in prior_masks
+    stream, sched, reqs = prefilled(env, prompt)
+    k1 = decode(sched, reqs, follow=["a"])
+    k2 = worker_pb2.StepControl(step_id=k1.step_id + 1)
+    for req in reqs:
+        blocks = sched.alloc(-(-(req.computed + 2) // 16) - len(req.block_ids))
+        req.block_ids += blocks
+        k2.running.add(
+            request_id=req.rid, new_block_ids=blocks, num_computed_tokens=req.computed, num_scheduled_tokens=1,
+            input_is_last_sampled=True,
+        )  # fmt: skip
+    k2.prior_masks.step_id = k1.step_id
+    k2.prior_masks.masks.add(request_id="a", allowed=only(env, forced))
+    stream.send(frame(control=k1))
+    stream.send(frame(control=k2))
+    r1, r2 = stream.recv().step_result, stream.recv().step_result
+    assert (r1.step_id, r2.step_id) == (k1.step_id, k2.step_id)
+    assert {t.request_id: t.token_id for t in r1.sampled} == first  # "a" forced, "b" greedy
+    assert {t.request_id: t.token_id for t in r2.sampled} == want
+    stream.close()
+
+
 def _wrong_frames(env, control):
     """The frames each refusal case sends after ``control`` (which announced "a"), and the expected error."""
     sid = control.step_id
@@ -131,12 +166,17 @@ def test_wrong_late_masks_are_protocol_errors_and_the_rank_keeps_serving(env, pr
     _serves_a_request(env, prompt)
 
 
-def test_late_masks_no_step_waits_for_are_refused(env, prompt):
+@pytest.mark.parametrize("where", ["late_token_masks", "prior_masks"])
+def test_late_masks_no_step_waits_for_are_refused(env, prompt, where):
     stream, sched, reqs = prefilled(env, prompt)
-    stream.send(late(sched.step_id, {"a": only(env, 5)}))  # the step it names was answered, without masks_follow
+    masks = worker_pb2.LateTokenMasks(step_id=sched.step_id, masks=[worker_pb2.TokenMask(request_id="a")])
+    if where == "late_token_masks":  # the step it names was answered, without masks_follow
+        stream.send(frame(late_token_masks=masks))
+    else:  # a control carrying them while no step runs
+        stream.send(frame(control=worker_pb2.StepControl(step_id=sched.step_id + 1, prior_masks=masks)))
     error = stream.recv().error
     assert error.code == code.STATE_MISMATCH and error.step_id == sched.step_id
-    assert "no step of this stream waits for late masks" in error.message
+    assert f"{where} for step {sched.step_id}: no step of this stream waits for late masks" in error.message
     stream.close()
     _serves_a_request(env, prompt)
 
