@@ -1,9 +1,10 @@
-"""Rank 0's wait for the token masks a step announced in ``StepControl.masks_follow`` (docs/ARCHITECTURE.md §5).
+"""Rank 0's wait for the token masks a step announced in ``StepControl.masks_follow`` (docs/ARCHITECTURE.md §2.12).
 
 Under async scheduling the scheduler writes step k+1 before it knows step k's tokens. A constrained request's mask for
 k+1 depends on its token of step k, so k+1's control only names the request in ``masks_follow``, and the masks come
-in one ``LateTokenMasks`` frame once the scheduler has applied step k's answer. Rank 0's event loop reads that frame
-while its compute thread runs k+1's forward; the compute thread waits for the masks just before it samples.
+once the scheduler has applied step k's answer: in k+2's control (``prior_masks``), or in a ``LateTokenMasks`` frame
+when no k+2 is planned yet. Rank 0's event loop reads that frame while its compute thread runs k+1's forward (a
+control read so is applied after k+1's answer); the compute thread waits for the masks just before it samples.
 
 ``LateMasks`` is the hand-off between the two threads: the event loop delivers the checked masks (or a refusal), the
 compute thread waits for them with a bound, the rank's ``--late-mask-timeout-seconds``. Past it the step fails as a
