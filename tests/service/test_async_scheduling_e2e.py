@@ -5,7 +5,8 @@ oracle.py): image conversations decoding side by side, requests that end in the 
 (length, stop token, stop string), and streams across kill -9 of a rank (the two steps in flight are void; the
 requests resume from the tokens already delivered, none repeated or skipped). Constrained requests are planned ahead
 too, their masks following the step's control to rank 0 (``StepControl.masks_follow``): their answers follow their
-grammars and the greedy unconstrained requests beside them still equal the oracle. The scheduler's
+grammars, the greedy unconstrained requests beside them still equal the oracle, and greedy constrained streams across
+kill -9 of a rank give exactly the answer of an undisturbed run. The scheduler's
 ``mmcast_steps_planned_ahead_total`` shows that steps were in fact planned ahead.
 """
 
@@ -150,3 +151,31 @@ def test_kill_9_of_a_rank_with_steps_planned_ahead_loses_and_repeats_no_token(gr
         assert result.finish_reason == "length"
         assert_matches(result, oracle(messages(k), N), f"request {k} (killed at {at_kill[k]} tokens)")
     assert any(n < N for n in at_kill), at_kill  # the kill landed mid-generation
+
+
+def test_kill_9_of_a_rank_while_constrained_steps_are_planned_ahead_loses_and_repeats_no_token(group):
+    # Greedy under a grammar: one answer, whatever the batch; the recovered streams must give exactly it.
+    text = [{"role": "user", "content": "Write letters."}]
+    regex = "[a-z]{80}"
+
+    def run(stream_seen=None, k=0):
+        with Client(group.target, timeout=300, first_token_timeout=None) as c:
+            s = c.generate(text, max_tokens=120, temperature=0.0, structured_output={"regex": regex}, stream=True)
+            for delta in s:
+                if stream_seen is not None:
+                    stream_seen[k] += len(delta.token_ids)
+            return s.result
+
+    want = run()
+    assert want.finish_reason == "stop" and re.fullmatch(regex, want.text), want.text
+    seen = [0] * 3
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(run, seen, k) for k in range(3)]
+        assert wait_until(lambda: min(seen) >= 3, 120, 0.01), seen
+        generation = group.kill_rank(1, signal.SIGKILL)
+        at_kill = list(seen)
+        group.wait_restarted(generation, timeout=180)
+        results = [f.result(timeout=300) for f in futures]
+    for k, result in enumerate(results):
+        assert (result.finish_reason, result.token_ids) == ("stop", want.token_ids), f"request {k}, killed at {at_kill}"
+    assert any(n < len(want.token_ids) for n in at_kill), at_kill  # the kill landed mid-generation
