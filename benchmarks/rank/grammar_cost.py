@@ -12,7 +12,9 @@ moment falls on all of them:
 
 A step's cost is the probe's median gap between streamed tokens (client side). Reported: ``beside_constrained /
 alone`` (the target, <= 1.2x) and ``beside_constrained / beside_free`` (the grammar's own share, without the second
-row of the batch). The probe's text must be the same in every setting (greedy: the batch changes no token).
+row of the batch), and per setting the steps the scheduler planned ahead (``mmcast_steps_planned_ahead_total``; under
+async scheduling a constrained request's steps are planned ahead too, its masks following the control). The probe's
+text must be the same in every setting (greedy: the batch changes no token).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+import urllib.request
 
 SETTINGS = ("alone", "beside_free", "beside_constrained")
 TARGET = 1.2  # beside_constrained / alone
@@ -66,6 +69,15 @@ async def _companion(client, model: str, constrained: bool, started: asyncio.Eve
         await stream.close()
 
 
+def _planned_ahead(metrics_url: str) -> float:
+    """The scheduler's ``mmcast_steps_planned_ahead_total``."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:  # noqa: S310 - the loopback group we started
+        for line in reply.read().decode().splitlines():
+            if line.startswith("mmcast_steps_planned_ahead_total "):
+                return float(line.split()[1])
+    return 0.0
+
+
 async def _round(client, model: str, setting: str, tokens: int) -> tuple[list[float], str]:
     if setting == "alone":
         return await _probe(client, model, tokens)
@@ -87,6 +99,7 @@ def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print) -> 
 
     gaps: dict[str, list[float]] = {s: [] for s in SETTINGS}
     texts: dict[str, set[str]] = {s: set() for s in SETTINGS}
+    ahead: dict[str, float] = {s: 0.0 for s in SETTINGS}
     load_before = os.getloadavg()[0]
     with LocalGroup(model_dir, tp=1) as group:
 
@@ -96,7 +109,11 @@ def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print) -> 
                 await _probe(client, model, 4)  # warm: compile paths, caches
                 for r in range(rounds):
                     for setting in SETTINGS[r % 3 :] + SETTINGS[: r % 3]:  # rotate the order each round
+                        before = await asyncio.to_thread(_planned_ahead, group.metrics_urls["scheduler"])
                         got, text = await _round(client, model, setting, tokens)
+                        ahead[setting] += (
+                            await asyncio.to_thread(_planned_ahead, group.metrics_urls["scheduler"]) - before
+                        )
                         gaps[setting].extend(got)
                         texts[setting].add(text)
 
@@ -111,6 +128,7 @@ def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print) -> 
         "ratio_vs_free": medians["beside_constrained"] / medians["beside_free"],
         "target": TARGET,
         "same_text": same_text,
+        "planned_ahead": {s: int(v) for s, v in ahead.items()},  # steps planned ahead while each setting ran
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     log(write(None, result))
@@ -131,8 +149,10 @@ def write(out_dir: str | None, result: dict) -> str:
             "",
             f"beside_constrained / alone = **{result['ratio']:.2f}x** (target <= {result['target']}x: {status}); "
             f"beside_constrained / beside_free = {result['ratio_vs_free']:.2f}x (the grammar's own share). "
-            f"Probe text equal in every setting: {result['same_text']}. Load average (1 min) before/after: "
-            f"{result['loadavg_1m']}.",
+            f"Probe text equal in every setting: {result['same_text']}. Steps planned ahead (async scheduling) "
+            f"while each setting ran, over its {result['rounds']} rounds: "
+            + ", ".join(f"{s} {n}" for s, n in result.get("planned_ahead", {}).items())
+            + f". Load average (1 min) before/after: {result['loadavg_1m']}.",
             "",
         ]
     )
