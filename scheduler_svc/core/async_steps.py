@@ -11,9 +11,8 @@ A request with a grammar needs step k's token for its step-k+1 mask. With a grou
 (``HandshakeAck.late_token_masks``) it is planned ahead all the same: k+1 names it in ``masks_follow`` instead of
 carrying its mask, and once step k's answer is applied (its grammar consumed k's token) ``late_masks`` gives the
 masks the engine sends to rank 0 (in k+2's control, or a frame of their own), which runs k+1's forward meanwhile and
-waits for them before it samples. A request
-that step k ended (its grammar complete, EOS, a rejected token) gets no mask: rank 0 draws its k+1 token unmasked,
-and that token is dropped like any other of a request that ended in step k.
+waits for them before it samples. A request that step k ended (its grammar complete, EOS, a rejected token) gets no
+mask: rank 0 draws its k+1 token unmasked, and that token is dropped like any other of a request that ended in step k.
 
 Rules (all must hold, else None):
 - step k is outstanding and nothing is planned ahead of it yet;

@@ -267,7 +267,8 @@ class Scheduler:
 
     def late_masks(self, plan: StepPlan) -> dict[RequestId, bytes]:
         """The token masks ``plan`` (a step planned ahead) announced in ``masks_follow``, once the step before it
-        was applied: request -> allowed tokens, for rank 0's LateTokenMasks frame (``async_steps.py``)."""
+        was applied: request -> allowed tokens, for rank 0 (the next control's prior_masks, or a LateTokenMasks
+        frame; ``async_steps.py``)."""
         return late_masks(self, plan)
 
     def take_deferred_updates(self) -> list[RequestUpdate]:

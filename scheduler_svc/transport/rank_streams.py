@@ -3,9 +3,10 @@
 A step is written as: the payload frames each rank needs (every tensor serialized once, one chunk-sized frame
 at a time, the same bytes written to every rank that needs them), then the StepControl serialized once and the
 same bytes written to every rank; a step planned ahead with ``masks_follow`` gets its late masks later, in the next
-step's control (``prior_masks``) or, when none is planned yet, in a frame to rank 0 alone (``send_late_masks``). The step completes when every rank has answered it; rank 0's answer carries
-the sampled tokens. Any broken stream, protocol error, handshake refusal or missed deadline raises
-``GroupDown``; the caller recovers and calls ``connect`` again, which opens fresh streams under a newer epoch.
+step's control (``prior_masks``) or, when none is planned yet, in a frame to rank 0 alone (``send_late_masks``). The
+step completes when every rank has answered it; rank 0's answer carries the sampled tokens. Any broken stream,
+protocol error, handshake refusal or missed deadline raises ``GroupDown``; the caller recovers and calls ``connect``
+again, which opens fresh streams under a newer epoch.
 """
 
 from __future__ import annotations
