@@ -91,8 +91,9 @@ async def _round(client, model: str, setting: str, tokens: int) -> tuple[list[fl
         await asyncio.gather(companion, return_exceptions=True)
 
 
-def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print) -> dict:
-    """Runs the three settings ``rounds`` times each in a fresh group; returns per-setting medians and the ratios."""
+def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print, scheduler_args=()) -> dict:
+    """Runs the three settings ``rounds`` times each in a fresh group; returns per-setting medians and the ratios.
+    ``scheduler_args``: extra scheduler flags (``--async-grammar false``: constrained steps wait, for comparison)."""
     import openai
 
     from mmcast_local.supervisor import LocalGroup
@@ -101,7 +102,7 @@ def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print) -> 
     texts: dict[str, set[str]] = {s: set() for s in SETTINGS}
     ahead: dict[str, float] = {s: 0.0 for s in SETTINGS}
     load_before = os.getloadavg()[0]
-    with LocalGroup(model_dir, tp=1) as group:
+    with LocalGroup(model_dir, tp=1, scheduler_args=list(scheduler_args)) as group:
 
         async def main() -> None:
             async with openai.AsyncOpenAI(base_url=group.openai_base_url, api_key="unused", timeout=300) as client:
@@ -172,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="folder for grammar_cost.md")
     parser.add_argument("--model-dir", help="tiny model folder (built if missing)")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--scheduler-args", default="", help='extra scheduler flags, e.g. "--async-grammar false"')
     args = parser.parse_args(argv)
     model_dir = str(ensure_tiny_model(args.model_dir or os.path.join("benchmarks", "results", ".model", "qwen2_vl")))
-    result = measure(model_dir, rounds=args.rounds, log=lambda s: print(s, file=sys.stderr))
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    result = measure(model_dir, rounds=args.rounds, log=log, scheduler_args=args.scheduler_args.split())
     write(args.out, result)
     return 0 if result["same_text"] else 1
 

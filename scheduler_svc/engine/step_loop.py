@@ -71,6 +71,7 @@ class Engine:
         reconnect_backoff: tuple[float, float] = (0.2, 5.0),
         on_group_state: Callable[[bool], None] | None = None,
         async_scheduling: bool = False,
+        late_masks: bool = True,
     ) -> None:
         self.group = group
         self.core_factory = core_factory
@@ -82,6 +83,7 @@ class Engine:
         self.backoff = reconnect_backoff
         self.on_group_state = on_group_state or (lambda up: None)
         self.async_scheduling = async_scheduling  # --async-scheduling: plain decode steps planned a step ahead
+        self.late_masks = late_masks  # --async-grammar: constrained ones too, where the ranks take late masks
         self.handles: dict[RequestId, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
@@ -283,7 +285,7 @@ class Engine:
         if self._stopping:
             return False
         a0, a0_ns = time.perf_counter(), time.time_ns()
-        ahead = self.core.schedule_ahead(late_masks=self.group.late_token_masks)
+        ahead = self.core.schedule_ahead(late_masks=self.late_masks and self.group.late_token_masks)
         if ahead is None:
             return False
         a1 = time.perf_counter()
