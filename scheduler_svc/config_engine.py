@@ -88,6 +88,13 @@ class EngineSettings:
         "(--async-scheduling false: every step waits)",
         section=BATCHING,
     )
+    async_grammar: bool = setting(
+        True,
+        "under --async-scheduling, build a constrained request's decode steps ahead too: its mask follows the step's "
+        "control to rank 0 once the previous step's token is known, while the forward runs (only with ranks that "
+        "acknowledge late masks); false: a step with a constrained request waits for the previous answer",
+        section=BATCHING,
+    )
     max_waiting: int = setting(
         256, "requests queued before admission; more get RESOURCE_EXHAUSTED", min=0, max=1_000_000, section=BATCHING
     )

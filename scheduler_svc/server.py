@@ -119,6 +119,7 @@ class SchedulerServer:
             reconnect_backoff=(config.reconnect_backoff_initial_seconds, config.reconnect_backoff_max_seconds),
             on_group_state=self._on_group_state,
             async_scheduling=config.async_scheduling,
+            late_masks=config.async_grammar,
         )
         self.completions = Completions(
             engine=self.engine,

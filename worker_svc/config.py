@@ -174,6 +174,14 @@ class WorkerConfig:
         "0.0.0.0", "address /metrics binds (127.0.0.1 keeps it local)", section=_SERVICE, metavar="HOST"
     )
     scheduler_id: str = setting("", "accept only this scheduler's streams (empty: any)", section=_SERVICE)
+    late_mask_timeout_seconds: float = setting(
+        60.0,
+        "rank 0's longest wait for the token masks a step announced to come later (async scheduling of constrained "
+        "requests); past it the step is refused as a protocol error",
+        min=0.1,
+        max=3600,
+        section=_SERVICE,
+    )
     log_level: str = setting("info", "level of the JSON logs", choices=LOG_LEVELS, section=_SERVICE)
 
     # --- security -----------------------------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """``mmcast.v1.WorkerService`` over grpc.aio: translates step-stream frames into calls on the ``Worker``.
 
 Frames of one stream are handled in order; a step's compute runs on the worker's compute thread, so the event
-loop keeps answering other streams (a superseding handshake, health checks) meanwhile. Received bytes are
-counted where they arrive, with the same split the scheduler uses for its sent counters.
+loop keeps answering other streams (a superseding handshake, health checks) meanwhile. The one frame read while a
+step runs is on rank 0, for a control that announced ``masks_follow``: the step's late masks, in a ``LateTokenMasks``
+frame or in the next control's ``prior_masks`` (``worker_svc/late_masks.py``). Received bytes are counted where they
+arrive, with the same split the scheduler uses for its sent counters.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -18,9 +21,10 @@ from common.item_proto import control_byte_breakdown
 from common.parse_guard import Unparsable
 from mmcast.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.handshake import HandshakeRejected
+from worker_svc.late_masks import LateMasks
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.session import StepOutcome
-from worker_svc.step_errors import StepError, code_name
+from worker_svc.step_errors import StepError, code, code_name
 from worker_svc.worker import StreamHandle, Worker
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,15 @@ def step_result(
     stats.assemble_time.FromNanoseconds(int(assemble_seconds * 1e9))
     stats.step_time.FromNanoseconds(int((time.perf_counter() - t0) * 1e9))
     return result
+
+
+@dataclasses.dataclass
+class _Received:
+    """What arrived for the next step before its control: payload bytes, and the time spent assembling them."""
+
+    payload_bytes: int = 0
+    assemble_seconds: float = 0.0
+    ahead: list = dataclasses.field(default_factory=list)  # a control read during the step before (prior_masks)
 
 
 def _rank_step_span(control: worker_pb2.StepControl, rank: int):
@@ -150,13 +163,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return read.result()
 
     async def _serve(self, handle: StreamHandle, context) -> None:
-        loop = asyncio.get_running_loop()
         rank = self.worker.config.rank
         superseded = asyncio.ensure_future(handle.superseded.wait())
-        step_payload_bytes, step_assemble_seconds = 0, 0.0
+        received = _Received()
         try:
             while True:
-                frame = await self._next(handle, context, superseded)
+                # read_ahead: a control rank 0 read while the step before it ran (it carried that step's late masks)
+                read_ahead = bool(received.ahead)
+                frame = received.ahead.pop() if read_ahead else await self._next(handle, context, superseded)
                 if frame is None or handle.superseded.is_set():
                     await context.abort(
                         grpc.StatusCode.ABORTED,
@@ -166,7 +180,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     return
                 if isinstance(frame, Unparsable):  # the stream's state is dropped (close_stream)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, frame.message)
-                step_payload_bytes += self._count(frame)
+                if not read_ahead:  # else counted when it was read
+                    received.payload_bytes += self._count(frame)
                 kind = frame.WhichOneof("frame")
                 if kind == "payload":
                     if handle.pending_error is None:
@@ -175,28 +190,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                             handle.session.receive_payload(frame.payload)
                         except StepError as exc:
                             handle.pending_error = exc  # reported with the step, after the peers agree
-                        step_assemble_seconds += time.perf_counter() - a0
+                        received.assemble_seconds += time.perf_counter() - a0
                 elif kind == "keepalive":
                     await context.write(worker_pb2.StepResponse(keepalive=frame.keepalive))
                 elif kind == "control":
-                    t0 = time.perf_counter()
-                    control = frame.control
-                    with _rank_step_span(control, rank):
-                        try:
-                            outcome = await loop.run_in_executor(
-                                self.worker.executor, self.worker.apply_step, handle, control
-                            )
-                        except StepError as exc:
-                            await self._refuse(handle, context, exc, control.step_id, rank)
-                            return
-                        if handle.superseded.is_set():
-                            continue  # the next read reports it
-                        result = step_result(
-                            control.step_id, rank, outcome, handle, step_payload_bytes, t0, step_assemble_seconds
-                        )
-                        step_payload_bytes, step_assemble_seconds = 0, 0.0
-                        await context.write(worker_pb2.StepResponse(step_result=result))
-                    self.metrics.step_seconds.observe(time.perf_counter() - t0)
+                    if not read_ahead and frame.control.HasField("prior_masks") and rank == 0:
+                        await self._refuse_late(handle, context, frame.control.prior_masks.step_id, "prior_masks")
+                        return
+                    if not await self._step(handle, context, frame.control, received, superseded):
+                        return
+                elif kind == "late_token_masks":  # none is awaited between steps
+                    await self._refuse_late(handle, context, frame.late_token_masks.step_id, "late_token_masks")
+                    return
                 else:
                     await context.abort(
                         grpc.StatusCode.FAILED_PRECONDITION,
@@ -204,6 +209,80 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     )
         finally:
             superseded.cancel()
+
+    async def _step(self, handle: StreamHandle, context, control, received: _Received, superseded) -> bool:
+        """Applies one control on the compute thread and writes its answer; False when the step was refused (the
+        stream ends). On rank 0, a control with ``masks_follow`` runs while this reads the step's late masks."""
+        loop = asyncio.get_running_loop()
+        rank = self.worker.config.rank
+        t0 = time.perf_counter()
+        late = handle.session.expect_late_masks(control) if control.masks_follow and rank == 0 else None
+        with _rank_step_span(control, rank):
+            step = loop.run_in_executor(self.worker.executor, self.worker.apply_step, handle, control)
+            try:
+                if late is not None:
+                    await self._read_late_masks(context, late, step, superseded, received)
+                outcome = await step
+            except StepError as exc:
+                if handle.superseded.is_set():
+                    return True  # the next read reports it
+                await self._refuse(handle, context, exc, control.step_id, rank)
+                return False
+            if handle.superseded.is_set():
+                return True  # the next read reports it
+            result = step_result(
+                control.step_id, rank, outcome, handle, received.payload_bytes, t0, received.assemble_seconds
+            )
+            received.payload_bytes, received.assemble_seconds = 0, 0.0
+            await context.write(worker_pb2.StepResponse(step_result=result))
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        return True
+
+    async def _read_late_masks(
+        self, context, late: LateMasks, step: asyncio.Future, superseded, received: _Received
+    ) -> None:
+        """Reads frames while ``step`` runs, until its late masks come, and hands them to the compute thread (which
+        waits for them before sampling): a ``LateTokenMasks`` frame, or the next control carrying them in
+        ``prior_masks`` (kept in ``received.ahead`` for after this step's answer). Keepalives are answered; any other
+        frame, the stream's end or its supersession fails the step instead: the scheduler writes the masks before
+        anything else of a later step."""
+        where = f"step {late.step_id} waits for its late token masks (StepControl.masks_follow)"
+        try:
+            while not late.settled and not step.done():
+                read = asyncio.ensure_future(context.read())
+                await asyncio.wait({read, step, superseded}, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():  # the step failed before its masks came, or the stream was superseded
+                    read.cancel()
+                    await asyncio.gather(read, return_exceptions=True)
+                    return
+                frame = read.result()
+                if frame is grpc.aio.EOF or isinstance(frame, Unparsable):
+                    why = "the stream ended" if frame is grpc.aio.EOF else frame.message
+                    late.fail(StepError(code.STATE_MISMATCH, f"{why} while {where}"))
+                    return
+                self._count(frame)
+                kind = frame.WhichOneof("frame")
+                if kind == "keepalive":
+                    await context.write(worker_pb2.StepResponse(keepalive=frame.keepalive))
+                elif kind == "late_token_masks":
+                    late.deliver(frame.late_token_masks)
+                elif kind == "control" and frame.control.HasField("prior_masks"):
+                    late.deliver(frame.control.prior_masks)
+                    received.ahead.append(frame)  # applied once this step is answered
+                else:
+                    why = f"a {kind} frame came while {where}; the masks must come first (or in prior_masks)"
+                    late.fail(StepError(code.STATE_MISMATCH, why))
+        finally:  # cancelled (the stream is gone) or returned early: the compute thread must not wait on
+            late.fail(StepError(code.STATE_MISMATCH, f"the stream ended or was superseded while {where}"))
+
+    async def _refuse_late(self, handle: StreamHandle, context, step_id: int, field: str) -> None:
+        """Refuses late masks no step of the stream waits for (``field``: where they came)."""
+        rank = self.worker.config.rank
+        why = (
+            f"{field} for step {step_id}: no step of this stream waits for late masks (rank {rank}; only rank 0 "
+            "takes them, while it runs a StepControl that announced masks_follow)"
+        )
+        await self._refuse(handle, context, StepError(code.STATE_MISMATCH, why), step_id, rank)
 
     async def _refuse(self, handle: StreamHandle, context, exc: StepError, step_id: int, rank: int) -> None:
         """Reports a refused step and ends the stream; its state is dropped."""

@@ -33,12 +33,13 @@ from worker_svc import step_checks as checks
 from worker_svc.caches import EncoderCache, FrameError, PayloadAssembler, PayloadCache
 from worker_svc.item_pixels import item_pixels
 from worker_svc.last_sampled import LastSampled, extra_tokens
+from worker_svc.late_masks import LateMasks
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.request_state import RequestState
 from worker_svc.runner import ForwardInput
 from worker_svc.step_errors import StepError, code
 from worker_svc.step_sampling import sample_step
-from worker_svc.token_mask import check_token_masks
+from worker_svc.token_mask import check_masks_follow, check_token_masks
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class _CheckedStep:
     payload_queries: int = 0  # items this rank encodes: each needs its payload (hit: held from an earlier step)
     encoder_queries: int = 0  # (window, item) uses of an encoder output (hit: computed in an earlier step)
     token_masks: dict = dataclasses.field(default_factory=dict)  # request -> its TokenMask (structured output)
+    masks_follow: frozenset = frozenset()  # requests whose masks come in the step's LateTokenMasks (rank 0 waits)
 
 
 @dataclasses.dataclass
@@ -90,11 +92,12 @@ class Session:
         group=None,
         images=None,
         videos=None,
+        late_mask_timeout: float = 60.0,
     ) -> None:
         """``group``: the rank's ``worker_svc.process_group.Group`` (sharded placement's collectives; None for one rank);
         ``images``: a ``common.image_input.ImageInput`` with the limits the scheduler's handshake sent (None: encoded
         payloads are refused); ``videos``: a ``common.video_input.VideoInput`` likewise (None: encoded videos are
-        refused)."""
+        refused); ``late_mask_timeout``: rank 0's longest wait for a step's late masks (--late-mask-timeout-seconds)."""
         self.runner = runner
         self.group = group
         self.images = images
@@ -109,6 +112,8 @@ class Session:
         self.last_step_id = 0
         self.written: set[int] = set()  # KV pool blocks this stream's requests wrote: the prefixes it may read
         self.last_sampled = LastSampled()  # the previous step's samples: inputs of async-scheduled deltas
+        self.late_mask_timeout = late_mask_timeout
+        self.late: LateMasks | None = None  # rank 0: the late masks of the step being applied, if it announced any
 
     # --- frames ----------------------------------------------------------------------------------------------
 
@@ -117,6 +122,12 @@ class Session:
             self.assembler.add(frame)
         except FrameError as exc:
             raise StepError(code.BAD_TENSOR, str(exc), item_identifier=frame.item_identifier) from None
+
+    def expect_late_masks(self, control: worker_pb2.StepControl) -> LateMasks:
+        """Rank 0, before ``control`` (with ``masks_follow``) goes to the compute thread: the slot its late masks
+        are delivered to while the step runs (``worker_svc/late_masks.py``)."""
+        self.late = LateMasks(control.step_id, control.masks_follow, self.runner.vocab_size)
+        return self.late
 
     def clear(self) -> None:
         """Drops every request and cache entry of this stream."""
@@ -158,9 +169,9 @@ class Session:
         )
         encoder_hits, encoder_queries = checks.check_encoder_outputs_for_windows(windows, encode, encoded_after)
         checks.check_payload_budget(control, incoming, self.payloads)
-        masks = check_token_masks(
-            control, windows, r.vocab_size, {s.request_id: len(d.new_token_ids) + extra_tokens(d) for s, d in running}
-        )
+        brought = {s.request_id: len(d.new_token_ids) + extra_tokens(d) for s, d in running}
+        masks = check_token_masks(control, windows, r.vocab_size, brought)
+        follow = check_masks_follow(control, windows, brought)
         return _CheckedStep(
             control,
             finished,
@@ -174,6 +185,7 @@ class Session:
             payload_queries,
             encoder_queries,
             masks,
+            follow,
         )
 
     # --- phase 2: bookkeeping --------------------------------------------------------------------------------
@@ -329,14 +341,28 @@ class Session:
             state.blocks_in_pool = max(state.blocks_in_pool, full)
             if row is not None and self.rank == 0:
                 sampling.append(state)
+        masks = checked.token_masks
+        if checked.masks_follow and self.rank == 0:
+            masks = {**masks, **self._late_masks(checked.control.step_id)}
+            t1 = time.perf_counter()  # the wait is neither forward nor sampling
         if sampling:
-            drawn_all = sample_step(sampling, logits, checked.token_masks, self.rank)
+            drawn_all = sample_step(sampling, logits, masks, self.rank)
             for state, drawn in zip(sampling, drawn_all, strict=True):
                 (outcome.sampled if isinstance(drawn, Sample) else outcome.failed).append((state.request_id, drawn))
         outcome.sample_seconds = time.perf_counter() - t1  # the block bookkeeping beside it is negligible
         self.last_sampled.record(windows, outcome.sampled)
         self._report_sizes()
         return outcome
+
+    def _late_masks(self, step_id: int) -> dict:
+        """Rank 0: waits for the step's late masks (the servicer reads the frame meanwhile and delivers them)."""
+        late = self.late
+        if late is None or late.step_id != step_id:
+            raise StepError(code.INTERNAL, f"step {step_id}: masks_follow, but no late masks were expected for it")
+        try:
+            return late.wait(self.late_mask_timeout)
+        finally:
+            self.late = None
 
     def _report_sizes(self) -> None:
         if self.metrics is not None:

@@ -2,7 +2,9 @@
 windows and turned into the allowed-token rows that rank 0's sampler draws under (docs/ARCHITECTURE.md §2.12).
 
 The scheduler owns each request's grammar and sends, per step, only the mask of the next token; a rank keeps
-nothing of it between steps, so preemption and recovery need nothing here.
+nothing of it between steps, so preemption and recovery need nothing here. A step the scheduler wrote before the
+previous step's tokens were known announces its constrained requests in ``masks_follow``; their masks come in a
+``LateTokenMasks`` frame while the step runs (``worker_svc/late_masks.py``).
 """
 
 from __future__ import annotations
@@ -20,20 +22,65 @@ def mask_nbytes(vocab_size: int) -> int:
     return (vocab_size + 31) // 32 * 4
 
 
+def _sampled_ids(windows: list, new_tokens: dict[RequestId, int] | None) -> set[RequestId]:
+    """The requests a step samples: their window reaches their known tokens' end, counting the ``new_tokens`` their
+    delta brings."""
+    new_tokens = new_tokens or {}
+    return {s.request_id for s, _a, end in windows if end == len(s.token_ids) + new_tokens.get(s.request_id, 0)}
+
+
 def check_token_masks(
     control: worker_pb2.StepControl, windows: list, vocab_size: int, new_tokens: dict[RequestId, int] | None = None
 ) -> dict[RequestId, worker_pb2.TokenMask]:
     """Each mask names a request this step samples (its window reaches its known tokens' end, counting the
     ``new_tokens`` its delta brings), at most once, and has exactly ``mask_nbytes(vocab_size)`` bytes."""
-    new_tokens = new_tokens or {}
-    sampling = {s.request_id for s, _a, end in windows if end == len(s.token_ids) + new_tokens.get(s.request_id, 0)}
-    want = mask_nbytes(vocab_size)
-    out: dict[RequestId, worker_pb2.TokenMask] = {}
-    for k, m in enumerate(control.token_masks):
-        rid = RequestId(m.request_id)
-        where = f"token_masks[{k}]"
+    sampling = _sampled_ids(windows, new_tokens)
+    return _checked_masks(control.token_masks, "token_masks", sampling, "is not sampled by this step", vocab_size)
+
+
+def check_masks_follow(
+    control: worker_pb2.StepControl, windows: list, new_tokens: dict[RequestId, int] | None = None
+) -> frozenset[RequestId]:
+    """Each id of ``masks_follow`` (masks that come later, in a ``LateTokenMasks`` frame) names a request the step
+    samples, at most once, and none that has a mask in ``token_masks``. Returns the announced ids."""
+    sampling = _sampled_ids(windows, new_tokens)
+    in_control = {m.request_id for m in control.token_masks}
+    follow: set[RequestId] = set()
+    for k, raw in enumerate(control.masks_follow):
+        rid, where = RequestId(raw), f"masks_follow[{k}]"
         if rid not in sampling:
             raise StepError(code.STATE_MISMATCH, f"{where}: request {rid} is not sampled by this step", rid)
+        if rid in follow or rid in in_control:
+            what = "twice in masks_follow" if rid in follow else "in masks_follow and in token_masks"
+            raise StepError(code.STATE_MISMATCH, f"{where}: request {rid} is {what}", rid)
+        follow.add(rid)
+    return frozenset(follow)
+
+
+def check_late_masks(
+    frame: worker_pb2.LateTokenMasks, step_id: int, announced: frozenset[RequestId], vocab_size: int
+) -> dict[RequestId, worker_pb2.TokenMask]:
+    """A ``LateTokenMasks`` frame against the step waiting for it: the same step id, masks only for requests its
+    control announced in ``masks_follow``, each at most once and of ``mask_nbytes(vocab_size)`` bytes. An announced
+    request without a mask ended in the previous step (the scheduler drops its token): it draws unmasked."""
+    if frame.step_id != step_id:
+        raise StepError(
+            code.STATE_MISMATCH,
+            f"late_token_masks.step_id={frame.step_id}: the step waiting for its late masks is {step_id}",
+        )
+    where = "late_token_masks.masks"
+    return _checked_masks(frame.masks, where, announced, f"is not in step {step_id}'s masks_follow", vocab_size)
+
+
+def _checked_masks(masks, field: str, allowed_ids, not_allowed: str, vocab_size: int) -> dict:
+    """``masks`` (TokenMask messages of ``field``): each for a request in ``allowed_ids``, once, of the right size."""
+    want = mask_nbytes(vocab_size)
+    out: dict[RequestId, worker_pb2.TokenMask] = {}
+    for k, m in enumerate(masks):
+        rid = RequestId(m.request_id)
+        where = f"{field}[{k}]"
+        if rid not in allowed_ids:
+            raise StepError(code.STATE_MISMATCH, f"{where}: request {rid} {not_allowed}", rid)
         if rid in out:
             raise StepError(code.STATE_MISMATCH, f"{where}: a second mask for request {rid}", rid)
         if len(m.allowed) != want:

@@ -128,6 +128,7 @@ class Worker:
             device=str(r.device),
             encoder_output_row_bytes=r.row_width * r.row_dtype.itemsize,
             last_sampled_input=True,
+            late_token_masks=True,
         )
 
     # --- streams (event loop) --------------------------------------------------------------------------------
@@ -161,6 +162,7 @@ class Worker:
             group=self.group,
             images=self._image_input(hs),
             videos=self._video_input(hs),
+            late_mask_timeout=c.late_mask_timeout_seconds,
         )
         self.active = StreamHandle(hs.scheduler_epoch, session, asyncio.Event())
         log.info("stream admitted", extra={"epoch": hs.scheduler_epoch, "scheduler_id": hs.scheduler_id})

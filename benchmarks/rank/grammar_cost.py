@@ -12,7 +12,9 @@ moment falls on all of them:
 
 A step's cost is the probe's median gap between streamed tokens (client side). Reported: ``beside_constrained /
 alone`` (the target, <= 1.2x) and ``beside_constrained / beside_free`` (the grammar's own share, without the second
-row of the batch). The probe's text must be the same in every setting (greedy: the batch changes no token).
+row of the batch), and per setting the steps the scheduler planned ahead (``mmcast_steps_planned_ahead_total``; under
+async scheduling a constrained request's steps are planned ahead too, its masks following the control). The probe's
+text must be the same in every setting (greedy: the batch changes no token).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+import urllib.request
 
 SETTINGS = ("alone", "beside_free", "beside_constrained")
 TARGET = 1.2  # beside_constrained / alone
@@ -66,6 +69,15 @@ async def _companion(client, model: str, constrained: bool, started: asyncio.Eve
         await stream.close()
 
 
+def _planned_ahead(metrics_url: str) -> float:
+    """The scheduler's ``mmcast_steps_planned_ahead_total``."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:  # noqa: S310 - the loopback group we started
+        for line in reply.read().decode().splitlines():
+            if line.startswith("mmcast_steps_planned_ahead_total "):
+                return float(line.split()[1])
+    return 0.0
+
+
 async def _round(client, model: str, setting: str, tokens: int) -> tuple[list[float], str]:
     if setting == "alone":
         return await _probe(client, model, tokens)
@@ -79,16 +91,18 @@ async def _round(client, model: str, setting: str, tokens: int) -> tuple[list[fl
         await asyncio.gather(companion, return_exceptions=True)
 
 
-def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print) -> dict:
-    """Runs the three settings ``rounds`` times each in a fresh group; returns per-setting medians and the ratios."""
+def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print, scheduler_args=()) -> dict:
+    """Runs the three settings ``rounds`` times each in a fresh group; returns per-setting medians and the ratios.
+    ``scheduler_args``: extra scheduler flags (``--async-grammar false``: constrained steps wait, for comparison)."""
     import openai
 
     from mmcast_local.supervisor import LocalGroup
 
     gaps: dict[str, list[float]] = {s: [] for s in SETTINGS}
     texts: dict[str, set[str]] = {s: set() for s in SETTINGS}
+    ahead: dict[str, float] = {s: 0.0 for s in SETTINGS}
     load_before = os.getloadavg()[0]
-    with LocalGroup(model_dir, tp=1) as group:
+    with LocalGroup(model_dir, tp=1, scheduler_args=list(scheduler_args)) as group:
 
         async def main() -> None:
             async with openai.AsyncOpenAI(base_url=group.openai_base_url, api_key="unused", timeout=300) as client:
@@ -96,7 +110,11 @@ def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print) -> 
                 await _probe(client, model, 4)  # warm: compile paths, caches
                 for r in range(rounds):
                     for setting in SETTINGS[r % 3 :] + SETTINGS[: r % 3]:  # rotate the order each round
+                        before = await asyncio.to_thread(_planned_ahead, group.metrics_urls["scheduler"])
                         got, text = await _round(client, model, setting, tokens)
+                        ahead[setting] += (
+                            await asyncio.to_thread(_planned_ahead, group.metrics_urls["scheduler"]) - before
+                        )
                         gaps[setting].extend(got)
                         texts[setting].add(text)
 
@@ -111,6 +129,7 @@ def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print) -> 
         "ratio_vs_free": medians["beside_constrained"] / medians["beside_free"],
         "target": TARGET,
         "same_text": same_text,
+        "planned_ahead": {s: int(v) for s, v in ahead.items()},  # steps planned ahead while each setting ran
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     log(write(None, result))
@@ -131,8 +150,10 @@ def write(out_dir: str | None, result: dict) -> str:
             "",
             f"beside_constrained / alone = **{result['ratio']:.2f}x** (target <= {result['target']}x: {status}); "
             f"beside_constrained / beside_free = {result['ratio_vs_free']:.2f}x (the grammar's own share). "
-            f"Probe text equal in every setting: {result['same_text']}. Load average (1 min) before/after: "
-            f"{result['loadavg_1m']}.",
+            f"Probe text equal in every setting: {result['same_text']}. Steps planned ahead (async scheduling) "
+            f"while each setting ran, over its {result['rounds']} rounds: "
+            + ", ".join(f"{s} {n}" for s, n in result.get("planned_ahead", {}).items())
+            + f". Load average (1 min) before/after: {result['loadavg_1m']}.",
             "",
         ]
     )
@@ -152,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="folder for grammar_cost.md")
     parser.add_argument("--model-dir", help="tiny model folder (built if missing)")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--scheduler-args", default="", help='extra scheduler flags, e.g. "--async-grammar false"')
     args = parser.parse_args(argv)
     model_dir = str(ensure_tiny_model(args.model_dir or os.path.join("benchmarks", "results", ".model", "qwen2_vl")))
-    result = measure(model_dir, rounds=args.rounds, log=lambda s: print(s, file=sys.stderr))
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    result = measure(model_dir, rounds=args.rounds, log=log, scheduler_args=args.scheduler_args.split())
     write(args.out, result)
     return 0 if result["same_text"] else 1
 

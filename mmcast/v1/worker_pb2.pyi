@@ -38,16 +38,18 @@ PROTOCOL_ERROR_CODE_OUT_OF_RANGE: ProtocolErrorCode
 PROTOCOL_ERROR_CODE_INTERNAL: ProtocolErrorCode
 
 class StepRequest(_message.Message):
-    __slots__ = ("handshake", "payload", "control", "keepalive")
+    __slots__ = ("handshake", "payload", "control", "keepalive", "late_token_masks")
     HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
+    LATE_TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     handshake: Handshake
     payload: PayloadFrame
     control: StepControl
     keepalive: Keepalive
-    def __init__(self, handshake: _Optional[_Union[Handshake, _Mapping]] = ..., payload: _Optional[_Union[PayloadFrame, _Mapping]] = ..., control: _Optional[_Union[StepControl, _Mapping]] = ..., keepalive: _Optional[_Union[Keepalive, _Mapping]] = ...) -> None: ...
+    late_token_masks: LateTokenMasks
+    def __init__(self, handshake: _Optional[_Union[Handshake, _Mapping]] = ..., payload: _Optional[_Union[PayloadFrame, _Mapping]] = ..., control: _Optional[_Union[StepControl, _Mapping]] = ..., keepalive: _Optional[_Union[Keepalive, _Mapping]] = ..., late_token_masks: _Optional[_Union[LateTokenMasks, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("handshake_ack", "step_result", "error", "keepalive")
@@ -108,7 +110,7 @@ class VideoDecodeLimits(_message.Message):
     def __init__(self, max_bytes: _Optional[int] = ..., max_frame_pixels: _Optional[int] = ..., max_duration_seconds: _Optional[float] = ..., max_total_frames: _Optional[int] = ..., max_sampled_frames: _Optional[int] = ..., max_streams: _Optional[int] = ...) -> None: ...
 
 class HandshakeAck(_message.Message):
-    __slots__ = ("protocol_version", "model_fingerprint", "rank", "world_size", "kv_blocks", "payload_cache_bytes", "encoder_cache_tokens", "max_tensor_bytes", "max_model_len", "device", "encoder_output_row_bytes", "last_sampled_input")
+    __slots__ = ("protocol_version", "model_fingerprint", "rank", "world_size", "kv_blocks", "payload_cache_bytes", "encoder_cache_tokens", "max_tensor_bytes", "max_model_len", "device", "encoder_output_row_bytes", "last_sampled_input", "late_token_masks")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,7 @@ class HandshakeAck(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ENCODER_OUTPUT_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_SAMPLED_INPUT_FIELD_NUMBER: _ClassVar[int]
+    LATE_TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     model_fingerprint: str
     rank: int
@@ -133,7 +136,8 @@ class HandshakeAck(_message.Message):
     device: str
     encoder_output_row_bytes: int
     last_sampled_input: bool
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ..., encoder_output_row_bytes: _Optional[int] = ..., last_sampled_input: _Optional[bool] = ...) -> None: ...
+    late_token_masks: bool
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., model_fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., payload_cache_bytes: _Optional[int] = ..., encoder_cache_tokens: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ..., encoder_output_row_bytes: _Optional[int] = ..., last_sampled_input: _Optional[bool] = ..., late_token_masks: _Optional[bool] = ...) -> None: ...
 
 class PayloadFrame(_message.Message):
     __slots__ = ("item_identifier", "field_name", "header", "chunk")
@@ -254,7 +258,7 @@ class EncoderInput(_message.Message):
     def __init__(self, item_identifier: _Optional[str] = ..., owner_rank: _Optional[int] = ..., replicated: _Optional[bool] = ...) -> None: ...
 
 class StepControl(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running", "finished_request_ids", "encoder_inputs", "evict_payload_ids", "evict_encoder_ids", "reset_caches", "token_masks")
+    __slots__ = ("step_id", "new_requests", "running", "finished_request_ids", "encoder_inputs", "evict_payload_ids", "evict_encoder_ids", "reset_caches", "token_masks", "masks_follow", "prior_masks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +268,8 @@ class StepControl(_message.Message):
     EVICT_ENCODER_IDS_FIELD_NUMBER: _ClassVar[int]
     RESET_CACHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_MASKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
@@ -273,7 +279,17 @@ class StepControl(_message.Message):
     evict_encoder_ids: _containers.RepeatedScalarFieldContainer[str]
     reset_caches: bool
     token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., encoder_inputs: _Optional[_Iterable[_Union[EncoderInput, _Mapping]]] = ..., evict_payload_ids: _Optional[_Iterable[str]] = ..., evict_encoder_ids: _Optional[_Iterable[str]] = ..., reset_caches: _Optional[bool] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
+    masks_follow: _containers.RepeatedScalarFieldContainer[str]
+    prior_masks: LateTokenMasks
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., encoder_inputs: _Optional[_Iterable[_Union[EncoderInput, _Mapping]]] = ..., evict_payload_ids: _Optional[_Iterable[str]] = ..., evict_encoder_ids: _Optional[_Iterable[str]] = ..., reset_caches: _Optional[bool] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., masks_follow: _Optional[_Iterable[str]] = ..., prior_masks: _Optional[_Union[LateTokenMasks, _Mapping]] = ...) -> None: ...
+
+class LateTokenMasks(_message.Message):
+    __slots__ = ("step_id", "masks")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
+    def __init__(self, step_id: _Optional[int] = ..., masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
 
 class TokenMask(_message.Message):
     __slots__ = ("request_id", "allowed")

@@ -7,24 +7,34 @@ else waits for step k's answer and goes through ``Scheduler.schedule`` as before
 (EOS, a stop token) its step-k+1 token is dropped by ``update_from_output`` (it is no longer running), never
 delivered nor counted, and the next synchronous plan tells the ranks to drop it.
 
+A request with a grammar needs step k's token for its step-k+1 mask. With a group whose every rank takes late masks
+(``HandshakeAck.late_token_masks``) it is planned ahead all the same: k+1 names it in ``masks_follow`` instead of
+carrying its mask, and once step k's answer is applied (its grammar consumed k's token) ``late_masks`` gives the
+masks the engine sends to rank 0 (in k+2's control, or a frame of their own), which runs k+1's forward meanwhile and
+waits for them before it samples. A request that step k ended (its grammar complete, EOS, a rejected token) gets no
+mask: rank 0 draws its k+1 token unmasked, and that token is dropped like any other of a request that ended in step k.
+
 Rules (all must hold, else None):
 - step k is outstanding and nothing is planned ahead of it yet;
 - no request waits (admission goes first), none ended since step k was planned (the ranks must hear of it), no
   recovery reset is due, no poison suspect is being isolated;
 - every running request is in step k with one token that it samples (a plain decode step: no prefill chunk, no
-  item window), without a grammar (its mask needs step k's token) and outside a live session;
+  item window), outside a live session, and without a grammar unless the group takes late masks;
 - a request that step k surely ends by length is left out (the ranks hold it one step more, computing nothing);
 - the pool has a slot for every remaining request's next token.
 """
 
 from __future__ import annotations
 
+from common.errors import FailedPrecondition
+from common.ids import RequestId
 from scheduler_svc.core.accounting_events import ItemAccounting
 from scheduler_svc.core.step_plan import RunningRequestData, StepPlan
 
 
-def plan_ahead(core) -> StepPlan | None:
-    """Step k+1 of the core's outstanding step k, or None when a rule above does not hold. ``core``: a Scheduler."""
+def plan_ahead(core, late_masks: bool = False) -> StepPlan | None:
+    """Step k+1 of the core's outstanding step k, or None when a rule above does not hold. ``core``: a Scheduler;
+    ``late_masks``: every rank of the group takes masks after the control (constrained requests may be planned)."""
     step = core._outstanding
     if step is None or core._ahead is not None or step.new_requests or step.encoder_inputs:
         return None
@@ -38,7 +48,7 @@ def plan_ahead(core) -> StepPlan | None:
         mine, n = in_step.get(r.request_id, (None, 0))
         if mine is not r or n != 1 or r.num_computed_tokens + 1 != r.num_tokens:
             return None  # not one sampled decode token in step k
-        if r.grammar is not None or r.live is not None:
+        if (r.grammar is not None and not late_masks) or r.live is not None:
             return None
         if r.num_output_tokens + 1 >= r.sampling.max_tokens or r.num_tokens + 1 >= core.max_model_len:
             continue  # step k gives its last token
@@ -71,7 +81,23 @@ def plan_ahead(core) -> StepPlan | None:
         scheduled=scheduled,
         released=ItemAccounting(),
         video_totals=ItemAccounting(),
+        masks_follow=[r.request_id for r in picks if r.grammar is not None],
     )
     core._next_step_id += 1
     core._ahead = plan
     return plan
+
+
+def late_masks(core, plan: StepPlan) -> dict[RequestId, bytes]:
+    """The masks ``plan`` announced in ``masks_follow``, once the step before it is applied (``plan`` is now the
+    core's outstanding step): each grammar has consumed that step's token. A request that ended since, or whose id
+    now names another request, gets none (its token of ``plan`` is dropped)."""
+    if plan is not core._outstanding:
+        raise FailedPrecondition(f"step {plan.step_id}: its late masks come once the step before it is applied")
+    planned = {r.request_id: r for r, _ in plan.scheduled}
+    out: dict[RequestId, bytes] = {}
+    for rid in plan.masks_follow:
+        r = planned[rid]
+        if core._requests.get(rid) is r and not r.is_finished:
+            out[rid] = r.grammar.mask()
+    return out

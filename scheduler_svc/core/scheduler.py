@@ -54,7 +54,7 @@ from common.errors import (
 from common.ids import RequestId
 from scheduler_svc.config import SchedulerConfig, context_length
 from scheduler_svc.core import admission
-from scheduler_svc.core.async_steps import plan_ahead
+from scheduler_svc.core.async_steps import late_masks, plan_ahead
 from scheduler_svc.core.group_fit import check_fits_group
 from scheduler_svc.core.inputs import GroupBudget, GroupStepOutcome
 from scheduler_svc.core.kv_cache import KVCacheManager
@@ -259,9 +259,17 @@ class Scheduler:
         self._deferred.append(update)
         return update
 
-    def schedule_ahead(self) -> StepPlan | None:
-        """The step after the one in flight, planned before its tokens are known (``async_steps.py``), or None."""
-        return plan_ahead(self)
+    def schedule_ahead(self, late_masks: bool = False) -> StepPlan | None:
+        """The step after the one in flight, planned before its tokens are known (``async_steps.py``), or None.
+        ``late_masks``: the group takes a step's masks after its control, so constrained requests may be planned
+        (their masks: ``late_masks`` once the step in flight is applied)."""
+        return plan_ahead(self, late_masks)
+
+    def late_masks(self, plan: StepPlan) -> dict[RequestId, bytes]:
+        """The token masks ``plan`` (a step planned ahead) announced in ``masks_follow``, once the step before it
+        was applied: request -> allowed tokens, for rank 0 (the next control's prior_masks, or a LateTokenMasks
+        frame; ``async_steps.py``)."""
+        return late_masks(self, plan)
 
     def take_deferred_updates(self) -> list[RequestUpdate]:
         """Final updates of live turns that ``schedule`` failed (call after it; the engine delivers them)."""

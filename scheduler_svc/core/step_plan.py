@@ -109,6 +109,9 @@ class StepPlan:
     video_totals: ItemAccounting = dataclasses.field(default_factory=ItemAccounting)
     # Structured output: request -> its allowed tokens (TokenMask.allowed); only requests in sampling_request_ids.
     token_masks: dict[RequestId, bytes] = dataclasses.field(default_factory=dict)
+    # A step planned ahead (async scheduling): requests of sampling_request_ids whose masks need the previous step's
+    # tokens, sent once that step is applied (``Scheduler.late_masks``, the wire's LateTokenMasks).
+    masks_follow: list[RequestId] = dataclasses.field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

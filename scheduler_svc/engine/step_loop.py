@@ -24,7 +24,7 @@ from scheduler_svc.engine.metrics import SchedulerMetrics
 from scheduler_svc.engine.request_handle import FinishEvent, RequestHandle
 from scheduler_svc.engine.stage_timing import StepTimes
 from scheduler_svc.engine.step_delivery import StepDelivery
-from scheduler_svc.transport.plan_proto import step_control
+from scheduler_svc.transport.plan_proto import late_masks_proto, step_control
 from scheduler_svc.transport.rank_streams import GroupDown, PayloadTensors, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class Engine:
         reconnect_backoff: tuple[float, float] = (0.2, 5.0),
         on_group_state: Callable[[bool], None] | None = None,
         async_scheduling: bool = False,
+        late_masks: bool = True,
     ) -> None:
         self.group = group
         self.core_factory = core_factory
@@ -82,6 +83,7 @@ class Engine:
         self.backoff = reconnect_backoff
         self.on_group_state = on_group_state or (lambda up: None)
         self.async_scheduling = async_scheduling  # --async-scheduling: plain decode steps planned a step ahead
+        self.late_masks = late_masks  # --async-grammar: constrained ones too, where the ranks take late masks
         self.handles: dict[RequestId, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
@@ -246,21 +248,14 @@ class Engine:
     async def _run_ahead(self, plan, t0: float, t1: float) -> None:
         """Runs ``plan`` and the plain decode steps the core plans while each one runs (``async_steps.py``): step
         k+1 is written before step k's answer is awaited, so the ranks never wait for the scheduler between them.
-        Returns when no step is in flight. Raises GroupDown."""
+        When k+1 announced late masks (constrained requests), they go to rank 0 as soon as k's answer is applied, in
+        k+2's control or before anything of k+2. Returns when no step is in flight. Raises GroupDown."""
         inflight = []
         try:
             await self._send_ahead(plan, t0, t1, inflight)
             while inflight:
-                if len(inflight) == 1 and not self._stopping:
-                    a0, a0_ns = time.perf_counter(), time.time_ns()
-                    ahead = self.core.schedule_ahead()
-                    if ahead is not None:
-                        a1 = time.perf_counter()
-                        self.metrics.schedule_seconds.observe(a1 - a0)
-                        if tracing.enabled():
-                            tracing.record_span("mmcast.schedule", a0_ns, time.time_ns(), **_plan_attributes(ahead))
-                        await self._send_ahead(ahead, a0, a1, inflight)
-                        self.metrics.steps_ahead.inc()
+                if len(inflight) == 1:
+                    await self._plan_ahead(inflight)
                 self.delivery.flush(self.core)  # the applied steps' tokens to the clients while the ranks compute
                 done, d0, d1, sent, span = inflight[0]
                 results = await self.group.step_results(done.step_id)
@@ -269,16 +264,45 @@ class Engine:
                 t2 = time.perf_counter()
                 self.metrics.step_seconds.observe(t2 - d0)
                 self._apply(done, results, StepTimes(d1 - d0, sent - d1, t2 - sent, results))
+                if inflight and inflight[0][0].masks_follow:  # its masks need the tokens just applied
+                    await self._send_late_masks(inflight)
         finally:
             for *_, span in inflight:  # a group lost with steps in flight: their spans end with it
                 tracing.end_span(span)
 
-    async def _send_ahead(self, plan, t0: float, t1: float, inflight: list) -> None:
-        """Writes ``plan`` and adds it to ``inflight`` with its times and its open span (the broadcast's parent)."""
+    async def _send_late_masks(self, inflight: list) -> None:
+        """The late masks of the step in flight (``inflight[0]``, which announced ``masks_follow``), now that the step
+        before it is applied: in the control of the next step when the core plans one ahead now (one frame to the
+        ranks, as for unconstrained steps), else in a frame of their own to rank 0."""
+        following = inflight[0][0]
+        masks = late_masks_proto(following.step_id, self.core.late_masks(following))
+        if not await self._plan_ahead(inflight, masks):
+            await self.group.send_late_masks(masks)
+
+    async def _plan_ahead(self, inflight: list, prior_masks=None) -> bool:
+        """Plans the step after the one in flight (``async_steps.py``) and writes it, with ``prior_masks`` (the late
+        masks of the step in flight); False when the core plans none (the step loop stops, or a rule does not hold)."""
+        if self._stopping:
+            return False
+        a0, a0_ns = time.perf_counter(), time.time_ns()
+        ahead = self.core.schedule_ahead(late_masks=self.late_masks and self.group.late_token_masks)
+        if ahead is None:
+            return False
+        a1 = time.perf_counter()
+        self.metrics.schedule_seconds.observe(a1 - a0)
+        if tracing.enabled():
+            tracing.record_span("mmcast.schedule", a0_ns, time.time_ns(), **_plan_attributes(ahead))
+        await self._send_ahead(ahead, a0, a1, inflight, prior_masks)
+        self.metrics.steps_ahead.inc()
+        return True
+
+    async def _send_ahead(self, plan, t0: float, t1: float, inflight: list, prior_masks=None) -> None:
+        """Writes ``plan`` (with the late masks of the step before it, if any) and adds it to ``inflight`` with its
+        times and its open span (the broadcast's parent)."""
         span = _open_step_span(plan)
         inflight.append((plan, t0, t1, None, span))
         with tracing.within(span):
-            await self.group.send_step(plan.step_id, step_control(plan), self._payloads(plan))
+            await self.group.send_step(plan.step_id, step_control(plan, prior_masks), self._payloads(plan))
         inflight[-1] = (plan, t0, t1, self.group.last_sent_at, span)
 
     def reconnect_wait(self) -> float:

@@ -18,7 +18,14 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs", "return
 _COUNTS = ("num_computed_tokens", "num_scheduled_tokens")  # both request messages carry them
 _NEW_REQUEST_FIELDS = ("request_id", "prompt_token_ids", "block_ids", *_COUNTS, "num_output_tokens")
 _RUNNING_FIELDS = ("request_id", "new_token_ids", "new_block_ids", *_COUNTS, "input_is_last_sampled")
-_STEP_FIELDS = ("step_id", "finished_request_ids", "evict_payload_ids", "evict_encoder_ids", "reset_caches")
+_STEP_FIELDS = (
+    "step_id",
+    "finished_request_ids",
+    "evict_payload_ids",
+    "evict_encoder_ids",
+    "reset_caches",
+    "masks_follow",
+)
 
 
 def _same_named(source, fields: tuple[str, ...]) -> dict:
@@ -51,9 +58,19 @@ def running_request_to_proto(data: RunningRequestData) -> worker_pb2.RunningRequ
     return worker_pb2.RunningRequest(**_same_named(data, _RUNNING_FIELDS))
 
 
-def step_control(plan) -> worker_pb2.StepControl:
-    """The control message of a ``StepPlan`` (identical for every rank)."""
+def late_masks_proto(step_id: int, masks: dict[str, bytes]) -> worker_pb2.LateTokenMasks:
+    """The late masks of step ``step_id`` (``Scheduler.late_masks``): a frame of their own, or the next control's
+    ``prior_masks``."""
+    return worker_pb2.LateTokenMasks(
+        step_id=step_id, masks=[worker_pb2.TokenMask(request_id=rid, allowed=m) for rid, m in masks.items()]
+    )
+
+
+def step_control(plan, prior_masks: worker_pb2.LateTokenMasks | None = None) -> worker_pb2.StepControl:
+    """The control message of a ``StepPlan`` (identical for every rank); ``prior_masks``: the late masks of the step
+    in flight before it, which rank 0 takes from this control."""
     return worker_pb2.StepControl(
+        prior_masks=prior_masks,
         **_same_named(plan, _STEP_FIELDS),
         new_requests=[new_request_to_proto(n) for n in plan.new_requests],
         running=[running_request_to_proto(r) for r in plan.running],

@@ -2,9 +2,11 @@
 
 A step is written as: the payload frames each rank needs (every tensor serialized once, one chunk-sized frame
 at a time, the same bytes written to every rank that needs them), then the StepControl serialized once and the
-same bytes written to every rank. The step completes when every rank has answered it; rank 0's answer carries
-the sampled tokens. Any broken stream, protocol error, handshake refusal or missed deadline raises
-``GroupDown``; the caller recovers and calls ``connect`` again, which opens fresh streams under a newer epoch.
+same bytes written to every rank; a step planned ahead with ``masks_follow`` gets its late masks later, in the next
+step's control (``prior_masks``) or, when none is planned yet, in a frame to rank 0 alone (``send_late_masks``). The
+step completes when every rank has answered it; rank 0's answer carries the sampled tokens. Any broken stream,
+protocol error, handshake refusal or missed deadline raises ``GroupDown``; the caller recovers and calls ``connect``
+again, which opens fresh streams under a newer epoch.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ class WorkerGroup:
         self.last_sent_at = 0.0  # perf_counter() when the latest step's control was written to every rank
         self._deadlines: dict[int, float] = {}  # step id -> monotonic() deadline for its answers (steps written)
         self.last_sampled_input = False  # every rank takes a step's input from its own last sample (async steps)
+        self.late_token_masks = False  # every rank takes a step's masks after its control (StepControl.masks_follow)
         self.any_failed = asyncio.Event()  # set when a connected rank's stream fails (wakes an idle step loop)
 
     @property
@@ -189,6 +192,7 @@ class WorkerGroup:
                 await self.close()
                 raise GroupDown(f"rank {s.rank} ({s.address}) disagrees: " + "; ".join(problems))
         self.last_sampled_input = all(a.last_sampled_input for a in acks)
+        self.late_token_masks = all(a.late_token_masks for a in acks)
         self._deadlines = {}
         self.budget = GroupBudget(
             num_ranks=self.world_size,
@@ -246,6 +250,22 @@ class WorkerGroup:
                 ) from None
         self.last_sent_at = time.perf_counter()
         self._deadlines[step_id] = deadline
+
+    async def send_late_masks(self, frame: worker_pb2.LateTokenMasks) -> None:
+        """Writes the late masks of step ``frame.step_id`` (written with ``masks_follow``, not yet answered) to rank
+        0, the rank that samples, as a frame of their own (when no next control carries them in ``prior_masks``),
+        before anything of a later step. Raises GroupDown."""
+        self._check_up()
+        step_id = frame.step_id
+        raw = worker_pb2.StepRequest(late_token_masks=frame).SerializeToString()
+        remaining = max(0.0, self._deadlines[step_id] - time.monotonic())
+        try:
+            await asyncio.wait_for(self._write(self._streams[:1], raw, "control"), remaining)
+        except TimeoutError:
+            raise GroupDown(
+                f"rank 0 ({self.addresses[0]}): the late token masks of step {step_id} not written within "
+                f"{self.step_timeout:.1f}s (--step-timeout-seconds); its link takes no more bytes"
+            ) from None
 
     async def step_results(self, step_id: int) -> list[worker_pb2.StepResult]:
         """Every rank's answer to the step ``send_step`` wrote (index = rank), within its deadline."""

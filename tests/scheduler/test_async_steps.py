@@ -1,12 +1,17 @@
 """Async scheduling in the core (``scheduler_svc/core/async_steps.py``): a plain decode step planned while the previous
-one is in flight, exact block and token bookkeeping, and requests that end in the step before."""
+one is in flight, exact block and token bookkeeping, requests that end in the step before, and constrained requests
+planned ahead with their masks following once the step before is applied."""
 
 from __future__ import annotations
 
+import pytest
+
+from common.errors import FailedPrecondition
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.inputs import GroupBudget
 from scheduler_svc.core.request import FinishReason, Request, RequestSampling
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.transport.plan_proto import step_control
 from tests.support.sched_sim import EOS, outcome
 
 GROUP = GroupBudget(num_ranks=2, kv_blocks=64, encoder_cache_tokens=64, payload_cache_bytes=2048)
@@ -106,3 +111,65 @@ def test_a_recovery_with_two_steps_in_flight_requeues_the_applied_tokens_only():
     s.reset_group(GROUP)
     [resumed] = s.schedule().new_requests
     assert resumed.prompt_token_ids[-2:] == [100, 7] and resumed.num_output_tokens == 2
+
+
+class CountingGrammar:
+    """A stand-in for a request's matcher: its mask says how many tokens it consumed (so a mask computed before a
+    token and one computed after it differ); complete after ``length`` tokens."""
+
+    def __init__(self, length: int) -> None:
+        self.consumed: list[int] = []
+        self.length = length
+
+    def mask(self) -> bytes:
+        return bytes([len(self.consumed)]) * 4
+
+    def advance(self, token: int) -> bool:
+        self.consumed.append(token)
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return len(self.consumed) >= self.length
+
+    error = ""
+
+
+def constrained(length: int) -> tuple[Scheduler, CountingGrammar]:
+    """A decoding core with an unconstrained request "free" and a constrained one "c"."""
+    s = make()
+    add(s, "free")
+    add(s, "c")
+    grammar = s.get_request("c").grammar = CountingGrammar(length)
+    plan = s.schedule()
+    s.update_from_output(plan, outcome({"free": 100, "c": 100}))
+    return s, grammar
+
+
+def test_a_constrained_request_is_planned_ahead_only_where_its_mask_may_follow():
+    s, grammar = constrained(length=10)
+    k = s.schedule()
+    assert k.token_masks == {"c": bytes([1]) * 4}  # a synchronous plan carries the mask
+    assert s.schedule_ahead() is None  # the group does not take late masks: lock-step
+    ahead = s.schedule_ahead(late_masks=True)
+    assert ahead.sampling_request_ids == ["free", "c"] and ahead.masks_follow == ["c"] and not ahead.token_masks
+    assert list(step_control(ahead).masks_follow) == ["c"]
+    with pytest.raises(FailedPrecondition, match="once the step before it is applied"):
+        s.late_masks(ahead)  # step k's token is not known yet
+    s.update_from_output(k, outcome({"free": 7, "c": 41}))
+    assert s.late_masks(ahead) == {"c": bytes([2]) * 4}  # computed after the grammar consumed k's token
+    got = {u.request_id: u.new_token_ids for u in s.update_from_output(ahead, outcome({"free": 8, "c": 42}))}
+    assert got == {"free": [8], "c": [42]} and grammar.consumed == [100, 41, 42]
+
+
+def test_a_constrained_request_its_grammar_ends_in_step_k_gets_no_late_mask_nor_its_token_of_the_step_ahead():
+    s, grammar = constrained(length=2)  # complete with its token of step k
+    k = s.schedule()
+    ahead = s.schedule_ahead(late_masks=True)
+    updates = {u.request_id: u for u in s.update_from_output(k, outcome({"free": 7, "c": 41}))}
+    assert updates["c"].finished is FinishReason.STOP and updates["c"].new_token_ids == [41]
+    assert s.late_masks(ahead) == {}  # rank 0 draws it unmasked ...
+    after = s.update_from_output(ahead, outcome({"free": 8, "c": 55}))
+    assert [(u.request_id, u.new_token_ids) for u in after] == [("free", [8])]  # ... and that token is dropped
+    assert grammar.consumed == [100, 41]
+    assert s.schedule().finished_request_ids == ["c"]

@@ -3,15 +3,21 @@ planned while the previous one runs, each rank taking the token the group sample
 broadcasts it to rank 1 on the group's collective). Every answer must still be plain transformers' (tests/support/
 oracle.py): image conversations decoding side by side, requests that end in the step before one planned ahead
 (length, stop token, stop string), and streams across kill -9 of a rank (the two steps in flight are void; the
-requests resume from the tokens already delivered, none repeated or skipped). The scheduler's
+requests resume from the tokens already delivered, none repeated or skipped). Constrained requests are planned ahead
+too, their masks following the step's control to rank 0 (``StepControl.masks_follow``): their answers follow their
+grammars, the greedy unconstrained requests beside them still equal the oracle, and greedy constrained streams across
+kill -9 of a rank give exactly the answer of an undisturbed run. The scheduler's
 ``mmcast_steps_planned_ahead_total`` shows that steps were in fact planned ahead.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import re
 import signal
 
+import jsonschema
 import openai
 import pytest
 
@@ -72,6 +78,47 @@ def test_image_conversations_decoding_side_by_side_equal_the_oracle(group, oracl
     assert ahead(group) > before  # the decode steps were planned ahead
 
 
+REGEX = "[a-z]{12}( [a-z]{3,8}){4}"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def constrained(group, seed: int, grammar: dict):
+    with Client(group.target, timeout=300) as c:
+        text = [{"role": "user", "content": "Describe a person."}]
+        return c.generate(text, max_tokens=64, temperature=1.0, seed=seed, structured_output=grammar)
+
+
+def test_a_constrained_request_alone_has_its_steps_planned_ahead(group):
+    before = ahead(group)
+    result = constrained(group, 1, {"regex": REGEX})
+    assert result.finish_reason == "stop" and re.fullmatch(REGEX, result.text), result.text
+    assert ahead(group) >= before + 10  # its decode steps, masks following the controls (not lock-step)
+
+
+def test_constrained_requests_beside_greedy_ones_follow_their_grammars_and_leave_the_greedy_tokens_alone(group, oracle):
+    before = ahead(group)
+    grammars = [{"regex": REGEX}, {"json_schema": SCHEMA}] * 2
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        free = [pool.submit(generate, group, k) for k in range(2)]
+        bound = [pool.submit(constrained, group, seed, g) for seed, g in enumerate(grammars)]
+        free_results, bound_results = [f.result() for f in free], [f.result() for f in bound]
+    for k, result in enumerate(free_results):
+        assert result.finish_reason == "length"
+        assert_matches(result, oracle(messages(k), N), f"greedy request {k} beside constrained ones")
+    for grammar, result in zip(grammars, bound_results, strict=True):
+        assert result.finish_reason == "stop", (grammar, result.text)
+        if "regex" in grammar:
+            assert re.fullmatch(REGEX, result.text), result.text
+        else:
+            jsonschema.validate(json.loads(result.text), SCHEMA)
+    assert ahead(group) > before
+
+
 def test_requests_ending_in_the_step_before_one_planned_ahead_get_exactly_their_tokens(group, oracle):
     from common.processor import load_processor
 
@@ -104,3 +151,31 @@ def test_kill_9_of_a_rank_with_steps_planned_ahead_loses_and_repeats_no_token(gr
         assert result.finish_reason == "length"
         assert_matches(result, oracle(messages(k), N), f"request {k} (killed at {at_kill[k]} tokens)")
     assert any(n < N for n in at_kill), at_kill  # the kill landed mid-generation
+
+
+def test_kill_9_of_a_rank_while_constrained_steps_are_planned_ahead_loses_and_repeats_no_token(group):
+    # Greedy under a grammar: one answer, whatever the batch; the recovered streams must give exactly it.
+    text = [{"role": "user", "content": "Write letters."}]
+    regex = "[a-z]{80}"
+
+    def run(stream_seen=None, k=0):
+        with Client(group.target, timeout=300, first_token_timeout=None) as c:
+            s = c.generate(text, max_tokens=120, temperature=0.0, structured_output={"regex": regex}, stream=True)
+            for delta in s:
+                if stream_seen is not None:
+                    stream_seen[k] += len(delta.token_ids)
+            return s.result
+
+    want = run()
+    assert want.finish_reason == "stop" and re.fullmatch(regex, want.text), want.text
+    seen = [0] * 3
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(run, seen, k) for k in range(3)]
+        assert wait_until(lambda: min(seen) >= 3, 120, 0.01), seen
+        generation = group.kill_rank(1, signal.SIGKILL)
+        at_kill = list(seen)
+        group.wait_restarted(generation, timeout=180)
+        results = [f.result(timeout=300) for f in futures]
+    for k, result in enumerate(results):
+        assert (result.finish_reason, result.token_ids) == ("stop", want.token_ids), f"request {k}, killed at {at_kill}"
+    assert any(n < len(want.token_ids) for n in at_kill), at_kill  # the kill landed mid-generation
