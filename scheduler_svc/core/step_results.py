@@ -30,6 +30,8 @@ def apply_outcome(core, plan: StepPlan, outcome: GroupStepOutcome) -> list[Reque
     spoiled = {rid for rid in core._requests if rid in bad_items}  # hold a failed item: none may sample
     _check_matches(plan, outcome, live, expected, spoiled)
     core._outstanding, core._ahead = core._ahead, None
+    if outcome.step_seconds is not None:  # the ranks' clocks price the step's work (the stall bound's rates)
+        core.costs.observe(plan.work, outcome.step_seconds, outcome.encoder_seconds)
     core.decider.mirrors.end_step()
     updates = [_fail_item(core, core._requests[rid], *bad_items[rid]) for rid in spoiled]
     for r, n in live:
