@@ -14,12 +14,14 @@
   what the burst's prefill does to conversations already answering; the burst's TTFT spread shows how its
   requests share the engine. Two views of those gaps: every gap that ends in the window (its p50/p99/max, the
   issue's figure), and each decode's *longest stall*, its longest gap overlapping the window (one that spans the
-  window's start or end counted whole), with its p50 and max over the decodes, over the arrivals of every token
-  (the decodes ask for log-probabilities, so a token whose text a server holds back still arrives in a chunk of
-  its own; random weights draw many tokens that are part of a character). The second is fair to an engine
+  window's start or end counted whole), with its p50 and max over the decodes. The second is fair to an engine
   that delivers the tokens it produced meanwhile in bunches (vLLM's API server while it preprocesses the burst's
   images): a bunch of N tokens is one long gap and N − 1 gaps of ~0, so its gap p99 reads near zero while its
   decodes waited as long as the long gap; an engine that streams each token as it is sampled shows every wait.
+  Both are per content chunk, as a user sees the text: with random weights many tokens are part of a character,
+  whose text both servers hold back until the character is whole, so a decode's longest stall may span two or
+  three of the steps that produced its tokens (asking for log-probabilities would give every token a chunk of its
+  own, but costs vLLM's API server, the bottleneck of its burst, its own work per token).
 
 Every request is greedy with a fixed number of tokens (``ignore_eos``); texts are kept for the token comparison.
 """
@@ -146,10 +148,7 @@ async def burst(client: Client, parts: Parts, decodes: int, decode_tokens: int, 
                 texts: dict, settle_s: float = 0.3) -> dict:  # fmt: skip
     image = parts(SEEDS["warmup"])  # in the prefix cache since the warm-up: the decodes start streaming at once
     firsts = [asyncio.Event() for _ in range(decodes)]
-    # log-probabilities asked for: both servers then send a chunk per token, also for a token whose text they hold
-    # back (part of a character), so a decode's longest stall is measured per token (its gaps, per content chunk)
-    running = [asyncio.create_task(client.chat([user([image], question(200 + k))], decode_tokens, first=firsts[k],
-                                               extra={"logprobs": True}))
+    running = [asyncio.create_task(client.chat([user([image], question(200 + k))], decode_tokens, first=firsts[k]))
                for k in range(decodes)]  # fmt: skip
     for event, task in zip(firsts, running, strict=True):  # each decode streams (or failed) before the burst
         waiter = asyncio.create_task(event.wait())
@@ -169,14 +168,12 @@ async def burst(client: Client, parts: Parts, decodes: int, decode_tokens: int, 
             texts[f"burst_decode/k{k}"] = reply.text
     rows = [row for _, _, row in done]
     window_end = max((start + r["sent_s"] + r["ttft_ms"] / 1e3 for r in rows), default=start)
-    in_window, every_gap, stalls, token_chunks = [], [], [], []
+    in_window, every_gap, stalls = [], [], []
     for reply in decode_replies:
         times = [reply.sent_at + c / 1e3 for c in reply.chunk_ms]
         in_window += gaps_in_window(times, start, window_end)
         every_gap += reply.itl_ms
-        arrivals = [reply.sent_at + c / 1e3 for c in reply.token_ms or reply.chunk_ms]
-        stalls.append(longest_stall(arrivals, start, window_end))
-        token_chunks.append(len(reply.token_ms))
+        stalls.append(longest_stall(times, start, window_end))
     measured = [x for x in stalls if x is not None]
     first_decode_end = min((r.sent_at + r.chunk_ms[-1] / 1e3 for r in decode_replies), default=start)
     summary = summarise(rows, len(failures))
@@ -191,7 +188,6 @@ async def burst(client: Client, parts: Parts, decodes: int, decode_tokens: int, 
         "decode_stall_ms": stalls,
         "decode_stall_p50_ms": stats.percentile(measured, 50) if measured else None,
         "decode_stall_max_ms": max(measured) if measured else None,
-        "decode_token_chunks": token_chunks,  # per decode: chunks carrying a token (decode_tokens: one per token)
         # when a decode ended before the burst's last first token, the in-burst gaps cover only part of it
         "decodes_outlasted_burst": first_decode_end >= window_end and len(decode_replies) == decodes,
         "failures": failures[:5], "rows": rows,

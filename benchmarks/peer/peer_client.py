@@ -66,9 +66,6 @@ class Reply:
     cached_tokens: int | None
     completion_tokens: int
     sent_at: float = 0.0  # monotonic time of the call (the load workload's clock)
-    # arrival times (ms from the call) of every chunk that carries a token, its text or only its log-probability:
-    # with logprobs asked for, a token whose text the server holds back (part of a character) still arrives
-    token_ms: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def tpot_ms(self) -> float | None:
@@ -106,15 +103,12 @@ class Client:
         model = await self.resolve_model()
         t0 = time.monotonic()
         chunks: list[float] = []
-        tokens: list[float] = []
         parts: list[str] = []
         usage = None
         stream = await self._client.chat.completions.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **(extra or {})})  # fmt: skip
         async for chunk in stream:
-            if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].logprobs):
-                tokens.append((time.monotonic() - t0) * 1e3)
             if chunk.choices and chunk.choices[0].delta.content:
                 chunks.append((time.monotonic() - t0) * 1e3)
                 parts.append(chunk.choices[0].delta.content)
@@ -135,7 +129,6 @@ class Client:
             details.cached_tokens if details is not None else None,
             usage.completion_tokens,
             t0,
-            tokens,
         )
 
     async def close(self) -> None:
