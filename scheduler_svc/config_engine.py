@@ -82,9 +82,9 @@ class EngineSettings:
     )
     max_decode_stall_ms: float = setting(
         150.0,
-        "while requests decode, a step's prefill and encoder work is cut so that the step should take at most "
-        "this long, from the costs the ranks measure (a step's first image or block of tokens always goes in); "
-        "with nothing decoding the token and encoder budgets alone apply (0 = no time bound)",
+        "while requests decode, the prefill and encoder work of requests queued since they began is cut so that "
+        "a step should take at most this long, from the costs the ranks measure (a step's first image or block of "
+        "tokens always goes in); otherwise the token and encoder budgets alone apply (0 = no time bound)",
         min=0.0,
         max=3_600_000.0,
         section=BATCHING,

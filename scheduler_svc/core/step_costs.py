@@ -6,9 +6,12 @@ step that also encodes new images and prefills new prompts makes every decode in
 and encoder budgets bound the work's size, not its time: four new 448×448 images, well within both, cost a CPU
 several hundred milliseconds. So while any request decodes, a step's prefill and encoder work is also bounded by
 time: its estimated cost may not exceed the stall target less what a step of decodes alone takes. With nothing
-decoding no one waits between tokens, and the size budgets alone apply (a burst arriving at an idle group is
-prefilled as fast as before). The same idea as stall-free batching with a token budget chosen from a
-time-between-tokens target (Sarathi-Serve), with the costs measured as the group runs instead of profiled before.
+decoding no one waits between tokens, and the size budgets alone apply. Only the work of requests queued after the
+oldest running decode began is cut: a request that was already waiting is ahead of the decodes that began since,
+so a burst arriving at an idle group is prefilled as fast as without the bound, although its first answers decode
+while the rest of it prefills (``Request.queued_at_step``, ``first_token_at_step``, counted in applied steps). The
+same idea as stall-free batching with a token budget chosen from a time-between-tokens target (Sarathi-Serve), with
+the costs measured as the group runs instead of profiled before.
 
 The model is linear, one rate per kind of work, each from the ranks' own clocks (``WorkerStepStats``: the slowest
 rank's ``step_time`` and ``encoder_time``, which includes decoding and preprocessing encoded images):

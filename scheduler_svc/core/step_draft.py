@@ -30,6 +30,7 @@ class StepDraft:
     # The stall bound (step_costs.py): seconds of prefill and encoder work the step may still carry while requests
     # decode; None: no time bound (nothing decodes, no --max-decode-stall-ms, or no decode step measured yet).
     work_s: float | None = None
+    decoding_since: int = 0  # when the oldest running decode began (Scheduler.steps_applied): who is cut
     prefilled: bool = False  # a prefill window is in the step: later ones may be cut to nothing
     bounded: bool = False  # the time bound cut a window of this step
 
@@ -41,9 +42,12 @@ class StepDraft:
 
     def fit(self, core, request: Request, window: Window) -> Window:
         """``window`` cut to the step's time left for prefill and encoder work, and planned again when cut; the
-        step's first prefill window keeps at least ``least_end``'s. A decode token is never cut: the budget is
-        what a step of decodes leaves (``core``: the Scheduler)."""
+        step's first prefill window keeps at least ``least_end``'s. A decode token is never cut (the budget is what
+        a step of decodes leaves), nor the prefill of a request queued before every running decode began: it is
+        ahead of them, as the rest of a burst is ahead of the burst's first answers (``core``: the Scheduler)."""
         if self.work_s is None or window.end <= window.start or is_decode(request):
+            return window
+        if request.queued_at_step < self.decoding_since:
             return window
         end = core.costs.affordable_end(request, window, self.work_s)
         if not self.prefilled:

@@ -169,3 +169,22 @@ def test_a_long_text_prompt_prefills_in_chunks_of_at_least_a_block_while_others_
     h2.add(request("long", [text("long", 64)], max_tokens=1))
     h2.run()
     assert [r.scheduled["long"] for r in h2.log[first:] if "long" in r.scheduled] == [16, 16, 16, 16]
+
+
+def test_the_rest_of_a_burst_is_not_cut_for_the_burst_s_own_first_answers_but_later_requests_are():
+    h = harness(40.0, step_encoder=2 * ROWS)  # two images a step by size; 30 ms of work a step by time: one
+    h.add(request("warm", [text("w", 8), ("warm-img", ROWS), text("w2", 8)], max_tokens=3))
+    h.run()  # every rate measured, nothing left running
+    first = len(h.log)
+    for k in range(8):
+        h.add(image_request(k, max_tokens=20))
+    for _ in range(5):
+        h.step()  # the first answers decode while the rest of the burst, queued before them, prefills
+    burst = [r.plan for r in h.log[first:] if r.encoder_inputs]
+    assert [len(p.encoder_inputs) for p in burst] == [2, 2, 2, 2]  # the size budget alone: as without the bound
+    assert not any(p.stall_bounded for p in burst)
+    later = len(h.log)
+    for k in (98, 99):  # queued while the burst's answers decode: cut to one image a step
+        h.add(image_request(k, max_tokens=2))
+    h.run()
+    assert [len(r.encoder_inputs) for r in h.log[later:] if r.encoder_inputs] == [1, 1]
