@@ -49,8 +49,8 @@ def generate(group, k: int, n: int, first: threading.Event | None = None):
     """Request ``k``'s answer of ``n`` tokens, streamed; ``first`` is set at its first token."""
     with Client(group.target, timeout=300, first_token_timeout=None) as c:
         s = c.generate(messages(k), max_tokens=n, ignore_eos=True, logprobs=0, temperature=0.0, stream=True)
-        for _ in s:
-            if first is not None:
+        for delta in s:
+            if first is not None and delta.token_ids:
                 first.set()
         return s.result
 
