@@ -49,7 +49,7 @@ class StepDraft:
             return window
         if request.queued_at_step < self.decoding_since:
             return window
-        end = core.costs.affordable_end(request, window, self.work_s)
+        end = max(window.start, core.costs.affordable_end(request, window, self.work_s))  # spent: nothing more
         if not self.prefilled:
             end = max(end, least_end(request, window, core.config.block_size))
         if end >= window.end:

@@ -68,6 +68,9 @@ def test_rates_are_ratios_of_averages_and_unmeasured_rates_are_free():
     token_s, _ = costs.rates()
     assert 0.0001 < token_s < 0.0002
     assert StepCosts(0.0).work_budget() is None  # --max-decode-stall-ms 0: no time bound
+    tight = StepCosts(0.005)
+    tight.observe(StepWork(), 0.010, 0.0)
+    assert tight.work_budget() == 0.0  # a decode step alone takes longer: only each step's first window goes in
 
 
 def test_the_affordable_end_pays_tokens_in_order_and_an_item_at_its_first_token():
