@@ -148,6 +148,7 @@ async def burst(client: Client, parts: Parts, decodes: int, decode_tokens: int, 
                 texts: dict, settle_s: float = 0.3) -> dict:  # fmt: skip
     image = parts(SEEDS["warmup"])  # in the prefix cache since the warm-up: the decodes start streaming at once
     firsts = [asyncio.Event() for _ in range(decodes)]
+    decodes_sent = time.monotonic()
     running = [asyncio.create_task(client.chat([user([image], question(200 + k))], decode_tokens, first=firsts[k]))
                for k in range(decodes)]  # fmt: skip
     for event, task in zip(firsts, running, strict=True):  # each decode streams (or failed) before the burst
@@ -188,6 +189,9 @@ async def burst(client: Client, parts: Parts, decodes: int, decode_tokens: int, 
         "decode_stall_ms": stalls,
         "decode_stall_p50_ms": stats.percentile(measured, 50) if measured else None,
         "decode_stall_max_ms": max(measured) if measured else None,
+        # the decodes' first content chunks and the burst's send, from the decodes' send: a server that holds a
+        # stream's first chunks back (vLLM's API server on a busy machine) starts the burst late
+        "decode_ttft_s": [r.ttft_ms / 1e3 for r in decode_replies], "burst_sent_s": start - decodes_sent,
         # when a decode ended before the burst's last first token, the in-burst gaps cover only part of it
         "decodes_outlasted_burst": first_decode_end >= window_end and len(decode_replies) == decodes,
         "failures": failures[:5], "rows": rows,
