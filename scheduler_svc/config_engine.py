@@ -80,6 +80,15 @@ class EngineSettings:
         max=INT_MAX,
         section=BATCHING,
     )
+    max_decode_stall_ms: float = setting(
+        150.0,
+        "while requests decode, the prefill and encoder work of requests queued since they began is cut so that "
+        "a step should take at most this long, from the costs the ranks measure (a step's first image or block of "
+        "tokens always goes in); otherwise the token and encoder budgets alone apply (0 = no time bound)",
+        min=0.0,
+        max=3_600_000.0,
+        section=BATCHING,
+    )
     max_num_seqs: int = setting(64, "requests running at once", min=1, max=65536, section=BATCHING)
     async_scheduling: bool = setting(
         True,

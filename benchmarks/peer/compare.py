@@ -37,8 +37,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 ENGINES = ("vllm", "mmcast_tp1", "mmcast_tp2")
 # Also accepted by --engines: mmcast_tp1_threadsK, the one rank with K intra-op threads instead of its default (the
-# CPUs less the one serve-local reserves for the scheduler and clients: one on this 2-core VM; threads2 is every core).
-EXTRA_ENGINES = ("mmcast_tp1_threads1", "mmcast_tp1_threads2")
+# CPUs less the one serve-local reserves for the scheduler and clients: one on this 2-core VM; threads2 is every core);
+# mmcast_tpN_stallMS, the scheduler with --max-decode-stall-ms MS (stall0: no time bound, the size budgets alone), so
+# one run compares stall bounds side by side (each suffix may follow the other).
+EXTRA_ENGINES = ("mmcast_tp1_threads1", "mmcast_tp1_threads2", "mmcast_tp1_stall0")
 # --only: the workloads of drive(), in run order ("load" is the SLO ladder, "max" the two closed loops)
 WORKLOADS = ("cached", "new", "load", "max", "burst", "sliding", "video")
 
@@ -205,6 +207,10 @@ async def _bursts_and_streams(step, client, engine, plan: Plan, parts: Parts, vp
                 texts,
             ),
         )
+        if engine.metrics_url:  # mmcast: steps the stall bound cut, and the costs it measured
+            out["burst"]["scheduler"] = peer_stages.samples(
+                engine.metrics_url, ("mmcast_steps_stall_bounded_total", "mmcast_step_cost_seconds")
+            )
     if "sliding" in only:
         out["sliding"] = await step(
             "sliding",
@@ -256,8 +262,13 @@ def start_engine(name: str, model: str, logs: str):
     if name == "vllm":
         return Vllm(model, os.path.join(logs, "vllm.log"))
     if name.startswith("mmcast_tp"):
-        tp, _, threads = name.removeprefix("mmcast_tp").partition("_threads")
-        return Mmcast(model, int(tp), os.path.join(logs, name), int(threads) if threads else None)
+        tp, *options = name.removeprefix("mmcast_tp").split("_")
+        known = {o.rstrip("0123456789"): o[len(o.rstrip("0123456789")) :] for o in options}
+        if set(known) - {"threads", "stall"} or not all(known.values()) or len(known) != len(options):
+            raise ValueError(f"engine {name!r}: mmcast_tpN with _threadsK and/or _stallMS; e.g. {EXTRA_ENGINES}")
+        threads, stall = known.get("threads"), known.get("stall")
+        return Mmcast(model, int(tp), os.path.join(logs, name), int(threads) if threads else None,
+                      stall_ms=int(stall) if stall is not None else None)  # fmt: skip
     raise ValueError(f"engine {name!r}; choose from {ENGINES + EXTRA_ENGINES}")
 
 

@@ -12,7 +12,16 @@
 - ``burst``: a few long decodes started first; once each streams, a burst of new-image requests arrives at once.
   The decodes' inter-token gaps while the burst is being admitted (from its send to its last first token) show
   what the burst's prefill does to conversations already answering; the burst's TTFT spread shows how its
-  requests share the engine.
+  requests share the engine. Two views of those gaps: every gap that ends in the window (its p50/p99/max, the
+  issue's figure), and each decode's *longest stall*, its longest gap overlapping the window (one that spans the
+  window's start or end counted whole), with its p50 and max over the decodes. The second is fair to an engine
+  that delivers the tokens it produced meanwhile in bunches (vLLM's API server while it preprocesses the burst's
+  images): a bunch of N tokens is one long gap and N − 1 gaps of ~0, so its gap p99 reads near zero while its
+  decodes waited as long as the long gap; an engine that streams each token as it is sampled shows every wait.
+  Both are per content chunk, as a user sees the text: with random weights many tokens are part of a character,
+  whose text both servers hold back until the character is whole, so a decode's longest stall may span two or
+  three of the steps that produced its tokens (asking for log-probabilities would give every token a chunk of its
+  own, but costs vLLM's API server, the bottleneck of its burst, its own work per token).
 
 Every request is greedy with a fixed number of tokens (``ignore_eos``); texts are kept for the token comparison.
 """
@@ -127,10 +136,19 @@ def gaps_in_window(chunk_times_s: list[float], lo: float, hi: float) -> list[flo
     return [1e3 * (b - a) for a, b in zip(chunk_times_s, chunk_times_s[1:], strict=False) if lo < b <= hi]
 
 
+def longest_stall(chunk_times_s: list[float], lo: float, hi: float) -> float | None:
+    """The longest gap (ms) of one stream that overlaps [lo, hi] (absolute seconds): its longest wait for a chunk
+    while the burst was admitted, a gap spanning the window's start or end counted whole; None when no gap of it
+    overlaps the window (it ended before the burst)."""
+    gaps = [1e3 * (b - a) for a, b in zip(chunk_times_s, chunk_times_s[1:], strict=False) if b > lo and a < hi]
+    return max(gaps) if gaps else None
+
+
 async def burst(client: Client, parts: Parts, decodes: int, decode_tokens: int, n: int, max_tokens: int,
                 texts: dict, settle_s: float = 0.3) -> dict:  # fmt: skip
     image = parts(SEEDS["warmup"])  # in the prefix cache since the warm-up: the decodes start streaming at once
     firsts = [asyncio.Event() for _ in range(decodes)]
+    decodes_sent = time.monotonic()
     running = [asyncio.create_task(client.chat([user([image], question(200 + k))], decode_tokens, first=firsts[k]))
                for k in range(decodes)]  # fmt: skip
     for event, task in zip(firsts, running, strict=True):  # each decode streams (or failed) before the burst
@@ -151,11 +169,13 @@ async def burst(client: Client, parts: Parts, decodes: int, decode_tokens: int, 
             texts[f"burst_decode/k{k}"] = reply.text
     rows = [row for _, _, row in done]
     window_end = max((start + r["sent_s"] + r["ttft_ms"] / 1e3 for r in rows), default=start)
-    in_window, every_gap = [], []
+    in_window, every_gap, stalls = [], [], []
     for reply in decode_replies:
         times = [reply.sent_at + c / 1e3 for c in reply.chunk_ms]
         in_window += gaps_in_window(times, start, window_end)
         every_gap += reply.itl_ms
+        stalls.append(longest_stall(times, start, window_end))
+    measured = [x for x in stalls if x is not None]
     first_decode_end = min((r.sent_at + r.chunk_ms[-1] / 1e3 for r in decode_replies), default=start)
     summary = summarise(rows, len(failures))
     return {
@@ -165,6 +185,13 @@ async def burst(client: Client, parts: Parts, decodes: int, decode_tokens: int, 
         "decode_itl_p99_in_burst_ms": stats.percentile(in_window, 99) if in_window else None,
         "decode_itl_max_in_burst_ms": max(in_window) if in_window else None,
         "decode_itl_p99_ms": stats.percentile(every_gap, 99) if every_gap else None,
+        # per decode, its longest gap overlapping the window; p50 and max over the decodes
+        "decode_stall_ms": stalls,
+        "decode_stall_p50_ms": stats.percentile(measured, 50) if measured else None,
+        "decode_stall_max_ms": max(measured) if measured else None,
+        # the decodes' first content chunks and the burst's send, from the decodes' send: a server that holds a
+        # stream's first chunks back (vLLM's API server on a busy machine) starts the burst late
+        "decode_ttft_s": [r.ttft_ms / 1e3 for r in decode_replies], "burst_sent_s": start - decodes_sent,
         # when a decode ended before the burst's last first token, the in-burst gaps cover only part of it
         "decodes_outlasted_burst": first_decode_end >= window_end and len(decode_replies) == decodes,
         "failures": failures[:5], "rows": rows,

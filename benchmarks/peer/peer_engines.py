@@ -148,11 +148,15 @@ class Vllm:
 
 
 class Mmcast:
-    def __init__(self, model_dir: str, tp: int, log_dir: str, threads: int | None = None) -> None:
+    def __init__(
+        self, model_dir: str, tp: int, log_dir: str, threads: int | None = None, stall_ms: int | None = None
+    ) -> None:
         self.model_dir = model_dir
         self.tp = tp
         self.threads = threads  # the ranks' --threads; None: their default (the CPUs less one, divided among the ranks)
-        self.name = f"mmcast_tp{tp}" + (f"_threads{threads}" if threads else "")
+        self.stall_ms = stall_ms  # the scheduler's --max-decode-stall-ms; None: its default
+        self.name = (f"mmcast_tp{tp}" + (f"_threads{threads}" if threads else "")
+                     + (f"_stall{stall_ms}" if stall_ms is not None else ""))  # fmt: skip
         self.log_dir = log_dir
         self.group = None
         self.startup_s = 0.0
@@ -175,7 +179,9 @@ class Mmcast:
         t0 = time.monotonic()
         self.group = LocalGroup(self.model_dir, self.tp, "lazy", http_port=0, kv_blocks=MMCAST_KV_BLOCKS,
                                 log_dir=self.log_dir,
-                                worker_args=("--threads", str(self.threads)) if self.threads else ())  # fmt: skip
+                                worker_args=("--threads", str(self.threads)) if self.threads else (),
+                                scheduler_args=("--max-decode-stall-ms", str(self.stall_ms))
+                                if self.stall_ms is not None else ())  # fmt: skip
         self.group.__enter__()
         self.startup_s = time.monotonic() - t0
         return self

@@ -138,3 +138,22 @@ def markdown(columns: list[tuple[str, dict | None, float | None]], vllm_ttft: li
     if missing:
         lines += ["", f"`{METRIC}` {NOT_EXPORTED} for: {', '.join(missing)}."]
     return "\n".join(lines)
+
+
+def samples(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The samples of the named metrics on one scheduler's /metrics (``name`` or ``name{label=value}`` ->
+    value); empty when the page cannot be read. The burst records the stall bound's counters and measured costs."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:  # noqa: S310 - loopback URL we started
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in names:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out

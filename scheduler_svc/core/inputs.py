@@ -32,3 +32,7 @@ class GroupStepOutcome:
     sampled: dict[RequestId, Sample] = dataclasses.field(default_factory=dict)  # rank 0's token per sampling request
     failed: dict[RequestId, str] = dataclasses.field(default_factory=dict)  # requests rank 0 could not sample: why
     item_failures: dict[ItemId, str] = dataclasses.field(default_factory=dict)  # images an owner could not decode: why
+    # The slowest rank's step time and vision-encoder time (WorkerStepStats), the stall bound's measurements
+    # (step_costs.py); None: not measured (tests that leave the bound to its size budgets).
+    step_seconds: float | None = None
+    encoder_seconds: float = 0.0

@@ -125,6 +125,10 @@ class Request:
         # Structured output: its structured_output.RequestGrammar, which has consumed output_token_ids (kept across
         # preemption and recovery, so a recomputed request's mask goes on from its generated tokens).
         self.grammar = None
+        # The stall bound (step_costs.py), in steps the core has applied: when the request was queued, and when its
+        # first token came (a request queued before a decode began is ahead of it and is not cut for it).
+        self.queued_at_step = 0
+        self.first_token_at_step = 0
         self.reset_progress()
 
     def reset_progress(self) -> None:

@@ -27,6 +27,9 @@ Step rules, in order:
 - running requests first, oldest first: as many of their uncomputed tokens as the token budget leaves, cut before
   an item whose encoder work cannot be scheduled (encoder budget, encoder cache or lazy payload room); out of KV
   blocks -> preempt the newest running request (recompute: free blocks, requeue at the front as new), repeat;
+- while any request decodes, each prefill window (running or admitted) of a request queued after a decode began
+  is also cut to the time the stall bound leaves (``step_costs.py``, ``--max-decode-stall-ms``), the step's first
+  one never below a block;
 - then, only if nothing was preempted, waiting requests in order (FCFS: the first that cannot be admitted stops
   admission) while ``max_num_seqs`` allows: prefix hit, window, full/strip payload room, blocks;
 - a step that computes nothing is still produced when the ranks must be told something (finishes, evictions, a
@@ -62,6 +65,7 @@ from scheduler_svc.core.live_sessions import LiveSessions
 from scheduler_svc.core.poison import PoisonIsolator
 from scheduler_svc.core.recovery import recover, reset_group
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus, validate_sampling
+from scheduler_svc.core.step_costs import StepCosts, is_decode
 from scheduler_svc.core.step_draft import StepDraft, assemble_plan
 from scheduler_svc.core.step_plan import RequestUpdate, StepPlan
 from scheduler_svc.core.step_results import StepOutputError, apply_outcome
@@ -114,6 +118,9 @@ class Scheduler:
         self.isolator = PoisonIsolator()
         self._deferred: list[RequestUpdate] = []  # live turns failed inside schedule(): take_deferred_updates()
         self.live: LiveSessions | None = None
+        # the measured costs of prefill and encoder work, and the stall bound (kept across reconnects)
+        self.costs = StepCosts(config.max_decode_stall_ms / 1e3)
+        self.steps_applied = 0  # step outcomes applied: the clock of Request.queued_at_step, first_token_at_step
         self._apply_group(group)
 
     def _apply_group(self, group: GroupBudget) -> None:
@@ -185,6 +192,7 @@ class Scheduler:
         )
         self._check_fits_group(request)
         self._requests[rid] = request
+        request.queued_at_step = self.steps_applied
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -210,6 +218,9 @@ class Scheduler:
         finished_ids, self._pending_finished = self._pending_finished, []
         alone = self.isolator.alone(r.request_id for r in (*self.running, *self.waiting))
         draft = StepDraft(budget=self.config.max_num_batched_tokens, alone=alone, finished_ids=finished_ids)
+        began = [r.first_token_at_step for r in self.running if is_decode(r)]
+        if alone is None and began:  # requests decode: prefill queued since the first began is bounded in time too
+            draft.work_s, draft.decoding_since = self.costs.work_budget(), min(began)
         schedule_running(self, draft)
         draft.finished_ids += draft.preempted
         if not draft.preempted:

@@ -12,8 +12,10 @@ import dataclasses
 from common.errors import MmcastError
 from common.ids import RequestId
 from scheduler_svc.core.request import Request
-from scheduler_svc.core.step_plan import NewRequestData, RunningRequestData, StepPlan
+from scheduler_svc.core.step_costs import is_decode, least_end
+from scheduler_svc.core.step_plan import NewRequestData, RunningRequestData, StepPlan, StepWork
 from scheduler_svc.core.structured_output import step_masks
+from scheduler_svc.core.windows import Window
 
 
 @dataclasses.dataclass
@@ -25,12 +27,41 @@ class StepDraft:
     scheduled: list[tuple[Request, int]] = dataclasses.field(default_factory=list)  # (request, tokens), in order
     new_requests: list[NewRequestData] = dataclasses.field(default_factory=list)  # admitted by this step
     running: list[RunningRequestData] = dataclasses.field(default_factory=list)  # deltas of the running ones
+    # The stall bound (step_costs.py): seconds of prefill and encoder work the step may still carry while requests
+    # decode; None: no time bound (nothing decodes, no --max-decode-stall-ms, or no decode step measured yet).
+    work_s: float | None = None
+    decoding_since: int = 0  # when the oldest running decode began (Scheduler.steps_applied): who is cut
+    prefilled: bool = False  # a prefill window is in the step: later ones may be cut to nothing
+    bounded: bool = False  # the time bound cut a window of this step
 
     def take(self, request: Request, n: int) -> None:
         """``request`` computes ``n`` tokens in this step (its step data is already added)."""
         request.num_tokens_told = request.num_tokens
         self.scheduled.append((request, n))
         self.budget -= n
+
+    def fit(self, core, request: Request, window: Window) -> Window:
+        """``window`` cut to the step's time left for prefill and encoder work, and planned again when cut; the
+        step's first prefill window keeps at least ``least_end``'s. A decode token is never cut (the budget is what
+        a step of decodes leaves), nor the prefill of a request queued before every running decode began: it is
+        ahead of them, as the rest of a burst is ahead of the burst's first answers (``core``: the Scheduler)."""
+        if self.work_s is None or window.end <= window.start or is_decode(request):
+            return window
+        if request.queued_at_step < self.decoding_since:
+            return window
+        end = max(window.start, core.costs.affordable_end(request, window, self.work_s))  # spent: nothing more
+        if not self.prefilled:
+            end = max(end, least_end(request, window, core.config.block_size))
+        if end >= window.end:
+            return window
+        self.bounded = True
+        return core.decider.plan_window(request, window.start, end)
+
+    def spend(self, core, request: Request, window: Window) -> None:
+        """A committed prefill window's estimated cost leaves the step's time budget."""
+        if self.work_s is not None and not is_decode(request):
+            self.work_s -= core.costs.window_cost(request, window)
+            self.prefilled = True
 
 
 def assemble_plan(core, draft: StepDraft) -> StepPlan | None:
@@ -64,6 +95,8 @@ def assemble_plan(core, draft: StepDraft) -> StepPlan | None:
         scheduled=scheduled,
         released=released,
         video_totals=decider.book.take_video(),
+        work=StepWork(sum(n for r, n in scheduled if not is_decode(r)), decider.encoder_tokens),
+        stall_bounded=draft.bounded,
     )
     core._next_step_id += 1
     core._reset_next = False

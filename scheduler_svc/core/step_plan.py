@@ -80,6 +80,14 @@ class RunningRequestData:
     input_is_last_sampled: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class StepWork:
+    """What a step computes beside its decodes, the work the stall bound prices (``step_costs.py``)."""
+
+    prefill_tokens: int = 0  # tokens of windows other than one decode token (tokens)
+    encoder_rows: int = 0  # encoder-output rows the step encodes (rows)
+
+
 @dataclasses.dataclass
 class StepPlan:
     """One step for the whole group. Send ``rank_payloads[r]`` frames then the control (``plan_proto.step_control``)
@@ -112,6 +120,8 @@ class StepPlan:
     # A step planned ahead (async scheduling): requests of sampling_request_ids whose masks need the previous step's
     # tokens, sent once that step is applied (``Scheduler.late_masks``, the wire's LateTokenMasks).
     masks_follow: list[RequestId] = dataclasses.field(default_factory=list)
+    work: StepWork = StepWork()  # its prefill and encoder work, priced by the outcome's times (step_costs.py)
+    stall_bounded: bool = False  # --max-decode-stall-ms cut a prefill window of this step (a metric counts them)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -30,6 +30,9 @@ def apply_outcome(core, plan: StepPlan, outcome: GroupStepOutcome) -> list[Reque
     spoiled = {rid for rid in core._requests if rid in bad_items}  # hold a failed item: none may sample
     _check_matches(plan, outcome, live, expected, spoiled)
     core._outstanding, core._ahead = core._ahead, None
+    core.steps_applied += 1
+    if outcome.step_seconds is not None:  # the ranks' clocks price the step's work (the stall bound's rates)
+        core.costs.observe(plan.work, outcome.step_seconds, outcome.encoder_seconds)
     core.decider.mirrors.end_step()
     updates = [_fail_item(core, core._requests[rid], *bad_items[rid]) for rid in spoiled]
     for r, n in live:
@@ -76,6 +79,8 @@ def _sampled(core, r: Request, outcome: GroupStepOutcome) -> RequestUpdate:
         )
     sample = outcome.sampled[r.request_id]
     token = sample.token_id
+    if not r.num_output_tokens:
+        r.first_token_at_step = core.steps_applied  # it decodes from here on (the stall bound's reference)
     r.append_output(token)
     update = RequestUpdate(
         r.request_id, [token], [(sample.logprob, sample.top_logprobs)] if r.sampling.return_logprobs else None

@@ -1,5 +1,5 @@
-"""The running requests' part of a step: each one's next window, oldest first, preempting the newest when the KV
-pool runs out; and the step that clears the way for an isolated poison suspect (``poison.py``).
+"""The running requests' part of a step: each one's next window, oldest first (a prefill window within the stall
+bound, step_costs.py), preempting the newest when the KV pool runs out; and the step that clears the way for an isolated poison suspect (``poison.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ def schedule_running(core, draft: StepDraft) -> None:
             i += 1
             continue  # an isolated suspect runs alone this step; the others hold their blocks
         start = r.num_computed_tokens
-        window = decider.plan_window(r, start, start + min(r.num_tokens - start, draft.budget))
+        window = draft.fit(core, r, decider.plan_window(r, start, start + min(r.num_tokens - start, draft.budget)))
         n = window.end - start
         if n <= 0:
             i += 1
-            continue  # its next item's encoder work does not fit this step; it waits, holding its blocks
+            continue  # its next item's encoder work (or the stall bound) does not fit; it waits, holding its blocks
         while not kv.can_allocate(r.request_id, start + n):
             if core.live.close_idle_one():
                 continue  # an idle live session's blocks come back before any running request is preempted
@@ -38,6 +38,7 @@ def schedule_running(core, draft: StepDraft) -> None:
             break  # it was the newest and preempted itself: nothing older may be taken from
         appended = kv.allocate(r.request_id, start + n)
         decider.commit_window(r, window)
+        draft.spend(core, r, window)
         draft.running.append(RunningRequestData(r.request_id, r.all_token_ids[r.num_tokens_told :], appended, start, n))
         draft.take(r, n)
         i += 1

@@ -1,5 +1,6 @@
 """The waiting requests' part of a step: admission in order (FCFS: the first that cannot be admitted stops it),
-each with its prefix-cache hit (or its live session's retained KV), its first window, its payloads and its blocks.
+each with its prefix-cache hit (or its live session's retained KV), its first window (within the stall bound while
+requests decode, step_costs.py), its payloads and its blocks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def admit_waiting(core, draft: StepDraft) -> None:
             computed = len(prefix) * bs
         decider.place_cursor(r, computed)
         window = decider.plan_window(r, computed, computed + min(r.num_tokens - computed, draft.budget))
+        window = draft.fit(core, r, window)  # the stall bound: what the step's time left allows (step_costs.py)
         n = window.end - computed
         if n <= 0 or not decider.admission_fits(r):
             break  # FCFS: wait for room rather than let later requests overtake
@@ -39,6 +41,7 @@ def admit_waiting(core, draft: StepDraft) -> None:
         _start(core, r, computed)
         wire_items = decider.commit_admission(r, computed)
         decider.commit_window(r, window)
+        draft.spend(core, r, window)
         draft.new_requests.append(_new_request_data(r, wire_items, appended, computed, n))
         if r.live is not None:
             r.live.admitted = True

@@ -115,6 +115,17 @@ SCHEDULER_METRICS = (
         "steps_ahead", COUNTER, "mmcast_steps_planned_ahead_total",
         "Steps planned while the previous step ran on the ranks, before its tokens were known (--async-scheduling).",
     ),
+    Metric(
+        "steps_stall_bounded", COUNTER, "mmcast_steps_stall_bounded_total",
+        "Steps whose prefill or encoder work was cut so that the requests decoding in them wait at most about "
+        "--max-decode-stall-ms for their token.",
+    ),
+    Metric(
+        "step_cost", GAUGE, "mmcast_step_cost_seconds",
+        "The stall bound's measured costs on the ranks, by part: decode_step (a step of decodes alone), "
+        "prefill_token (per prefill token), encoder_row (per encoder-output row, image decoding included).",
+        ("part",), series=("decode_step", "prefill_token", "encoder_row"),
+    ),
     # --- queue and KV pool
     Metric("requests_running", GAUGE, "mmcast_requests_running", "Requests holding KV blocks."),
     Metric("requests_waiting", GAUGE, "mmcast_requests_waiting", "Requests queued for admission."),

@@ -110,6 +110,8 @@ class StepDelivery:
             m.encoder_items.inc(len(plan.encoder_inputs))
             m.encoder_runs.inc(totals.encoder_runs)
             m.encoder_output_shared_bytes.inc(totals.encoder_output_bytes_shared)
+        if plan.stall_bounded:
+            m.steps_stall_bounded.inc()
         stats, seen = core.stats, self._stats_seen
         if seen is not None:
             m.prefix_query_tokens.inc(max(0, stats.prefix_query_tokens - seen.prefix_query_tokens))
@@ -128,6 +130,9 @@ class StepDelivery:
         self.metrics.requests_running.set(stats.num_running)
         self.metrics.requests_waiting.set(stats.num_waiting)
         self.metrics.kv_blocks_used.set(stats.kv_blocks_used)
+        for part, seconds in core.costs.estimates().items():
+            if seconds is not None:
+                self.metrics.step_cost.labels(part).set(seconds)
         if stats.kv_blocks_total:
             self.metrics.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
             self.metrics.set_cache_config(core.config.block_size, stats.kv_blocks_total)

@@ -403,6 +403,9 @@ class Engine:
             failed={RequestId(f.request_id): f.message for f in rank0.failures},
             # Items an owner rank could not decode (encoded payloads): every rank skipped the windows reaching them.
             item_failures={ItemId(f.item_identifier): f.message for r in results for f in r.item_failures},
+            # the slowest rank's clocks: what the step's work cost (the stall bound's rates, step_costs.py)
+            step_seconds=max(r.stats.step_time.ToNanoseconds() for r in results) / 1e9,
+            encoder_seconds=max(r.stats.encoder_time.ToNanoseconds() for r in results) / 1e9,
         )
         for request_id, message in outcome.failed.items():
             log.warning("request failed at the worker", extra={"request_id": request_id, "reason": message})

@@ -38,6 +38,8 @@ def _run(scale: float = 1.0, throughput: float = 1.0, held=(1.0, 2.0), failed_at
         "burst": {
             "decode_itl_p99_in_burst_ms": 50 * scale,
             "decode_itl_p99_ms": 30 * scale,
+            "decode_stall_p50_ms": 200 * scale,
+            "decode_stall_max_ms": 400 * scale,
             "ttft_p50_ms": 900 * scale,
             "ttft_p99_ms": 1500 * scale,
             "ttft_spread_ms": 1200 * scale,
@@ -129,6 +131,18 @@ def test_closed_loop_summary_spans_the_first_send_to_the_last_token():
     assert gaps_in_window([0.0, 0.1, 0.5, 0.6, 1.5], 0.05, 1.0) == pytest.approx([100.0, 400.0, 100.0])
 
 
+def test_a_decodes_longest_stall_counts_a_gap_spanning_the_window_whole():
+    from benchmarks.peer.peer_capacity import gaps_in_window, longest_stall
+
+    # delivered in a bunch: nothing during the window [1.0, 2.0], then five chunks at once
+    bunched = [0.0, 0.5, 2.5, 2.5001, 2.5002, 2.5003, 2.5004]
+    assert gaps_in_window(bunched, 1.0, 2.0) == []  # no gap ends in the window: the gap figures see nothing
+    assert longest_stall(bunched, 1.0, 2.0) == pytest.approx(2000.0)  # the decode waited 2 s
+    streamed = [0.0, 0.9, 1.1, 1.4, 1.5, 2.1]
+    assert longest_stall(streamed, 1.0, 2.0) == pytest.approx(600.0)  # 1.5 -> 2.1 overlaps the window's end
+    assert longest_stall([0.0, 0.1, 0.2], 1.0, 2.0) is None  # ended before the burst
+
+
 # --- medians, spreads, ratios, goals -------------------------------------------------------------------------
 
 
@@ -149,7 +163,7 @@ def test_ratios_per_tp_size_from_every_figure_of_the_issue():
     a = analyze_rounds(rounds, SLO)
     r = a["ratios"]
     for key in ("cached_n2_ttft_ratio", "new_n1_ttft_ratio", "sliding_ttft_ratio", "cached_ttft_slope_ratio",
-                "new_image_ttft_ratio", "burst_itl_p99_ratio"):  # fmt: skip
+                "new_image_ttft_ratio", "burst_itl_p99_ratio", "burst_stall_p50_ratio", "burst_stall_max_ratio"):  # fmt: skip
         assert r[key] == pytest.approx(0.8), key
         assert r[key + "_tp2"] == pytest.approx(0.5), key
     assert r["tpot_ratio"] == pytest.approx(10.0 / 8.0)
@@ -417,3 +431,16 @@ def test_the_breakdown_has_a_column_for_the_sliding_window_after_it_fills():
     assert header.endswith("| mmcast_tp1 sliding N=4 |")
     assert "| mmcast client TTFT p50 (sliding: mean) | – | – | 170.0 |" in table
     assert "| vLLM client TTFT p50 (sliding: mean) | – | – | 130.0 |" in table
+
+
+def test_engine_names_take_threads_and_stall_suffixes():
+    from benchmarks.peer.compare import start_engine
+
+    e = start_engine("mmcast_tp1_stall0", "model", "/tmp/logs")
+    assert (e.tp, e.threads, e.stall_ms, e.name) == (1, None, 0, "mmcast_tp1_stall0")
+    e = start_engine("mmcast_tp2_threads1_stall150", "model", "/tmp/logs")
+    assert (e.tp, e.threads, e.stall_ms, e.name) == (2, 1, 150, "mmcast_tp2_threads1_stall150")
+    assert start_engine("mmcast_tp1", "model", "/tmp/logs").stall_ms is None
+    for bad in ("mmcast_tp1_stall", "mmcast_tp1_fast2", "mmcast_tp1_stall0_stall5"):
+        with pytest.raises(ValueError, match="_stallMS"):
+            start_engine(bad, "model", "/tmp/logs")

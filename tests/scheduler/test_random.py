@@ -30,7 +30,18 @@ def random_prompt(rng: random.Random, prefixes: list) -> list:
     return segs
 
 
-def run_session(mode: str, seed: int, placement: str = "replicated") -> Harness:
+BOUNDED: list[int] = []  # step ids the stall bound cut, as the simulated ranks saw them
+
+
+def linear_timing(plan) -> tuple[float, float]:
+    """The simulated ranks' clocks for the stall bound: 5 ms a step, 0.5 ms a prefill token, 1 ms an encoder row."""
+    if plan.stall_bounded:
+        BOUNDED.append(plan.step_id)
+    encoder = 0.001 * plan.work.encoder_rows
+    return 0.005 + 0.0005 * plan.work.prefill_tokens + encoder, encoder
+
+
+def run_session(mode: str, seed: int, placement: str = "replicated", stall: bool = False) -> Harness:
     rng = random.Random(seed)
     h = Harness(
         mode,
@@ -41,6 +52,8 @@ def run_session(mode: str, seed: int, placement: str = "replicated") -> Harness:
         payload_bytes=rng.choice([400, 800, 2000, 1 << 20]),
         max_batched=rng.choice([8, 16, 33, 64, 512]),
         max_seqs=rng.choice([1, 2, 3, 8]),
+        max_stall_ms=rng.choice([1.0, 10.0, 30.0]) if stall else 0.0,
+        timing=linear_timing if stall else None,
     )
     prefixes: list = []
     cancelled: set[str] = set()
@@ -93,3 +106,13 @@ def test_random_sessions_keep_every_invariant(mode, placement, sessions):
         preemptions += h.sched.stats.preemptions
         recoveries += h.recoveries
     assert preemptions > 0 and recoveries > 0  # the sessions did exercise both
+
+
+@pytest.mark.parametrize(("mode", "placement"), [("full", "replicated"), ("lazy", "sharded")])
+def test_random_sessions_under_the_stall_bound_keep_every_invariant(mode, placement):
+    """The stall bound (step_costs.py) cuts windows anywhere, a step's first one never below a block: the same
+    invariants and the same tokens."""
+    BOUNDED.clear()
+    for seed in range(60):
+        run_session(mode, seed, placement, stall=True)
+    assert len(BOUNDED) > 100  # the sessions did cut steps

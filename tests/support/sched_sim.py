@@ -298,6 +298,8 @@ class Harness:
         placement: str = "replicated",
         kv_events=None,
         step_encoder: int | None = None,
+        max_stall_ms: float = 0.0,
+        timing=None,
     ) -> None:
         self.mode = mode
         self.sharded = placement == "sharded"
@@ -309,7 +311,10 @@ class Harness:
             max_model_len=max_model_len,
             encoder_placement=placement,
             **({} if step_encoder is None else {"max_num_encoder_tokens": step_encoder}),
+            max_decode_stall_ms=max_stall_ms,
         )
+        # plan -> (step seconds, encoder seconds) the ranks report; None: no times (no stall bound)
+        self.timing = timing
         self.group = GroupBudget(num_ranks, kv_blocks, encoder_tokens, payload_bytes)
         self.sched = Scheduler(self.config, self.group, uses_mrope=True, eos_token_ids={EOS}, kv_events=kv_events)
         self.salts: dict[str, str | None] = {}
@@ -367,7 +372,11 @@ class Harness:
             raise Violation(
                 f"step {plan.step_id}: rank 0 sampled {sorted(sampled)}, plan says {sorted(plan.sampling_request_ids)}"
             )
-        for update in self.sched.update_from_output(plan, outcome(sampled)):
+        result = outcome(sampled)
+        if self.timing is not None:  # the ranks' clocks, as a cost model of the plan says (the stall bound's input)
+            step_seconds, encoder_seconds = self.timing(plan)
+            result = dataclasses.replace(result, step_seconds=step_seconds, encoder_seconds=encoder_seconds)
+        for update in self.sched.update_from_output(plan, result):
             self.outputs[update.request_id] += update.new_token_ids
             if update.finished is not None:
                 self.finished[update.request_id] = update
