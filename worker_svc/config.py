@@ -99,6 +99,16 @@ class WorkerConfig:
         max=1024,
         section=_GROUP,
     )
+    encoder_threads: int = setting(
+        0,
+        "torch intra-op threads while the vision encoder runs (0: as an explicit --threads; with --threads 0, the "
+        "CPUs this process may use divided by --local-ranks, those --reserved-cpus keeps for the scheduler "
+        "included: a step that encodes new images is one the scheduler waits for; resolved at start). The "
+        "language model's steps keep --threads",
+        min=0,
+        max=1024,
+        section=_GROUP,
+    )
     reserved_cpus: int = setting(
         0,
         "CPUs the default --threads leaves to other processes on the machine (serve-local sets 1: its scheduler "
@@ -225,8 +235,12 @@ class WorkerConfig:
             raise invalid("dist_init", self.dist_init, "tcp://HOST:PORT, file://PATH or env:// when world_size > 1")
         if not _DEVICES.match(self.device):
             raise invalid("device", self.device, "auto, cpu, cuda or cuda:N")
-        if self.threads == 0:  # a rank started alone cannot know its neighbours: --local-ranks tells it
+        auto_threads = self.threads == 0
+        if auto_threads:  # a rank started alone cannot know its neighbours: --local-ranks tells it
             object.__setattr__(self, "threads", default_threads(self.local_ranks, reserved=self.reserved_cpus))
+        if self.encoder_threads == 0:  # an explicit --threads holds for the encoder too
+            encoder = default_threads(self.local_ranks) if auto_threads else self.threads
+            object.__setattr__(self, "encoder_threads", max(self.threads, encoder))
         self._check_security()
         for name in ("metrics_host", "dist_bind_host"):
             if not _HOST.match(getattr(self, name)) or (name == "metrics_host" and not self.metrics_host):

@@ -126,6 +126,7 @@ class ModelRunner:
         self.device = resolve_device(config.device, config.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.world_size = config.world_size
+        self.encoder_threads = config.encoder_threads  # torch threads while the vision encoder runs (encode)
         kwargs: dict = {"dtype": self.dtype, "local_files_only": True}  # a local folder; never the hub
         model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         shape = model_checks.check_tp(model_config, config.world_size, "--world-size")
@@ -300,7 +301,14 @@ class ModelRunner:
         grid = None
         if self.family.grid_field is not None:
             grid = feature.data[grid_name].data.reshape(-1, 3).to(self.device)
-        return self.family.encode(self.model, pixels, grid, video=feature.modality is Modality.VIDEO)
+        threads = torch.get_num_threads()
+        if self.encoder_threads != threads:
+            torch.set_num_threads(self.encoder_threads)  # --encoder-threads, for this call only
+        try:
+            return self.family.encode(self.model, pixels, grid, video=feature.modality is Modality.VIDEO)
+        finally:
+            if self.encoder_threads != threads:
+                torch.set_num_threads(threads)
 
     def empty_rows(self, num_rows: int) -> torch.Tensor:
         """A buffer for an item's encoder output received over the group's collective."""

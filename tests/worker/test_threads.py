@@ -61,6 +61,43 @@ def test_the_default_splits_the_cpus_among_the_local_ranks(eight_cpus):
     assert load_config(["--threads", "2", "--reserved-cpus", "7"], env).threads == 2
 
 
+def test_the_encoder_takes_the_reserved_cpus_unless_threads_are_explicit(eight_cpus):
+    _write(eight_cpus / "no-cgroup" / "cpu.max", "max 100000\n")
+    _write(eight_cpus / "token", "a-token-of-sixteen-or-more-characters\n")
+    env = {"MMCAST_MODEL": "/m", "MMCAST_SHARED_TOKEN_FILE": str(eight_cpus / "token")}
+    one_rank = load_config(["--reserved-cpus", "1"], env)  # serve-local's TP1 on 8 CPUs
+    assert (one_rank.threads, one_rank.encoder_threads) == (7, 8)
+    two_ranks = load_config(["--reserved-cpus", "1", "--local-ranks", "2"], env)
+    assert (two_ranks.threads, two_ranks.encoder_threads) == (3, 4)
+    explicit = load_config(["--threads", "2", "--reserved-cpus", "1"], env)
+    assert (explicit.threads, explicit.encoder_threads) == (2, 2)  # an explicit --threads holds for the encoder
+    chosen = load_config(["--threads", "2", "--encoder-threads", "6"], env)
+    assert (chosen.threads, chosen.encoder_threads) == (2, 6)
+    assert load_config([], {**env, "MMCAST_ENCODER_THREADS": "5"}).encoder_threads == 5
+
+
+def test_the_encoder_runs_on_its_threads_and_the_decoder_on_its_own(tiny_model_dir, monkeypatch):
+    import torch
+
+    from common.multimodal import Modality
+    from tests.support.worker_driver import rank_token_file
+    from worker_svc.runner import ModelRunner
+
+    config = WorkerConfig(
+        model=str(tiny_model_dir), kv_blocks=16, threads=1, encoder_threads=2, shared_token_file=rank_token_file()
+    )
+    runner = ModelRunner(config)
+    seen = []
+    monkeypatch.setattr(runner.family, "encode", lambda *a, **k: seen.append(torch.get_num_threads()) or torch.zeros(1))
+    feature = type("F", (), {})()
+    torch.set_num_threads(1)
+    pixels = type("T", (), {"data": torch.zeros(4, 4)})()
+    grid = type("T", (), {"data": torch.tensor([1, 2, 2])})()
+    feature.modality, feature.data = Modality.IMAGE, {"pixel_values": pixels, "image_grid_thw": grid}
+    runner.encode(feature)
+    assert seen == [2] and torch.get_num_threads() == 1  # back to --threads for the language model
+
+
 def test_the_default_follows_the_real_machine(tmp_path):
     _write(tmp_path / "token", "a-token-of-sixteen-or-more-characters\n")
     assert WorkerConfig(model="/m", shared_token_file=str(tmp_path / "token")).threads == available_cpus()
