@@ -19,7 +19,7 @@ from tests.support.oracle import Oracle, assert_matches, scrape, user_turn, wait
 
 pytestmark = pytest.mark.slow
 
-LONG = 48  # tokens of the decode the burst arrives beside
+LONG = 384  # tokens of the decode the burst arrives beside: it must outlast the burst on a fast machine too
 N = 8  # tokens of each burst answer
 BURST = 4
 
@@ -63,9 +63,11 @@ def test_a_burst_beside_a_decode_is_cut_to_one_image_a_step_and_every_answer_equ
     first = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(BURST + 1) as pool:
         long = pool.submit(generate, group, 10, LONG, first)
-        assert wait_until(first.is_set, 120) or long.done()
+        assert wait_until(first.is_set, 120) and not long.done(), "the long decode never streamed"
         burst = [pool.submit(generate, group, 20 + k, N) for k in range(BURST)]
         results = [f.result() for f in burst]
+        # the burst was served beside the decode (else nothing had to be cut, and the count below proves nothing)
+        assert not long.done(), f"the {LONG}-token decode ended before the burst was served"
         long_result = long.result()
     for k, result in enumerate(results):
         assert_matches(result, oracle(messages(20 + k), N), f"burst request {k}")
