@@ -478,3 +478,13 @@ class InProcessWorker:
         self.call(_cancel_pending_tasks())  # stream readers left waiting by the stopped server
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+
+
+def serves_a_request(env, prompt) -> None:
+    """A fresh stream to ``env``'s rank admits ``prompt`` and streams its two tokens: the rank still serves."""
+    stream = env.rank.stream(env.model_dir)
+    sched = MiniScheduler([stream])
+    req = sched.add(prompt, "after", max_new_tokens=2)
+    sched.run([req])
+    stream.close()
+    assert len(req.outputs) == 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from mmcast.v1 import worker_pb2
-from tests.support.worker_driver import MiniScheduler
+from tests.support.worker_driver import MiniScheduler, serves_a_request
 from worker_svc.step_errors import code
 from worker_svc.token_mask import mask_nbytes
 
@@ -163,7 +163,7 @@ def test_wrong_late_masks_are_protocol_errors_and_the_rank_keeps_serving(env, pr
     stream.close()
     if want == code.STATE_MISMATCH:
         assert env.rank.metrics.protocol_errors.labels(code="STATE_MISMATCH")._value.get() == before + 1
-    _serves_a_request(env, prompt)
+    serves_a_request(env, prompt)
 
 
 @pytest.mark.parametrize("where", ["late_token_masks", "prior_masks"])
@@ -178,7 +178,7 @@ def test_late_masks_no_step_waits_for_are_refused(env, prompt, where):
     assert error.code == code.STATE_MISMATCH and error.step_id == sched.step_id
     assert f"{where} for step {sched.step_id}: no step of this stream waits for late masks" in error.message
     stream.close()
-    _serves_a_request(env, prompt)
+    serves_a_request(env, prompt)
 
 
 def test_masks_follow_must_name_requests_the_step_samples(env, prompt):
@@ -202,19 +202,10 @@ def test_masks_that_never_come_fail_the_step_after_the_rank_s_bound(env, prompt)
     assert error.code == code.STATE_MISMATCH and error.step_id == control.step_id
     assert "did not come within 0.3 s (--late-mask-timeout-seconds)" in error.message
     stream.close()
-    _serves_a_request(env, prompt)
+    serves_a_request(env, prompt)
 
 
 def test_the_handshake_acknowledges_late_masks(env):
     stream = env.rank.stream(env.model_dir)
     assert stream.ack.handshake_ack.late_token_masks
     stream.close()
-
-
-def _serves_a_request(env, prompt) -> None:
-    stream = env.rank.stream(env.model_dir)
-    sched = MiniScheduler([stream])
-    req = sched.add(prompt, "after", max_new_tokens=2)
-    sched.run([req])
-    stream.close()
-    assert len(req.outputs) == 2

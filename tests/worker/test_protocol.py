@@ -12,7 +12,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common import codec, item_proto
 from common.multimodal import PayloadState
 from mmcast.v1 import tensor_pb2, worker_pb2
-from tests.support.worker_driver import MiniScheduler, StreamClient, handshake, next_epoch, noise_image
+from tests.support.worker_driver import (
+    MiniScheduler,
+    StreamClient,
+    handshake,
+    next_epoch,
+    noise_image,
+    serves_a_request,
+)
 from worker_svc.step_errors import code
 
 CODE = worker_pb2.ProtocolErrorCode
@@ -53,15 +60,6 @@ def refused(stream: StreamClient, frames: list[bytes]) -> worker_pb2.ProtocolErr
     reply = stream.recv()
     assert reply.WhichOneof("frame") == "error", reply
     return reply.error
-
-
-def serves_a_request(env, prompt) -> None:
-    stream = env.rank.stream(env.model_dir)
-    sched = MiniScheduler([stream])
-    req = sched.add(prompt, "after", max_new_tokens=2)
-    sched.run([req])
-    stream.close()
-    assert len(req.outputs) == 2
 
 
 def test_missing_payload_is_a_protocol_error_and_the_rank_keeps_serving(env, prompt):
