@@ -10,6 +10,9 @@
   (``cached``). Request and output-token throughput over the span from the sends to the last token, TTFT p50/p99
   and its spread (max − min: how unevenly a batch of arrivals is served), TPOT, ITL.
 - ``burst``: a few long decodes started first; once each streams, a burst of new-image requests arrives at once.
+  The decodes' ``max_tokens`` is only an upper bound: the client stops them once the burst has every first token
+  and they have streamed a moment longer, so they outlast the burst in either engine however long it lasts (an
+  engine whose decodes ended inside the window would have only part of their gaps measured).
   The decodes' inter-token gaps while the burst is being admitted (from its send to its last first token) show
   what the burst's prefill does to conversations already answering; the burst's TTFT spread shows how its
   requests share the engine. Two views of those gaps: every gap that ends in the window (its p50/p99/max, the
@@ -23,7 +26,8 @@
   three of the steps that produced its tokens (asking for log-probabilities would give every token a chunk of its
   own, but costs vLLM's API server, the bottleneck of its burst, its own work per token).
 
-Every request is greedy with a fixed number of tokens (``ignore_eos``); texts are kept for the token comparison.
+Every request is greedy with a fixed number of tokens (``ignore_eos``); texts are kept for the token comparison
+(the burst's stopped decodes up to the shorter of the two engines' texts).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from benchmarks.peer.peer_client import Client, Reply, question, user
+from benchmarks.peer.peer_client import PREFIX_KEY, Client, Reply, question, user
 from benchmarks.peer.peer_workloads import SEEDS, LoadPlan, Parts, load
 from benchmarks.support import stats
 
@@ -148,8 +152,10 @@ async def burst(client: Client, parts: Parts, decodes: int, decode_tokens: int, 
                 texts: dict, settle_s: float = 0.3) -> dict:  # fmt: skip
     image = parts(SEEDS["warmup"])  # in the prefix cache since the warm-up: the decodes start streaming at once
     firsts = [asyncio.Event() for _ in range(decodes)]
+    stop = asyncio.Event()  # set once the burst has every first token and the decodes have settled again
     decodes_sent = time.monotonic()
-    running = [asyncio.create_task(client.chat([user([image], question(200 + k))], decode_tokens, first=firsts[k]))
+    running = [asyncio.create_task(client.chat([user([image], question(200 + k))], decode_tokens, first=firsts[k],
+                                               stop=stop))
                for k in range(decodes)]  # fmt: skip
     for event, task in zip(firsts, running, strict=True):  # each decode streams (or failed) before the burst
         waiter = asyncio.create_task(event.wait())
@@ -159,14 +165,16 @@ async def burst(client: Client, parts: Parts, decodes: int, decode_tokens: int, 
     start = time.monotonic()
     prompts = [[user([parts(SEEDS["burst"] + k)], question(k))] for k in range(n)]
     done, failures = await _together(client, prompts, max_tokens, start)
+    await asyncio.sleep(settle_s)  # a stall that spans the window's end ends with the decodes' next chunk
+    stop.set()
     finished = await asyncio.gather(*running, return_exceptions=True)
     decode_replies = [r for r in finished if isinstance(r, Reply)]
     failures += [f"decode {type(r).__name__}: {r}"[:300] for r in finished if not isinstance(r, Reply)]
     for k, reply, _ in done:
         texts[f"burst/k{k}"] = reply.text
     for k, reply in enumerate(finished):
-        if isinstance(reply, Reply):
-            texts[f"burst_decode/k{k}"] = reply.text
+        if isinstance(reply, Reply):  # stopped at a point of the client's choosing: compared up to the shorter
+            texts[f"{PREFIX_KEY}burst_decode/k{k}"] = reply.text
     rows = [row for _, _, row in done]
     window_end = max((start + r["sent_s"] + r["ttft_ms"] / 1e3 for r in rows), default=start)
     in_window, every_gap, stalls = [], [], []

@@ -19,6 +19,9 @@ import base64
 import dataclasses
 import time
 
+# A ``texts`` key under this prefix holds a reply the client stopped early (``Client.chat``'s ``stop``): the engines'
+# texts are compared up to the shorter one (``peer_report.agreement``).
+PREFIX_KEY = "prefix/"
 ANSWER = "I see the pictures."  # the assistant's fixed reply in every history: both engines see the same prompts
 _QUESTION_WORDS = ("which", "colour", "is", "the", "sky", "there", "now")
 
@@ -66,6 +69,7 @@ class Reply:
     cached_tokens: int | None
     completion_tokens: int
     sent_at: float = 0.0  # monotonic time of the call (the load workload's clock)
+    stopped: bool = False  # the client closed the stream early (``chat``'s ``stop``): counts are the chunks seen
 
     @property
     def tpot_ms(self) -> float | None:
@@ -95,11 +99,18 @@ class Client:
         return self.model
 
     async def chat(
-        self, messages: list[dict], max_tokens: int, first: asyncio.Event | None = None, extra: dict | None = None
+        self,
+        messages: list[dict],
+        max_tokens: int,
+        first: asyncio.Event | None = None,
+        extra: dict | None = None,
+        stop: asyncio.Event | None = None,
     ) -> Reply:
         """One streamed request; ``first`` (optional) is set when its first content chunk arrives, so a workload
         can start something else while this request is decoding (the burst workload); ``extra``: more of the
-        request body (the video sampling, ``video_body``)."""
+        request body (the video sampling, ``video_body``); ``stop`` (optional): once set, the next content chunk is
+        the last one read and the stream is closed (the server sees the client go), so a decode can run for as
+        long as something else lasts."""
         model = await self.resolve_model()
         t0 = time.monotonic()
         chunks: list[float] = []
@@ -114,6 +125,10 @@ class Client:
                 parts.append(chunk.choices[0].delta.content)
                 if first is not None:
                     first.set()
+                if stop is not None and stop.is_set():
+                    await stream.close()
+                    e2e = (time.monotonic() - t0) * 1e3
+                    return Reply(chunks[0], e2e, "".join(parts), chunks, 0, None, len(chunks), t0, stopped=True)
             if chunk.usage is not None:
                 usage = chunk.usage
         e2e = (time.monotonic() - t0) * 1e3

@@ -1,17 +1,22 @@
 """The rank's language model against transformers' static batch: ``python -m benchmarks.rank.rank_engine [--quick]
-[--widths 2b,7b,qwen3-2b] [--out DIR]`` (``make bench``: every width; ``make bench-quick``: the short 2B-width form).
+[--widths 2b,2b-vocab1k,7b,qwen3-2b] [--out DIR]`` (``make bench``: every width; ``make bench-quick``: the short
+2B-width form).
 
 Checkpoints: 2-layer Qwen2-VL with real widths and random weights, float32 — Qwen2-VL-2B's widths
 (``common.tiny_model``, ``width="real"``) and Qwen2-VL-7B's (hidden 3584, 28 query / 4 KV heads, intermediate 18944,
 vocabulary 152064, untied ``lm_head``; built here), each built once under ``benchmarks/results/.model``. Beside them
-``qwen3-2b``: a 2-layer Qwen3-VL at Qwen3-VL-2B's widths (``common.tiny_model``, ``QWEN3_REAL_WIDTH``: head_dim 128,
+``2b-vocab1k``: Qwen2-VL-2B's widths with the tokenizer's 1,024-token vocabulary (built here), whose decode step is
+the decoder's layers without the 151,936-row ``lm_head`` that is most of the 2B checkpoint's step. ``qwen3-2b``: a
+2-layer Qwen3-VL at Qwen3-VL-2B's widths (``common.tiny_model``, ``QWEN3_REAL_WIDTH``: head_dim 128,
 16 query / 8 KV heads, interleaved M-RoPE), the same jobs through the same rank code (its DeepStack inputs are absent
 from text requests, so the figures compare the decoders).
 
 Jobs: N = 1, 4, 16, 32 concurrent text requests with equal (~1k tokens) or mixed prompt lengths (256, 512, 1k, 2k,
 4k in turn), every prompt distinct from its first block on (no prefix-cache hit), greedy, ``ignore_eos``, the same
 number of new tokens each. Served: one local group (TP 1, real processes), all N requests of a job sent at once
-through the SDK with token streaming. Reference: one process with plain transformers, the same prompt token ids
+through the SDK with token streaming, twice: the first pass gives the prefill figures and the tokens, the second
+(the same prompts, now prefix-cached, so every request reaches its first token at once and the N decode together
+as the static batch's do) the decode figures (``rank_engine_served``). Reference: one process with plain transformers, the same prompt token ids
 left-padded into one batch, ``generate`` with the same new tokens. The two sides take turns job by job (never at
 the same time), so a machine whose load drifts weighs on both alike; the rank gets every CPU, as the transformers
 process does (``MMCAST_RESERVED_CPUS=0``; serve-local's default leaves one to the scheduler).
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--widths",
         default="",
-        help="comma-separated subset of 2b,7b,qwen3-2b (default: the "
+        help="comma-separated subset of 2b,2b-vocab1k,7b,qwen3-2b (default: the "
         "plan's; a width the chosen plan lacks runs with the plan's 2B jobs)",
     )
     parser.add_argument("--out", help="folder for rank_engine.md/.json/.png")
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted_widths = args.widths.split(",")
         unknown = set(wanted_widths) - {p.width for p in PLANS["full"]}
         if unknown:
-            parser.error(f"--widths {args.widths}: unknown {sorted(unknown)}; choose from 2b, 7b, qwen3-2b")
+            parser.error(f"--widths {args.widths}: unknown {sorted(unknown)}; choose from 2b, 2b-vocab1k, 7b, qwen3-2b")
         two_b = next(p for p in plans if p.width == "2b")
         plans = tuple(next((p for p in plans if p.width == w), Plan(w, two_b.jobs)) for w in wanted_widths)
     if args.jobs:

@@ -19,7 +19,7 @@ class Job:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    width: str  # "2b" | "7b"
+    width: str  # "2b" | "2b-vocab1k" | "7b" | "qwen3-2b" (rank_engine_models)
     jobs: tuple[Job, ...]
 
 
@@ -32,13 +32,15 @@ def _jobs(ns, equal: int, new_tokens: int, mixed_ns, contexts, context_tokens: i
 
 PLANS = {
     # make bench-quick: 2B widths, the two targets' jobs (N = 16 equal and mixed), N = 1, and a 256-token context
-    # (N = 16 equal is the 1k row of the attended-token table).
-    "quick": (Plan("2b", _jobs((1, 16), 1024, 16, (16,), (256,), 8)),),
+    # (N = 16 equal is the 1k row of the attended-token table); N = 16 equal on the 1,024-token vocabulary.
+    "quick": (Plan("2b", _jobs((1, 16), 1024, 16, (16,), (256,), 8)),
+              Plan("2b-vocab1k", _jobs((16,), 1024, 16, (), (), 8))),
     # make bench: every N at 2B widths, 4k context included. 7B widths: the jobs whose static batch fits beside the
     # rank in 24 GiB (transformers prefills a job in one forward: 16 x 4k tokens at 7B widths holds ~15 GB of MLP
     # activations alone); prefill there costs ~4x.
     "full": (Plan("2b", _jobs((1, 4, 16, 32), 1024, 24, (4, 16, 32), (256, 4096), 8)),
              Plan("7b", _jobs((1, 16), 1024, 24, (4,), (256,), 8)),
+             Plan("2b-vocab1k", _jobs((1, 16), 1024, 24, (16,), (256,), 8)),
              Plan("qwen3-2b", _jobs((1, 16), 1024, 24, (16,), (256,), 8))),
 }  # fmt: skip
 

@@ -9,10 +9,20 @@ import os
 
 def rate(side: dict, kind: str) -> float:
     """Tokens/s of a phase: ``prefill`` (prompt tokens), ``decode`` (tokens after the last first token) or
-    ``total`` (every new token over the whole job, prefill included)."""
+    ``total`` (every new token over the whole job, prefill included: ``total_seconds`` where the side measured
+    its decode on a pass of its own, as the served side does)."""
     tokens = {"prefill": side["prompt_tokens"], "decode": side["decode_tokens"], "total": side["new_tokens"]}[kind]
-    seconds = side["prefill_seconds"] + side["decode_seconds"] if kind == "total" else side[f"{kind}_seconds"]
+    if kind == "total":
+        seconds = side.get("total_seconds", side["prefill_seconds"] + side["decode_seconds"])
+    else:
+        seconds = side[f"{kind}_seconds"]
     return tokens / seconds if seconds else float("nan")
+
+
+def _passes(served: dict, n: int) -> str:
+    """The decode pass's agreement with the first pass (``rank_engine_served``), where measured."""
+    same = served.get("decode_pass_equal")
+    return "" if same is None else f" (decode pass {same}/{n})"
 
 
 def tables(result: dict) -> str:
@@ -31,7 +41,7 @@ def tables(result: dict) -> str:
             f"{rate(s, 'prefill'):.0f} / {rate(p, 'prefill'):.0f} | {rate(s, 'decode'):.1f} | "
             f"{rate(p, 'decode'):.1f} | **{rate(s, 'decode') / rate(p, 'decode'):.2f}×** | "
             f"{rate(s, 'total'):.1f} / {rate(p, 'total'):.1f} | {s['rank_step_ms']:.1f} | "
-            f"{r['requests_equal']}/{r['n']} |"
+            f"{r['requests_equal']}/{r['n']}{_passes(s, r['n'])} |"
         )
     lines += [
         "",

@@ -198,6 +198,50 @@ def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows()
         torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
 
 
+def test_long_decodes_read_their_runs_of_blocks_in_place_and_fragmented_ones_in_a_batch():
+    torch.manual_seed(2)
+    block, heads, kv_heads, dim = 16, 4, 2, 8
+    pool = kv_pool.KVPool(
+        num_layers=1, kv_heads=kv_heads, head_dim=dim, num_blocks=160, block_size=block, dtype=torch.float32,
+        device="cpu",
+    )  # fmt: skip
+    pool.data.normal_()
+    long = paged_attention.VIEW_MIN_CONTEXT + 44  # 300 tokens: 19 blocks, the last one 12 rows
+    windows = [
+        (list(range(3, 22)), long - 1, long),  # one run: a view of rows 48..347
+        # runs of 10 blocks, 1, and 8 (its last partial): two views and one gathered block between them
+        ([*range(30, 40), 70, *range(41, 49)], long - 1, long),
+        ([*range(100, 119)][::-1], long - 2, long - 1),  # no two blocks adjacent in order: batched
+        ([*range(120, 139)][::-1], long - 1, long),  # as above, batched with it
+        (list(range(75, 92)), 256, 257),  # one run at the threshold: a view
+        # 64 + 160 rows in place, the last run (3 blocks, 33 rows: shorter than VIEW_MIN_RUN) gathered
+        ([50, 51, 52, 53, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 71, 72, 73], 256, 257),
+        ([0, 1], 19, 20),  # short: alone in its batch, so attended alone over its one run
+    ]
+    step = paged_attention.plan_step(pool.data, [(ids, a, b) for ids, a, b in windows], block)
+    by_start = {s.start: s for s in step.singles}
+    assert by_start[0].runs == ((48, long),) and by_start[0].blocks is None and not by_start[0].views
+    assert by_start[1].views == ((480, 160), (656, 124)) and by_start[1].blocks.tolist() == [70]
+    assert by_start[1].rest == 16
+    assert by_start[4].runs == ((1200, 257),) and by_start[4].blocks is None
+    assert by_start[5].views == ((800, 64), (960, 160)) and by_start[5].blocks.tolist() == [71, 72, 73]
+    assert by_start[5].rest == 257 - 224
+    (batch,) = step.batches
+    assert sorted(batch.tokens.tolist()) == [2, 3]
+    tokens = len(windows)
+    q, k, v = (torch.randn(1, heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim),
+               torch.randn(1, kv_heads, tokens, dim))  # fmt: skip
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    out, _ = paged_attention.paged_attention(module, q, k, v, None, scaling=0.3, paged_step=step)
+    for (ids, _, end), span in zip(windows, step.spans, strict=True):
+        rows = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[:end]
+        want = _reference_attention(
+            q[0, :, span.start : span.end], pool.rows(0, 0)[:, rows], pool.rows(0, 1)[:, rows], end, 1, 0.3
+        )
+        torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+
+
 # --- sampling --------------------------------------------------------------------------------------------------
 
 
