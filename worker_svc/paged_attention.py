@@ -7,12 +7,13 @@ Each decoder layer hands the backend the step's new queries, keys and values (ro
 1. writes the new keys and values into their pool slots (``slot = block_id * block_size + offset``), and
 2. attends the queries to their keys read from the pool through the block tables:
 
-   - **decode tokens** (a window of one query: the bulk of a loaded step) of at least ``VIEW_MIN_CONTEXT`` tokens
-     of context, most of it in runs of consecutive blocks (a prompt's blocks, a cached conversation's turns), are
-     attended one at a time with those runs read in place as views of the pool: no copy, each key read once (a
-     gathered batch reads its keys three times: to copy, to write the copy, to score it). The blocks of shorter
-     runs (tokens decoded one block at a time beside other requests) are gathered, and one softmax covers every
-     piece's scores;
+   - **short windows after a long prefix** (decode tokens, the bulk of a loaded step; a new question after cached
+     images; at most ``PIECES_MAX_WINDOW`` tokens after at least ``VIEW_MIN_CONTEXT`` of context) whose prefix lies
+     mostly in runs of consecutive blocks (a prompt's blocks, a cached conversation's turns) are attended one at a
+     time in pieces: those runs read in place as views of the pool (no copy, each key read once, where a gathered
+     batch reads its keys three times: to copy, to write the copy, to score it), the blocks of the prefix's
+     shorter runs (tokens decoded one block at a time beside other requests) gathered, and the window's own keys
+     at their slots, causal among themselves; one softmax covers every piece's scores;
    - **other decode tokens** are attended together, one call per
      layer for all of them (two batched matmuls): their context blocks are gathered whole by one ``index_select``
      for keys and one for values (a copy per block, not per row: several times faster) into a batch padded to the
@@ -54,6 +55,10 @@ VIEW_MIN_CONTEXT = 256
 # Such a decode's runs of at least this many rows are read in place; its shorter runs (a conversation's tokens
 # decoded beside others, one block at a time) are gathered. Half its context or more must be in place.
 VIEW_MIN_RUN = 64
+# A window of up to this many tokens after a prefix (a new question after cached images, a prompt's last block
+# recomputed) reads its prefix in place too, with its own keys causal beside it; a longer one is one SDPA call
+# over its gathered context, whose fused kernel is the cheaper there.
+PIECES_MAX_WINDOW = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +73,12 @@ class Span:
     block_size: int = 0  # the pool's, where ``blocks`` is set
     mask: torch.Tensor | None = None  # (window, context) float: 0 where a query sees a key, -inf elsewhere; only for a
     # window of several queries after a computed prefix (one without a prefix is causal from its first key)
-    # A decode attended in pieces: these runs (first pool row, rows) read in place, and ``blocks`` (when set) the
-    # blocks of its shorter runs in table order, gathered and cut to ``rest`` rows.
+    # A short window attended in pieces (``_in_place``): its computed prefix as these runs (first pool row, rows)
+    # read in place and ``blocks`` (when set: the blocks of the prefix's shorter runs in table order) gathered and
+    # cut to ``rest`` rows; its own tokens' keys at the pool rows ``own``, causal by ``mask`` when it has several.
     views: tuple[tuple[int, int], ...] = ()
     rest: int = 0
+    own: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,27 +129,34 @@ def _single(block_ids: Sequence[int], start: int, end: int, packed: int, block_s
     return Span(packed, packed + n, end, runs, blocks, block_size if blocks is not None else 0, mask)
 
 
-def _in_place(block_ids: Sequence[int], context: int, packed: int, block_size: int, device) -> Span | None:
-    """The span of a decode read mostly in place: its runs of at least ``VIEW_MIN_RUN`` rows are views, the rest of
-    its blocks are gathered; None when the views would hold less than half its context (a batch reads it then)."""
-    count = -(-context // block_size)
-    ids = np.asarray(block_ids[:count], dtype=np.int64)
-    starts = np.flatnonzero(np.diff(ids) != 1) + 1
-    bounds = [0, *starts.tolist(), count]
+def _in_place(block_ids: Sequence[int], start: int, end: int, packed: int, block_size: int, own: list[int],
+              device, dtype) -> Span | None:  # fmt: skip
+    """The span of a short window (``end - start`` tokens after ``start`` computed ones) read mostly in place: the
+    prefix's runs of at least ``VIEW_MIN_RUN`` rows are views, the rest of its blocks are gathered, the window's own
+    keys are read at their slots ``own``. None when the views would hold less than half the prefix (a decode batch
+    or one gathered window reads it then)."""
+    count = -(-start // block_size)
     views, rest_blocks, rest = [], [], 0
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        rows = min(b * block_size, context) - a * block_size
+    a = 0
+    while a < count:  # one run of consecutive blocks per pass; a plain loop, as it runs per decode and step
+        first = block_ids[a]
+        b = a + 1
+        while b < count and block_ids[b] == first + b - a:
+            b += 1
+        rows = min(b * block_size, start) - a * block_size
         if rows >= VIEW_MIN_RUN:
-            views.append((int(ids[a]) * block_size, rows))
+            views.append((first * block_size, rows))
         else:
-            rest_blocks += ids[a:b].tolist()
+            rest_blocks.extend(block_ids[a:b])
             rest += rows
-    if 2 * rest > context:
-        return None
-    if not rest_blocks and len(views) == 1:  # one run: attend_window's view of it
-        return Span(packed, packed + 1, context, tuple(views))
+            if 2 * rest > start:  # a fragmented table: known before its end
+                return None
+        a = b
+    n = end - start
     blocks = torch.as_tensor(rest_blocks, dtype=torch.long).to(device) if rest_blocks else None
-    return Span(packed, packed + 1, context, (), blocks, block_size, None, tuple(views), rest)
+    mask = _causal_bias(n, n, device, dtype) if n > 1 else None
+    return Span(packed, packed + n, end, (), blocks, block_size, mask, tuple(views), rest,
+                torch.as_tensor(own, dtype=torch.long).to(device))  # fmt: skip
 
 
 def _decode_groups(decodes: list[tuple[int, Sequence[int], int]]) -> list[list[tuple[int, Sequence[int], int]]]:
@@ -204,7 +218,9 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
         n = end - start
         # the slots of the window's tokens, in Python ints: a decode's is one multiply, and a chunk's a short loop
         slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
-        span = _in_place(block_ids, end, packed, block_size, device) if n == 1 and end >= VIEW_MIN_CONTEXT else None
+        span = None
+        if n <= PIECES_MAX_WINDOW and end >= VIEW_MIN_CONTEXT:
+            span = _in_place(block_ids, start, end, packed, block_size, slots[-n:], device, pool.dtype)
         if span is not None:
             spans.append(span)
             singles.append(span)
@@ -258,7 +274,7 @@ def attend_window(
 ) -> torch.Tensor:
     """Attention of one window's queries ``q`` ([heads, n, d]) over its pool rows; returns [heads, n, d]."""
     n = q.shape[1]
-    if span.views:
+    if span.own is not None:
         return _attend_pieces(q, k_layer, v_layer, span, scaling)
     if span.blocks is None:
         ((first, rows),) = span.runs
@@ -280,23 +296,32 @@ def attend_window(
 def _attend_pieces(
     q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, span: Span, scaling: float
 ) -> torch.Tensor:
-    """One decode query ``q`` ([heads, 1, d]) over its view runs and gathered rest: the scores of every piece, one
-    softmax over them all, the pieces' values weighted and summed; returns [heads, 1, d]."""
+    """A short window's queries ``q`` ([heads, n, d]) over its prefix's view runs and gathered rest and its own
+    keys: the scores of every piece, one softmax over them all, the pieces' values weighted and summed; returns
+    [heads, n, d]."""
     kv_heads, _, dim = k_layer.shape
-    grouped = q.reshape(kv_heads, -1, dim)  # query head h attends with KV head h // group
+    heads, n, _ = q.shape
+    group = heads // kv_heads
+    # query head h attends with KV head h // group: each KV head's queries as rows of one plain batched matmul (a
+    # broadcast batch dimension would copy the keys once per query head)
+    grouped = q.reshape(kv_heads, group * n, dim)
     keys = [k_layer[:, first : first + rows] for first, rows in span.views]
     values = [v_layer[:, first : first + rows] for first, rows in span.views]
     if span.blocks is not None:
         keys.append(gather_blocks(k_layer, span.blocks, span.block_size)[:, : span.rest])
         values.append(gather_blocks(v_layer, span.blocks, span.block_size)[:, : span.rest])
-    scores = torch.cat([torch.matmul(grouped, k.transpose(-1, -2)) for k in keys], dim=-1).mul_(scaling)
-    probs = torch.softmax(scores, dim=-1)
+    keys.append(k_layer.index_select(1, span.own))
+    values.append(v_layer.index_select(1, span.own))
+    scores = [torch.matmul(grouped, k.transpose(-1, -2)).mul_(scaling) for k in keys]  # [kv_heads, group * n, rows]
+    if span.mask is not None:
+        scores[-1] = (scores[-1].view(kv_heads, group, n, n) + span.mask).view(kv_heads, group * n, n)
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
     out, offset = None, 0
     for v in values:
         part = torch.matmul(probs[..., offset : offset + v.shape[1]], v)
         offset += v.shape[1]
         out = part if out is None else out.add_(part)
-    return out.reshape(q.shape)
+    return out.reshape(heads, n, dim)
 
 
 # the name benchmarks/rank/paged_attention.py calls in this tree and in a baseline checkout's

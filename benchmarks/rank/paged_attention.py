@@ -83,7 +83,7 @@ def case(modules: dict, width: str, context: int, window: int, repeats: int, see
                     "context": context,
                     "window": window,
                     "table": table_name,
-                    "runs": len(span.runs),
+                    "runs": len(module.block_runs(table, context, BLOCK_SIZE)),
                     "us": best * 1e6,
                 }
             )

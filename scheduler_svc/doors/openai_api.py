@@ -69,6 +69,9 @@ class OpenAIApi(BodyReading, MediaParts, ChatAnswers):
         self.text = TextCompletions(self)  # /v1/completions: prompt lists, token-id prompts, echo
         self.responses = Responses(self)  # /v1/responses, with its previous_response_id store
         self.aliases = media_aliases.MediaAliases()  # caller-chosen uuids, per tenant
+        # a data: URL's text (its sha256) -> the sha256 of its bytes, per tenant: sent again while the upload store
+        # holds those bytes, it is neither decoded nor hashed again (openai_media.py)
+        self.data_urls = media_aliases.MediaAliases()
         self.metrics_registry = metrics_registry  # the scheduler's, served at /metrics too (None: no route)
 
     def app(self, middleware=None) -> Starlette:

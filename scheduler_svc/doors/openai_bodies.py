@@ -100,6 +100,8 @@ class Call:
     uuid_fields: dict = dataclasses.field(default_factory=dict)  # sha256 hex -> (the field, the uuid as sent)
     aliases: list = dataclasses.field(default_factory=list)  # (free-form uuid, sha256 hex) to register at admission
     inline: list = dataclasses.field(default_factory=list)  # (sha256 hex, bytes) of images sent inline
+    # (sha256 hex of a data: URL's text, sha256 hex of its bytes) to remember at admission (openai_media.py)
+    data_urls: list = dataclasses.field(default_factory=list)
     affinity: str = ""  # the conversation key the client's headers chose ("" none: computed at admission)
     tools: tool_calls.ToolRequest | None = None  # tools whose calls the answer is searched for (tool_calls.py)
     prompts: list = dataclasses.field(default_factory=list)  # /v1/completions: the prompts, for echo

@@ -133,8 +133,7 @@ class Responses:
                     type="image_url",
                     image_url=openai_schema.ImageURL(url=part.image_url) if part.image_url is not None else None,
                 )
-                data, digest, field = await self.api._media(call, as_chat, f"{where}.content[{j}]", "image")
-                parts.append(ImageContent(data, digest, field))
+                parts.append(ImageContent(*await self.api._media(call, as_chat, f"{where}.content[{j}]", "image")))
             else:
                 parts.append(TextContent(part.text))
         return Turn(_ROLES[item.role], tuple(parts))

@@ -260,7 +260,7 @@ class Frontend(MediaItems, LiveTurns):
         token_ids, features = self._expand(template_ids, processed)
         admission.check_prompt_fits("messages", len(token_ids), 1, context)
         videos = sum(1 for f in features if f.modality is Modality.VIDEO)
-        cacheable = [] if self.encoded else list(decoded.items())
+        cacheable = list(decoded.items())
         return ProcessedPrompt(
             token_ids,
             features,

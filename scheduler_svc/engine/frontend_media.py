@@ -1,6 +1,7 @@
 """The frontend's images and videos (frontend.py): each part resolved (inline bytes or an upload, the processor
 cache), its header checked, its tokens against the context, then decoded and preprocessed (``pixels``) or kept as
-the file (``encoded``), and the template's placeholders expanded into one item per part."""
+the file (``encoded``), and the template's placeholders expanded into one item per part. The processor cache keeps
+either form, so an image seen before is neither decoded (``pixels``) nor opened and hashed again (``encoded``)."""
 
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ class MediaItems:
                     f"{self.config.max_upload_bytes} (--max-upload-bytes)",
                     field=field,  # a limit of the field: no retry hint
                 )
-            sha = hashlib.sha256(data).hexdigest()
+            sha = getattr(part, "data_sha256", None) or hashlib.sha256(data).hexdigest()
         elif not sha:
             raise InvalidArgument(f"{field} has neither data nor uploaded_sha256", field=field)
         if data is None:  # a reference: the store holds the bytes under this hash (NOT_FOUND when it does not)
@@ -154,7 +155,7 @@ class MediaItems:
         key = (tenant, sha)  # per tenant: a hit's timing must not tell one tenant what another sent
         if key in seen:
             return seen[key]
-        cached = None if self.encoded else self.cache.get(key)  # encoded: nothing to reuse but the header
+        cached = self.cache.get(key)  # processed before: its pixels, or (encoded) its header's grid and identifier
         if cached is not None:
             seen[key] = _Pending(field, key, data, cached=cached, tokens=cached.num_tokens)
         else:
@@ -173,7 +174,7 @@ class MediaItems:
         key = (tenant, sha, options)  # the same file sampled otherwise is another item
         if key in seen:
             return seen[key]
-        cached = None if self.encoded else self.cache.get(key)  # pixels: a video processed before
+        cached = self.cache.get(key)  # a video processed (pixels) or probed and planned (encoded) before
         if cached is not None:
             seen[key] = _Pending(field, key, data, cached=cached, tokens=cached.num_tokens)
             return seen[key]

@@ -37,6 +37,7 @@ class ImageContent:
     data: bytes | None  # encoded image bytes
     uploaded_sha256: str | None  # reference to an upload
     field: str  # where it came from, for error messages: "messages[1].content[0].image"
+    data_sha256: str | None = None  # sha256 hex of ``data``, where the door computed it (so it is hashed once)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,7 @@ class VideoContent:
     uploaded_sha256: str | None  # reference to an upload
     field: str  # where it came from, for error messages: "messages[1].content[0].video"
     video_options: VideoOptions  # how to sample it (unset options: the model's video processor defaults)
+    data_sha256: str | None = None  # sha256 hex of ``data``, where the door computed it (so it is hashed once)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -348,7 +348,7 @@ def test_encoded_prompt_is_built_from_headers_and_carries_the_file_as_sent(tiny_
     turns = conversation(IMG_A, tall)
     e, p = encoded.process(turns), pixels.process(turns)
     assert encoded.counts["images_decoded"] == 0 and pixels.counts["images_decoded"] == 2
-    assert e.token_ids == p.token_ids and e.pending_cache == []
+    assert e.token_ids == p.token_ids and [k for k, _ in e.pending_cache] == [k for k, _ in p.pending_cache]
     ref_grids = processor.image_processor(images=[image_as_sent(x) for x in (IMG_A, tall, IMG_A)], return_tensors="pt")[
         "image_grid_thw"
     ]
@@ -359,6 +359,28 @@ def test_encoded_prompt_is_built_from_headers_and_carries_the_file_as_sent(tiny_
         assert f.data[ENCODED_FIELD].data.numpy().tobytes() == raw and f.payload_nbytes == len(raw)
         assert torch.equal(f.data["image_grid_thw"].data, ref_grid.reshape(1, 3))
     assert e.image_cpu_seconds > 0
+
+
+def test_encoded_images_seen_before_come_from_the_processor_cache(tiny_model_dir):
+    """Under encoded an admitted image's item is kept: sent again (same tenant) it is neither opened nor hashed
+    again, and its item (identifier, grid, the file as payload) is the one built the first time; another tenant's
+    same bytes are an item of their own."""
+    fe = make_frontend(tiny_model_dir, payload_encoding="encoded")
+    turns = conversation(IMG_A, IMG_B)
+    first = fe.process(turns)
+    # IMG_A twice in the conversation: its repeat is the one hit
+    assert first.processor_cache_hits == 1 and len(first.pending_cache) == 2
+    refused = fe.process(turns)  # not committed (a refused request): nothing was kept
+    assert refused.processor_cache_hits == 1
+    fe.commit(first)
+    again = fe.process(turns)
+    assert again.processor_cache_hits == 3 and again.pending_cache == [] and again.token_ids == first.token_ids
+    for a, f in zip(again.mm_features, first.mm_features, strict=True):
+        assert (a.identifier, a.mm_position, a.encoding) == (f.identifier, f.mm_position, f.encoding)
+        assert a.data[ENCODED_FIELD].data is f.data[ENCODED_FIELD].data  # the kept file, shared
+    other = fe.process(turns, tenant="other")
+    assert other.processor_cache_hits == 1  # IMG_A repeated within the request; nothing from the first tenant
+    assert other.mm_features[0].identifier != first.mm_features[0].identifier
 
 
 def test_encoded_items_round_trip_the_wire_with_their_encoding(tiny_model_dir):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import http.server
 import io
 import os
@@ -730,3 +731,55 @@ def test_settings_are_checked_when_the_scheduler_starts(tmp_path):
     assert p.local_root == os.path.realpath(tmp_path) and p.max_bytes == config.max_upload_bytes
     assert domain_allowed("x.cdn.test", p.allowed_domains) and not domain_allowed("cdn.test", p.allowed_domains)
     assert normalize_domain("[::1]") == "::1"
+
+
+def test_a_data_url_sent_again_is_not_decoded_while_the_upload_store_holds_its_bytes():
+    """The OpenAI door remembers an admitted data: URL's text (its sha256) per tenant: sent again, its bytes come
+    from the upload store, neither decoded nor hashed; another tenant, another kind of media, a refused request's
+    URL and bytes evicted from the store are decoded as before."""
+    from scheduler_svc.doors import media_aliases, openai_schema
+    from scheduler_svc.doors.openai_bodies import Call
+    from scheduler_svc.doors.openai_media import MediaParts
+    from scheduler_svc.engine.upload_store import UploadStore
+
+    class Door(MediaParts):
+        def __init__(self) -> None:
+            self.media = MediaLoader(policy())
+            self.uploads = UploadStore(1 << 20)
+            self.aliases = media_aliases.MediaAliases()
+            self.data_urls = media_aliases.MediaAliases()
+
+    door = Door()
+    decoded: list[str] = []
+    real = door.media.load
+
+    async def counted(url, field, kind="image"):
+        decoded.append(url)
+        return await real(url, field, kind)
+
+    door.media.load = counted
+    part = openai_schema.ImageContentPart(type="image_url", image_url=openai_schema.ImageURL(url=data_url(PNG)))
+
+    def send(tenant="", admit=True, where="messages[0].content[0]"):
+        call = Call("r", tenant, "m", "chat", {})
+        out = asyncio.run(door._media(call, part, where, "image"))
+        if admit:
+            door._keep_inline(call)
+        return out
+
+    sha = hashlib.sha256(PNG).hexdigest()
+    assert send(admit=False) == (PNG, None, "messages[0].content[0].image_url", sha) and len(decoded) == 1
+    send()  # refused before: decoded again, then admitted
+    assert len(decoded) == 2
+    data, digest, field, got = send(where="messages[2].content[1]")
+    assert (data, digest, got) == (PNG, None, sha) and field == "messages[2].content[1].image_url"
+    assert len(decoded) == 2  # from the store
+    send(tenant="other")
+    assert len(decoded) == 3  # per tenant
+    as_video = openai_schema.VideoContentPart(type="video_url", video_url=openai_schema.VideoURL(url=data_url(PNG)))
+    with pytest.raises(InvalidArgument, match="is not a video"):  # the same text as a video: checked, refused
+        asyncio.run(door._media(Call("r", "", "m", "chat", {}), as_video, "messages[0].content[0]", "video"))
+    assert len(decoded) == 4
+    door.uploads = UploadStore(1 << 20)  # the bytes gone from the store (evicted): decoded again
+    send()
+    assert len(decoded) == 5

@@ -217,27 +217,38 @@ def test_long_decodes_read_their_runs_of_blocks_in_place_and_fragmented_ones_in_
         # 64 + 160 rows in place, the last run (3 blocks, 33 rows: shorter than VIEW_MIN_RUN) gathered
         ([50, 51, 52, 53, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 71, 72, 73], 256, 257),
         ([0, 1], 19, 20),  # short: alone in its batch, so attended alone over its one run
+        (list(range(140, 160)), 290, 303),
     ]
     step = paged_attention.plan_step(pool.data, [(ids, a, b) for ids, a, b in windows], block)
     by_start = {s.start: s for s in step.singles}
-    assert by_start[0].runs == ((48, long),) and by_start[0].blocks is None and not by_start[0].views
-    assert by_start[1].views == ((480, 160), (656, 124)) and by_start[1].blocks.tolist() == [70]
+    # each: its prefix's long runs as views, the short ones gathered, its own key at its slot
+    assert by_start[0].views == ((48, long - 1),) and by_start[0].blocks is None
+    assert by_start[0].own.tolist() == [48 + long - 1]
+    assert by_start[1].views == ((480, 160), (656, 123)) and by_start[1].blocks.tolist() == [70]
     assert by_start[1].rest == 16
-    assert by_start[4].runs == ((1200, 257),) and by_start[4].blocks is None
-    assert by_start[5].views == ((800, 64), (960, 160)) and by_start[5].blocks.tolist() == [71, 72, 73]
-    assert by_start[5].rest == 257 - 224
+    assert by_start[4].views == ((1200, 256),) and by_start[4].blocks is None
+    assert by_start[5].views == ((800, 64), (960, 160)) and by_start[5].blocks.tolist() == [71, 72]
+    assert by_start[5].rest == 256 - 224
+    # 13 new tokens after 290 (a question after cached images): the prefix in place, its own keys causal
+    assert by_start[7].views == ((2240, 290),) and by_start[7].own.tolist() == list(range(2530, 2543))
+    assert by_start[7].mask.shape == (13, 13) and by_start[7].end == 20
     (batch,) = step.batches
     assert sorted(batch.tokens.tolist()) == [2, 3]
-    tokens = len(windows)
+    tokens = sum(b - a for _, a, b in windows)
     q, k, v = (torch.randn(1, heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim),
                torch.randn(1, kv_heads, tokens, dim))  # fmt: skip
     module = torch.nn.Module()
     module.layer_idx = 0
     out, _ = paged_attention.paged_attention(module, q, k, v, None, scaling=0.3, paged_step=step)
-    for (ids, _, end), span in zip(windows, step.spans, strict=True):
+    for (ids, computed, end), span in zip(windows, step.spans, strict=True):
         rows = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[:end]
         want = _reference_attention(
-            q[0, :, span.start : span.end], pool.rows(0, 0)[:, rows], pool.rows(0, 1)[:, rows], end, 1, 0.3
+            q[0, :, span.start : span.end],
+            pool.rows(0, 0)[:, rows],
+            pool.rows(0, 1)[:, rows],
+            end,
+            end - computed,
+            0.3,
         )
         torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
 
