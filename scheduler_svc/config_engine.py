@@ -20,9 +20,9 @@ class EngineSettings:
     # --- caches -------------------------------------------------------------------------------------------------
     processor_cache_bytes: int = setting(
         1 << 30,
-        "bytes of processed images and videos kept so one seen before is neither decoded, processed nor hashed "
-        "again (--payload-encoding pixels: the pixels; encoded: the file with its grid and identifier, so its "
-        "header is not read again either)",
+        "bytes of processed images (and, under --payload-encoding pixels, videos) kept so one seen before is "
+        "neither decoded, processed nor hashed again (pixels: the pixels; encoded: the file with its grid and "
+        "identifier, so its header is not read again either)",
         min=0,
         max=INT_MAX,
         section=CACHES,

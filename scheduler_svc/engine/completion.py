@@ -122,8 +122,10 @@ class Completion:
         sampling: SamplingSpec,
         tenant: str,
         affinity: str = "",
+        frontend=None,
     ) -> None:
         self.engine = engine
+        self.frontend = frontend  # forgets what a failed request added to the processor cache
         self.affinity = affinity  # the conversation key each door returns as x-mmcast-affinity (affinity_key.py)
         self.tokenizer = tokenizer
         self.handle = handle
@@ -197,6 +199,8 @@ class Completion:
                     handle, finish or FinishEvent("cancelled"), self.processed, completion_tokens, ttft, self.tenant
                 )
             summary.log(log)
+            if finish is not None and finish.error is not None and self.frontend is not None:
+                self.frontend.forget(self.processed)  # a failed request keeps nothing in the processor cache
             if ttft is not None:  # the histogram holds TTFT breakdowns: requests that got a first token
                 for stage, seconds in summary.stage_seconds.items():
                     self.stage_histogram.labels(stage).observe(seconds)
@@ -301,7 +305,7 @@ class Completions:
             self.engine.finish(handle.request_id, "cancelled")  # admitted before the failure: free what it holds
             raise
         log.info("request admitted", extra={"request_id": request_id, "prompt_tokens": prompt_tokens})
-        return Completion(self.engine, self.tokenizer, handle, processed, sampling, req.tenant, key)
+        return Completion(self.engine, self.tokenizer, handle, processed, sampling, req.tenant, key, self.frontend)
 
     def _grammar(self, spec: GrammarSpec | None):
         if spec is None:
@@ -368,6 +372,8 @@ class Completions:
             "live turn admitted",
             extra={"request_id": request_id, "prompt_tokens": len(prompt), "cached_tokens": turn.computed},
         )
-        completion = Completion(self.engine, self.tokenizer, handle, whole, sampling, req.tenant, req.affinity)
+        completion = Completion(
+            self.engine, self.tokenizer, handle, whole, sampling, req.tenant, req.affinity, self.frontend
+        )
         completion.live = turn
         return completion

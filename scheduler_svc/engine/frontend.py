@@ -99,6 +99,7 @@ class ProcessedPrompt:
     image_cpu_seconds: float = 0.0  # this thread's CPU time on the images: hashing, headers, decoding (pixels)
     image_fields: list[str] = dataclasses.field(default_factory=list)  # where each item came from, for errors
     num_videos: int = 0  # videos among mm_features (num_images counts the images)
+    committed: list = dataclasses.field(default_factory=list)  # the cache keys commit added (forget removes them)
 
 
 class Frontend(MediaItems, LiveTurns):
@@ -260,7 +261,9 @@ class Frontend(MediaItems, LiveTurns):
         token_ids, features = self._expand(template_ids, processed)
         admission.check_prompt_fits("messages", len(token_ids), 1, context)
         videos = sum(1 for f in features if f.modality is Modality.VIDEO)
-        cacheable = list(decoded.items())
+        # encoded videos are probed again each time: the owner rank decodes only their sampled frames, and a file
+        # corrupt past its header fails there
+        cacheable = [(k, v) for k, v in decoded.items() if not (self.encoded and v.modality is Modality.VIDEO)]
         return ProcessedPrompt(
             token_ids,
             features,
@@ -304,8 +307,17 @@ class Frontend(MediaItems, LiveTurns):
         """Stores the prompt's newly processed images in the processor cache: call once the request is admitted,
         so a refused request leaves nothing behind."""
         for key, item in prompt.pending_cache:
-            self.cache.put(key, item, item.payload.nbytes + 64)
+            new = key not in self.cache
+            if self.cache.put(key, item, item.payload.nbytes + 64) and new:
+                prompt.committed.append(key)
         prompt.pending_cache = []
+
+    def forget(self, prompt: ProcessedPrompt) -> None:
+        """Removes what ``commit`` added for a request that then failed: an image the ranks could not decode
+        (``--payload-encoding encoded`` checks only its header here) leaves nothing behind."""
+        for key in prompt.committed:
+            self.cache.discard(key)
+        prompt.committed = []
 
     def _collect(self, turns) -> tuple[list[dict], list[tuple[str, Any]]]:
         """Template messages and (field, image part) pairs, with the structural and byte limits checked."""

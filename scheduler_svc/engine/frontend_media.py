@@ -1,7 +1,8 @@
 """The frontend's images and videos (frontend.py): each part resolved (inline bytes or an upload, the processor
 cache), its header checked, its tokens against the context, then decoded and preprocessed (``pixels``) or kept as
 the file (``encoded``), and the template's placeholders expanded into one item per part. The processor cache keeps
-either form, so an image seen before is neither decoded (``pixels``) nor opened and hashed again (``encoded``)."""
+either form of an image, so one seen before is neither decoded (``pixels``) nor opened and hashed again
+(``encoded``); a request that fails afterwards takes its additions out again (``Frontend.forget``)."""
 
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ class MediaItems:
         key = (tenant, sha, options)  # the same file sampled otherwise is another item
         if key in seen:
             return seen[key]
-        cached = self.cache.get(key)  # a video processed (pixels) or probed and planned (encoded) before
+        cached = None if self.encoded else self.cache.get(key)  # pixels: a video processed before
         if cached is not None:
             seen[key] = _Pending(field, key, data, cached=cached, tokens=cached.num_tokens)
             return seen[key]

@@ -51,6 +51,13 @@ class ByteLRU:
             self.used += size
             return True
 
+    def discard(self, key: Hashable) -> None:
+        """Removes ``key`` if present."""
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.used -= old[1]
+
     def __contains__(self, key: Hashable) -> bool:
         with self._lock:
             return key in self._entries

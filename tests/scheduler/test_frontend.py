@@ -381,6 +381,12 @@ def test_encoded_images_seen_before_come_from_the_processor_cache(tiny_model_dir
     other = fe.process(turns, tenant="other")
     assert other.processor_cache_hits == 1  # IMG_A repeated within the request; nothing from the first tenant
     assert other.mm_features[0].identifier != first.mm_features[0].identifier
+    used = fe.cache.used
+    fe.commit(other)
+    fe.forget(other)  # the request failed afterwards: what it added goes, the first tenant's entries stay
+    assert fe.cache.used == used and fe.process(turns).processor_cache_hits == 3
+    fe.forget(first)
+    assert fe.cache.used == 0 and fe.process(turns).processor_cache_hits == 1
 
 
 def test_encoded_items_round_trip_the_wire_with_their_encoding(tiny_model_dir):
