@@ -3,6 +3,7 @@ the exit status of a start-up failure."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -38,6 +39,23 @@ def ensure_allocator_env() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+FROZEN_MESSAGE = "start-up heap frozen"
+
+
+def freeze_startup_heap(logger: logging.Logger) -> int:
+    """Puts every object alive once start-up is done (modules, configs, the tokenizer, the model's Python side:
+    ~350k objects in a scheduler) out of the garbage collector's reach. A full collection walks every tracked
+    object: ~0.2 s for a scheduler's start-up heap on a 2-core VM, a stall of whatever the process is serving at
+    that moment; frozen, a collection walks only what serving has created. What is garbage already is collected
+    first, so none of it is kept. Logs ``FROZEN_MESSAGE`` with the count; returns it."""
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    logger.info(FROZEN_MESSAGE, extra={"gc_frozen_objects": frozen, "seconds": round(time.perf_counter() - t0, 3)})
+    return frozen
 
 
 # Exit status of a scheduler or worker that refused to start for a reason a restart cannot cure: a bad flag, a

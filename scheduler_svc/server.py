@@ -31,7 +31,7 @@ from common import tls
 from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
 from common.hashing import model_fingerprint
 from common.parse_guard import ParseGuardInterceptor
-from common.process import StartupError
+from common.process import StartupError, freeze_startup_heap
 from mmcast.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.structured_output import GrammarCompiler
@@ -362,6 +362,7 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
         if config.metrics_port:
             start_http_server(config.metrics_port, addr=config.metrics_host, registry=server.metrics.registry)
         await server.start()
+        freeze_startup_heap(log)
     except StartupError:
         raise
     except Exception as exc:

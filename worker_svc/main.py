@@ -36,7 +36,7 @@ from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
 from common.grpc_metrics import AioServerMetricsInterceptor
 from common.model_checks import ModelConfigError, check_checkpoint
 from common.parse_guard import ParseGuardInterceptor
-from common.process import ensure_allocator_env, setup_logging, startup_failure
+from common.process import ensure_allocator_env, freeze_startup_heap, setup_logging, startup_failure
 from mmcast.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig, load_config
 from worker_svc.kv_sizing import PoolSizeError
@@ -129,6 +129,7 @@ async def load(running: RunningWorker) -> None:
     """Forms the group and loads the model on the compute thread, then reports readiness. Raises on failure."""
     worker = running.worker
     await asyncio.get_running_loop().run_in_executor(worker.executor, worker.load)
+    freeze_startup_heap(log)
     await running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("ready", extra={"rank": worker.config.rank, "device": str(worker.runner.device)})
 

@@ -57,14 +57,15 @@ def client_key(header: Callable[[str], str | None]) -> str:
 
 
 def key_of(turns: Sequence[Turn] | None, prompt: str | None) -> str:
-    """The key of a conversation from its parsed request (sha256 over inline image bytes: call it off the loop)."""
+    """The key of a conversation from its parsed request (sha256 over inline image bytes the door has not hashed
+    already: call it off the loop)."""
     if turns is None:
         return conversation_key([prompt or ""])
     first = next((t.parts for t in turns if t.role == "user"), turns[0].parts if turns else ())
     parts: list[str | tuple[str, str]] = []
     for part in first:
         if isinstance(part, ImageContent | VideoContent):  # a video keys like an image of the same file (the SDK's)
-            sha = part.uploaded_sha256 or hashlib.sha256(part.data or b"").hexdigest()
+            sha = part.uploaded_sha256 or part.data_sha256 or hashlib.sha256(part.data or b"").hexdigest()
             parts.append(("image", sha))
         else:
             parts.append(part.text)

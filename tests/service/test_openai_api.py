@@ -328,3 +328,15 @@ def test_sse_wire_format(group, model_name):
     objects = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert all(o["object"] == "chat.completion.chunk" and o["id"] == objects[0]["id"] for o in objects)
     assert objects[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_scheduler_and_every_rank_freeze_their_start_up_heap(group):
+    """Each process puts what start-up left alive out of the garbage collector's reach before it serves, so a
+    full collection walks only what serving created (common/process.py: freeze_startup_heap)."""
+    from common.process import FROZEN_MESSAGE
+
+    for name in ("scheduler", "rank0", "rank1"):
+        records = [json.loads(line) for line in (group.log_dir / f"{name}.log").read_text().splitlines()
+                   if FROZEN_MESSAGE in line]  # fmt: skip
+        assert len(records) == 1, name
+        assert records[0]["gc_frozen_objects"] > 10_000, (name, records[0])  # torch and transformers alone
