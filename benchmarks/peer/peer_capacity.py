@@ -154,8 +154,8 @@ async def burst(client: Client, parts: Parts, decodes: int, decode_tokens: int, 
     firsts = [asyncio.Event() for _ in range(decodes)]
     stop = asyncio.Event()  # set once the burst has every first token and the decodes have settled again
     decodes_sent = time.monotonic()
-    running = [asyncio.create_task(client.chat([user([image], question(200 + k))], decode_tokens, first=firsts[k],
-                                               stop=stop))
+    running = [asyncio.create_task(client.stream_lean([user([image], question(200 + k))], decode_tokens, firsts[k],
+                                                      stop))
                for k in range(decodes)]  # fmt: skip
     for event, task in zip(firsts, running, strict=True):  # each decode streams (or failed) before the burst
         waiter = asyncio.create_task(event.wait())
