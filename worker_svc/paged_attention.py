@@ -47,11 +47,12 @@ import torch.nn.functional as F
 # A decode batch pads every context to its longest: rows gathered may exceed the rows really read by this factor at
 # most (a batch is cut where one more window would pass it).
 PAD_SLACK = 1.25
-# A decode whose context lies in one run of consecutive blocks is attended over a view of its pool rows, with no
-# copy, from this many tokens of context on: a 2B-width decoder's step of 16 decodes at 1k tokens took 36 ms so
-# against 44-56 ms gathered, the 64-wide one's 4.4 against 10 ms; at 300 tokens the two cost the same, and below
-# it a batch's one call per layer is the cheaper.
-VIEW_MIN_CONTEXT = 256
+# A short window after at least this many tokens of context reads its prefix in place (``_in_place``). Its pieces
+# cost ~10 small calls per window and layer, where a decode batch's gather costs a copy per block: at 1k tokens the
+# copies dominate (16 decodes on the 2B-width checkpoint: 36 ms a step in pieces against 44-56 ms gathered; the
+# 64-wide one's: 4.4 against 10 ms), at ~300 the calls do (a closed loop of 32 requests on one cached image served
+# 65-88 requests/s in pieces against 84-96 in batches on a one-thread rank).
+VIEW_MIN_CONTEXT = 1024
 # Such a decode's runs of at least this many rows are read in place; its shorter runs (a conversation's tokens
 # decoded beside others, one block at a time) are gathered. Half its context or more must be in place.
 VIEW_MIN_RUN = 64

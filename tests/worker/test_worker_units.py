@@ -198,7 +198,8 @@ def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows()
         torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
 
 
-def test_long_decodes_read_their_runs_of_blocks_in_place_and_fragmented_ones_in_a_batch():
+def test_long_decodes_read_their_runs_of_blocks_in_place_and_fragmented_ones_in_a_batch(monkeypatch):
+    monkeypatch.setattr(paged_attention, "VIEW_MIN_CONTEXT", 256)  # small tables; the rule is the same
     torch.manual_seed(2)
     block, heads, kv_heads, dim = 16, 4, 2, 8
     pool = kv_pool.KVPool(
@@ -206,7 +207,7 @@ def test_long_decodes_read_their_runs_of_blocks_in_place_and_fragmented_ones_in_
         device="cpu",
     )  # fmt: skip
     pool.data.normal_()
-    long = paged_attention.VIEW_MIN_CONTEXT + 44  # 300 tokens: 19 blocks, the last one 12 rows
+    long = 256 + 44  # 300 tokens: 19 blocks, the last one 12 rows
     windows = [
         (list(range(3, 22)), long - 1, long),  # one run: a view of rows 48..347
         # runs of 10 blocks, 1, and 8 (its last partial): two views and one gathered block between them
