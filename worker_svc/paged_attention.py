@@ -51,7 +51,7 @@ PAD_SLACK = 1.25
 # cost ~10 small calls per window and layer, where a decode batch's gather costs a copy per block: at 1k tokens the
 # copies dominate (16 decodes on the 2B-width checkpoint: 36 ms a step in pieces against 44-56 ms gathered; the
 # 64-wide one's: 4.4 against 10 ms), at ~300 the calls do (a closed loop of 32 requests on one cached image served
-# 65-88 requests/s in pieces against 84-96 in batches on a one-thread rank).
+# 65-68 requests/s in pieces against 84-96 in batches on a one-thread rank).
 VIEW_MIN_CONTEXT = 1024
 # Such a decode's runs of at least this many rows are read in place; its shorter runs (a conversation's tokens
 # decoded beside others, one block at a time) are gathered. Half its context or more must be in place.
