@@ -125,11 +125,14 @@ async def start(config: WorkerConfig) -> RunningWorker:
     return RunningWorker(server, worker, health_servicer, metrics, port, health_server)
 
 
-async def load(running: RunningWorker) -> None:
-    """Forms the group and loads the model on the compute thread, then reports readiness. Raises on failure."""
+async def load(running: RunningWorker, freeze: bool = False) -> None:
+    """Forms the group and loads the model on the compute thread, then reports readiness. Raises on failure.
+    ``freeze``: the process is this rank alone (``serve``), so its start-up heap is frozen before it serves (an
+    in-process rank beside other work, as the tests run one, leaves its host's collector alone)."""
     worker = running.worker
     await asyncio.get_running_loop().run_in_executor(worker.executor, worker.load)
-    freeze_startup_heap(log)
+    if freeze:
+        freeze_startup_heap(log)
     await running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("ready", extra={"rank": worker.config.rank, "device": str(worker.runner.device)})
 
@@ -144,7 +147,7 @@ async def serve(config: WorkerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await load(running)
+        await load(running, freeze=True)
     except Exception as exc:
         await running.server.stop(0)
         if running.worker.group is None:  # Worker.load forms the group before it loads the model
