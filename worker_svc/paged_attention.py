@@ -14,7 +14,12 @@ Each decoder layer hands the backend the step's new queries, keys and values (ro
      batch reads its keys three times: to copy, to write the copy, to score it), the blocks of the prefix's
      shorter runs (tokens decoded one block at a time beside other requests) gathered, and the window's own keys
      at their slots, causal among themselves; one softmax covers every piece's scores;
-   - **other decode tokens** are attended together, one call per
+   - **a decode token whose context blocks are one run** of consecutive ids (a conversation's blocks allocated
+     together, as a new prompt's are) attends over a view of its pool rows, one SDPA call per layer and request with
+     nothing copied: at ~300 tokens of context on the 64-wide checkpoint (one thread) its forward is 10-17 % faster
+     than in a gathered batch from 2 to 48 decodes (16: 3.4-3.9 against 3.9-4.5 ms);
+   - **other decode tokens** (a cached prefix's blocks and the request's own, one block at a time beside other
+     requests) are attended together, one call per
      layer for all of them (two batched matmuls): their context blocks are gathered whole by one ``index_select``
      for keys and one for values (a copy per block, not per row: several times faster) into a batch padded to the
      longest context of the batch rounded up to a block, and a key mask hides the padding. Windows are grouped by
@@ -120,6 +125,15 @@ def block_runs(block_ids: Sequence[int], num_tokens: int, block_size: int) -> tu
     return tuple((first, rows) for first, rows in runs)
 
 
+def _one_run(block_ids: Sequence[int], num_tokens: int, block_size: int) -> bool:
+    """Whether the blocks holding a table's first ``num_tokens`` rows are consecutive ids (one run)."""
+    count = -(-num_tokens // block_size)
+    first = block_ids[0]
+    if block_ids[count - 1] != first + count - 1:  # the common refusal, without the loop
+        return False
+    return all(block_ids[i] == first + i for i in range(1, count - 1))
+
+
 def _single(block_ids: Sequence[int], start: int, end: int, packed: int, block_size: int, device, dtype) -> Span:
     runs = block_runs(block_ids, end, block_size)
     blocks = None
@@ -222,6 +236,8 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
         span = None
         if n <= PIECES_MAX_WINDOW and end >= VIEW_MIN_CONTEXT:
             span = _in_place(block_ids, start, end, packed, block_size, slots[-n:], device, pool.dtype)
+        elif n == 1 and _one_run(block_ids, end, block_size):
+            span = Span(packed, packed + 1, end, ((block_ids[0] * block_size, end),))
         if span is not None:
             spans.append(span)
             singles.append(span)
@@ -236,7 +252,7 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
         packed += n
     batches: list[DecodeBatch] = []
     for group in _decode_groups(decodes):
-        if len(group) == 1:  # alone, a decode attends over a view of its pool rows where its blocks are one run
+        if len(group) == 1:  # alone: its own rows gathered, nothing padded
             index, block_ids, context = group[0]
             span = _single(block_ids, context - 1, context, index, block_size, device, pool.dtype)
             spans[span_of[index]] = span

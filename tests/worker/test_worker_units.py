@@ -198,6 +198,44 @@ def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows()
         torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
 
 
+def test_short_decodes_of_one_run_read_a_view_and_only_fragmented_ones_are_gathered():
+    torch.manual_seed(3)
+    block, heads, kv_heads, dim = 4, 4, 2, 8
+    pool = kv_pool.KVPool(
+        num_layers=1, kv_heads=kv_heads, head_dim=dim, num_blocks=64, block_size=block, dtype=torch.float32,
+        device="cpu",
+    )  # fmt: skip
+    pool.data.normal_()  # rows past each context hold finite garbage a view must not read
+    windows = [
+        ([8, 9, 10], 9, 10),  # one run: rows 32..41 of the pool, read as a view
+        ([20, 21, 22, 23], 12, 13),  # one run ending in a whole block
+        ([30, 31, 40], 10, 11),  # its last block elsewhere: gathered in a batch
+        ([50, 52], 6, 7),  # two runs: batched with the one above
+        ([44, 45, 46, 47, 60], 15, 16),  # one run up to its context; the table's spare block is not read
+        ([2, 3], 0, 6),  # a prefill chunk between them
+    ]
+    step = paged_attention.plan_step(pool.data, [(ids, a, b) for ids, a, b in windows], block)
+    by_start = {s.start: s for s in step.singles}
+    assert by_start[0].runs == ((32, 10),) and by_start[0].blocks is None and by_start[0].mask is None
+    assert by_start[1].runs == ((80, 13),) and by_start[1].blocks is None
+    assert by_start[4].runs == ((176, 16),) and by_start[4].blocks is None
+    (batch,) = step.batches
+    assert sorted(batch.tokens.tolist()) == [2, 3]  # the fragmented pair, padded to 11 rows in one call
+    tokens = sum(b - a for _, a, b in windows)
+    q, k, v = (torch.randn(1, heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim),
+               torch.randn(1, kv_heads, tokens, dim))  # fmt: skip
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    out, _ = paged_attention.paged_attention(module, q, k, v, None, scaling=0.3, paged_step=step)
+    for (ids, computed, end), span in zip(windows, step.spans, strict=True):
+        rows = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[:end]
+        want = _reference_attention(
+            q[0, :, span.start : span.end], pool.rows(0, 0)[:, rows], pool.rows(0, 1)[:, rows], end, end - computed,
+            0.3,
+        )  # fmt: skip
+        torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+
+
 def test_long_decodes_read_their_runs_of_blocks_in_place_and_fragmented_ones_in_a_batch(monkeypatch):
     monkeypatch.setattr(paged_attention, "VIEW_MIN_CONTEXT", 256)  # small tables; the rule is the same
     torch.manual_seed(2)
