@@ -76,14 +76,16 @@ PLANS = {
                   LoadPlan(rates=(2.0, 4.0), conversations=2, turns=2, max_tokens=4, budget_s=15), 3, 2, max_tokens=4,
                   closed_requests=3, closed_tokens=4, burst_decodes=2, burst_decode_tokens=64, burst_requests=3,
                   burst_tokens=4, video=VideoPlan(ns=(1, 2), repeats=1, new_repeats=1, turns=4)),
-    # ≤ 10 minutes after the installs: vLLM starts in ~40-95 s here, each mmcast group in ~10-45 s. The ladder
+    # ≤ 10 minutes after the installs: vLLM starts in ~40-95 s here, each mmcast group in ~10-45 s. Nine repeats
+    # per cached N (a few seconds an engine): with three, vLLM's cached-image slope read 1.11 ms/image [0.41, 1.81]
+    # in one run and 2.10 in another; with nine, 2.57 [2.43, 2.71] and 2.12 [1.86, 2.38] in two runs. The ladder
     # starts at 1/s (both engines held it on an idle machine; 0.5/s only where 1/s fails), offers at least 12 s of
     # arrivals a rate, and goes on past 8/s, which both engines held, to 12 and 16/s (closed loops of new images
     # ran at ~10 and ~17 req/s): a ladder that no engine fails has not found the limit.
-    "quick": Plan("quick", (2, 8, 16, 26), 3, ((448, 448),), {"448x448": (1, 4, 8)}, 2,
+    "quick": Plan("quick", (2, 8, 16, 26), 9, ((448, 448),), {"448x448": (1, 4, 8)}, 2,
                   LoadPlan(rates=(1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0), conversations=8, turns=3, max_tokens=16,
                            min_schedule_s=12, budget_s=150, below=(0.5,)), 8, 4, video=VideoPlan()),
-    "full": Plan("full", (2, 8, 16, 26), 6, ((448, 448), (1280, 720)), {"448x448": (1, 4, 8), "1280x720": (1, 2, 4)},
+    "full": Plan("full", (2, 8, 16, 26), 9, ((448, 448), (1280, 720)), {"448x448": (1, 4, 8), "1280x720": (1, 2, 4)},
                  3, LoadPlan(rates=(1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0), conversations=16, turns=4, max_tokens=32,
                              min_schedule_s=30, budget_s=600, below=(0.5, 0.25)), 16, 6,
                  closed_requests=40, burst_requests=40, burst_tokens=32, rounds=3,
