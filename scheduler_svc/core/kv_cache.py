@@ -9,7 +9,10 @@
   ``num_tokens - 1`` tokens (the last token is recomputed for its logits) and is therefore block aligned.
 - Free blocks: never-cached ones are handed out first (lowest id first, then in the order they were freed);
   then cached ones in least-recently-freed order, which evicts their hash. A request's blocks are freed tail
-  first, so a prefix outlives its tail.
+  first, so a prefix outlives its tail. The blocks one allocation takes enter the table in ascending id order:
+  blocks freed together (a finished request's, tail first) come back as runs of consecutive ids, which the ranks
+  read in place as views of their pools (worker_svc/paged_attention.py); in the order taken, every block of such
+  a table was a run of its own, and its reads went through a gathered copy.
 - ``events`` (optional, scheduler_svc/transport/kv_events.py) hears every change of the registered set: blocks stored (with
   their hashes, parent hash and tokens), blocks evicted, everything cleared (a new pool, a reset), so that a
   picker outside the process can mirror the prefix cache. Its calls must not block: they run in the step loop.
@@ -140,8 +143,7 @@ class KVCacheManager:
                 self._free_cached.pop(block_id)
             block.ref_cnt += 1
             appended.append(block_id)
-        for _ in range(need):
-            appended.append(self._take_free_block())
+        appended.extend(sorted(self._take_free_block() for _ in range(need)))  # runs of ids (module docstring)
         table.extend(appended)
         return appended
 

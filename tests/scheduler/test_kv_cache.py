@@ -50,8 +50,9 @@ def test_eviction_takes_never_cached_blocks_first_then_least_recently_freed_tail
     kv.free("a")  # freed tail first: LRU order 1, 0
     kv.free("b")  # then 3, 2
     assert kv.num_cached_blocks == 4 and kv.num_free_blocks == 6
-    # c needs 4 blocks: 4, 5 (never cached), then evicts 1, 0 (least recently freed)
-    assert kv.allocate("c", 16) == [4, 5, 1, 0]
+    # c needs 4 blocks: 4, 5 (never cached), then evicts 1, 0 (least recently freed); its table holds them in id
+    # order, so blocks freed together are one run of ids again
+    assert kv.allocate("c", 16) == [0, 1, 4, 5]
     assert kv.find_prefix(req("a2", range(100, 109))) == []  # a's prefix is gone: block 0 was evicted
     assert kv.find_prefix(req("b2", range(200, 209))) == [2, 3]  # b's survives
     kv.free("c")
@@ -141,3 +142,15 @@ def test_counters_and_reset():
     assert kv.num_cached_blocks == 0 and kv.find_prefix(req("b", range(1, 10))) == []
     assert kv.allocate("b", 16) == [0, 1, 2, 3]
     assert (kv.query_tokens, kv.hit_tokens) == (10, 8)
+
+
+def test_blocks_a_finished_request_freed_come_back_as_one_run_of_ids():
+    """The ranks read a run of consecutive block ids in place (worker_svc/paged_attention.py); a table of the same
+    blocks in the order they were freed (tail first, descending) is a run per block, read through a gathered copy."""
+    kv = KVCacheManager(24, BS)
+    first = run(kv, req("a", range(100, 100 + 12 * BS)))  # 12 blocks, computed and registered
+    kv.allocate("pin", 12 * BS)  # the other half of the pool: the next request must take a's blocks
+    kv.free("a")
+    table = kv.allocate("b", 12 * BS)
+    assert table == first == list(range(12))  # each of a's blocks evicted from the prefix cache; one ascending run
+    assert kv.num_cached_blocks == 0
