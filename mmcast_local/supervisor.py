@@ -100,11 +100,14 @@ class LocalGroup(Supervision):
         scheduler_command: Sequence[str] | None = None,
         worker_command: Sequence[str] | None = None,
         pin_cpus: bool = False,
+        local_streams: bool = True,
     ) -> None:
         """`scheduler_command` / `worker_command`: the program to run instead of the installed `mmcast-scheduler`
         / `mmcast-worker` (e.g. under a profiler, or a stand-in in tests); the flags are appended to it. The
         environment variables MMCAST_SCHEDULER_COMMAND / MMCAST_WORKER_COMMAND do the same for serve-local.
-        `pin_cpus`: pin the scheduler and each rank to CPUs of their own where there are enough (`cpu_plan`)."""
+        `pin_cpus`: pin the scheduler and each rank to CPUs of their own where there are enough (`cpu_plan`).
+        `local_streams`: the scheduler reaches each rank's Step stream on a Unix-domain socket in the group's 0700
+        secret folder (common/local_stream.py: no gRPC threads per message); False: over gRPC on the rank's port."""
         _check_arguments(model_dir, tp, transfer_mode, port, http_port, metrics_port_base)
         self.model_dir = str(model_dir)
         self.tp = tp
@@ -129,6 +132,7 @@ class LocalGroup(Supervision):
         )
         self.cpus = cpu_plan(sorted(os.sched_getaffinity(0)), tp) if pin_cpus else None
         self.env = children_env(os.environ if env is None else env, tp, host, pinned=bool(self.cpus))
+        self.local_streams = local_streams and self.LOCAL_STREAMS
         self.token_file = self._write_secret()  # removed by stop()
 
         self.dist_port: int | None = None  # torch.distributed rendezvous port of the current worker group
@@ -144,6 +148,12 @@ class LocalGroup(Supervision):
         self._thread: threading.Thread | None = None
         self.scheduler = Child("scheduler", self._scheduler_argv(), self.log_dir / "scheduler.log")
         self.workers = [Child(f"rank{r}", [], self.log_dir / f"rank{r}.log") for r in range(tp)]
+
+    # A subclass whose processes live apart (tests: a network namespace each, links cut on purpose) keeps gRPC.
+    LOCAL_STREAMS = True
+
+    def _step_socket(self, rank: int) -> str:
+        return str(self._secret_dir / f"rank{rank}.sock")
 
     def _write_secret(self) -> pathlib.Path:
         """The group's shared token, in a 0600 file inside a fresh 0700 folder (``mkdtemp``)."""
@@ -343,11 +353,16 @@ class LocalGroup(Supervision):
         ]  # fmt: skip
         if self.kv_blocks is not None:
             argv += ["--kv-blocks", str(self.kv_blocks)]
+        if self.local_streams:
+            argv += ["--step-socket", self._step_socket(rank)]
         return argv + self.worker_args
 
     def _scheduler_argv(self) -> list[str]:
         host = self._address_of("scheduler")
-        workers = [f"{self._address_of(f'rank{r}')}:{p}" for r, p in enumerate(self.worker_ports)]
+        workers = [
+            f"local:{self._step_socket(r)}" if self.local_streams else f"{self._address_of(f'rank{r}')}:{p}"
+            for r, p in enumerate(self.worker_ports)
+        ]
         return [
             *self._launch_prefix("scheduler"),
             *self.scheduler_command,

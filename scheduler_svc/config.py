@@ -18,7 +18,7 @@ import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 
-from common import settings, tls_settings
+from common import local_stream, settings, tls_settings
 from scheduler_svc.config_engine import ENCODER_PLACEMENTS, PAYLOAD_ENCODINGS, TRANSFER_MODES, EngineSettings
 from scheduler_svc.config_limits import DEFAULT_IMAGE_FORMATS, PROMPT_BYTES_PER_TOKEN, RequestLimits
 from scheduler_svc.config_service import ServiceSettings
@@ -56,8 +56,15 @@ class SchedulerConfig(ServiceSettings, EngineSettings, RequestLimits):
         settings.check_fields(self)  # types, ranges, choices (any case), comma-separated lists
         self._check_image_formats()
         for i, address in enumerate(self.workers):
+            if isinstance(address, str) and local_stream.is_local(address):
+                path = local_stream.socket_path(address)
+                if not os.path.isabs(path):
+                    raise ValueError(f"workers[{i}]={address!r} (--workers): local: takes an absolute socket path")
+                continue
             if not isinstance(address, str) or ":" not in address or not address.rsplit(":", 1)[1].isdigit():
-                raise ValueError(f"workers[{i}]={address!r} (--workers): must be HOST:PORT")
+                raise ValueError(
+                    f"workers[{i}]={address!r} (--workers): must be HOST:PORT, or local:PATH for a rank's --step-socket"
+                )
         if not self.metrics_host or not all(c.isalnum() or c in ".-_:" for c in self.metrics_host):
             raise ValueError(
                 f"metrics_host={self.metrics_host!r} must be a host name or IP address without a port (--metrics-host)"

@@ -76,7 +76,9 @@ class ServiceSettings:
     )
     workers: list = setting(
         [],
-        "worker rank addresses HOST:PORT, ordered by rank (comma separated on the CLI)",
+        "worker rank addresses HOST:PORT, ordered by rank (comma separated on the CLI); local:PATH opens the Step "
+        "stream on the Unix-domain socket a rank on this machine serves with --step-socket PATH (no TLS there: the "
+        "token of --worker-token-file guards it)",
         section=SERVICE,
         metavar="HOST:PORT,...",
     )

@@ -179,6 +179,14 @@ class WorkerConfig:
         section=_SERVICE,
         metavar="HOST:PORT",
     )
+    step_socket: str = setting(
+        "",
+        "also serve the Step stream on a Unix-domain socket at this absolute path (mode 0600), for a scheduler on "
+        "this machine (its --workers entry local:PATH): the same messages without gRPC's per-message threads; needs "
+        "--shared-token-file, which every stream's hello must carry (empty: off)",
+        section=_SERVICE,
+        metavar="PATH",
+    )
     metrics_port: int = setting(0, "Prometheus /metrics port (0: off)", min=0, max=65535, section=_SERVICE)
     metrics_host: str = setting(
         "0.0.0.0", "address /metrics binds (127.0.0.1 keeps it local)", section=_SERVICE, metavar="HOST"
@@ -242,6 +250,14 @@ class WorkerConfig:
             encoder = default_threads(self.local_ranks) if auto_threads else self.threads
             object.__setattr__(self, "encoder_threads", max(self.threads, encoder))
         self._check_security()
+        if self.step_socket:
+            if not os.path.isabs(self.step_socket) or len(self.step_socket.encode()) > 100:
+                raise invalid("step_socket", self.step_socket, "an absolute path of at most 100 bytes")
+            if not (self.shared_token_file or self.insecure_allow_unauthenticated):
+                raise ValueError(
+                    f"step_socket={self.step_socket!r} (--step-socket) needs --shared-token-file: a client certificate "
+                    "cannot be checked on a Unix-domain socket, and the token is what a local stream must carry"
+                )
         for name in ("metrics_host", "dist_bind_host"):
             if not _HOST.match(getattr(self, name)) or (name == "metrics_host" and not self.metrics_host):
                 raise invalid(

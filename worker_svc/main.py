@@ -34,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from common import tls, tracing
 from common.auth import BearerTokenInterceptor, TokenTable, read_token_file
 from common.grpc_metrics import AioServerMetricsInterceptor
+from common.local_stream import LocalStepServer
 from common.model_checks import ModelConfigError, check_checkpoint
 from common.parse_guard import ParseGuardInterceptor
 from common.process import ensure_allocator_env, freeze_startup_heap, setup_logging, startup_failure
@@ -59,6 +60,7 @@ class RunningWorker:
     metrics: WorkerMetrics
     port: int
     health_server: grpc.aio.Server | None = None  # plaintext health-only server (--health-port)
+    local_server: LocalStepServer | None = None  # the Step stream on a Unix-domain socket (--step-socket)
 
 
 async def start(config: WorkerConfig) -> RunningWorker:
@@ -72,9 +74,11 @@ async def start(config: WorkerConfig) -> RunningWorker:
     metrics = WorkerMetrics()
     step_service = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
     interceptors = [AioServerMetricsInterceptor(metrics.registry, services=[step_service])]
+    tokens = None
     if config.shared_token_file:
         token = read_token_file(config.shared_token_file, "--shared-token-file")
-        interceptors.append(BearerTokenInterceptor(TokenTable.single(token, "scheduler"), (f"/{SERVICE_NAME}/",)))
+        tokens = TokenTable.single(token, "scheduler")
+        interceptors.append(BearerTokenInterceptor(tokens, (f"/{SERVICE_NAME}/",)))
     interceptors.append(ParseGuardInterceptor())
     if not (config.shared_token_file or config.tls_client_ca_file):
         log.warning(
@@ -100,7 +104,8 @@ async def start(config: WorkerConfig) -> RunningWorker:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         await health_servicer.set(SERVICE_NAME, status)
 
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(worker, metrics, report_readiness), server)
+    servicer = WorkerServicer(worker, metrics, report_readiness)
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -110,6 +115,16 @@ async def start(config: WorkerConfig) -> RunningWorker:
     else:
         port = server.add_insecure_port(config.listen)
     await server.start()
+    local_server = None
+    if config.step_socket:  # the same servicer, its streams checked against the same token
+        local_server = LocalStepServer(
+            config.step_socket, servicer, worker_pb2.StepRequest.FromString, tokens, _MAX_MESSAGE_BYTES
+        )
+        try:
+            await local_server.start()
+        except Exception:
+            await server.stop(0)
+            raise
     health_server = None
     if config.health_port:
         health_server = grpc.aio.server()
@@ -122,7 +137,7 @@ async def start(config: WorkerConfig) -> RunningWorker:
         "listening",
         extra={"port": port, "rank": config.rank, "world_size": config.world_size, "metrics_port": config.metrics_port},
     )
-    return RunningWorker(server, worker, health_servicer, metrics, port, health_server)
+    return RunningWorker(server, worker, health_servicer, metrics, port, health_server, local_server)
 
 
 async def load(running: RunningWorker, freeze: bool = False) -> None:
@@ -150,6 +165,8 @@ async def serve(config: WorkerConfig) -> int:
         await load(running, freeze=True)
     except Exception as exc:
         await running.server.stop(0)
+        if running.local_server is not None:
+            await running.local_server.close()
         if running.worker.group is None:  # Worker.load forms the group before it loads the model
             log.critical(
                 "start-up failed: could not form the group",
@@ -163,6 +180,8 @@ async def serve(config: WorkerConfig) -> int:
     await stop.wait()
     log.info("shutting down", extra={"rank": config.rank})
     await running.health.enter_graceful_shutdown()
+    if running.local_server is not None:
+        await running.local_server.close()
     await running.server.stop(grace=5)
     if running.health_server is not None:
         await running.health_server.stop(grace=None)

@@ -11,11 +11,12 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from common.local_stream import LocalStepCall, LocalStreamError, is_local, socket_path
 from mmcast.v1 import worker_pb2
 
 STEP_METHOD = "/mmcast.v1.WorkerService/Step"
 # A write to a stream that broke or finished raises one of these; all mean the rank is gone.
-WRITE_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError)
+WRITE_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError, LocalStreamError)
 
 
 def auth_hint(code: grpc.StatusCode) -> str:
@@ -37,17 +38,22 @@ class RankStream:
         self,
         rank: int,
         address: str,
-        channel: grpc.aio.Channel,
+        channel: grpc.aio.Channel | None,
         on_bytes: Callable[[str, int], None],
         on_fail: Callable[[], None] = lambda: None,
         metadata: Sequence[tuple[str, str]] = (),
+        max_message_bytes: int = 64 << 20,
     ):
+        """``channel``: the rank's gRPC channel, None for a ``local:`` address (common/local_stream.py)."""
         self.rank = rank
         self.address = address
         self.channel = channel
-        self.call = channel.stream_stream(STEP_METHOD, request_serializer=None, response_deserializer=None)(
-            wait_for_ready=False, metadata=tuple(metadata) or None
-        )
+        if is_local(address):
+            self.call = LocalStepCall(socket_path(address), metadata, max_message_bytes)
+        else:
+            self.call = channel.stream_stream(STEP_METHOD, request_serializer=None, response_deserializer=None)(
+                wait_for_ready=False, metadata=tuple(metadata) or None
+            )
         self.results: asyncio.Queue[worker_pb2.StepResult] = asyncio.Queue()
         self.ack: worker_pb2.HandshakeAck | None = None
         self.failure: str | None = None
@@ -136,4 +142,5 @@ class RankStream:
         if self._reader is not None:
             self._reader.cancel()
         self.call.cancel()
-        await self.channel.close(grace=None)
+        if self.channel is not None:
+            await self.channel.close(grace=None)

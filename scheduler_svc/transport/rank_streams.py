@@ -21,6 +21,7 @@ import grpc
 
 from common import codec, item_proto, tracing
 from common.ids import ItemId
+from common.local_stream import is_local
 from mmcast.v1 import worker_pb2
 from scheduler_svc.core.inputs import GroupBudget
 from scheduler_svc.transport.rank_stream import WRITE_ERRORS, GroupDown, RankStream
@@ -106,6 +107,7 @@ class WorkerGroup:
         self.handshake_timeout = handshake_timeout
         self.step_timeout = step_timeout
         self.channel_options = default_channel_options(max_message_bytes)
+        self.max_message_bytes = max_message_bytes
         self._channel_factory = channel_factory or (lambda addr, opts: grpc.aio.insecure_channel(addr, options=opts))
         self.call_metadata = tuple(call_metadata)
         self.image_formats = list(image_formats)
@@ -149,10 +151,11 @@ class WorkerGroup:
             RankStream(
                 rank,
                 addr,
-                self._channel_factory(addr, self.channel_options),
+                None if is_local(addr) else self._channel_factory(addr, self.channel_options),
                 self._count,
                 self.any_failed.set,
                 self.call_metadata,
+                self.max_message_bytes,
             )
             for rank, addr in enumerate(self.addresses)
         ]

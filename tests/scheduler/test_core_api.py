@@ -36,7 +36,8 @@ def plain(rid="r", n=10, **sampling) -> Request:
         ({"transfer_mode": "eager"}, ["transfer_mode='eager'", "full, strip, lazy"]),
         ({"max_num_batched_tokens": -1}, ["max_num_batched_tokens=-1"]),
         ({"max_logprobs": 5000}, ["max_logprobs=5000", "1024"]),
-        ({"workers": "a:1,b"}, ["workers[1]='b'", "HOST:PORT"]),
+        ({"workers": "a:1,b"}, ["workers[1]='b'", "HOST:PORT", "local:PATH"]),
+        ({"workers": "local:/run/r0.sock,local:r1.sock"}, ["workers[1]='local:r1.sock'", "absolute socket path"]),
         ({"max_num_seqs": 2.5}, ["max_num_seqs=2.5", "integer"]),
         (
             {"reconnect_backoff_initial_seconds": 2.0, "reconnect_backoff_max_seconds": 1.0},
@@ -49,6 +50,13 @@ def test_config_errors_name_the_setting_value_and_range(overrides, needles):
         SchedulerConfig(**overrides)
     for needle in needles:
         assert needle in str(info.value)
+
+
+def test_workers_may_name_local_sockets_beside_ports():
+    assert SchedulerConfig(workers="local:/run/mmcast/r0.sock,127.0.0.1:5").workers == [
+        "local:/run/mmcast/r0.sock",
+        "127.0.0.1:5",
+    ]
 
 
 def test_every_config_field_has_help_text():

@@ -18,6 +18,8 @@ from tests.support.netns_relay import Relay
 
 
 class NetGroup(LocalGroup):
+    LOCAL_STREAMS = False  # the ranks' Step streams cross the lab's links (which tests cut), not a shared socket
+
     def __init__(self, lab: NetLab, model_dir, tp: int = 2, transfer_mode: str = "lazy", *, name: str = "", **kw):
         """``name``: prefix of the nodes' names, so several groups (replicas) share one lab."""
         self.lab = lab

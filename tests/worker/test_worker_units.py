@@ -71,6 +71,19 @@ def test_the_insecure_flag_must_be_explicit(argv, env):
         load_config(["--model", "/m"], {"MMCAST_INSECURE_ALLOW_UNAUTHENTICATED": "maybe"})
 
 
+def test_a_step_socket_is_an_absolute_path_and_needs_the_token(tmp_path):
+    token = rank_token_file()
+    path = str(tmp_path / "rank0.sock")
+    assert WorkerConfig(model="/m", shared_token_file=token, step_socket=path).step_socket == path
+    with pytest.raises(ValueError, match="step_socket='rank0.sock' \\(--step-socket\\): must be an absolute path"):
+        WorkerConfig(model="/m", shared_token_file=token, step_socket="rank0.sock")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    with pytest.raises(ValueError, match="--step-socket\\) needs --shared-token-file"):  # mutual TLS alone: no
+        WorkerConfig(model="/m", tls_client_ca_file=str(ca), tls_cert_file=str(ca), tls_key_file=str(ca),
+                     step_socket=path)  # fmt: skip
+
+
 def test_bind_hosts_are_hosts_without_ports():
     token = rank_token_file()
     assert WorkerConfig(model="/m", shared_token_file=token, metrics_host="127.0.0.1", dist_bind_host="::1")
