@@ -152,7 +152,7 @@ class LocalGroup(Supervision):
     # A subclass whose processes live apart (tests: a network namespace each, links cut on purpose) keeps gRPC.
     LOCAL_STREAMS = True
 
-    def _step_socket(self, rank: int) -> str:
+    def step_socket(self, rank: int) -> str:
         return str(self._secret_dir / f"rank{rank}.sock")
 
     def _write_secret(self) -> pathlib.Path:
@@ -354,13 +354,13 @@ class LocalGroup(Supervision):
         if self.kv_blocks is not None:
             argv += ["--kv-blocks", str(self.kv_blocks)]
         if self.local_streams:
-            argv += ["--step-socket", self._step_socket(rank)]
+            argv += ["--step-socket", self.step_socket(rank)]
         return argv + self.worker_args
 
     def _scheduler_argv(self) -> list[str]:
         host = self._address_of("scheduler")
         workers = [
-            f"local:{self._step_socket(r)}" if self.local_streams else f"{self._address_of(f'rank{r}')}:{p}"
+            f"local:{self.step_socket(r)}" if self.local_streams else f"{self._address_of(f'rank{r}')}:{p}"
             for r, p in enumerate(self.worker_ports)
         ]
         return [

@@ -131,7 +131,10 @@ def test_flags_readiness_and_clean_stop(stand_ins, tmp_path):
         assert f"--model {tmp_path / 'model'}" in rank1 and "--kv-blocks 64" in rank1
         assert f"--metrics-port {g.metrics_urls['rank1'].rsplit(':', 1)[1].split('/')[0]}" in rank1
         sched = last_argv(g.log_dir / "scheduler.log")
-        assert f"--listen {g.target}" in sched and f"--workers {','.join(g.worker_targets)}" in sched
+        # the Step streams on the ranks' Unix-domain sockets, in the group's 0700 secret folder
+        sockets = [g.step_socket(r) for r in range(2)]
+        assert f"--listen {g.target}" in sched and f"--workers local:{sockets[0]},local:{sockets[1]}" in sched
+        assert f"--step-socket {sockets[1]}" in rank1 and os.path.dirname(sockets[1]) == str(g.token_file.parent)
         assert "--transfer-mode strip" in sched and sched.endswith("--max-num-seqs 4")
         line = ready_line(g)
         described = json.loads(line.removeprefix("READY "))
