@@ -158,6 +158,35 @@ def test_paged_attention_writes_slots_and_reads_fragmented_tables():
         torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
 
 
+def _random_pool(num_blocks: int, block: int) -> kv_pool.KVPool:
+    """One layer's pool of 2 KV heads of width 8, every row random (as earlier tokens' KV, or garbage)."""
+    pool = kv_pool.KVPool(
+        num_layers=1, kv_heads=2, head_dim=8, num_blocks=num_blocks, block_size=block, dtype=torch.float32,
+        device="cpu",
+    )  # fmt: skip
+    pool.data.normal_()
+    return pool
+
+
+def _attends_as_plain_attention(pool, step, windows, block: int, heads: int) -> None:
+    """Layer 0 of ``step`` over random queries and the windows' new keys: every window's output equals plain
+    attention over the rows its table names, in order, up to its context."""
+    kv_heads, dim = pool.data.shape[2], pool.data.shape[-1]
+    tokens = sum(b - a for _, a, b in windows)
+    q, k, v = (torch.randn(1, heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim),
+               torch.randn(1, kv_heads, tokens, dim))  # fmt: skip
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    out, _ = paged_attention.paged_attention(module, q, k, v, None, scaling=0.3, paged_step=step)
+    for (ids, computed, end), span in zip(windows, step.spans, strict=True):
+        rows = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[:end]
+        want = _reference_attention(
+            q[0, :, span.start : span.end], pool.rows(0, 0)[:, rows], pool.rows(0, 1)[:, rows], end, end - computed,
+            0.3,
+        )  # fmt: skip
+        torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows():
     torch.manual_seed(1)
     block, heads, kv_heads, dim = 4, 4, 2, 8
@@ -213,12 +242,8 @@ def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows()
 
 def test_short_decodes_of_one_run_read_a_view_and_only_fragmented_ones_are_gathered():
     torch.manual_seed(3)
-    block, heads, kv_heads, dim = 4, 4, 2, 8
-    pool = kv_pool.KVPool(
-        num_layers=1, kv_heads=kv_heads, head_dim=dim, num_blocks=64, block_size=block, dtype=torch.float32,
-        device="cpu",
-    )  # fmt: skip
-    pool.data.normal_()  # rows past each context hold finite garbage a view must not read
+    block, heads = 4, 4
+    pool = _random_pool(num_blocks=64, block=block)  # rows past each context: finite garbage a view must not read
     windows = [
         ([8, 9, 10], 9, 10),  # one run: rows 32..41 of the pool, read as a view
         ([20, 21, 22, 23], 12, 13),  # one run ending in a whole block
@@ -234,30 +259,14 @@ def test_short_decodes_of_one_run_read_a_view_and_only_fragmented_ones_are_gathe
     assert by_start[4].runs == ((176, 16),) and by_start[4].blocks is None
     (batch,) = step.batches
     assert sorted(batch.tokens.tolist()) == [2, 3]  # the fragmented pair, padded to 11 rows in one call
-    tokens = sum(b - a for _, a, b in windows)
-    q, k, v = (torch.randn(1, heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim),
-               torch.randn(1, kv_heads, tokens, dim))  # fmt: skip
-    module = torch.nn.Module()
-    module.layer_idx = 0
-    out, _ = paged_attention.paged_attention(module, q, k, v, None, scaling=0.3, paged_step=step)
-    for (ids, computed, end), span in zip(windows, step.spans, strict=True):
-        rows = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[:end]
-        want = _reference_attention(
-            q[0, :, span.start : span.end], pool.rows(0, 0)[:, rows], pool.rows(0, 1)[:, rows], end, end - computed,
-            0.3,
-        )  # fmt: skip
-        torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+    _attends_as_plain_attention(pool, step, windows, block, heads)
 
 
 def test_long_decodes_read_their_runs_of_blocks_in_place_and_fragmented_ones_in_a_batch(monkeypatch):
     monkeypatch.setattr(paged_attention, "VIEW_MIN_CONTEXT", 256)  # small tables; the rule is the same
     torch.manual_seed(2)
-    block, heads, kv_heads, dim = 16, 4, 2, 8
-    pool = kv_pool.KVPool(
-        num_layers=1, kv_heads=kv_heads, head_dim=dim, num_blocks=160, block_size=block, dtype=torch.float32,
-        device="cpu",
-    )  # fmt: skip
-    pool.data.normal_()
+    block, heads = 16, 4
+    pool = _random_pool(num_blocks=160, block=block)
     long = 256 + 44  # 300 tokens: 19 blocks, the last one 12 rows
     windows = [
         (list(range(3, 22)), long - 1, long),  # one run: a view of rows 48..347
@@ -286,23 +295,7 @@ def test_long_decodes_read_their_runs_of_blocks_in_place_and_fragmented_ones_in_
     assert by_start[7].mask.shape == (13, 13) and by_start[7].end == 20
     (batch,) = step.batches
     assert sorted(batch.tokens.tolist()) == [2, 3]
-    tokens = sum(b - a for _, a, b in windows)
-    q, k, v = (torch.randn(1, heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim),
-               torch.randn(1, kv_heads, tokens, dim))  # fmt: skip
-    module = torch.nn.Module()
-    module.layer_idx = 0
-    out, _ = paged_attention.paged_attention(module, q, k, v, None, scaling=0.3, paged_step=step)
-    for (ids, computed, end), span in zip(windows, step.spans, strict=True):
-        rows = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[:end]
-        want = _reference_attention(
-            q[0, :, span.start : span.end],
-            pool.rows(0, 0)[:, rows],
-            pool.rows(0, 1)[:, rows],
-            end,
-            end - computed,
-            0.3,
-        )
-        torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+    _attends_as_plain_attention(pool, step, windows, block, heads)
 
 
 # --- sampling --------------------------------------------------------------------------------------------------
