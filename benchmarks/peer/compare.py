@@ -39,8 +39,9 @@ ENGINES = ("vllm", "mmcast_tp1", "mmcast_tp2")
 # Also accepted by --engines: mmcast_tp1_threadsK, the one rank with K intra-op threads instead of its default (the
 # CPUs less the one serve-local reserves for the scheduler and clients: one on this 2-core VM; threads2 is every core);
 # mmcast_tpN_stallMS, the scheduler with --max-decode-stall-ms MS (stall0: no time bound, the size budgets alone), so
-# one run compares stall bounds side by side (each suffix may follow the other).
-EXTRA_ENGINES = ("mmcast_tp1_threads1", "mmcast_tp1_threads2", "mmcast_tp1_stall0")
+# one run compares stall bounds side by side (each suffix may follow the other); mmcast_tpN_grpc, the Step streams over
+# gRPC on the ranks' ports instead of their Unix-domain sockets (serve-local's default, common/local_stream.py).
+EXTRA_ENGINES = ("mmcast_tp1_threads1", "mmcast_tp1_threads2", "mmcast_tp1_stall0", "mmcast_tp1_grpc")
 # --only: the workloads of drive(), in run order ("load" is the SLO ladder, "max" the two closed loops)
 WORKLOADS = ("cached", "new", "load", "max", "burst", "sliding", "video")
 
@@ -267,12 +268,15 @@ def start_engine(name: str, model: str, logs: str):
         return Vllm(model, os.path.join(logs, "vllm.log"))
     if name.startswith("mmcast_tp"):
         tp, *options = name.removeprefix("mmcast_tp").split("_")
+        grpc_streams = "grpc" in options
+        options = [o for o in options if o != "grpc"]
         known = {o.rstrip("0123456789"): o[len(o.rstrip("0123456789")) :] for o in options}
         if set(known) - {"threads", "stall"} or not all(known.values()) or len(known) != len(options):
-            raise ValueError(f"engine {name!r}: mmcast_tpN with _threadsK and/or _stallMS; e.g. {EXTRA_ENGINES}")
+            raise ValueError(f"engine {name!r}: mmcast_tpN with _threadsK, _stallMS and/or _grpc; e.g. {EXTRA_ENGINES}")
         threads, stall = known.get("threads"), known.get("stall")
         return Mmcast(model, int(tp), os.path.join(logs, name), int(threads) if threads else None,
-                      stall_ms=int(stall) if stall is not None else None)  # fmt: skip
+                      stall_ms=int(stall) if stall is not None else None,
+                      local_streams=not grpc_streams)  # fmt: skip
     raise ValueError(f"engine {name!r}; choose from {ENGINES + EXTRA_ENGINES}")
 
 

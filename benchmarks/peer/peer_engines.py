@@ -149,14 +149,22 @@ class Vllm:
 
 class Mmcast:
     def __init__(
-        self, model_dir: str, tp: int, log_dir: str, threads: int | None = None, stall_ms: int | None = None
+        self,
+        model_dir: str,
+        tp: int,
+        log_dir: str,
+        threads: int | None = None,
+        stall_ms: int | None = None,
+        local_streams: bool = True,
     ) -> None:
         self.model_dir = model_dir
         self.tp = tp
         self.threads = threads  # the ranks' --threads; None: their default (the CPUs less one, divided among the ranks)
         self.stall_ms = stall_ms  # the scheduler's --max-decode-stall-ms; None: its default
+        self.local_streams = local_streams  # the Step streams on the ranks' sockets (False: gRPC on their ports)
         self.name = (f"mmcast_tp{tp}" + (f"_threads{threads}" if threads else "")
-                     + (f"_stall{stall_ms}" if stall_ms is not None else ""))  # fmt: skip
+                     + (f"_stall{stall_ms}" if stall_ms is not None else "")
+                     + ("" if local_streams else "_grpc"))  # fmt: skip
         self.log_dir = log_dir
         self.group = None
         self.startup_s = 0.0
@@ -181,7 +189,8 @@ class Mmcast:
                                 log_dir=self.log_dir,
                                 worker_args=("--threads", str(self.threads)) if self.threads else (),
                                 scheduler_args=("--max-decode-stall-ms", str(self.stall_ms))
-                                if self.stall_ms is not None else ())  # fmt: skip
+                                if self.stall_ms is not None else (),
+                                local_streams=self.local_streams)  # fmt: skip
         self.group.__enter__()
         self.startup_s = time.monotonic() - t0
         return self

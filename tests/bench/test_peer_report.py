@@ -441,6 +441,9 @@ def test_engine_names_take_threads_and_stall_suffixes():
     e = start_engine("mmcast_tp2_threads1_stall150", "model", "/tmp/logs")
     assert (e.tp, e.threads, e.stall_ms, e.name) == (2, 1, 150, "mmcast_tp2_threads1_stall150")
     assert start_engine("mmcast_tp1", "model", "/tmp/logs").stall_ms is None
+    assert start_engine("mmcast_tp1", "model", "/tmp/logs").local_streams  # serve-local's default: the sockets
+    e = start_engine("mmcast_tp1_grpc", "model", "/tmp/logs")
+    assert (e.tp, e.local_streams, e.name) == (1, False, "mmcast_tp1_grpc")
     for bad in ("mmcast_tp1_stall", "mmcast_tp1_fast2", "mmcast_tp1_stall0_stall5"):
         with pytest.raises(ValueError, match="_stallMS"):
             start_engine(bad, "model", "/tmp/logs")
