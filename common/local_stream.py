@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import stat
@@ -67,6 +68,14 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> tuple[int, by
     return kind, await reader.readexactly(size)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Refusal:
+    """What the reader task found instead of a message: the stream ends with this status."""
+
+    code: grpc.StatusCode
+    details: str
+
+
 class StreamAborted(Exception):
     """``LocalContext.abort`` ended the stream (as ``grpc.aio.AbortError`` ends a gRPC handler)."""
 
@@ -90,11 +99,14 @@ class LocalContext:
             while True:
                 kind, body = await _read_frame(self.reader, self.limit)
                 if kind != MESSAGE:
-                    self.frames.put_nowait(("kind", kind))
+                    why = f"unexpected frame kind {kind} on a Step stream"
+                    self.frames.put_nowait(_Refusal(grpc.StatusCode.INVALID_ARGUMENT, why))
                     return
                 self.frames.put_nowait(body)
         except FrameTooLarge as exc:
-            self.frames.put_nowait(exc)
+            self.frames.put_nowait(
+                _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"received message larger than max: {exc}")
+            )
         except (asyncio.IncompleteReadError, ConnectionError):
             self.frames.put_nowait(None)
 
@@ -104,10 +116,8 @@ class LocalContext:
         if item is None:
             self.frames.put_nowait(None)  # every later read sees the end too
             return grpc.aio.EOF
-        if isinstance(item, FrameTooLarge):
-            await self.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"received message larger than max: {item}")
-        if isinstance(item, tuple):
-            await self.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected frame kind {item[1]} on a Step stream")
+        if isinstance(item, _Refusal):
+            await self.abort(item.code, item.details)
         return self.parse(item)
 
     async def write(self, message) -> None:

@@ -11,12 +11,13 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from common.local_stream import LocalStepCall, LocalStreamError, is_local, socket_path
+from common.local_stream import LocalStepCall, is_local, socket_path
 from mmcast.v1 import worker_pb2
 
 STEP_METHOD = "/mmcast.v1.WorkerService/Step"
-# A write to a stream that broke or finished raises one of these; all mean the rank is gone.
-WRITE_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError, LocalStreamError)
+# A write to a stream that broke or finished raises one of these; all mean the rank is gone (a local stream's
+# ``LocalStreamError`` is a RuntimeError).
+WRITE_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError)
 
 
 def auth_hint(code: grpc.StatusCode) -> str:

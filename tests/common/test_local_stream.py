@@ -114,6 +114,18 @@ def test_statuses_carry_their_code_and_details_and_end_the_stream(tmp_path):
     assert bug[0] == grpc.StatusCode.INTERNAL
 
 
+def test_a_frame_of_another_kind_mid_stream_ends_it(tmp_path):
+    async def body(path, echo):
+        call = _call(path)
+        await call.write(_keepalive(1))
+        assert await call.read() is not grpc.aio.EOF
+        call._writer.write(local_stream._frame(local_stream.HELLO, b"authorization: Bearer x\n"))  # a second hello
+        assert await call.read() is grpc.aio.EOF
+        return await call.code(), await call.details(), len(echo.seen)
+
+    assert _serve(tmp_path, body) == (grpc.StatusCode.INVALID_ARGUMENT, "unexpected frame kind 1 on a Step stream", 1)
+
+
 def test_a_frame_over_the_limit_is_refused_on_either_side(tmp_path):
     async def body(path, echo):
         call = _call(path)
