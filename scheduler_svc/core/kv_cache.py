@@ -13,6 +13,13 @@
   blocks freed together (a finished request's, tail first) come back as runs of consecutive ids, which the ranks
   read in place as views of their pools (worker_svc/paged_attention.py); in the order taken, every block of such
   a table was a run of its own, and its reads went through a gathered copy.
+- Tables stay runs as they grow. A table's growth first takes the blocks right after its last one while those
+  are free and never cached. And when an allocation places blocks elsewhere (an admission, or growth whose next
+  block was taken), the free never-cached blocks after the table's new end, as many as its request may still
+  grow by (``final_tokens``, at most ``MAX_ROOM_BLOCKS``), move to the back of the free order, so that the next
+  request placed does not start there. Without both, two requests decoding side by side took their blocks in
+  turn and each table became runs of one block. Nothing is reserved: every free block stays free, the counts
+  and the eviction order of cached blocks are unchanged, and a full pool hands out the moved blocks last.
 - ``events`` (optional, scheduler_svc/transport/kv_events.py) hears every change of the registered set: blocks stored (with
   their hashes, parent hash and tokens), blocks evicted, everything cleared (a new pool, a reset), so that a
   picker outside the process can mirror the prefix cache. Its calls must not block: they run in the step loop.
@@ -26,6 +33,8 @@ from collections.abc import Sequence
 from common.hashing import block_extra_keys, hash_block
 from common.ids import BlockHash, RequestId
 from scheduler_svc.core.request import Request
+
+MAX_ROOM_BLOCKS = 256  # blocks kept clear after a table's end at most (module docstring)
 
 
 class Block:
@@ -49,11 +58,13 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free_uncached: collections.deque[int] = collections.deque(range(num_blocks))
+        # Free never-cached blocks in the order they are handed out (taking or moving a given one is O(1)).
+        self._free_uncached: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(num_blocks))
         self._free_cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         self._req_blocks: dict[RequestId, list[int]] = {}  # the request's block table
         self._req_num_cached: dict[RequestId, int] = {}  # leading blocks of the table that are registered
+        self._req_final_blocks: dict[RequestId, int] = {}  # the table's length at most (allocate's final_tokens)
         self.query_tokens = 0  # prompt tokens looked up at admissions
         self.hit_tokens = 0  # of which served from the cache
         self.events = events  # kv_events.KVEventSink or None: told of every registration, eviction and reset
@@ -125,17 +136,25 @@ class KVCacheManager:
         return need if need <= available else None
 
     def allocate(
-        self, request_id: RequestId, num_total_tokens: int, prefix_blocks: Sequence[int] = ()
+        self,
+        request_id: RequestId,
+        num_total_tokens: int,
+        prefix_blocks: Sequence[int] = (),
+        final_tokens: int = 0,
     ) -> list[int] | None:
         """Grows the request's table to hold ``num_total_tokens`` tokens, first adopting ``prefix_blocks`` (a hit
-        from ``find_prefix``, only on admission). Returns the ids appended, or None (and changes nothing) when
-        too few blocks are free."""
+        from ``find_prefix``, only on admission). ``final_tokens`` (on admission; 0: unknown): the tokens the
+        request may come to hold, whose blocks are kept clear after its table where the pool allows (module
+        docstring; nothing is reserved). Returns the ids appended, or None (and changes nothing) when too few
+        blocks are free."""
         need = self._num_new_needed(request_id, num_total_tokens, prefix_blocks)
         if need is None:
             return None
         table = self._req_blocks.setdefault(request_id, [])
         if not table:
             self._req_num_cached[request_id] = len(prefix_blocks)
+        if final_tokens:
+            self._req_final_blocks[request_id] = self.num_blocks_for(final_tokens)
         appended = []
         for block_id in prefix_blocks:
             block = self.blocks[block_id]
@@ -143,13 +162,32 @@ class KVCacheManager:
                 self._free_cached.pop(block_id)
             block.ref_cnt += 1
             appended.append(block_id)
-        appended.extend(sorted(self._take_free_block() for _ in range(need)))  # runs of ids (module docstring)
+        tail = table[-1] if table else (appended[-1] if appended else None)
+        extended = self._take_after(tail, need) if tail is not None else []
+        placed = sorted(self._take_free_block() for _ in range(need - len(extended)))  # module docstring
+        appended += extended + placed
         table.extend(appended)
+        if placed:  # the table's end moved somewhere new: keep its growth's blocks clear there
+            room = min(self._req_final_blocks.get(request_id, 0) - len(table), MAX_ROOM_BLOCKS)
+            for block_id in range(table[-1] + 1, min(table[-1] + 1 + room, self.num_blocks)):
+                if block_id in self._free_uncached:
+                    self._free_uncached.move_to_end(block_id)
         return appended
+
+    def _take_after(self, tail: int, need: int) -> list[int]:
+        """Up to ``need`` free never-cached blocks right after block ``tail``, in order (a table's run extended)."""
+        taken: list[int] = []
+        block_id = tail + 1
+        while len(taken) < need and block_id in self._free_uncached:
+            del self._free_uncached[block_id]
+            self.blocks[block_id].ref_cnt = 1
+            taken.append(block_id)
+            block_id += 1
+        return taken
 
     def _take_free_block(self) -> int:
         if self._free_uncached:
-            block_id = self._free_uncached.popleft()
+            block_id, _ = self._free_uncached.popitem(last=False)
         else:
             block_id, _ = self._free_cached.popitem(last=False)  # evict the least recently freed cached block
             block = self.blocks[block_id]
@@ -200,6 +238,7 @@ class KVCacheManager:
         """Releases the request's blocks, tail first; cached ones stay findable until evicted."""
         table = self._req_blocks.pop(request_id, None)
         self._req_num_cached.pop(request_id, None)
+        self._req_final_blocks.pop(request_id, None)
         for block_id in reversed(table or ()):
             block = self.blocks[block_id]
             block.ref_cnt -= 1
@@ -207,7 +246,7 @@ class KVCacheManager:
                 if block.block_hash is not None:
                     self._free_cached[block_id] = None
                 else:
-                    self._free_uncached.append(block_id)
+                    self._free_uncached[block_id] = None
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached hash (the ranks' pools are gone). Blocks held by requests stay held."""
@@ -217,4 +256,4 @@ class KVCacheManager:
         if self.events is not None:
             self.events.cleared()
         self._free_cached.clear()
-        self._free_uncached = collections.deque(b.block_id for b in self.blocks if b.ref_cnt == 0)
+        self._free_uncached = collections.OrderedDict.fromkeys(b.block_id for b in self.blocks if b.ref_cnt == 0)

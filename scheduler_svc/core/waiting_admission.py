@@ -31,7 +31,7 @@ def admit_waiting(core, draft: StepDraft) -> None:
         n = window.end - computed
         if n <= 0 or not decider.admission_fits(r):
             break  # FCFS: wait for room rather than let later requests overtake
-        appended = kv.allocate(r.request_id, computed + n, prefix)
+        appended = kv.allocate(r.request_id, computed + n, prefix, r.num_prompt_tokens + r.sampling.max_tokens)
         if appended is None and core.live.close_idle_one():
             continue  # an idle live session gave its blocks back: try the head again
         if appended is None:

@@ -37,7 +37,8 @@ def test_exact_block_ids_hit_lengths_and_the_last_token_cap():
     r4 = req("r4", range(1, 10))  # 9 tokens: 8 may hit
     assert kv.find_prefix(r4) == [0, 1]
 
-    assert kv.allocate("r2", 13, [0, 1]) == [0, 1, 3, 4]  # hits first, then never-cached blocks in id order
+    # hits first, then the run continued: block 2 (r1's partial block, never cached) is free right after the hit
+    assert kv.allocate("r2", 13, [0, 1]) == [0, 1, 2, 3]
     assert kv.blocks[0].ref_cnt == 1 and kv.num_free_blocks == 4
     assert kv.hash_blocks(r2)[:2] == hash_request_blocks(r2.all_token_ids, [], BS)[:2]
 
@@ -154,3 +155,56 @@ def test_blocks_a_finished_request_freed_come_back_as_one_run_of_ids():
     table = kv.allocate("b", 12 * BS)
     assert table == first == list(range(12))  # each of a's blocks evicted from the prefix cache; one ascending run
     assert kv.num_cached_blocks == 0
+
+
+def runs(table: list[int]) -> int:
+    """Runs of consecutive ids in a block table (what the ranks read in place, one view each)."""
+    return 1 + sum(b != a + 1 for a, b in zip(table, table[1:]))
+
+
+def test_two_requests_growing_side_by_side_each_stay_one_run():
+    """Decodes grow a block at a time, in turn. Taken from the front of the free order, their blocks alternated and
+    every table became runs of one block; with room kept after each table, each stays one run."""
+    kv = KVCacheManager(64, BS)
+    kv.allocate("a", 2 * BS, final_tokens=12 * BS)
+    kv.allocate("b", 2 * BS, final_tokens=12 * BS)
+    assert kv.blocks_of("b")[0] > kv.blocks_of("a")[-1] + 1  # b was not placed where a grows
+    for n in range(3, 12):  # one block each, in turn, as two decodes take them
+        kv.allocate("a", n * BS)
+        kv.allocate("b", n * BS)
+    assert runs(kv.blocks_of("a")) == 1 and runs(kv.blocks_of("b")) == 1, (kv.blocks_of("a"), kv.blocks_of("b"))
+    assert kv.num_free_blocks == 64 - 22
+
+
+def test_without_room_the_same_growth_alternates():
+    """The case the room is for (the previous test's setting without it): a's next block is b's first."""
+    kv = KVCacheManager(64, BS)
+    kv.allocate("a", 2 * BS)
+    kv.allocate("b", 2 * BS)
+    for n in range(3, 12):
+        kv.allocate("a", n * BS)
+        kv.allocate("b", n * BS)
+    assert runs(kv.blocks_of("a")) > 5
+
+
+def test_room_is_a_hint_that_neither_reserves_nor_evicts():
+    kv = KVCacheManager(8, BS)
+    cached = run(kv, req("c", range(1, 1 + 2 * BS)))  # blocks 0, 1, registered
+    kv.free("c")
+    assert kv.allocate("a", BS, final_tokens=100 * BS) == [2]  # room past the pool's end is fine
+    # b needs the rest of the pool: it takes the blocks a's room moved back (3..7), then evicts cached ones
+    assert kv.allocate("b", 7 * BS) == [0, 1, 3, 4, 5, 6, 7] and kv.num_free_blocks == 0
+    assert kv.find_prefix(req("c2", range(1, 2 + 2 * BS))) == []  # evicted only because the pool ran out
+    assert cached == [0, 1]
+
+
+def test_growth_never_takes_a_cached_block_out_of_its_eviction_order():
+    """The block after a table's end holds a cached prefix: growth does not take it (that would evict a prefix
+    the LRU order keeps) but a never-cached block elsewhere."""
+    kv = KVCacheManager(8, BS)
+    kv.allocate("a", BS)  # [0]
+    c = req("c", range(1, 1 + 2 * BS))
+    assert run(kv, c) == [1, 2]  # registered
+    kv.free("c")  # 1, 2: free and cached
+    assert kv.allocate("a", 2 * BS) == [3]
+    assert kv.find_prefix(req("c2", range(1, 2 + 2 * BS))) == [1, 2]
