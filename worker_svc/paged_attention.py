@@ -85,6 +85,7 @@ class Span:
     views: tuple[tuple[int, int], ...] = ()
     rest: int = 0
     own: torch.Tensor | None = None
+    index: torch.Tensor | None = None  # ``blocks``' rows for ``gather_blocks``, built once per step (``block_index``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,7 @@ class DecodeBatch:
     width: int  # rows gathered per window: the longest context of the batch rounded up to whole blocks
     block_size: int  # the pool's
     bias: torch.Tensor | None  # (n, 1, width) float: 0 at a window's own keys, -inf past them; None if none padded
+    index: torch.Tensor | None = None  # ``blocks``' rows for ``gather_blocks``, built once per step (``block_index``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,18 +136,27 @@ def _one_run(block_ids: Sequence[int], num_tokens: int, block_size: int) -> bool
     return all(block_ids[i] == first + i for i in range(1, count - 1))
 
 
-def _single(block_ids: Sequence[int], start: int, end: int, packed: int, block_size: int, device, dtype) -> Span:
+def _single(block_ids: Sequence[int], start: int, end: int, packed: int, pool: torch.Tensor, block_size: int) -> Span:
     runs = block_runs(block_ids, end, block_size)
-    blocks = None
+    blocks = index = None
     if len(runs) > 1:
-        blocks = torch.as_tensor(list(block_ids[: -(-end // block_size)]), dtype=torch.long).to(device)
+        blocks, index = _blocks_and_index(block_ids[: -(-end // block_size)], pool)
     n = end - start
-    mask = _causal_bias(end, n, device, dtype) if 1 < n < end else None
-    return Span(packed, packed + n, end, runs, blocks, block_size if blocks is not None else 0, mask)
+    mask = _causal_bias(end, n, pool.device, pool.dtype) if 1 < n < end else None
+    return Span(packed, packed + n, end, runs, blocks, block_size if blocks is not None else 0, mask, index=index)
+
+
+def _blocks_and_index(block_ids: Sequence[int], pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_ids`` as a tensor, and their rows for ``gather_blocks`` in the pool's layers (``block_index``), built
+    in numpy: per-call costs of a fraction of torch's, once per step instead of once per layer."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    kv_heads, num_blocks = pool.shape[2], pool.shape[3]
+    index = (np.arange(0, kv_heads * num_blocks, num_blocks, dtype=np.int64)[:, None] + ids[None, :]).reshape(-1)
+    return torch.from_numpy(ids).to(pool.device), torch.from_numpy(index).to(pool.device)
 
 
 def _in_place(block_ids: Sequence[int], start: int, end: int, packed: int, block_size: int, own: list[int],
-              device, dtype) -> Span | None:  # fmt: skip
+              pool: torch.Tensor) -> Span | None:  # fmt: skip
     """The span of a short window (``end - start`` tokens after ``start`` computed ones) read mostly in place: the
     prefix's runs of at least ``VIEW_MIN_RUN`` rows are views, the rest of its blocks are gathered, the window's own
     keys are read at their slots ``own``. None when the views would hold less than half the prefix (a decode batch
@@ -168,10 +179,10 @@ def _in_place(block_ids: Sequence[int], start: int, end: int, packed: int, block
                 return None
         a = b
     n = end - start
-    blocks = torch.as_tensor(rest_blocks, dtype=torch.long).to(device) if rest_blocks else None
-    mask = _causal_bias(n, n, device, dtype) if n > 1 else None
+    blocks, index = _blocks_and_index(rest_blocks, pool) if rest_blocks else (None, None)
+    mask = _causal_bias(n, n, pool.device, pool.dtype) if n > 1 else None
     return Span(packed, packed + n, end, (), blocks, block_size, mask, tuple(views), rest,
-                torch.as_tensor(own, dtype=torch.long).to(device))  # fmt: skip
+                torch.as_tensor(own, dtype=torch.long).to(pool.device), index)  # fmt: skip
 
 
 def _decode_groups(decodes: list[tuple[int, Sequence[int], int]]) -> list[list[tuple[int, Sequence[int], int]]]:
@@ -190,7 +201,7 @@ def _decode_groups(decodes: list[tuple[int, Sequence[int], int]]) -> list[list[t
     return groups
 
 
-def _decode_batch(group: list[tuple[int, Sequence[int], int]], block_size: int, device, dtype) -> DecodeBatch:
+def _decode_batch(group: list[tuple[int, Sequence[int], int]], pool: torch.Tensor, block_size: int) -> DecodeBatch:
     # Index arithmetic on a few small arrays: numpy's per-call cost is a fraction of torch's, and this runs every
     # decode step; only the results become tensors.
     blocks = -(-group[0][2] // block_size)
@@ -210,12 +221,14 @@ def _decode_batch(group: list[tuple[int, Sequence[int], int]], block_size: int, 
     own = np.arange(width)[None, :] < contexts[:, None]
     padded = bool((contexts < width).any())
     bias = torch.from_numpy(np.where(own, 0.0, -math.inf).astype(np.float32))[:, None, :] if padded else None
+    blocks, index = _blocks_and_index(tables.reshape(-1), pool)
     return DecodeBatch(
-        tokens=torch.tensor([index for index, _, _ in group], dtype=torch.long, device=device),
-        blocks=torch.from_numpy(tables.reshape(-1)).to(device),
+        tokens=torch.tensor([index for index, _, _ in group], dtype=torch.long, device=pool.device),
+        blocks=blocks,
         width=width,
         block_size=block_size,
-        bias=bias.to(device, dtype) if bias is not None else None,  # the pool's dtype, as SDPA's masks must be
+        bias=bias.to(pool.device, pool.dtype) if bias is not None else None,  # the pool's dtype, as SDPA's masks must be
+        index=index,
     )
 
 
@@ -235,7 +248,7 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
         slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
         span = None
         if n <= PIECES_MAX_WINDOW and end >= VIEW_MIN_CONTEXT:
-            span = _in_place(block_ids, start, end, packed, block_size, slots[-n:], device, pool.dtype)
+            span = _in_place(block_ids, start, end, packed, block_size, slots[-n:], pool)
         elif n == 1 and _one_run(block_ids, end, block_size):
             span = Span(packed, packed + 1, end, ((block_ids[0] * block_size, end),))
         if span is not None:
@@ -246,7 +259,7 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
             spans.append(Span(packed, packed + 1, end, ()))
             decodes.append((packed, block_ids, end))
         else:
-            span = _single(block_ids, start, end, packed, block_size, device, pool.dtype)
+            span = _single(block_ids, start, end, packed, pool, block_size)
             spans.append(span)
             singles.append(span)
         packed += n
@@ -254,11 +267,11 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
     for group in _decode_groups(decodes):
         if len(group) == 1:  # alone: its own rows gathered, nothing padded
             index, block_ids, context = group[0]
-            span = _single(block_ids, context - 1, context, index, block_size, device, pool.dtype)
+            span = _single(block_ids, context - 1, context, index, pool, block_size)
             spans[span_of[index]] = span
             singles.append(span)
         else:
-            batches.append(_decode_batch(group, block_size, device, pool.dtype))
+            batches.append(_decode_batch(group, pool, block_size))
     return PagedStep(pool, torch.tensor(slots, dtype=torch.long, device=device), tuple(spans), tuple(singles),
                      tuple(batches))  # fmt: skip
 
@@ -274,15 +287,26 @@ def _causal_bias(context: int, window: int, device, dtype=torch.float32) -> torc
     return torch.zeros(window, context, device=device, dtype=dtype).masked_fill_(~allowed, -math.inf)
 
 
-def gather_blocks(layer: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[kv_heads, len(blocks) * block_size, d]: the rows of ``blocks`` of a layer's row view, in order. One copy per
-    block and head, not per row (a per-row ``index_select`` of 64-float rows ran ~5-20x slower on the same data),
-    selected along the first dimension of the layer seen as [kv_heads * num_blocks, block_size * d]: PyTorch's CPU
-    ``index_select`` copies whole rows there, ~2.5x faster than the same selection along a middle dimension."""
+def block_index(blocks: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """The rows ``gather_blocks`` selects for ``blocks``: block b of head h is row ``h * num_blocks + b`` of the layer
+    seen as [kv_heads * num_blocks, block_size * d], head-major. The plan builds it once per step (numpy); built per
+    call, its two small ops cost ~3x the copy itself for a decode's few blocks, in every layer."""
+    heads = torch.arange(0, kv_heads * num_blocks, num_blocks, device=blocks.device)
+    return (heads[:, None] + blocks[None, :]).view(-1)
+
+
+def gather_blocks(
+    layer: torch.Tensor, blocks: torch.Tensor, block_size: int, index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[kv_heads, len(blocks) * block_size, d]: the rows of ``blocks`` of a layer's row view, in order (``index``:
+    their ``block_index``, when the plan built it). One copy per block and head, not per row (a per-row
+    ``index_select`` of 64-float rows ran ~5-20x slower on the same data), selected along the first dimension of the
+    layer seen as [kv_heads * num_blocks, block_size * d]: PyTorch's CPU ``index_select`` copies whole rows there,
+    ~2.5x faster than the same selection along a middle dimension."""
     kv_heads, rows, dim = layer.shape
     num_blocks = rows // block_size
-    heads = torch.arange(0, kv_heads * num_blocks, num_blocks, device=blocks.device)
-    index = (heads[:, None] + blocks[None, :]).view(-1)
+    if index is None:
+        index = block_index(blocks, kv_heads, num_blocks)
     return layer.view(kv_heads * num_blocks, block_size * dim).index_select(0, index).view(kv_heads, -1, dim)
 
 
@@ -297,8 +321,8 @@ def attend_window(
         ((first, rows),) = span.runs
         keys, values = k_layer[:, first : first + rows], v_layer[:, first : first + rows]
     else:
-        keys = gather_blocks(k_layer, span.blocks, span.block_size)[:, : span.context]
-        values = gather_blocks(v_layer, span.blocks, span.block_size)[:, : span.context]
+        keys = gather_blocks(k_layer, span.blocks, span.block_size, span.index)[:, : span.context]
+        values = gather_blocks(v_layer, span.blocks, span.block_size, span.index)[:, : span.context]
     mask = span.mask
     if mask is None and 1 < n < span.context:  # a span built by hand (the benchmark's): the causal mask now
         mask = _causal_bias(span.context, n, q.device, q.dtype)
@@ -325,8 +349,8 @@ def _attend_pieces(
     keys = [k_layer[:, first : first + rows] for first, rows in span.views]
     values = [v_layer[:, first : first + rows] for first, rows in span.views]
     if span.blocks is not None:
-        keys.append(gather_blocks(k_layer, span.blocks, span.block_size)[:, : span.rest])
-        values.append(gather_blocks(v_layer, span.blocks, span.block_size)[:, : span.rest])
+        keys.append(gather_blocks(k_layer, span.blocks, span.block_size, span.index)[:, : span.rest])
+        values.append(gather_blocks(v_layer, span.blocks, span.block_size, span.index)[:, : span.rest])
     keys.append(k_layer.index_select(1, span.own))
     values.append(v_layer.index_select(1, span.own))
     scores = [torch.matmul(grouped, k.transpose(-1, -2)).mul_(scaling) for k in keys]  # [kv_heads, group * n, rows]
@@ -356,8 +380,8 @@ def _attend_batch(
     kv_heads, _, dim = k_layer.shape
     heads, n = query.shape[0], batch.tokens.numel()
     q = query.index_select(1, batch.tokens).view(kv_heads, heads // kv_heads, n, dim).transpose(1, 2)
-    keys = gather_blocks(k_layer, batch.blocks, batch.block_size).view(kv_heads, n, batch.width, dim)
-    values = gather_blocks(v_layer, batch.blocks, batch.block_size).view(kv_heads, n, batch.width, dim)
+    keys = gather_blocks(k_layer, batch.blocks, batch.block_size, batch.index).view(kv_heads, n, batch.width, dim)
+    values = gather_blocks(v_layer, batch.blocks, batch.block_size, batch.index).view(kv_heads, n, batch.width, dim)
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scaling)  # [kv_heads, n, group, width]
     if batch.bias is not None:
         scores += batch.bias

@@ -112,8 +112,8 @@ def _attend_batch(query, k_layer, v_layer, batch: paged_attention.DecodeBatch, s
     kv_heads, _, dim = k_layer.shape
     n = batch.tokens.numel()
     q = query.index_select(1, batch.tokens).transpose(0, 1)[:, :, None]
-    keys = paged_attention.gather_blocks(k_layer, batch.blocks, batch.block_size)
-    values = paged_attention.gather_blocks(v_layer, batch.blocks, batch.block_size)
+    keys = paged_attention.gather_blocks(k_layer, batch.blocks, batch.block_size, batch.index)
+    values = paged_attention.gather_blocks(v_layer, batch.blocks, batch.block_size, batch.index)
     keys, values = (t.view(kv_heads, n, batch.width, dim).transpose(0, 1) for t in (keys, values))
     mask = batch.bias[:, None] if batch.bias is not None else None  # (n, 1, 1, width)
     out = F.scaled_dot_product_attention(
