@@ -3,8 +3,9 @@
 Under async scheduling the scheduler writes step k+1 before it knows step k's tokens. A constrained request's mask for
 k+1 depends on its token of step k, so k+1's control only names the request in ``masks_follow``, and the masks come
 once the scheduler has applied step k's answer: in k+2's control (``prior_masks``), or in a ``LateTokenMasks`` frame
-when no k+2 is planned yet. Rank 0's event loop reads that frame while its compute thread runs k+1's forward (a
-control read so is applied after k+1's answer); the compute thread waits for the masks just before it samples.
+when no k+2 is planned yet. Rank 0's compute thread runs k+1's forward, then asks for the masks just before it
+samples (``when_wanted``): only then does the event loop read that frame (a control read so is applied after k+1's
+answer), so the two threads do not take turns at the interpreter lock through the forward.
 
 ``LateMasks`` is the hand-off between the two threads: the event loop delivers the checked masks (or a refusal), the
 compute thread waits for them with a bound, the rank's ``--late-mask-timeout-seconds``. Past it the step fails as a
@@ -35,6 +36,11 @@ class LateMasks:
         self._settled = threading.Event()
         self._masks: dict[RequestId, worker_pb2.TokenMask] = {}
         self._error: StepError | None = None
+        self._wanted = None  # called (once) when the compute thread first waits: the event loop starts reading
+
+    def when_wanted(self, callback) -> None:
+        """``callback()`` (thread-safe, from the compute thread) when the step first needs its masks."""
+        self._wanted = callback
 
     @property
     def settled(self) -> bool:
@@ -65,6 +71,9 @@ class LateMasks:
     def wait(self, timeout: float) -> dict[RequestId, worker_pb2.TokenMask]:
         """The step's late masks (request -> TokenMask; an announced request without one draws unmasked), once the
         frame came. Raises the refusal the event loop handed over, or a ``StepError`` after ``timeout`` seconds."""
+        wanted, self._wanted = self._wanted, None
+        if wanted is not None and not self._settled.is_set():
+            wanted()
         if not self._settled.wait(timeout):
             self.fail(
                 StepError(

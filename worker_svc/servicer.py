@@ -2,8 +2,9 @@
 
 Frames of one stream are handled in order; a step's compute runs on the worker's compute thread, so the event
 loop keeps answering other streams (a superseding handshake, health checks) meanwhile. The one frame read while a
-step runs is on rank 0, for a control that announced ``masks_follow``: the step's late masks, in a ``LateTokenMasks``
-frame or in the next control's ``prior_masks`` (``worker_svc/late_masks.py``). Received bytes are counted where they
+step runs is on rank 0, for a control that announced ``masks_follow``, once the compute thread asks for them: the
+step's late masks, in a ``LateTokenMasks`` frame or in the next control's ``prior_masks``
+(``worker_svc/late_masks.py``). Received bytes are counted where they
 arrive, with the same split the scheduler uses for its sent counters.
 """
 
@@ -76,6 +77,11 @@ class _Received:
     payload_bytes: int = 0
     assemble_seconds: float = 0.0
     ahead: list = dataclasses.field(default_factory=list)  # a control read during the step before (prior_masks)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _rank_step_span(control: worker_pb2.StepControl, rank: int):
@@ -217,10 +223,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         rank = self.worker.config.rank
         t0 = time.perf_counter()
         late = handle.session.expect_late_masks(control) if control.masks_follow and rank == 0 else None
+        wanted = None
+        if late is not None:
+            wanted = loop.create_future()
+            late.when_wanted(lambda: loop.call_soon_threadsafe(_resolve, wanted))
         with _rank_step_span(control, rank):
             step = loop.run_in_executor(self.worker.executor, self.worker.apply_step, handle, control)
             try:
                 if late is not None:
+                    # The frames are read once the compute thread asks for the masks (they are usually there by
+                    # then): read during the forward, the event loop's Python and the compute thread's took turns
+                    # at the interpreter lock through the whole step.
+                    await asyncio.wait({wanted, step}, return_when=asyncio.FIRST_COMPLETED)
                     await self._read_late_masks(context, late, step, superseded, received)
                 outcome = await step
             except StepError as exc:
