@@ -227,7 +227,9 @@ def _decode_batch(group: list[tuple[int, Sequence[int], int]], pool: torch.Tenso
         blocks=blocks,
         width=width,
         block_size=block_size,
-        bias=bias.to(pool.device, pool.dtype) if bias is not None else None,  # the pool's dtype, as SDPA's masks must be
+        bias=bias.to(pool.device, pool.dtype)
+        if bias is not None
+        else None,  # the pool's dtype, as SDPA's masks must be
         index=index,
     )
 

@@ -159,7 +159,7 @@ def test_blocks_a_finished_request_freed_come_back_as_one_run_of_ids():
 
 def runs(table: list[int]) -> int:
     """Runs of consecutive ids in a block table (what the ranks read in place, one view each)."""
-    return 1 + sum(b != a + 1 for a, b in zip(table, table[1:]))
+    return 1 + sum(b != a + 1 for a, b in zip(table, table[1:], strict=False))
 
 
 def test_two_requests_growing_side_by_side_each_stay_one_run():
