@@ -65,6 +65,11 @@ VIEW_MIN_RUN = 64
 # recomputed) reads its prefix in place too, with its own keys causal beside it; a longer one is one SDPA call
 # over its gathered context, whose fused kernel is the cheaper there.
 PIECES_MAX_WINDOW = 64
+# A step's plan builds its index tensors (a decode batch's padded tables, gather rows and key bias) in Python lists
+# when they hold at most this many entries, in numpy above. numpy's first calls in a step cost the served rank ~100
+# µs, its code cold after the forward (a two-decode batch's plan: 124-126 µs in numpy, 38-39 µs in lists, measured
+# in the rank during `benchmarks.rank.grammar_cost`'s setting); lists cost ~70 µs per thousand entries, numpy ~5.
+SMALL_PLAN = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,12 +152,20 @@ def _single(block_ids: Sequence[int], start: int, end: int, packed: int, pool: t
 
 
 def _blocks_and_index(block_ids: Sequence[int], pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block_ids`` as a tensor, and their rows for ``gather_blocks`` in the pool's layers (``block_index``), built
-    in numpy: per-call costs of a fraction of torch's, once per step instead of once per layer."""
-    ids = np.asarray(block_ids, dtype=np.int64)
+    """``block_ids`` as a tensor, and their rows for ``gather_blocks`` in the pool's layers (``block_index``): built
+    once per step instead of once per layer, in Python lists up to ``SMALL_PLAN`` entries, else in numpy."""
     kv_heads, num_blocks = pool.shape[2], pool.shape[3]
+    if kv_heads * len(block_ids) <= SMALL_PLAN:
+        ids = list(block_ids)
+        index = [h * num_blocks + b for h in range(kv_heads) for b in ids]
+        return _long(ids, pool.device), _long(index, pool.device)
+    ids = np.asarray(block_ids, dtype=np.int64)
     index = (np.arange(0, kv_heads * num_blocks, num_blocks, dtype=np.int64)[:, None] + ids[None, :]).reshape(-1)
     return torch.from_numpy(ids).to(pool.device), torch.from_numpy(index).to(pool.device)
+
+
+def _long(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def _in_place(block_ids: Sequence[int], start: int, end: int, packed: int, block_size: int, own: list[int],
@@ -202,34 +215,46 @@ def _decode_groups(decodes: list[tuple[int, Sequence[int], int]]) -> list[list[t
 
 
 def _decode_batch(group: list[tuple[int, Sequence[int], int]], pool: torch.Tensor, block_size: int) -> DecodeBatch:
-    # Index arithmetic on a few small arrays: numpy's per-call cost is a fraction of torch's, and this runs every
-    # decode step; only the results become tensors.
+    """The batch of ``(packed index, block table, context)`` decode windows (longest context first): each table cut
+    to its own blocks, then padded with its last block up to the longest (the rows past a context are hidden by the
+    bias). Built in Python lists up to ``SMALL_PLAN`` gathered rows, else in numpy."""
     blocks = -(-group[0][2] // block_size)
     width = blocks * block_size
-    contexts = np.array([context for _, _, context in group], dtype=np.int64)
-    # each table cut to its own blocks, then padded with its last block (rows past the context: hidden by the bias)
-    tables = np.array(
-        [
+    if len(group) * width <= SMALL_PLAN:
+        table: list[int] = []
+        for _, ids, context in group:
+            count = -(-context // block_size)
+            table += ids[:count]
+            table += [ids[count - 1]] * (blocks - count)
+        padded = any(context < width for _, _, context in group)
+        rows = [[0.0] * context + [-math.inf] * (width - context) for _, _, context in group]
+        bias = torch.tensor(rows, dtype=pool.dtype, device=pool.device)[:, None, :] if padded else None
+    else:
+        contexts = np.array([context for _, _, context in group], dtype=np.int64)
+        tables = np.array(
             [
-                *ids[: -(-context // block_size)],
-                *[ids[(context - 1) // block_size]] * (blocks - -(-context // block_size)),
-            ]
-            for _, ids, context in group
-        ],
-        dtype=np.int64,
-    )
-    own = np.arange(width)[None, :] < contexts[:, None]
-    padded = bool((contexts < width).any())
-    bias = torch.from_numpy(np.where(own, 0.0, -math.inf).astype(np.float32))[:, None, :] if padded else None
-    blocks, index = _blocks_and_index(tables.reshape(-1), pool)
+                [
+                    *ids[: -(-context // block_size)],
+                    *[ids[(context - 1) // block_size]] * (blocks - -(-context // block_size)),
+                ]
+                for _, ids, context in group
+            ],
+            dtype=np.int64,
+        )
+        table = tables.reshape(-1)
+        padded = bool((contexts < width).any())
+        own = np.arange(width)[None, :] < contexts[:, None]
+        bias = None
+        if padded:  # the pool's dtype, as SDPA's masks must be
+            bias = torch.from_numpy(np.where(own, 0.0, -math.inf).astype(np.float32))[:, None, :]
+            bias = bias.to(pool.device, pool.dtype)
+    blocks_t, index = _blocks_and_index(table, pool)
     return DecodeBatch(
-        tokens=torch.tensor([index for index, _, _ in group], dtype=torch.long, device=pool.device),
-        blocks=blocks,
+        tokens=_long([index for index, _, _ in group], pool.device),
+        blocks=blocks_t,
         width=width,
         block_size=block_size,
-        bias=bias.to(pool.device, pool.dtype)
-        if bias is not None
-        else None,  # the pool's dtype, as SDPA's masks must be
+        bias=bias,
         index=index,
     )
 

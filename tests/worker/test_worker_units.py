@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -187,7 +189,9 @@ def _attends_as_plain_attention(pool, step, windows, block: int, heads: int) -> 
         torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows():
+@pytest.mark.parametrize("small_plan", [paged_attention.SMALL_PLAN, 0], ids=["lists", "numpy"])
+def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows(monkeypatch, small_plan):
+    monkeypatch.setattr(paged_attention, "SMALL_PLAN", small_plan)  # the plan's index tensors built either way
     torch.manual_seed(1)
     block, heads, kv_heads, dim = 4, 4, 2, 8
     pool = kv_pool.KVPool(
@@ -238,6 +242,25 @@ def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows()
             q[0, :, span.start : span.end], pool.rows(0, 0)[:, rows], pool.rows(0, 1)[:, rows], end, n, 0.3
         )
         torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_batch_is_the_same_built_in_lists_or_in_numpy(monkeypatch):
+    """Small plans are built in Python lists (numpy's first calls in a step are slow on a rank), larger ones in
+    numpy: both give the same tensors, of the same dtypes."""
+    rng = random.Random(7)
+    pool = torch.zeros(1, 2, 3, 500, 16, 8)
+    for n in (2, 5, 9):
+        group = [(i, rng.sample(range(500), 6), rng.randint(60, 96)) for i in range(n)]
+        group.sort(key=lambda e: -e[2])
+        built = []
+        for small in (10**6, 0):
+            monkeypatch.setattr(paged_attention, "SMALL_PLAN", small)
+            built.append(paged_attention._decode_batch(group, pool, 16))
+        lists, arrays = built
+        assert lists.width == arrays.width
+        for field in ("tokens", "blocks", "index", "bias"):
+            a, b = getattr(lists, field), getattr(arrays, field)
+            assert a.dtype == b.dtype and torch.equal(a, b), field
 
 
 def test_short_decodes_of_one_run_read_a_view_and_only_fragmented_ones_are_gathered():
