@@ -316,8 +316,9 @@ def _causal_bias(context: int, window: int, device, dtype=torch.float32) -> torc
 
 def block_index(blocks: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
     """The rows ``gather_blocks`` selects for ``blocks``: block b of head h is row ``h * num_blocks + b`` of the layer
-    seen as [kv_heads * num_blocks, block_size * d], head-major. The plan builds it once per step (numpy); built per
-    call, its two small ops cost ~3x the copy itself for a decode's few blocks, in every layer."""
+    seen as [kv_heads * num_blocks, block_size * d], head-major. The plan builds it once per step
+    (``_blocks_and_index``); built per call, its two small ops cost ~3x the copy itself for a decode's few blocks,
+    in every layer."""
     heads = torch.arange(0, kv_heads * num_blocks, num_blocks, device=blocks.device)
     return (heads[:, None] + blocks[None, :]).view(-1)
 
