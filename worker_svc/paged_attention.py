@@ -226,9 +226,10 @@ def _decode_batch(group: list[tuple[int, Sequence[int], int]], pool: torch.Tenso
             count = -(-context // block_size)
             table += ids[:count]
             table += [ids[count - 1]] * (blocks - count)
-        padded = any(context < width for _, _, context in group)
-        rows = [[0.0] * context + [-math.inf] * (width - context) for _, _, context in group]
-        bias = torch.tensor(rows, dtype=pool.dtype, device=pool.device)[:, None, :] if padded else None
+        bias = None
+        if any(context < width for _, _, context in group):
+            rows = [[0.0] * context + [-math.inf] * (width - context) for _, _, context in group]
+            bias = torch.tensor(rows, dtype=pool.dtype, device=pool.device)[:, None, :]
     else:
         contexts = np.array([context for _, _, context in group], dtype=np.int64)
         tables = np.array(

@@ -4,8 +4,8 @@ Frames of one stream are handled in order; a step's compute runs on the worker's
 loop keeps answering other streams (a superseding handshake, health checks) meanwhile. The one frame read while a
 step runs is on rank 0, for a control that announced ``masks_follow``, once the compute thread asks for them: the
 step's late masks, in a ``LateTokenMasks`` frame or in the next control's ``prior_masks``
-(``worker_svc/late_masks.py``). Received bytes are counted where they
-arrive, with the same split the scheduler uses for its sent counters.
+(``worker_svc/late_masks.py``). Received bytes are counted where they arrive, with the same split the scheduler
+uses for its sent counters.
 """
 
 from __future__ import annotations
