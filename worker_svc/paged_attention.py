@@ -217,36 +217,22 @@ def _decode_groups(decodes: list[tuple[int, Sequence[int], int]]) -> list[list[t
 def _decode_batch(group: list[tuple[int, Sequence[int], int]], pool: torch.Tensor, block_size: int) -> DecodeBatch:
     """The batch of ``(packed index, block table, context)`` decode windows (longest context first): each table cut
     to its own blocks, then padded with its last block up to the longest (the rows past a context are hidden by the
-    bias). Built in Python lists up to ``SMALL_PLAN`` gathered rows, else in numpy."""
+    bias). The key bias is built in Python lists up to ``SMALL_PLAN`` gathered rows, else in numpy."""
     blocks = -(-group[0][2] // block_size)
     width = blocks * block_size
-    if len(group) * width <= SMALL_PLAN:
-        table: list[int] = []
-        for _, ids, context in group:
-            count = -(-context // block_size)
-            table += ids[:count]
-            table += [ids[count - 1]] * (blocks - count)
-        bias = None
-        if any(context < width for _, _, context in group):
-            rows = [[0.0] * context + [-math.inf] * (width - context) for _, _, context in group]
+    table: list[int] = []
+    for _, ids, context in group:
+        count = -(-context // block_size)
+        table += ids[:count]
+        table += [ids[count - 1]] * (blocks - count)
+    contexts = [context for _, _, context in group]
+    bias = None
+    if any(context < width for context in contexts):  # in the pool's dtype, as SDPA's masks must be
+        if len(group) * width <= SMALL_PLAN:
+            rows = [[0.0] * context + [-math.inf] * (width - context) for context in contexts]
             bias = torch.tensor(rows, dtype=pool.dtype, device=pool.device)[:, None, :]
-    else:
-        contexts = np.array([context for _, _, context in group], dtype=np.int64)
-        tables = np.array(
-            [
-                [
-                    *ids[: -(-context // block_size)],
-                    *[ids[(context - 1) // block_size]] * (blocks - -(-context // block_size)),
-                ]
-                for _, ids, context in group
-            ],
-            dtype=np.int64,
-        )
-        table = tables.reshape(-1)
-        padded = bool((contexts < width).any())
-        own = np.arange(width)[None, :] < contexts[:, None]
-        bias = None
-        if padded:  # the pool's dtype, as SDPA's masks must be
+        else:
+            own = np.arange(width)[None, :] < np.array(contexts, dtype=np.int64)[:, None]
             bias = torch.from_numpy(np.where(own, 0.0, -math.inf).astype(np.float32))[:, None, :]
             bias = bias.to(pool.device, pool.dtype)
     blocks_t, index = _blocks_and_index(table, pool)
