@@ -200,6 +200,15 @@ class WorkerConfig:
         max=3600,
         section=_SERVICE,
     )
+    inline_step_max_ms: float = setting(
+        20.0,
+        "steps of running requests alone whose size recently took at most this long run on the rank's event-loop "
+        "thread, sparing two thread hand-overs per step; the loop answers nothing else meanwhile (0: every step on "
+        "the compute thread)",
+        min=0,
+        max=1000,
+        section=_SERVICE,
+    )
     log_level: str = setting("info", "level of the JSON logs", choices=LOG_LEVELS, section=_SERVICE)
 
     # --- security -----------------------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ async def load(running: RunningWorker, freeze: bool = False) -> None:
     ``freeze``: the process is this rank alone (``serve``), so its start-up heap is frozen before it serves (an
     in-process rank beside other work, as the tests run one, leaves its host's collector alone)."""
     worker = running.worker
-    await asyncio.get_running_loop().run_in_executor(worker.executor, worker.load)
+    await asyncio.wrap_future(worker.on_compute(worker.load))
     if freeze:
         freeze_startup_heap(log)
     await running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

@@ -57,6 +57,12 @@ WORKER_METRICS = (
         "Time from a step control received to its result sent.",
         buckets=_STEP_BUCKETS,
     ),
+    Metric(
+        "steps", COUNTER, "mmcast_worker_steps_total",
+        "Step controls applied, by the thread that ran them: short steps of running requests run on the event "
+        "loop's thread (--inline-step-max-ms), the rest on the compute thread.",
+        ("thread",), series=("event_loop", "compute"),
+    ),
     # --- caches; hit ratio = hits / queries, per cache
     Metric("payload_cache_bytes", GAUGE, "mmcast_worker_payload_cache_bytes", "Bytes held in the payload cache."),
     Metric("payload_cache_items", GAUGE, "mmcast_worker_payload_cache_items", "Items held in the payload cache."),

@@ -1,10 +1,10 @@
 """``mmcast.v1.WorkerService`` over grpc.aio: translates step-stream frames into calls on the ``Worker``.
 
 Frames of one stream are handled in order; a step's compute runs on the worker's compute thread, so the event
-loop keeps answering other streams (a superseding handshake, health checks) meanwhile. The one frame read while a
-step runs is on rank 0, for a control that announced ``masks_follow``, once the compute thread asks for them: the
-step's late masks, in a ``LateTokenMasks`` frame or in the next control's ``prior_masks``
-(``worker_svc/late_masks.py``). Received bytes are counted where they arrive, with the same split the scheduler
+loop keeps answering other streams (a superseding handshake, health checks) meanwhile. The one frame read inside a
+step is on rank 0, for a control that announced ``masks_follow``: once the compute thread has run its forward, the
+step's late masks, in a ``LateTokenMasks`` frame or in the next control's ``prior_masks``; the event loop then
+samples the step itself (``worker_svc/late_masks.py``). Received bytes are counted where they arrive, with the same split the scheduler
 uses for its sent counters.
 """
 
@@ -24,7 +24,7 @@ from mmcast.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.handshake import HandshakeRejected
 from worker_svc.late_masks import LateMasks
 from worker_svc.metrics import WorkerMetrics
-from worker_svc.session import StepOutcome
+from worker_svc.session import SamplesAwaitMasks, StepOutcome
 from worker_svc.step_errors import StepError, code, code_name
 from worker_svc.worker import StreamHandle, Worker
 
@@ -77,11 +77,6 @@ class _Received:
     payload_bytes: int = 0
     assemble_seconds: float = 0.0
     ahead: list = dataclasses.field(default_factory=list)  # a control read during the step before (prior_masks)
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 def _rank_step_span(control: worker_pb2.StepControl, rank: int):
@@ -218,25 +213,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def _step(self, handle: StreamHandle, context, control, received: _Received, superseded) -> bool:
         """Applies one control on the compute thread and writes its answer; False when the step was refused (the
-        stream ends). On rank 0, a control with ``masks_follow`` runs while this reads the step's late masks."""
-        loop = asyncio.get_running_loop()
+        stream ends). On rank 0, a control with ``masks_follow`` comes back from the compute thread unsampled: this
+        reads its late masks and samples it here (``worker_svc/late_masks.py``)."""
         rank = self.worker.config.rank
         t0 = time.perf_counter()
-        late = handle.session.expect_late_masks(control) if control.masks_follow and rank == 0 else None
-        wanted = None
-        if late is not None:
-            wanted = loop.create_future()
-            late.when_wanted(lambda: loop.call_soon_threadsafe(_resolve, wanted))
         with _rank_step_span(control, rank):
-            step = loop.run_in_executor(self.worker.executor, self.worker.apply_step, handle, control)
             try:
-                if late is not None:
-                    # The frames are read once the compute thread asks for the masks (they are usually there by
-                    # then): read during the forward, the event loop's Python and the compute thread's took turns
-                    # at the interpreter lock through the whole step.
-                    await asyncio.wait({wanted, step}, return_when=asyncio.FIRST_COMPLETED)
-                    await self._read_late_masks(context, late, step, superseded, received)
-                outcome = await step
+                if self.worker.compute_idle and self.worker.inline.fits(control):
+                    self.metrics.steps.labels("event_loop").inc()
+                    outcome = self.worker.apply_step(handle, control)  # short: worker_svc/inline_steps.py
+                else:
+                    self.metrics.steps.labels("compute").inc()
+                    outcome = await asyncio.wrap_future(self.worker.on_compute(self.worker.apply_step, handle, control))
+                if isinstance(outcome, SamplesAwaitMasks):
+                    late = handle.session.expect_late_masks(control)
+                    masks = await self._read_late_masks(context, late, superseded, received)
+                    if handle.superseded.is_set():
+                        return True  # the next read reports it
+                    outcome = self.worker.finish_step(control, outcome, masks)
             except StepError as exc:
                 if handle.superseded.is_set():
                     return True  # the next read reports it
@@ -252,42 +246,41 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         return True
 
-    async def _read_late_masks(
-        self, context, late: LateMasks, step: asyncio.Future, superseded, received: _Received
-    ) -> None:
-        """Reads frames while ``step`` runs, until its late masks come, and hands them to the compute thread (which
-        waits for them before sampling): a ``LateTokenMasks`` frame, or the next control carrying them in
-        ``prior_masks`` (kept in ``received.ahead`` for after this step's answer). Keepalives are answered; any other
-        frame, the stream's end or its supersession fails the step instead: the scheduler writes the masks before
-        anything else of a later step."""
-        where = f"step {late.step_id} waits for its late token masks (StepControl.masks_follow)"
-        try:
-            while not late.settled and not step.done():
-                read = asyncio.ensure_future(context.read())
-                await asyncio.wait({read, step, superseded}, return_when=asyncio.FIRST_COMPLETED)
-                if not read.done():  # the step failed before its masks came, or the stream was superseded
-                    read.cancel()
-                    await asyncio.gather(read, return_exceptions=True)
-                    return
-                frame = read.result()
-                if frame is grpc.aio.EOF or isinstance(frame, Unparsable):
-                    why = "the stream ended" if frame is grpc.aio.EOF else frame.message
-                    late.fail(StepError(code.STATE_MISMATCH, f"{why} while {where}"))
-                    return
-                self._count(frame)
-                kind = frame.WhichOneof("frame")
-                if kind == "keepalive":
-                    await context.write(worker_pb2.StepResponse(keepalive=frame.keepalive))
-                elif kind == "late_token_masks":
-                    late.deliver(frame.late_token_masks)
-                elif kind == "control" and frame.control.HasField("prior_masks"):
-                    late.deliver(frame.control.prior_masks)
-                    received.ahead.append(frame)  # applied once this step is answered
-                else:
-                    why = f"a {kind} frame came while {where}; the masks must come first (or in prior_masks)"
-                    late.fail(StepError(code.STATE_MISMATCH, why))
-        finally:  # cancelled (the stream is gone) or returned early: the compute thread must not wait on
-            late.fail(StepError(code.STATE_MISMATCH, f"the stream ended or was superseded while {where}"))
+    async def _read_late_masks(self, context, late: LateMasks, superseded, received: _Received) -> dict:
+        """The late masks of a step whose forward is done (request -> TokenMask), read from the stream: a
+        ``LateTokenMasks`` frame, or the next control carrying them in ``prior_masks`` (kept in ``received.ahead``
+        for after this step's answer). Keepalives are answered meanwhile. Raises ``StepError`` for any other frame
+        (the scheduler writes the masks before anything else of a later step), for the stream's end or its
+        supersession, and past ``late.timeout`` seconds."""
+        deadline = time.monotonic() + late.timeout
+        while True:
+            read = asyncio.ensure_future(context.read())
+            done, _ = await asyncio.wait(
+                {read, superseded}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+            )
+            if read not in done:  # superseded, or past the bound
+                read.cancel()
+                await asyncio.gather(read, return_exceptions=True)
+                if superseded in done:
+                    raise StepError(code.STATE_MISMATCH, f"the stream was superseded while {late.waiting}")
+                raise late.timed_out()
+            frame = read.result()
+            if frame is grpc.aio.EOF or isinstance(frame, Unparsable):
+                why = "the stream ended" if frame is grpc.aio.EOF else frame.message
+                raise StepError(code.STATE_MISMATCH, f"{why} while {late.waiting}")
+            self._count(frame)
+            kind = frame.WhichOneof("frame")
+            if kind == "keepalive":
+                await context.write(worker_pb2.StepResponse(keepalive=frame.keepalive))
+            elif kind == "late_token_masks":
+                return late.take(frame.late_token_masks)
+            elif kind == "control" and frame.control.HasField("prior_masks"):
+                masks = late.take(frame.control.prior_masks)
+                received.ahead.append(frame)  # applied once this step is answered
+                return masks
+            else:
+                why = f"a {kind} frame came while {late.waiting}; the masks must come first (or in prior_masks)"
+                raise StepError(code.STATE_MISMATCH, why)
 
     async def _refuse_late(self, handle: StreamHandle, context, step_id: int, field: str) -> None:
         """Refuses late masks no step of the stream waits for (``field``: where they came)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -77,6 +78,17 @@ class StepOutcome:
     sample_seconds: float = 0.0  # sampling (rank 0)
 
 
+@dataclasses.dataclass
+class SamplesAwaitMasks:
+    """Rank 0, a step whose control announced ``masks_follow``: its forward is done and its tokens wait for the
+    late masks. ``finish(masks)`` (request -> TokenMask, as ``LateMasks.take`` returns them) samples and gives the
+    step's ``StepOutcome``; the servicer calls it on the event loop once the frame is read
+    (``worker_svc/late_masks.py`` says why there)."""
+
+    step_id: int
+    finish: Callable[[dict], StepOutcome]
+
+
 class Session:
     """One stream's requests and caches. Not thread-safe: one compute thread applies steps."""
 
@@ -113,7 +125,6 @@ class Session:
         self.written: set[int] = set()  # KV pool blocks this stream's requests wrote: the prefixes it may read
         self.last_sampled = LastSampled()  # the previous step's samples: inputs of async-scheduled deltas
         self.late_mask_timeout = late_mask_timeout
-        self.late: LateMasks | None = None  # rank 0: the late masks of the step being applied, if it announced any
 
     # --- frames ----------------------------------------------------------------------------------------------
 
@@ -124,10 +135,9 @@ class Session:
             raise StepError(code.BAD_TENSOR, str(exc), item_identifier=frame.item_identifier) from None
 
     def expect_late_masks(self, control: worker_pb2.StepControl) -> LateMasks:
-        """Rank 0, before ``control`` (with ``masks_follow``) goes to the compute thread: the slot its late masks
-        are delivered to while the step runs (``worker_svc/late_masks.py``)."""
-        self.late = LateMasks(control.step_id, control.masks_follow, self.runner.vocab_size)
-        return self.late
+        """Rank 0, for ``control`` with ``masks_follow``: what its late masks are checked against once they come
+        (``worker_svc/late_masks.py``)."""
+        return LateMasks.of(control.step_id, control.masks_follow, self.runner.vocab_size, self.late_mask_timeout)
 
     def clear(self) -> None:
         """Drops every request and cache entry of this stream."""
@@ -298,7 +308,7 @@ class Session:
                 m.encoder_collective_seconds.observe(outcome.collective_seconds)
         return failed
 
-    def execute(self, checked: _CheckedStep) -> StepOutcome:
+    def execute(self, checked: _CheckedStep) -> StepOutcome | SamplesAwaitMasks:
         r = self.runner
         outcome = StepOutcome([], 0.0, len(checked.encode))
         failed_items = self._encode_step(checked, outcome)
@@ -341,28 +351,28 @@ class Session:
             state.blocks_in_pool = max(state.blocks_in_pool, full)
             if row is not None and self.rank == 0:
                 sampling.append(state)
-        masks = checked.token_masks
+        outcome.sample_seconds = time.perf_counter() - t1  # the block bookkeeping above is negligible
         if checked.masks_follow and self.rank == 0:
-            masks = {**masks, **self._late_masks(checked.control.step_id)}
-            t1 = time.perf_counter()  # the wait is neither forward nor sampling
+            return SamplesAwaitMasks(
+                checked.control.step_id,
+                lambda late: self._sample(sampling, logits, {**checked.token_masks, **late}, windows, outcome),
+            )
+        return self._sample(sampling, logits, checked.token_masks, windows, outcome)
+
+    def _sample(
+        self, sampling: list[RequestState], logits, masks: dict, windows: list, outcome: StepOutcome
+    ) -> StepOutcome:
+        """Rank 0 draws the step's tokens (``sample_step``); every rank records what the next step's deltas
+        need."""
+        t0 = time.perf_counter()
         if sampling:
             drawn_all = sample_step(sampling, logits, masks, self.rank)
             for state, drawn in zip(sampling, drawn_all, strict=True):
                 (outcome.sampled if isinstance(drawn, Sample) else outcome.failed).append((state.request_id, drawn))
-        outcome.sample_seconds = time.perf_counter() - t1  # the block bookkeeping beside it is negligible
+        outcome.sample_seconds += time.perf_counter() - t0
         self.last_sampled.record(windows, outcome.sampled)
         self._report_sizes()
         return outcome
-
-    def _late_masks(self, step_id: int) -> dict:
-        """Rank 0: waits for the step's late masks (the servicer reads the frame meanwhile and delivers them)."""
-        late = self.late
-        if late is None or late.step_id != step_id:
-            raise StepError(code.INTERNAL, f"step {step_id}: masks_follow, but no late masks were expected for it")
-        try:
-            return late.wait(self.late_mask_timeout)
-        finally:
-            self.late = None
 
     def _report_sizes(self) -> None:
         if self.metrics is not None:

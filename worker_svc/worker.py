@@ -23,6 +23,8 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
+import time
 
 import torch
 
@@ -31,9 +33,10 @@ from common.item_proto import PROTOCOL_VERSION
 from mmcast.v1 import worker_pb2
 from worker_svc.config import WorkerConfig
 from worker_svc.handshake import EpochGate, HandshakeRejected, RankIdentity, check_handshake
+from worker_svc.inline_steps import InlineSteps
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.process_group import Group
-from worker_svc.session import Session, StepOutcome
+from worker_svc.session import SamplesAwaitMasks, Session, StepOutcome
 from worker_svc.step_errors import StepError, code, code_name
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,9 @@ class Worker:
         self.metrics = metrics
         self.fatal = fatal
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._compute_lock = threading.Lock()
+        self._compute_pending = 0  # tasks handed to the compute thread and not yet done
+        self.inline = InlineSteps(config.inline_step_max_ms / 1000)
         self.gate = EpochGate()
         self.runner = None
         self.image_processor = None
@@ -216,14 +222,47 @@ class Worker:
             self.active = None
             self.gate.release(handle.epoch)
         try:
-            self.executor.submit(handle.session.clear)
+            self.on_compute(handle.session.clear)
         except RuntimeError:  # the executor is shut down: the process is exiting, and its caches with it
             log.debug("stream closed during shutdown", extra={"epoch": handle.epoch})
 
-    # --- steps (compute thread) ------------------------------------------------------------------------------
+    def on_compute(self, fn, *args) -> concurrent.futures.Future:
+        """Runs ``fn(*args)`` on the compute thread (``compute_idle`` is False until it is done)."""
 
-    def apply_step(self, handle: StreamHandle, control: worker_pb2.StepControl) -> StepOutcome:
-        """Plan, agree with the peers, then commit and execute. Raises ``StepError`` for a refused step."""
+        def run():
+            try:
+                return fn(*args)
+            finally:
+                with self._compute_lock:
+                    self._compute_pending -= 1
+
+        with self._compute_lock:
+            self._compute_pending += 1
+        try:
+            return self.executor.submit(run)
+        except BaseException:
+            with self._compute_lock:
+                self._compute_pending -= 1
+            raise
+
+    @property
+    def compute_idle(self) -> bool:
+        """Nothing runs or waits on the compute thread: a step may run on the event loop's thread
+        (``worker_svc/inline_steps.py``)."""
+        return self._compute_pending == 0
+
+    # --- steps (the compute thread, or the event loop's for short ones: worker_svc/inline_steps.py) --------------
+
+    def apply_step(self, handle: StreamHandle, control: worker_pb2.StepControl) -> StepOutcome | SamplesAwaitMasks:
+        """Plan, agree with the peers, then commit and execute. Raises ``StepError`` for a refused step. Rank 0
+        returns a step that announced late masks unsampled (``finish_step`` samples it)."""
+        t0 = time.perf_counter()
+        try:
+            return self._apply_step(handle, control)
+        finally:
+            self.inline.observe(control, time.perf_counter() - t0)
+
+    def _apply_step(self, handle: StreamHandle, control: worker_pb2.StepControl) -> StepOutcome | SamplesAwaitMasks:
         error, checked = handle.pending_error, None
         if error is None:
             try:
@@ -250,9 +289,23 @@ class Worker:
                 f"step {control.step_id}: another rank of the group refused this step with {code_name(agreed)}; "
                 "this rank drops the stream's state too",
             )
-        try:
+
+        def run() -> StepOutcome | SamplesAwaitMasks:
             handle.session.commit(checked)
             return handle.session.execute(checked)
+
+        return self._executed(control, run)
+
+    def finish_step(self, control: worker_pb2.StepControl, pending: SamplesAwaitMasks, masks: dict) -> StepOutcome:
+        """Rank 0, on the event loop: the tokens of a step whose forward ``apply_step`` ran, under its late masks
+        (``worker_svc/late_masks.py``). Failures are handled as in ``apply_step``."""
+        return self._executed(control, lambda: pending.finish(masks))
+
+    def _executed(self, control: worker_pb2.StepControl, run):
+        """``run()``: a ``StepError`` passes; any other failure is the step's ``INTERNAL`` refusal, or with peers the
+        rank's exit (the group's state is unknown)."""
+        try:
+            return run()
         except StepError:
             raise
         except Exception as exc:

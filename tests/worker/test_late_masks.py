@@ -1,4 +1,5 @@
-"""Late token masks on an in-process rank (``StepControl.masks_follow``, ``LateTokenMasks``, ``prior_masks``): rank 0
+"""Late token masks on an in-process rank (``StepControl.masks_follow``, ``LateTokenMasks``, ``prior_masks``), with the
+step's forward on the compute thread and on the event loop's: rank 0
 runs the step, answers keepalives while it waits for the masks, and draws under them (an announced request without a
 mask draws unmasked); masks in the next control are taken while the step runs and that control is applied after the
 answer, with the tokens a synchronous scheduler would get; a frame for another step, a mask for a request not announced, a second one, one of the wrong size, a
@@ -11,15 +12,28 @@ import pytest
 
 from mmcast.v1 import worker_pb2
 from tests.support.worker_driver import MiniScheduler, serves_a_request
+from worker_svc.inline_steps import InlineSteps, step_tokens
 from worker_svc.step_errors import code
 from worker_svc.token_mask import mask_nbytes
 
 GREEDY = worker_pb2.WorkerSampling(temperature=0.0, top_p=1.0, return_logprobs=True)
 
 
-@pytest.fixture
-def env(worker_env_q2):
-    return worker_env_q2
+class _EveryStepInline(InlineSteps):
+    """Every step of running requests alone on the event loop's thread, measured or not."""
+
+    def fits(self, control) -> bool:
+        return step_tokens(control) is not None
+
+
+@pytest.fixture(params=["compute", "event_loop"])
+def env(worker_env_q2, request):
+    """The rank, running its decode steps on the thread the parameter names (``worker_svc/inline_steps.py``)."""
+    worker = worker_env_q2.rank.worker
+    before = worker.inline
+    worker.inline = InlineSteps(0.0) if request.param == "compute" else _EveryStepInline(1.0)
+    yield worker_env_q2
+    worker.inline = before
 
 
 @pytest.fixture
