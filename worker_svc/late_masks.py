@@ -10,8 +10,8 @@ loop then reads the frame carrying the masks (it is usually there already; a con
 answer), checks it here (``LateMasks.take``) and samples the step itself, inline, before writing the answer. A step
 so costs the rank one hand-over between its two threads, as an unconstrained step does: handing the masks to a
 waiting compute thread took two more, a thread's wake-up each (~0.1 ms apiece on a 2-vCPU VM), and reading the frame
-during the forward made the two threads take turns at the interpreter lock through it (docs/PERFORMANCE.md,
-"Structured output", has both measurements).
+during the forward made the two threads take turns at the interpreter lock through it (docs/ARCHITECTURE.md
+§2.12 has both measurements).
 
 The read is bounded by the rank's ``--late-mask-timeout-seconds``: past it the step fails as a protocol error naming
 the flag, so a rank never waits forever for a scheduler that stopped sending (the scheduler's own step deadline

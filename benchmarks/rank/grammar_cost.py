@@ -128,9 +128,10 @@ def _server_token_ms(log_path, request_ids: dict[str, str], timeout: float = 10.
         time.sleep(0.2)
 
 
-def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print, scheduler_args=()) -> dict:
+def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print, scheduler_args=(), worker_args=()) -> dict:
     """Runs the three settings ``rounds`` times each in a fresh group; returns per-setting medians and the ratios.
-    ``scheduler_args``: extra scheduler flags (``--async-grammar false``: constrained steps wait, for comparison)."""
+    ``scheduler_args``: extra scheduler flags (``--async-grammar false``: constrained steps wait, for comparison);
+    ``worker_args``: extra rank flags (``--inline-step-max-ms 0``: every step on the compute thread)."""
     import openai
 
     from mmcast_local.supervisor import LocalGroup
@@ -141,7 +142,7 @@ def measure(model_dir: str, *, tokens: int = 48, rounds: int = 6, log=print, sch
     companion_chunks: dict[str, list[float]] = {s: [] for s in SETTINGS}
     probes: dict[str, str] = {}  # x-request-id -> setting
     load_before = os.getloadavg()[0]
-    with LocalGroup(model_dir, tp=1, scheduler_args=list(scheduler_args)) as group:
+    with LocalGroup(model_dir, tp=1, scheduler_args=list(scheduler_args), worker_args=list(worker_args)) as group:
 
         async def main() -> None:
             async with openai.AsyncOpenAI(base_url=group.openai_base_url, api_key="unused", timeout=300) as client:
@@ -237,10 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", help="tiny model folder (built if missing)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--scheduler-args", default="", help='extra scheduler flags, e.g. "--async-grammar false"')
+    parser.add_argument("--worker-args", default="", help='extra rank flags, e.g. "--inline-step-max-ms 0"')
     args = parser.parse_args(argv)
     model_dir = str(ensure_tiny_model(args.model_dir or os.path.join("benchmarks", "results", ".model", "qwen2_vl")))
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    result = measure(model_dir, rounds=args.rounds, log=log, scheduler_args=args.scheduler_args.split())
+    result = measure(
+        model_dir,
+        rounds=args.rounds,
+        log=log,
+        scheduler_args=args.scheduler_args.split(),
+        worker_args=args.worker_args.split(),
+    )
     write(args.out, result)
     return 0 if result["same_text"] else 1
 
