@@ -1,11 +1,12 @@
 """``mmcast.v1.WorkerService`` over grpc.aio: translates step-stream frames into calls on the ``Worker``.
 
-Frames of one stream are handled in order; a step's compute runs on the worker's compute thread, so the event
-loop keeps answering other streams (a superseding handshake, health checks) meanwhile. The one frame read inside a
-step is on rank 0, for a control that announced ``masks_follow``: once the compute thread has run its forward, the
-step's late masks, in a ``LateTokenMasks`` frame or in the next control's ``prior_masks``; the event loop then
-samples the step itself (``worker_svc/late_masks.py``). Received bytes are counted where they arrive, with the same split the scheduler
-uses for its sent counters.
+Frames of one stream are handled in order. A step's compute runs on the worker's compute thread, so the event loop
+keeps answering other streams (a superseding handshake, health checks) meanwhile; a short step of running requests
+alone runs on the event loop's own thread instead, sparing the two hand-overs (``worker_svc/inline_steps.py``). The
+one frame read inside a step is on rank 0, for a control that announced ``masks_follow``: once its forward is done,
+the step's late masks, in a ``LateTokenMasks`` frame or in the next control's ``prior_masks``; the event loop then
+samples the step itself (``worker_svc/late_masks.py``). Received bytes are counted where they arrive, with the same
+split the scheduler uses for its sent counters.
 """
 
 from __future__ import annotations
@@ -212,9 +213,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             superseded.cancel()
 
     async def _step(self, handle: StreamHandle, context, control, received: _Received, superseded) -> bool:
-        """Applies one control on the compute thread and writes its answer; False when the step was refused (the
-        stream ends). On rank 0, a control with ``masks_follow`` comes back from the compute thread unsampled: this
-        reads its late masks and samples it here (``worker_svc/late_masks.py``)."""
+        """Applies one control, on the compute thread or for a short step on this one (``worker_svc/inline_steps.py``),
+        and writes its answer; False when the step was refused (the stream ends). On rank 0, a control with
+        ``masks_follow`` comes back from its forward unsampled: this reads its late masks and samples it here
+        (``worker_svc/late_masks.py``)."""
         rank = self.worker.config.rank
         t0 = time.perf_counter()
         with _rank_step_span(control, rank):
