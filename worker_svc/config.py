@@ -202,9 +202,9 @@ class WorkerConfig:
     )
     inline_step_max_ms: float = setting(
         20.0,
-        "steps of running requests alone whose size recently took at most this long run on the rank's event-loop "
-        "thread, sparing two thread hand-overs per step; the loop answers nothing else meanwhile (0: every step on "
-        "the compute thread)",
+        "on a rank of one intra-op thread (--threads 1, serve-local's default on 2 CPUs), steps of running requests "
+        "alone whose size recently took at most this long run on its event-loop thread, sparing two thread "
+        "hand-overs per step; the loop answers nothing else meanwhile (0: every step on the compute thread)",
         min=0,
         max=1000,
         section=_SERVICE,

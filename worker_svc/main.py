@@ -146,6 +146,10 @@ async def load(running: RunningWorker, freeze: bool = False) -> None:
     in-process rank beside other work, as the tests run one, leaves its host's collector alone)."""
     worker = running.worker
     await asyncio.wrap_future(worker.on_compute(worker.load))
+    if worker.loop_computes:  # this thread's torch work (worker_svc/inline_steps.py) on the rank's one thread too
+        import torch
+
+        torch.set_num_threads(worker.config.threads)
     if freeze:
         freeze_startup_heap(log)
     await running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

@@ -215,8 +215,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def _step(self, handle: StreamHandle, context, control, received: _Received, superseded) -> bool:
         """Applies one control, on the compute thread or for a short step on this one (``worker_svc/inline_steps.py``),
         and writes its answer; False when the step was refused (the stream ends). On rank 0, a control with
-        ``masks_follow`` comes back from its forward unsampled: this reads its late masks and samples it here
-        (``worker_svc/late_masks.py``)."""
+        ``masks_follow`` comes back from its forward unsampled: this reads its late masks and samples it
+        (``Worker.finish_step``, here on a rank of one thread; ``worker_svc/late_masks.py``)."""
         rank = self.worker.config.rank
         t0 = time.perf_counter()
         with _rank_step_span(control, rank):
@@ -232,7 +232,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     masks = await self._read_late_masks(context, late, superseded, received)
                     if handle.superseded.is_set():
                         return True  # the next read reports it
-                    outcome = self.worker.finish_step(control, outcome, masks)
+                    if self.worker.loop_computes:
+                        outcome = self.worker.finish_step(control, outcome, masks)
+                    else:
+                        finish = self.worker.on_compute(self.worker.finish_step, control, outcome, masks)
+                        outcome = await asyncio.wrap_future(finish)
             except StepError as exc:
                 if handle.superseded.is_set():
                     return True  # the next read reports it

@@ -78,7 +78,11 @@ class Worker:
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._compute_lock = threading.Lock()
         self._compute_pending = 0  # tasks handed to the compute thread and not yet done
-        self.inline = InlineSteps(config.inline_step_max_ms / 1000)
+        # Torch work on the event loop's thread (short steps, a constrained step's sampling) only on a rank of one
+        # intra-op thread: with more, that thread's work starts a second OpenMP team, and the runtime then throttles
+        # the waiting of both (the compute thread's 16-request decode step at 2B widths, 2 threads: 33 -> 39 ms).
+        self.loop_computes = config.threads == 1
+        self.inline = InlineSteps(config.inline_step_max_ms / 1000 if self.loop_computes else 0.0)
         self.gate = EpochGate()
         self.runner = None
         self.image_processor = None
@@ -297,8 +301,9 @@ class Worker:
         return self._executed(control, run)
 
     def finish_step(self, control: worker_pb2.StepControl, pending: SamplesAwaitMasks, masks: dict) -> StepOutcome:
-        """Rank 0, on the event loop: the tokens of a step whose forward ``apply_step`` ran, under its late masks
-        (``worker_svc/late_masks.py``). Failures are handled as in ``apply_step``."""
+        """Rank 0: the tokens of a step whose forward ``apply_step`` ran, under its late masks
+        (``worker_svc/late_masks.py``); on the event loop's thread when ``loop_computes``, else on the compute
+        thread. Failures are handled as in ``apply_step``."""
         return self._executed(control, lambda: pending.finish(masks))
 
     def _executed(self, control: worker_pb2.StepControl, run):

@@ -63,12 +63,33 @@ def test_no_step_runs_inline_when_off_too_large_or_not_eligible():
     assert not inline.fits(admits)
 
 
+@pytest.mark.parametrize(("threads", "on_loop"), [(1, True), (2, False)])
+def test_only_a_rank_of_one_thread_computes_on_its_event_loop(tiny_model_dir, threads, on_loop):
+    """With more intra-op threads, torch work on a second thread would start a second OpenMP team."""
+    from tests.support.worker_driver import rank_token_file
+    from worker_svc.config import WorkerConfig
+    from worker_svc.metrics import WorkerMetrics
+    from worker_svc.worker import Worker
+
+    config = WorkerConfig(model=str(tiny_model_dir), threads=threads, shared_token_file=rank_token_file())
+    worker = Worker(config, WorkerMetrics())
+    try:
+        control = decode_control(1)
+        worker.inline.observe(control, 0.001)
+        assert (worker.loop_computes, worker.inline.fits(control)) == (on_loop, on_loop)
+    finally:
+        worker.executor.shutdown()
+
+
 @pytest.fixture
 def env(worker_env_q2):
+    """The shared rank with short steps on its event loop: its tests run it with two threads, where a served rank
+    would keep every step on the compute thread; the choice of thread is what these tests check."""
     worker = worker_env_q2.rank.worker
-    before = worker.inline
+    before = worker.inline, worker.loop_computes
+    worker.loop_computes = True
     yield worker_env_q2
-    worker.inline = before
+    worker.inline, worker.loop_computes = before
 
 
 def _steps(env) -> dict[str, float]:

@@ -30,10 +30,11 @@ class _EveryStepInline(InlineSteps):
 def env(worker_env_q2, request):
     """The rank, running its decode steps on the thread the parameter names (``worker_svc/inline_steps.py``)."""
     worker = worker_env_q2.rank.worker
-    before = worker.inline
-    worker.inline = InlineSteps(0.0) if request.param == "compute" else _EveryStepInline(1.0)
+    before = worker.inline, worker.loop_computes
+    on_loop = request.param == "event_loop"  # the forward, and the sampling under the late masks
+    worker.inline, worker.loop_computes = (_EveryStepInline(1.0) if on_loop else InlineSteps(0.0)), on_loop
     yield worker_env_q2
-    worker.inline = before
+    worker.inline, worker.loop_computes = before
 
 
 @pytest.fixture
