@@ -5,13 +5,14 @@ k+1 depends on its token of step k, so k+1's control only names the request in `
 once the scheduler has applied step k's answer: in k+2's control (``prior_masks``), or in a ``LateTokenMasks`` frame
 when no k+2 is planned yet.
 
-Rank 0's compute thread runs k+1's forward and returns without sampling (``session.SamplesAwaitMasks``). The event
-loop then reads the frame carrying the masks (it is usually there already; a control read so is applied after k+1's
-answer), checks it here (``LateMasks.take``) and samples the step itself, inline, before writing the answer. A step
-so costs the rank one hand-over between its two threads, as an unconstrained step does: handing the masks to a
-waiting compute thread took two more, a thread's wake-up each (~0.1 ms apiece on a 2-vCPU VM), and reading the frame
-during the forward made the two threads take turns at the interpreter lock through it (docs/ARCHITECTURE.md
-§2.12 has both measurements).
+Rank 0 runs k+1's forward and returns without sampling (``session.SamplesAwaitMasks``). The event loop then reads
+the frame carrying the masks (it is usually there already; a control read so is applied after k+1's answer), checks
+it here (``LateMasks.take``) and has the step sampled (``Worker.finish_step``) before writing the answer: on its own
+thread when the rank has one intra-op thread, so a constrained step costs no more hand-overs between threads than an
+unconstrained one; else on the compute thread (one more hand-over each way), which keeps a rank's torch work on one
+OpenMP team (``worker_svc/inline_steps.py`` says why). Handing the masks to a compute thread waiting for them took two
+more wake-ups (~0.1 ms apiece on a 2-vCPU VM), and reading the frame during the forward made the two threads take
+turns at the interpreter lock through it (docs/ARCHITECTURE.md §2.12 has both measurements).
 
 The read is bounded by the rank's ``--late-mask-timeout-seconds``: past it the step fails as a protocol error naming
 the flag, so a rank never waits forever for a scheduler that stopped sending (the scheduler's own step deadline
