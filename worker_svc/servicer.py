@@ -228,7 +228,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     self.metrics.steps.labels("compute").inc()
                     outcome = await asyncio.wrap_future(self.worker.on_compute(self.worker.apply_step, handle, control))
                 if isinstance(outcome, SamplesAwaitMasks):
-                    late = handle.session.expect_late_masks(control)
+                    late = handle.session.late_masks_of(control)
                     masks = await self._read_late_masks(context, late, superseded, received)
                     if handle.superseded.is_set():
                         return True  # the next read reports it

@@ -82,15 +82,16 @@ class StepOutcome:
 class SamplesAwaitMasks:
     """Rank 0, a step whose control announced ``masks_follow``: its forward is done and its tokens wait for the
     late masks. ``finish(masks)`` (request -> TokenMask, as ``LateMasks.take`` returns them) samples and gives the
-    step's ``StepOutcome``; the servicer calls it on the event loop once the frame is read
-    (``worker_svc/late_masks.py`` says why there)."""
+    step's ``StepOutcome``; the servicer has it called (``Worker.finish_step``) once the frame is read
+    (``worker_svc/late_masks.py``)."""
 
     step_id: int
     finish: Callable[[dict], StepOutcome]
 
 
 class Session:
-    """One stream's requests and caches. Not thread-safe: one compute thread applies steps."""
+    """One stream's requests and caches. Not thread-safe: one step at a time applies to it, on the compute thread
+    or, for a short one, on the event loop's (``worker_svc/inline_steps.py``)."""
 
     def __init__(
         self,
@@ -134,7 +135,7 @@ class Session:
         except FrameError as exc:
             raise StepError(code.BAD_TENSOR, str(exc), item_identifier=frame.item_identifier) from None
 
-    def expect_late_masks(self, control: worker_pb2.StepControl) -> LateMasks:
+    def late_masks_of(self, control: worker_pb2.StepControl) -> LateMasks:
         """Rank 0, for ``control`` with ``masks_follow``: what its late masks are checked against once they come
         (``worker_svc/late_masks.py``)."""
         return LateMasks.of(control.step_id, control.masks_follow, self.runner.vocab_size, self.late_mask_timeout)

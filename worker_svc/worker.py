@@ -1,5 +1,6 @@
 """A rank as a plain object: it loads the model, admits scheduler streams and applies their steps on one compute
-thread. The gRPC servicer only translates frames to calls on this object.
+thread (short ones, on a rank of one intra-op thread, on the event loop's: ``worker_svc/inline_steps.py``). The gRPC
+servicer only translates frames to calls on this object.
 
 Failure policy:
 - A failure of one request alone is that request's error, never the rank's: sampling (and its log-probabilities)
