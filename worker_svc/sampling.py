@@ -119,33 +119,49 @@ def _cleaned(logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return out, [i for i, ok in zip(bad, usable, strict=True) if not ok]
 
 
+def _consecutive(rows: list[int]) -> bool:
+    return rows[-1] - rows[0] + 1 == len(rows)
+
+
 def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``t``'s rows (ascending, distinct): a view when they are consecutive, else one ``index_select``."""
-    if rows[-1] - rows[0] + 1 == len(rows):
+    if _consecutive(rows):
         return t[rows[0] : rows[-1] + 1]
     return t.index_select(0, torch.tensor(rows))
 
 
-def _masked(
-    logits: torch.Tensor, owned: bool, allowed: dict[int, torch.Tensor], errors: dict[int, SamplingError]
-) -> torch.Tensor:
-    """The grammar stage (structured output): each masked row's tokens outside its allowed row at -inf, all the
-    masked rows in one ``masked_fill_`` (in ``logits`` itself when ``owned``, else in a copy); a row left with no
-    finite or +inf logit gets its ``SamplingError``."""
-    rows = [i for i in sorted(allowed) if i not in errors]
-    if not rows:
-        return logits
+@dataclasses.dataclass(frozen=True)
+class GrammarMasks:
+    """The grammar masks of a batch (structured output): ``forbidden[j]`` is batch row ``rows[j]``'s, True where
+    the row's grammar forbids the token (``worker_svc/token_mask.py``'s ``forbidden_rows`` unpacks the wire's)."""
+
+    rows: list[int]  # ascending, distinct
+    forbidden: torch.Tensor  # [len(rows), vocab] bool
+
+    @classmethod
+    def allowing(cls, allowed: dict[int, torch.Tensor]) -> GrammarMasks:
+        """From row -> the boolean row of the tokens it may draw."""
+        rows = sorted(allowed)
+        return cls(rows, ~torch.stack([allowed[i].reshape(-1) for i in rows]))
+
+    def row(self, j: int) -> GrammarMasks:
+        """Mask ``j`` alone, as the mask of row 0 of a one-row batch."""
+        return GrammarMasks([0], self.forbidden[j : j + 1])
+
+
+def _masked(logits: torch.Tensor, owned: bool, masks: GrammarMasks, errors: dict[int, SamplingError]) -> torch.Tensor:
+    """The grammar stage (structured output): each masked row's forbidden tokens at -inf, all the masked rows in
+    one ``masked_fill_`` (in ``logits`` itself when ``owned``, else in a copy); a row left with no finite or +inf
+    logit gets its ``SamplingError`` (a row already failed keeps its error)."""
+    rows = masks.rows
     out = logits if owned else logits.clone()
-    forbid = ~(
-        torch.stack([allowed[i].reshape(-1) for i in rows]) if len(rows) > 1 else allowed[rows[0]].reshape(1, -1)
-    )
     sub = _take(out, rows)
-    sub.masked_fill_(forbid, _NEG_INF)
-    if sub.data_ptr() != out[rows[0]].data_ptr():  # a copy (rows not consecutive): written back in one call
+    sub.masked_fill_(masks.forbidden, _NEG_INF)
+    if not _consecutive(rows):  # ``sub`` is a copy: written back in one call
         out.index_copy_(0, torch.tensor(rows), sub)
-    for i, top in zip(rows, sub.amax(dim=-1).tolist(), strict=True):
-        if top == _NEG_INF:
-            n = int(allowed[i].sum())
+    for j, (i, top) in enumerate(zip(rows, sub.amax(dim=-1).tolist(), strict=True)):
+        if top == _NEG_INF and i not in errors:
+            n = int((~masks.forbidden[j]).sum())
             errors[i] = SamplingError(f"none of the {n} tokens the grammar allows has a finite logit")
     return out
 
@@ -280,7 +296,7 @@ def _sample_rows(
     params: list[RowSampling],
     indices: list[int],
     raw: torch.Tensor | None,
-    allowed: dict[int, torch.Tensor],
+    masks: GrammarMasks | None,
     penalized: bool = False,
 ) -> list[Sample | SamplingError]:
     """Every row of ``logits`` (``[n, vocab]`` float32, already adjusted by its penalties) sampled with its own
@@ -295,7 +311,7 @@ def _sample_rows(
         errors[i] = SamplingError(f"none of the {vocab} logits is finite (NaN or -inf everywhere)")
     # The masks write into the cleaned logits only where those are this call's own (``penalized``: a fresh tensor)
     # and not the source of the log-probabilities (the raw rows are, when given).
-    drawn = _masked(cleaned, penalized and raw is not None, allowed, errors) if allowed else cleaned
+    drawn = _masked(cleaned, penalized and raw is not None, masks, errors) if masks is not None else cleaned
     live = [i for i in range(n) if i not in errors]
     greedy = [i for i in live if is_greedy(float(params[i].temperature))]
     drawing = [i for i in live if not is_greedy(float(params[i].temperature))]
@@ -339,7 +355,8 @@ def sample(
     Raises only ``SamplingError`` (logits without a finite entry). The same code as a row of ``sample_batch``."""
     row = logits.detach().float().reshape(1, -1)
     raw_row = None if raw is None else raw.detach().float().reshape(1, -1)
-    got = _sample_rows(row, [params], [index], raw_row, {} if allowed is None else {0: allowed})[0]
+    masks = None if allowed is None else GrammarMasks([0], ~allowed.reshape(1, -1))
+    got = _sample_rows(row, [params], [index], raw_row, masks)[0]
     if isinstance(got, SamplingError):
         raise got
     return got
@@ -350,17 +367,19 @@ def sample_batch(
     params: list[RowSampling],
     indices: list[int],
     histories: list[penalize.History | None] | None = None,
-    allowed: dict[int, torch.Tensor] | None = None,
+    allowed: GrammarMasks | dict[int, torch.Tensor] | None = None,
 ) -> list[Sample | SamplingError]:
     """``sample`` of every row of ``logits`` (``[n, vocab]``) with its own parameters and output index, one result
     per row: its ``Sample``, or the ``SamplingError`` that row alone raised. ``histories[i]``: row i's tokens
     ``(prompt + output so far, prompt length)``, needed where its penalties count them. ``allowed``: row -> the
     grammar's boolean row (structured output). A row's result depends on that row alone (its logits, parameters,
-    output index and history), never on the other rows of the batch."""
+    output index and history), never on the other rows of the batch. ``allowed`` may also be the masks unpacked
+    for the sampler (``GrammarMasks``, as the rank's step does)."""
     n = logits.shape[0]
     if n == 0:
         return []
     raw = logits.detach().float()
     adjusted = penalize.apply(raw, [p.penalties for p in params], indices, histories or [None] * n)
     penalized = adjusted is not raw
-    return _sample_rows(adjusted, params, indices, raw if penalized else None, allowed or {}, penalized)
+    masks = GrammarMasks.allowing(allowed) if isinstance(allowed, dict) and allowed else allowed or None
+    return _sample_rows(adjusted, params, indices, raw if penalized else None, masks, penalized)

@@ -40,7 +40,7 @@ from worker_svc.request_state import RequestState
 from worker_svc.runner import ForwardInput
 from worker_svc.step_errors import StepError, code
 from worker_svc.step_sampling import sample_step
-from worker_svc.token_mask import check_masks_follow, check_token_masks
+from worker_svc.token_mask import UnpackedMasks, check_masks_follow, check_token_masks
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ class Session:
         self.last_step_id = 0
         self.written: set[int] = set()  # KV pool blocks this stream's requests wrote: the prefixes it may read
         self.last_sampled = LastSampled()  # the previous step's samples: inputs of async-scheduled deltas
+        self.unpacked_masks = UnpackedMasks()  # rank 0's grammar masks, unpacked once while they repeat
         self.late_mask_timeout = late_mask_timeout
 
     # --- frames ----------------------------------------------------------------------------------------------
@@ -367,7 +368,7 @@ class Session:
         need."""
         t0 = time.perf_counter()
         if sampling:
-            drawn_all = sample_step(sampling, logits, masks, self.rank)
+            drawn_all = sample_step(sampling, logits, masks, self.rank, self.unpacked_masks)
             for state, drawn in zip(sampling, drawn_all, strict=True):
                 (outcome.sampled if isinstance(drawn, Sample) else outcome.failed).append((state.request_id, drawn))
         outcome.sample_seconds += time.perf_counter() - t0

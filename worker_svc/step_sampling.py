@@ -9,32 +9,37 @@ import logging
 from common.sample import Sample
 from worker_svc.request_state import RequestState
 from worker_svc.runner import StepLogits
-from worker_svc.sampling import SamplingError, sample_batch
-from worker_svc.token_mask import allowed_rows
+from worker_svc.sampling import GrammarMasks, SamplingError, sample_batch
+from worker_svc.token_mask import UnpackedMasks
 
 log = logging.getLogger(__name__)
 
 
-def sample_step(states: list[RequestState], logits: StepLogits, masks: dict, rank: int) -> list[Sample | str]:
+def sample_step(
+    states: list[RequestState], logits: StepLogits, masks: dict, rank: int, unpacked: UnpackedMasks
+) -> list[Sample | str]:
     """Each request's token, or why sampling it failed, in one batched call (``sample_batch``). Sampling runs
     after every collective of the step and only here on rank 0, so a failure is the request's alone: the
-    group's state is intact (see worker.py). ``rank``: this rank, for the messages. Should the batched call itself fail, each request is sampled
-    alone, so only the request whose draw raises fails."""
+    group's state is intact (see worker.py). ``rank``: this rank, for the messages; ``unpacked``: the session's
+    unpacked grammar masks. Should the batched call itself fail, each request is sampled alone, so only the request
+    whose draw raises fails."""
     params = [s.sampling for s in states]
     indices = [s.num_output_tokens for s in states]
     histories = [(s.token_ids, s.num_prompt_tokens) for s in states]  # no copies: penalties.py slices
     rows = [row for row in logits.rows if row is not None]  # 0, 1, ...: every window that samples, in order
     vocab = logits.batch.shape[-1]
     masked = [k for k, s in enumerate(states) if s.request_id in masks]
-    unpacked = allowed_rows([masks[states[k].request_id].allowed for k in masked], vocab) if masked else None
-    allowed = {k: unpacked[j] for j, k in enumerate(masked)}
+    grammar = None
+    if masked:
+        grammar = GrammarMasks(masked, unpacked.forbidden([masks[states[k].request_id].allowed for k in masked], vocab))
     try:
-        drawn: list = sample_batch(logits.batch, params, indices, histories, allowed)
+        drawn: list = sample_batch(logits.batch, params, indices, histories, grammar)
     except Exception:  # noqa: BLE001 - isolate the failing request below
         drawn = []
         for state, row, history in zip(states, rows, histories, strict=True):
             try:
-                one, mask = logits.batch[row : row + 1], {0: allowed[row]} if row in allowed else None
+                one = logits.batch[row : row + 1]
+                mask = grammar.row(masked.index(row)) if grammar is not None and row in masked else None
                 drawn.append(sample_batch(one, [state.sampling], [state.num_output_tokens], [history], mask)[0])
             except Exception as exc:  # any failure of one request's draw or log-probabilities
                 drawn.append(exc)

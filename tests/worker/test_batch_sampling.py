@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from common.penalties import Penalties
 from worker_svc.sampling import (
     GREEDY_EPSILON,
+    GrammarMasks,
     RowSampling,
     SamplingError,
     _inverse_cdf,
@@ -18,7 +20,7 @@ from worker_svc.sampling import (
     sample,
     sample_batch,
 )
-from worker_svc.token_mask import allowed_rows, mask_nbytes
+from worker_svc.token_mask import UnpackedMasks, allowed_rows, forbidden_rows, mask_nbytes
 
 VOCAB = 40
 
@@ -210,6 +212,60 @@ def test_masks_and_cleaning_leave_the_callers_logits_as_they_were():
     row = x[0].clone()
     assert sample(row, params[0], 0, raw=x[1], allowed=only).token_id in (1, 2)
     assert torch.equal(row, x[0]) and torch.equal(x.nan_to_num(), before.nan_to_num())
+
+
+def random_masks(count: int, vocab: int, seed: int) -> list[bytes]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        bytes(torch.randint(0, 256, (mask_nbytes(vocab),), generator=g, dtype=torch.uint8).tolist())
+        for _ in range(count)
+    ]
+
+
+@pytest.mark.parametrize("vocab", [40, 1000, 1021, 151936])
+def test_forbidden_rows_are_the_complement_of_the_allowed_ones_bit_for_bit(vocab):
+    masks = random_masks(3, vocab, vocab)
+    forbidden = forbidden_rows(masks, vocab)
+    assert forbidden.shape == (3, vocab) and forbidden.dtype == torch.bool
+    assert torch.equal(forbidden, ~allowed_rows(masks, vocab))
+    for r, mask in enumerate(masks):  # token t is bit t % 8 of byte t // 8
+        for t in (0, 7, 8, 31, 32, vocab - 1):
+            assert bool(forbidden[r, t]) == (not (mask[t // 8] >> (t % 8)) & 1), (r, t)
+
+
+def test_unpacked_masks_unpack_a_repeated_mask_once_and_stay_within_their_bound():
+    vocab = 1000
+    a, b, c = random_masks(3, vocab, 5)
+    row_bytes = vocab + mask_nbytes(vocab)
+    cache = UnpackedMasks(max_bytes=2 * row_bytes)
+    first = cache.forbidden([a], vocab)
+    assert torch.equal(first, forbidden_rows([a], vocab))
+    assert cache.forbidden([a], vocab) is first  # kept: not unpacked again
+    both = cache.forbidden([b, a], vocab)
+    assert torch.equal(both, forbidden_rows([b, a], vocab)) and len(cache) == 2 and cache.nbytes == 2 * row_bytes
+    cache.forbidden([c], vocab)  # a third row: the least recently used (b: a was used after it) goes
+    assert len(cache) == 2 and cache.nbytes <= cache.max_bytes
+    assert cache.forbidden([a], vocab) is first
+    assert torch.equal(cache.forbidden([b], vocab), forbidden_rows([b], vocab))
+    small = UnpackedMasks(max_bytes=row_bytes - 1)  # a row larger than the bound is unpacked, never kept
+    assert torch.equal(small.forbidden([a], vocab), forbidden_rows([a], vocab)) and len(small) == 0
+
+
+def test_unpacked_grammar_masks_draw_as_the_allowed_rows_do():
+    x, params, histories, allowed = mixed_batch(16, seed=9)  # masked rows 1, 6, 11: not consecutive
+    rows = sorted(allowed)
+    unpacked = GrammarMasks(rows, torch.stack([~allowed[i] for i in rows]))
+    for index in range(10):
+        by_dict = sample_batch(x, params, [index] * 16, histories, allowed)
+        by_masks = sample_batch(x, params, [index] * 16, histories, unpacked)
+        assert [repr(s) for s in by_dict] == [repr(s) for s in by_masks]
+        for i in rows:
+            if not isinstance(by_dict[i], SamplingError):
+                assert bool(allowed[i][by_dict[i].token_id])
+    one = GrammarMasks([1], unpacked.forbidden[:1])  # a single masked row: masked in place in the batch's copy
+    before = x.clone()
+    got = sample_batch(x, params, [3] * 16, histories, one)
+    assert bool(allowed[1][got[1].token_id]) and torch.equal(x.nan_to_num(), before.nan_to_num())
 
 
 def test_rows_of_a_large_vocabulary_draw_the_same_alone_as_in_a_batch():
