@@ -56,6 +56,14 @@ class RequestState:
             return torch.cat([self.positions[:, start:], tail], 1) if start < n else tail
         return mrope_positions_for_window(self.positions, start, end, self.delta)
 
+    def window_offset(self, start: int) -> int | None:
+        """The position of token ``start`` when the window from it lies wholly past the prompt, where token ``i`` sits
+        at ``i + delta`` on every row (a decode token's case): the runner builds such windows' positions for the
+        whole step in one tensor (``ForwardInput.positions``). None for a window that reaches into the prompt."""
+        if start < max(self.positions.shape[1], self.positions_from):
+            return None
+        return start + self.delta
+
     def overlapping(self, start: int, end: int) -> list[int]:
         """Indices of the items whose placeholder span intersects ``[start, end)`` (features are sorted)."""
         out = []

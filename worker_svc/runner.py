@@ -92,7 +92,9 @@ class ForwardInput:
     block_ids: Sequence[int]  # the request's block table; covers at least start + len(token_ids) tokens
     start: int  # tokens already computed (their KV is in the pool at block_ids)
     token_ids: list[int]  # the window's token ids
-    positions: torch.Tensor  # (3, len(token_ids)) int64 M-RoPE positions (or (1, len) for 1-D RoPE)
+    # (3, len(token_ids)) int64 M-RoPE positions (or (1, len) for 1-D RoPE); or an int p: the positions p, p + 1, ...
+    # on every row (a window past the prompt), built with the step's others in one tensor (``ModelRunner._positions``)
+    positions: torch.Tensor | int
     mm_rows: list[tuple[torch.Tensor, torch.Tensor]]  # (window-local indices, encoder rows) per overlapping item
     want_logits: bool  # True when the window ends at the request's last known token
 
@@ -344,6 +346,21 @@ class ModelRunner:
         order = torch.argsort(flat)  # the model takes rows in sequence order
         return self.family.text_model_kwargs(self.hidden, base, flat[order], torch.cat(rows)[order])
 
+    def _positions(self, items: Sequence[ForwardInput]) -> torch.Tensor:
+        """The packed step's positions ``(rows, 1, tokens)``. A step of windows past their prompts (decode tokens)
+        builds them in one tensor from Python ints: a tensor per window and their concatenation cost ~4 tensor
+        operations a request, each several microseconds on a CPU."""
+        rows = 3 if self.uses_mrope else 1
+        if all(isinstance(it.positions, int) for it in items):
+            flat = [p for it in items for p in range(it.positions, it.positions + len(it.token_ids))]
+            return torch.tensor(flat, dtype=torch.long, device=self.device).expand(rows, 1, -1)
+        parts = [
+            (torch.arange(len(it.token_ids)) + it.positions).expand(rows, -1) if isinstance(it.positions, int)
+            else it.positions
+            for it in items
+        ]  # fmt: skip
+        return torch.cat(parts, dim=1).to(self.device)[:, None, :]
+
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardInput]) -> StepLogits:
         """Runs every item's window in one forward and returns its last-token logits (float32 ``[vocab]``) where
@@ -355,7 +372,7 @@ class ModelRunner:
             self.attention, self.attention.plan(self.pool.data, windows, self.block_size)
         )
         embeds = self._embeds(items)[None]
-        positions = torch.cat([it.positions for it in items], dim=1).to(self.device)[:, None, :]
+        positions = self._positions(items)
         text_model = self.model.model.language_model
         hidden = text_model(
             inputs_embeds=embeds,

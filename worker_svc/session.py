@@ -89,6 +89,12 @@ class SamplesAwaitMasks:
     finish: Callable[[dict], StepOutcome]
 
 
+def _window_positions(state: RequestState, start: int, end: int) -> torch.Tensor | int:
+    """A window's ``ForwardInput.positions``: the first position of a window past the prompt, else its columns."""
+    offset = state.window_offset(start)
+    return offset if offset is not None else state.window_positions(start, end)
+
+
 class Session:
     """One stream's requests and caches. Not thread-safe: one step at a time applies to it, on the compute thread
     or, for a short one, on the event loop's (``worker_svc/inline_steps.py``)."""
@@ -333,7 +339,7 @@ class Session:
                     block_ids=state.block_ids,
                     start=start,
                     token_ids=state.token_ids[start:end],
-                    positions=state.window_positions(start, end),
+                    positions=_window_positions(state, start, end),
                     mm_rows=mm_rows,
                     want_logits=end == len(state.token_ids),
                 )

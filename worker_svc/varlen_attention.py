@@ -115,7 +115,7 @@ def _attend_batch(query, k_layer, v_layer, batch: paged_attention.DecodeBatch, s
     keys = paged_attention.gather_blocks(k_layer, batch.blocks, batch.block_size, batch.index)
     values = paged_attention.gather_blocks(v_layer, batch.blocks, batch.block_size, batch.index)
     keys, values = (t.view(kv_heads, n, batch.width, dim).transpose(0, 1) for t in (keys, values))
-    mask = batch.bias[:, None] if batch.bias is not None else None  # (n, 1, 1, width)
+    mask = batch.window_bias[:, None] if batch.bias is not None else None  # (n, 1, 1, width)
     out = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=query.shape[0] > kv_heads
     )

@@ -96,7 +96,7 @@ def test_the_plans_cover_a_decode_batch_of_mixed_contexts_and_fragmented_tables(
     pool = torch.zeros(1, 2, KV_HEADS, 64, BLOCK, DIM)
     plan = varlen_attention.SdpaBackend(reference_varlen).plan(pool, WINDOWS, BLOCK)
     (batch,) = plan.paged.batches  # the SDPA path's padded decode batch: contexts 12, 10, 9
-    assert batch.width == 12 and batch.bias is not None and torch.isinf(batch.bias).sum() == 2 + 3
+    assert batch.width == 12 and batch.bias is not None and torch.isinf(batch.window_bias).sum() == 2 + 3
     assert plan.cu_q.tolist() == [0, 6, 7, 8, 15, 16, 17] and plan.cu_k.tolist() == [0, 11, 20, 60, 67, 77, 89]
     assert (plan.max_q, plan.max_k) == (7, 40)
     # the second window's rows follow its table across three runs of blocks

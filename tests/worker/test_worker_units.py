@@ -218,7 +218,8 @@ def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows(m
     (batch,) = step.batches
     assert batch.width == 12 and sorted(batch.tokens.tolist()) == [0, 8, 9]
     assert {s.start for s in step.singles} == {1, 2}  # the long decode alone, and the chunk
-    assert batch.bias is not None and torch.isinf(batch.bias).sum() == (12 - 9) + (12 - 10)
+    assert batch.bias is not None and torch.isinf(batch.window_bias).sum() == (12 - 9) + (12 - 10)
+    assert torch.equal(batch.bias, batch.window_bias.repeat(pool.data.shape[2], 1, 1))  # the same for every KV head
     # whole blocks of the window's own table, padded with its last block: no other request's keys
     blocks = batch.blocks.view(3, 3)
     for i, (ids, _, context) in enumerate(
