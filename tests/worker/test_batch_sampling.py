@@ -268,6 +268,20 @@ def test_unpacked_grammar_masks_draw_as_the_allowed_rows_do():
     assert bool(allowed[1][got[1].token_id]) and torch.equal(x.nan_to_num(), before.nan_to_num())
 
 
+@pytest.mark.parametrize("vocab", [40, 1024, 151936])
+def test_a_row_at_temperature_one_draws_the_same_beside_other_temperatures(vocab):
+    """At temperature 1 the sampler hands the rows to the softmax unshifted: the same probabilities bit for bit as the
+    shifted and scaled rows of a batch that also holds other temperatures, so a row draws the same either way."""
+    x = logits(4, 8, vocab=vocab) * 10
+    shifted = (x - x.amax(dim=-1, keepdim=True)) / torch.ones(4, 1)
+    assert torch.equal(torch.softmax(x, dim=-1), torch.softmax(shifted, dim=-1))
+    one = RowSampling(temperature=1.0, seed=21, return_logprobs=True, logprobs=2)
+    for index in range(30):
+        alone = sample_batch(x[:1], [one], [index])[0]
+        beside = sample_batch(x[:2], [one, RowSampling(temperature=0.5, seed=2)], [index, index])[0]
+        assert repr(alone) == repr(beside)
+
+
 def test_rows_of_a_large_vocabulary_draw_the_same_alone_as_in_a_batch():
     """Qwen2-VL's 151,936 tokens: the kernels' vectorised paths over long rows, batch or not."""
     x = logits(6, 4, vocab=151936)
