@@ -97,7 +97,7 @@ class Span:
 class DecodeBatch:
     """Decode windows (one query each) attended in one call, their contexts padded to the longest."""
 
-    tokens: torch.Tensor  # (n,) int64 packed index of each window's query
+    tokens: torch.Tensor  # (n,) int64 packed index of each window's query, ascending
     blocks: torch.Tensor  # (n * width / block_size,) int64 block ids: window i's table cut to its context, then its
     # last block again up to the width (the slots past its context hold zeros or finite KV, hidden by the bias)
     width: int  # rows gathered per window: the longest context of the batch rounded up to whole blocks
@@ -106,6 +106,7 @@ class DecodeBatch:
     # the score matrices' order (head-major: rows [0, n) are KV head 0's, ``window_bias``); None if none padded
     bias: torch.Tensor | None
     index: torch.Tensor | None = None  # ``blocks``' rows for ``gather_blocks``, built once per step (``block_index``)
+    whole: bool = False  # the windows are the step's every token, in packed order: queries and answer in place
 
     @property
     def window_bias(self) -> torch.Tensor | None:
@@ -222,10 +223,11 @@ def _decode_groups(decodes: list[tuple[int, Sequence[int], int]]) -> list[list[t
 
 
 def _decode_batch(group: list[tuple[int, Sequence[int], int]], pool: torch.Tensor, block_size: int) -> DecodeBatch:
-    """The batch of ``(packed index, block table, context)`` decode windows (longest context first): each table cut
-    to its own blocks, then padded with its last block up to the longest (the rows past a context are hidden by the
-    bias). The key bias is built in Python lists up to ``SMALL_PLAN`` gathered rows, else in numpy."""
-    blocks = -(-group[0][2] // block_size)
+    """The batch of ``(packed index, block table, context)`` decode windows: each table cut to its own blocks, then
+    padded with its last block up to the longest (the rows past a context are hidden by the bias). The key bias is
+    built in Python lists up to ``SMALL_PLAN`` gathered rows, else in numpy."""
+    group = sorted(group, key=lambda entry: entry[0])  # packed order: a batch of a whole step reads it in place
+    blocks = -(-max(context for _, _, context in group) // block_size)
     width = blocks * block_size
     table: list[int] = []
     for _, ids, context in group:
@@ -294,6 +296,8 @@ def plan_step(pool: torch.Tensor, windows: Sequence[tuple[Sequence[int], int, in
             singles.append(span)
         else:
             batches.append(_decode_batch(group, pool, block_size))
+    if len(batches) == 1 and not singles:  # every token of the step is a decode of one batch (the packed order)
+        batches = [dataclasses.replace(batches[0], whole=True)]
     return PagedStep(pool, torch.tensor(slots, dtype=torch.long, device=device), tuple(spans), tuple(singles),
                      tuple(batches))  # fmt: skip
 
@@ -406,7 +410,8 @@ def _attend_batch(
     kv_heads, _, dim = k_layer.shape
     heads, n = query.shape[0], batch.tokens.numel()
     group = heads // kv_heads
-    q = query.index_select(1, batch.tokens).view(kv_heads, group, n, dim).transpose(1, 2).reshape(-1, group, dim)
+    q = query if batch.whole else query.index_select(1, batch.tokens)
+    q = q.view(kv_heads, group, n, dim).transpose(1, 2).reshape(-1, group, dim)
     keys = gather_blocks(k_layer, batch.blocks, batch.block_size, batch.index).view(-1, batch.width, dim)
     values = gather_blocks(v_layer, batch.blocks, batch.block_size, batch.index).view(-1, batch.width, dim)
     if batch.bias is None:
@@ -433,6 +438,8 @@ def write_kv(step: PagedStep, layer: int, key: torch.Tensor, value: torch.Tensor
 def attend(step: PagedStep, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """One layer's attention of the packed step's ``query`` [heads, T, d]; returns [T, heads, d]."""
     k_layer, v_layer = layer_rows(step.pool, layer)
+    if step.batches and step.batches[0].whole:  # a step of decodes alone: the batch's answer is the step's
+        return _attend_batch(query, k_layer, v_layer, step.batches[0], scaling)
     out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])  # [T, heads, d]: the layout returned
     for batch in step.batches:
         out.index_copy_(0, batch.tokens, _attend_batch(query, k_layer, v_layer, batch, scaling))

@@ -216,15 +216,13 @@ def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows(m
     ]
     step = paged_attention.plan_step(pool.data, [(ids, a, b) for ids, a, b in windows], block)
     (batch,) = step.batches
-    assert batch.width == 12 and sorted(batch.tokens.tolist()) == [0, 8, 9]
+    assert batch.width == 12 and batch.tokens.tolist() == [0, 8, 9] and not batch.whole  # in packed order
     assert {s.start for s in step.singles} == {1, 2}  # the long decode alone, and the chunk
     assert batch.bias is not None and torch.isinf(batch.window_bias).sum() == (12 - 9) + (12 - 10)
     assert torch.equal(batch.bias, batch.window_bias.repeat(pool.data.shape[2], 1, 1))  # the same for every KV head
     # whole blocks of the window's own table, padded with its last block: no other request's keys
     blocks = batch.blocks.view(3, 3)
-    for i, (ids, _, context) in enumerate(
-        sorted((w for w in windows if w[2] - w[1] == 1 and w[2] < 40), key=lambda w: -w[2])
-    ):
+    for i, (ids, _, context) in enumerate(w for w in windows if w[2] - w[1] == 1 and w[2] < 40):
         own = ids[: -(-context // block)]
         assert blocks[i].tolist() == own + [own[-1]] * (3 - len(own))
     tokens = sum(b - a for _, a, b in windows)
@@ -243,6 +241,33 @@ def test_decode_windows_attend_in_padded_batches_that_read_only_their_own_rows(m
             q[0, :, span.start : span.end], pool.rows(0, 0)[:, rows], pool.rows(0, 1)[:, rows], end, n, 0.3
         )
         torch.testing.assert_close(out[0, span.start : span.end].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_of_decodes_alone_is_one_batch_attended_in_place():
+    """Every token of the step a decode of one batch: the queries are read and the answer written in packed order
+    without a gather or a scatter, and each window still sees only its own keys."""
+    torch.manual_seed(2)
+    block, heads, kv_heads, dim = 4, 4, 2, 8
+    pool = kv_pool.KVPool(
+        num_layers=1, kv_heads=kv_heads, head_dim=dim, num_blocks=64, block_size=block, dtype=torch.float32,
+        device="cpu",
+    )  # fmt: skip
+    pool.data.normal_()
+    windows = [([7, 9, 11], 9, 10), ([5, 1, 30], 8, 9), ([5, 1, 12], 11, 12), ([40, 3, 44], 10, 11)]  # not by context
+    step = paged_attention.plan_step(pool.data, windows, block)
+    (batch,) = step.batches
+    assert batch.whole and not step.singles and batch.tokens.tolist() == [0, 1, 2, 3]
+    q, k, v = torch.randn(1, heads, 4, dim), torch.randn(1, kv_heads, 4, dim), torch.randn(1, kv_heads, 4, dim)
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    out, _ = paged_attention.paged_attention(module, q, k, v, None, scaling=0.3, paged_step=step)
+    assert out.shape == (1, 4, heads, dim)
+    for t, (ids, computed, end) in enumerate(windows):
+        rows = torch.cat([torch.arange(b * block, b * block + block) for b in ids])[:end]
+        want = _reference_attention(
+            q[0, :, t : t + 1], pool.rows(0, 0)[:, rows], pool.rows(0, 1)[:, rows], end, end - computed, 0.3
+        )
+        torch.testing.assert_close(out[0, t : t + 1].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_decode_batch_is_the_same_built_in_lists_or_in_numpy(monkeypatch):
