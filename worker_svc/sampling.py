@@ -302,11 +302,11 @@ def _sample_rows(
     indices: list[int],
     raw: torch.Tensor | None,
     masks: GrammarMasks | None,
-    penalized: bool = False,
+    own: bool = False,
 ) -> list[Sample | SamplingError]:
     """Every row of ``logits`` (``[n, vocab]`` float32, already adjusted by its penalties) sampled with its own
-    parameters; ``raw`` (default: ``logits``) are the rows the log-probabilities describe. ``penalized``:
-    ``logits`` is a tensor of this call's own (the penalties' copy), which the grammar masks may write into."""
+    parameters; ``raw`` (default: ``logits``) are the rows the log-probabilities describe. ``own``: ``logits`` is
+    this call's to write (the penalties' copy, or a caller's that nothing reads after)."""
     n, vocab = logits.shape
     if vocab == 0:
         return [SamplingError("the logits row is empty") for _ in range(n)]
@@ -314,9 +314,13 @@ def _sample_rows(
     cleaned, empty = _cleaned(logits)
     for i in empty:
         errors[i] = SamplingError(f"none of the {vocab} logits is finite (NaN or -inf everywhere)")
-    # The masks write into the cleaned logits only where those are this call's own (``penalized``: a fresh tensor)
-    # and not the source of the log-probabilities (the raw rows are, when given).
-    drawn = _masked(cleaned, penalized and raw is not None, masks, errors) if masks is not None else cleaned
+    # The masks write into the cleaned logits where those are this call's (``own``, or the cleaning's copy) and not
+    # the source of any log-probabilities (the raw rows are, when given), else into a copy.
+    if masks is not None:
+        read_after = raw is None and any(p.return_logprobs for p in params)
+        drawn = _masked(cleaned, (own or cleaned is not logits) and not read_after, masks, errors)
+    else:
+        drawn = cleaned
     live = [i for i in range(n) if i not in errors]
     greedy = [i for i in live if is_greedy(float(params[i].temperature))]
     drawing = [i for i in live if not is_greedy(float(params[i].temperature))]
@@ -373,13 +377,16 @@ def sample_batch(
     indices: list[int],
     histories: list[penalize.History | None] | None = None,
     allowed: GrammarMasks | dict[int, torch.Tensor] | None = None,
+    writable: bool = False,
 ) -> list[Sample | SamplingError]:
     """``sample`` of every row of ``logits`` (``[n, vocab]``) with its own parameters and output index, one result
     per row: its ``Sample``, or the ``SamplingError`` that row alone raised. ``histories[i]``: row i's tokens
     ``(prompt + output so far, prompt length)``, needed where its penalties count them. ``allowed``: row -> the
     grammar's boolean row (structured output). A row's result depends on that row alone (its logits, parameters,
     output index and history), never on the other rows of the batch. ``allowed`` may also be the masks unpacked
-    for the sampler (``GrammarMasks``, as the rank's step does)."""
+    for the sampler (``GrammarMasks``, as the rank's step does). ``writable``: nothing reads ``logits`` after this
+    call, so the grammar masks may be written into them where no log-probabilities are taken from them (saves a
+    copy of the batch); otherwise the caller's logits are left as they were."""
     n = logits.shape[0]
     if n == 0:
         return []
@@ -387,4 +394,4 @@ def sample_batch(
     adjusted = penalize.apply(raw, [p.penalties for p in params], indices, histories or [None] * n)
     penalized = adjusted is not raw
     masks = GrammarMasks.allowing(allowed) if isinstance(allowed, dict) and allowed else allowed or None
-    return _sample_rows(adjusted, params, indices, raw if penalized else None, masks, penalized)
+    return _sample_rows(adjusted, params, indices, raw if penalized else None, masks, penalized or writable)

@@ -32,8 +32,8 @@ def sample_step(
     grammar = None
     if masked:
         grammar = GrammarMasks(masked, unpacked.forbidden([masks[states[k].request_id].allowed for k in masked], vocab))
-    try:
-        drawn: list = sample_batch(logits.batch, params, indices, histories, grammar)
+    try:  # the step's logits are read by nothing after: masks may go into them (alone below, a mask again is a no-op)
+        drawn: list = sample_batch(logits.batch, params, indices, histories, grammar, writable=True)
     except Exception:  # noqa: BLE001 - isolate the failing request below
         drawn = []
         for state, row, history in zip(states, rows, histories, strict=True):

@@ -282,6 +282,21 @@ def test_a_row_at_temperature_one_draws_the_same_beside_other_temperatures(vocab
         assert repr(alone) == repr(beside)
 
 
+def test_writable_logits_take_the_masks_in_place_unless_log_probabilities_read_them():
+    x = logits(3, 4)
+    only = torch.zeros(VOCAB, dtype=torch.bool)
+    only[[1, 2]] = True
+    y = x.clone()
+    got = sample_batch(y, [RowSampling(temperature=1.0, seed=3)] * 3, [0] * 3, allowed={1: only}, writable=True)
+    assert got[1].token_id in (1, 2)
+    assert torch.equal(y[[0, 2]], x[[0, 2]]) and torch.equal(y[1], x[1].masked_fill(~only, -math.inf))
+    z = x.clone()  # a row wants log-probabilities: they come from these logits, which stay as they were
+    params = [RowSampling(return_logprobs=True), RowSampling(temperature=1.0, seed=3), RowSampling()]
+    got = sample_batch(z, params, [0] * 3, allowed={1: only}, writable=True)
+    assert torch.equal(z, x) and got[1].token_id in (1, 2)
+    assert got[0].logprob == float(torch.log_softmax(x[0], -1)[got[0].token_id])
+
+
 def test_rows_of_a_large_vocabulary_draw_the_same_alone_as_in_a_batch():
     """Qwen2-VL's 151,936 tokens: the kernels' vectorised paths over long rows, batch or not."""
     x = logits(6, 4, vocab=151936)
