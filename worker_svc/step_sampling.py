@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from common.sample import Sample
 from worker_svc.request_state import RequestState
 from worker_svc.runner import StepLogits
@@ -32,9 +34,13 @@ def sample_step(
     grammar = None
     if masked:
         grammar = GrammarMasks(masked, unpacked.forbidden([masks[states[k].request_id].allowed for k in masked], vocab))
-    try:  # the step's logits are read by nothing after: masks may go into them (alone below, a mask again is a no-op)
-        drawn: list = sample_batch(logits.batch, params, indices, histories, grammar, writable=True)
+    try:
+        # The step's logits are read by nothing after: masks may go into them (alone below, a mask again is a
+        # no-op). They are the forward's inference tensors, which only inference mode may write.
+        with torch.inference_mode():
+            drawn: list = sample_batch(logits.batch, params, indices, histories, grammar, writable=True)
     except Exception:  # noqa: BLE001 - isolate the failing request below
+        log.warning("sampling the step's batch failed; each request is sampled alone", exc_info=True)
         drawn = []
         for state, row, history in zip(states, rows, histories, strict=True):
             try:
