@@ -25,7 +25,9 @@ Each decoder layer hands the backend the step's new queries, keys and values (ro
      longest context of the batch rounded up to a block, and a key mask hides the padding. Windows are grouped by
      context length so padding stays under ``PAD_SLACK`` of the rows really read (one request of 8k tokens beside
      300-token ones gets a batch of its own). One call per layer replaces one per request, whose Python and
-     dispatch overhead dominated a decode step of a small model (40 decodes: 80 calls per step on a 2-layer model);
+     dispatch overhead dominated a decode step of a small model (40 decodes: 80 calls per step on a 2-layer model).
+     A batch keeps the step's packed order; when it holds every token of the step (a step of decodes alone), its
+     queries are read and its answer returned in place, with no gather or scatter;
    - **prefill chunks** (and a decode alone in its batch) are attended one window at a time: a window whose blocks
      are one run of consecutive ids attends over a view of the pool (no copy); one whose table is fragmented (a
      cached prefix and new blocks) has its context blocks gathered by one ``index_select`` per layer for keys and
