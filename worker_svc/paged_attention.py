@@ -44,6 +44,7 @@ Each decoder layer hands the backend the step's new queries, keys and values (ro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -97,23 +98,35 @@ class Span:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBatch:
-    """Decode windows (one query each) attended in one call, their contexts padded to the longest."""
+    """Decode windows (one query each) attended in one call, their contexts padded to the longest. ``tokens`` and
+    ``blocks`` are tensors made when first read: a batch of a whole step reads neither, and each tensor made in a
+    step costs a served rank's decode step several microseconds."""
 
-    tokens: torch.Tensor  # (n,) int64 packed index of each window's query, ascending
-    blocks: torch.Tensor  # (n * width / block_size,) int64 block ids: window i's table cut to its context, then its
-    # last block again up to the width (the slots past its context hold zeros or finite KV, hidden by the bias)
+    token_ids: tuple[int, ...]  # packed index of each window's query, ascending
+    table: tuple[int, ...]  # (n * width / block_size) block ids: window i's table cut to its context, then its last
+    # block again up to the width (the slots past its context hold zeros or finite KV, hidden by the bias)
     width: int  # rows gathered per window: the longest context of the batch rounded up to whole blocks
     block_size: int  # the pool's
     # (kv_heads * n, 1, width) float: 0 at a window's own keys, -inf past them, for every (KV head, window) pair in
     # the score matrices' order (head-major: rows [0, n) are KV head 0's, ``window_bias``); None if none padded
     bias: torch.Tensor | None
-    index: torch.Tensor | None = None  # ``blocks``' rows for ``gather_blocks``, built once per step (``block_index``)
+    index: torch.Tensor  # ``blocks``' rows for ``gather_blocks``, built once per step (``block_index``)
     whole: bool = False  # the windows are the step's every token, in packed order: queries and answer in place
+
+    @functools.cached_property
+    def tokens(self) -> torch.Tensor:
+        """(n,) int64: ``token_ids`` on the pool's device."""
+        return _long(list(self.token_ids), self.index.device)
+
+    @functools.cached_property
+    def blocks(self) -> torch.Tensor:
+        """(n * width / block_size,) int64: ``table`` on the pool's device."""
+        return _long(list(self.table), self.index.device)
 
     @property
     def window_bias(self) -> torch.Tensor | None:
         """(n, 1, width): each window's key bias once."""
-        return None if self.bias is None else self.bias[: self.tokens.numel()]
+        return None if self.bias is None else self.bias[: len(self.token_ids)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,16 +175,21 @@ def _single(block_ids: Sequence[int], start: int, end: int, packed: int, pool: t
 
 
 def _blocks_and_index(block_ids: Sequence[int], pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block_ids`` as a tensor, and their rows for ``gather_blocks`` in the pool's layers (``block_index``): built
-    once per step instead of once per layer, in Python lists up to ``SMALL_PLAN`` entries, else in numpy."""
+    """``block_ids`` as a tensor, and their rows for ``gather_blocks`` (``_gather_index``)."""
+    if len(block_ids) <= SMALL_PLAN:
+        return _long(list(block_ids), pool.device), _gather_index(block_ids, pool)
+    return torch.from_numpy(np.asarray(block_ids, dtype=np.int64)).to(pool.device), _gather_index(block_ids, pool)
+
+
+def _gather_index(block_ids: Sequence[int], pool: torch.Tensor) -> torch.Tensor:
+    """The rows ``gather_blocks`` selects for ``block_ids`` in the pool's layers (``block_index``): built once per
+    step instead of once per layer, in Python lists up to ``SMALL_PLAN`` entries, else in numpy."""
     kv_heads, num_blocks = pool.shape[2], pool.shape[3]
     if kv_heads * len(block_ids) <= SMALL_PLAN:
-        ids = list(block_ids)
-        index = [h * num_blocks + b for h in range(kv_heads) for b in ids]
-        return _long(ids, pool.device), _long(index, pool.device)
+        return _long([h * num_blocks + b for h in range(kv_heads) for b in block_ids], pool.device)
     ids = np.asarray(block_ids, dtype=np.int64)
     index = (np.arange(0, kv_heads * num_blocks, num_blocks, dtype=np.int64)[:, None] + ids[None, :]).reshape(-1)
-    return torch.from_numpy(ids).to(pool.device), torch.from_numpy(index).to(pool.device)
+    return torch.from_numpy(index).to(pool.device)
 
 
 def _long(values: list[int], device) -> torch.Tensor:
@@ -247,14 +265,13 @@ def _decode_batch(group: list[tuple[int, Sequence[int], int]], pool: torch.Tenso
             own = np.arange(width)[None, :] < np.array(contexts, dtype=np.int64)[:, None]
             rows = np.tile(np.where(own, 0.0, -math.inf).astype(np.float32), (kv_heads, 1))
             bias = torch.from_numpy(rows)[:, None, :].to(pool.device, pool.dtype)
-    blocks_t, index = _blocks_and_index(table, pool)
     return DecodeBatch(
-        tokens=_long([index for index, _, _ in group], pool.device),
-        blocks=blocks_t,
+        token_ids=tuple(index for index, _, _ in group),
+        table=tuple(table),
         width=width,
         block_size=block_size,
         bias=bias,
-        index=index,
+        index=_gather_index(table, pool),
     )
 
 
@@ -410,7 +427,7 @@ def _attend_batch(
     rounding as a product scaled and biased after: two calls fewer per layer, 3-15 % of the attention's time from
     2 to 48 decodes."""
     kv_heads, _, dim = k_layer.shape
-    heads, n = query.shape[0], batch.tokens.numel()
+    heads, n = query.shape[0], len(batch.token_ids)
     group = heads // kv_heads
     q = query if batch.whole else query.index_select(1, batch.tokens)
     q = q.view(kv_heads, group, n, dim).transpose(1, 2).reshape(-1, group, dim)

@@ -149,21 +149,22 @@ class GrammarMasks:
         return GrammarMasks([0], self.forbidden[j : j + 1])
 
 
-def _masked(logits: torch.Tensor, owned: bool, masks: GrammarMasks, errors: dict[int, SamplingError]) -> torch.Tensor:
+def _masked(logits: torch.Tensor, owned: bool, masks: GrammarMasks) -> torch.Tensor:
     """The grammar stage (structured output): each masked row's forbidden tokens at -inf, all the masked rows in
-    one ``masked_fill_`` (in ``logits`` itself when ``owned``, else in a copy); a row left with no finite or +inf
-    logit gets its ``SamplingError`` (a row already failed keeps its error)."""
+    one ``masked_fill_`` (in ``logits`` itself when ``owned``, else in a copy). A row left with nothing to draw is
+    found by its draw (``_sample_rows``), not by a reduction here."""
     rows = masks.rows
     out = logits if owned else logits.clone()
     sub = _take(out, rows)
     sub.masked_fill_(masks.forbidden, _NEG_INF)
     if not _consecutive(rows):  # ``sub`` is a copy: written back in one call
         out.index_copy_(0, torch.tensor(rows), sub)
-    for j, (i, top) in enumerate(zip(rows, sub.amax(dim=-1).tolist(), strict=True)):
-        if top == _NEG_INF and i not in errors:
-            n = int((~masks.forbidden[j]).sum())
-            errors[i] = SamplingError(f"none of the {n} tokens the grammar allows has a finite logit")
     return out
+
+
+def _no_allowed_token(masks: GrammarMasks, row: int) -> SamplingError:
+    n = int((~masks.forbidden[masks.rows.index(row)]).sum())
+    return SamplingError(f"none of the {n} tokens the grammar allows has a finite logit")
 
 
 def _kth_largest(rows: torch.Tensor, ks: list[int]) -> torch.Tensor:
@@ -186,22 +187,27 @@ def _kth_largest(rows: torch.Tensor, ks: list[int]) -> torch.Tensor:
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
     """Per row, the first position whose cumulative probability exceeds the row's uniform number times the row's
-    total: position i is drawn with probability ``probs[i] / total``; a position of probability zero never."""
+    total: position i is drawn with probability ``probs[i] / total``; a position of probability zero never. A row
+    without mass (NaN: the softmax of a row a grammar mask left without a finite logit) gets -1."""
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
     totals = cdf[:, -1].tolist()
     target = torch.tensor([[u * t] for u, t in zip(uniforms, totals, strict=True)], dtype=torch.float64)
     pos = torch.searchsorted(cdf, target, right=True).flatten().tolist()
     vocab = probs.shape[-1]
     for r, p in enumerate(pos):
-        if p >= vocab:  # the product rounded up to the total: the last position of non-zero probability
+        if not totals[r] > 0:
+            pos[r] = -1
+        elif p >= vocab:  # the product rounded up to the total: the last position of non-zero probability
             pos[r] = int(torch.nonzero(probs[r] > 0).max())
     return pos
 
 
 def _ranked_draw(ranked: torch.Tensor, order: torch.Tensor, keep: torch.Tensor, uniforms: list[float]) -> list[int]:
-    """The token ids drawn from rows of probabilities in ranked order (``order``: their ids), ``keep`` the nucleus."""
-    pos = torch.tensor(_inverse_cdf(ranked * keep, uniforms)).unsqueeze(1)
-    return order.gather(1, pos).flatten().tolist()
+    """The token ids drawn from rows of probabilities in ranked order (``order``: their ids), ``keep`` the nucleus;
+    -1 for a row without mass (``_inverse_cdf``)."""
+    got = _inverse_cdf(ranked * keep, uniforms)
+    ids = order.gather(1, torch.tensor([max(p, 0) for p in got]).unsqueeze(1)).flatten().tolist()
+    return [t if p >= 0 else -1 for t, p in zip(ids, got, strict=True)]
 
 
 def _kept(ranked: torch.Tensor, top_p: list[float]) -> torch.Tensor:
@@ -240,8 +246,8 @@ def _nucleus(probs: torch.Tensor, top_p: list[float], uniforms: list[float]) -> 
 
 
 def _draw(drawn: torch.Tensor, params: list[RowSampling], uniforms: list[float]) -> list[int]:
-    """One token per row of ``drawn`` (cleaned, masked logits, each row with a usable entry) at its own
-    temperature, top-k and top-p, with its own uniform number."""
+    """One token per row of ``drawn`` (cleaned, masked logits) at its own temperature, top-k and top-p, with its own
+    uniform number; -1 for a row a grammar mask left without a finite logit."""
     vocab = drawn.shape[-1]
     if all(float(p.temperature) == 1.0 for p in params):
         # The softmax subtracts each row's maximum itself: the same float32 differences, bit for bit, as the shifted
@@ -318,7 +324,7 @@ def _sample_rows(
     # the source of any log-probabilities (the raw rows are, when given), else into a copy.
     if masks is not None:
         read_after = raw is None and any(p.return_logprobs for p in params)
-        drawn = _masked(cleaned, (own or cleaned is not logits) and not read_after, masks, errors)
+        drawn = _masked(cleaned, (own or cleaned is not logits) and not read_after, masks)
     else:
         drawn = cleaned
     live = [i for i in range(n) if i not in errors]
@@ -327,10 +333,20 @@ def _sample_rows(
     tokens: dict[int, int] = {}
     if greedy:
         tokens.update(zip(greedy, torch.argmax(_take(drawn, greedy), dim=-1).tolist(), strict=True))
+        masked_greedy = [i for i in greedy if masks is not None and i in masks.rows]
+        if masked_greedy:  # an argmax of a row without a finite logit is a token the grammar forbids
+            for i, top in zip(masked_greedy, _take(drawn, masked_greedy).amax(dim=-1).tolist(), strict=True):
+                if top == _NEG_INF:
+                    errors[i] = _no_allowed_token(masks, i)
     if drawing:
         uniforms = [draw_uniform(int(params[i].seed), int(indices[i])) for i in drawing]
         chosen = _draw(_take(drawn, drawing), [params[i] for i in drawing], uniforms)
-        tokens.update(zip(drawing, chosen, strict=True))
+        for i, token in zip(drawing, chosen, strict=True):
+            if token >= 0:
+                tokens[i] = token
+            else:  # no mass: only a grammar mask leaves a row so (the cleaning failed every other such row)
+                errors[i] = _no_allowed_token(masks, i)
+    live = [i for i in live if i not in errors]
     wanting = [i for i in live if params[i].return_logprobs]
     source = cleaned
     if wanting and raw is not None:

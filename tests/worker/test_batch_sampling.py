@@ -120,14 +120,29 @@ def test_masked_tokens_are_never_drawn():
     assert seen == [{r, r + 10, r + 20} for r in range(8)]  # only, and (at temperature 5) all, of the allowed
 
 
-def test_a_mask_that_leaves_no_finite_logit_fails_its_row_alone():
+@pytest.mark.parametrize(
+    "params",
+    [
+        RowSampling(temperature=1.0, seed=1),
+        RowSampling(),  # greedy
+        RowSampling(temperature=0.7, seed=1),
+        RowSampling(temperature=1.0, top_p=0.9, seed=1),
+        RowSampling(temperature=1.3, top_k=3, top_p=0.5, seed=1, return_logprobs=True, logprobs=2),
+        RowSampling(temperature=float("inf"), seed=1),
+    ],
+    ids=["t1", "greedy", "t07", "top_p", "top_k_top_p_logprobs", "t_inf"],
+)
+def test_a_mask_that_leaves_no_finite_logit_fails_its_row_alone(params):
+    """Found by the row's own draw (its softmax has no mass) or, greedy, by its maximum: never a token the grammar
+    forbids, never a failure of the batch."""
     x = logits(3, 1)
     x[1, :5] = -math.inf
     only = torch.zeros(VOCAB, dtype=torch.bool)
     only[:5] = True
-    got = sample_batch(x, [RowSampling(temperature=1.0, seed=1)] * 3, [0, 0, 0], allowed={1: only})
-    assert isinstance(got[1], SamplingError) and "the grammar allows" in str(got[1])
+    got = sample_batch(x, [params] * 3, [0, 0, 0], allowed={1: only})
+    assert isinstance(got[1], SamplingError) and "none of the 5 tokens the grammar allows" in str(got[1])
     assert not isinstance(got[0], SamplingError) and not isinstance(got[2], SamplingError)
+    assert [s.token_id for s in (got[0], got[2])] == [s.token_id for s in sample_batch(x[[0, 2]], [params] * 2, [0, 0])]
 
 
 def frequencies(row: torch.Tensor, params: RowSampling, draws: int) -> torch.Tensor:
