@@ -2,8 +2,9 @@
 
 A step handed to the compute thread costs two hand-overs between threads: the compute thread wakes for it, and the
 event loop wakes for its answer. On a 2-vCPU VM each is a thread's wake-up, together ~0.23 ms of a tiny model's
-~1.8 ms decode step (docs/PERFORMANCE.md, "Decode steps on the event loop's thread", has the figures). The event loop, in turn, answers nothing else (health checks, a
-superseding handshake, other streams) while a step runs on it, so only steps predicted short run there:
+~1.8 ms decode step (docs/PERFORMANCE.md, "Decode steps on the event loop's thread", has the figures). The event
+loop, in turn, answers nothing else (health checks, a superseding handshake, other streams) while a step runs on it,
+so only steps predicted short run there:
 
 - steps of running requests alone: no admission (a prompt to take in, payloads to assemble), no encoder input, no
   cache reset;

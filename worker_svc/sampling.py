@@ -333,7 +333,7 @@ def _sample_rows(
     tokens: dict[int, int] = {}
     if greedy:
         tokens.update(zip(greedy, torch.argmax(_take(drawn, greedy), dim=-1).tolist(), strict=True))
-        masked_greedy = [i for i in greedy if masks is not None and i in masks.rows]
+        masked_greedy = sorted(set(greedy).intersection(masks.rows)) if masks is not None else []
         if masked_greedy:  # an argmax of a row without a finite logit is a token the grammar forbids
             for i, top in zip(masked_greedy, _take(drawn, masked_greedy).amax(dim=-1).tolist(), strict=True):
                 if top == _NEG_INF:

@@ -104,15 +104,19 @@ def allowed_tokens(mask: bytes, vocab_size: int) -> torch.Tensor:
 def allowed_rows(masks: list[bytes], vocab_size: int) -> torch.Tensor:
     """The boolean ``[len(masks), vocab]`` rows of a step's masks (each ``mask_nbytes(vocab_size)`` bytes, as
     ``check_token_masks`` ensures), unpacked in one call."""
-    packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masks), -1)
-    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab_size]
-    return torch.from_numpy(bits.view(np.bool_))
+    return _unpacked(masks, vocab_size, complement=False)
 
 
 def forbidden_rows(masks: list[bytes], vocab_size: int) -> torch.Tensor:
     """The boolean ``[len(masks), vocab]`` rows of a step's masks with True where a token may NOT be sampled: the
     form the sampler's ``masked_fill_`` takes, unpacked from the bytes' complement in one call."""
-    packed = np.invert(np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masks), -1))
+    return _unpacked(masks, vocab_size, complement=True)
+
+
+def _unpacked(masks: list[bytes], vocab_size: int, complement: bool) -> torch.Tensor:
+    packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masks), -1)
+    if complement:
+        packed = np.invert(packed)
     bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab_size]
     return torch.from_numpy(bits.view(np.bool_))
 
